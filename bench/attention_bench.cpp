@@ -1,0 +1,162 @@
+// Attention cases of attend_bench (issue #4). fp32, batch 1, 8 heads, head_dim 64 unless the name says otherwise;
+// arguments are /query_len (= key_len)/threads. Every case has a `flops` rate counter (4 B H L S D, halved for
+// causal, 4 B H L W D for a window of W keys) or, for decoding, a `bytes` rate counter (K + V bytes read).
+//
+//   reference_kernel<T>/L              the oracle kernel (single-threaded, materializes [L, S] per head)
+//   tiled<T>/L/threads                 tiled kernel, no mask
+//   tiled_causal/L/threads             causal(top_left)
+//   tiled_window256/L/threads          sliding_window(255, 0): each query sees itself and 255 keys before it
+//   tiled_tiles/query_rows/key_tile    tile-size sweep at L = 2048, 1 thread (how default_tile_config was chosen)
+//   decode/threads/check_finite        L = 1, S = 8192, 32 query heads on 8 kv heads, D = 128 (GQA decoding)
+//   stream_kv/threads                  the same K and V read once, summed: the bandwidth decode is held to
+#include <benchmark/benchmark.h>
+
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "bench_common.hpp"
+
+namespace {
+
+using attend_bench::index;
+
+template <class T>
+struct problem {
+    attend::tensor<T, 4> q, k, v, out;
+    problem(index heads, index kv_heads, index query_len, index key_len, index dim)
+        : q(attend_bench::random_tensor<T, 4>(1, {1, heads, query_len, dim})),
+          k(attend_bench::random_tensor<T, 4>(2, {1, kv_heads, key_len, dim})),
+          v(attend_bench::random_tensor<T, 4>(3, {1, kv_heads, key_len, dim})),
+          out(1, heads, query_len, dim) {}
+};
+
+template <class T, class Mask>
+void run_tiled(benchmark::State& state, problem<T>& p, const Mask& mask, int threads, double flops) {
+    attend::sdpa_options o;
+    o.kernel = attend::kernel::tiled;
+    o.threads = threads;
+    for (auto _ : state) {
+        attend::scaled_dot_product_attention_into(p.q, p.k, p.v, mask, p.out, o);
+        benchmark::DoNotOptimize(p.out.data());
+        benchmark::ClobberMemory();
+    }
+    attend_bench::set_flops(state, flops);
+}
+
+template <class T>
+void reference_kernel(benchmark::State& state) {
+    const index len = state.range(0);
+    problem<T> p(8, 8, len, len, 64);
+    attend::sdpa_options o;
+    o.kernel = attend::kernel::reference;
+    for (auto _ : state) {
+        attend::scaled_dot_product_attention_into(p.q, p.k, p.v, attend::no_mask{}, p.out, o);
+        benchmark::DoNotOptimize(p.out.data());
+        benchmark::ClobberMemory();
+    }
+    attend_bench::set_flops(state, attend_bench::attention_flops(1, 8, len, len, 64));
+}
+
+template <class T>
+void tiled(benchmark::State& state) {
+    const index len = state.range(0);
+    problem<T> p(8, 8, len, len, 64);
+    run_tiled(state, p, attend::no_mask{}, static_cast<int>(state.range(1)),
+              attend_bench::attention_flops(1, 8, len, len, 64));
+}
+
+void tiled_causal(benchmark::State& state) {
+    const index len = state.range(0);
+    problem<float> p(8, 8, len, len, 64);
+    run_tiled(state, p, attend::causal(attend::alignment::top_left), static_cast<int>(state.range(1)),
+              attend_bench::attention_flops(1, 8, len, len, 64) / 2);
+}
+
+void tiled_window256(benchmark::State& state) {
+    const index len = state.range(0);
+    problem<float> p(8, 8, len, len, 64);
+    run_tiled(state, p, attend::sliding_window(255, 0), static_cast<int>(state.range(1)),
+              attend_bench::attention_flops(1, 8, len, 256, 64));
+}
+
+void tiled_tiles(benchmark::State& state) {
+    const index len = 2048;
+    problem<float> p(8, 8, len, len, 64);
+    const auto qv = attend::detail::as_view(p.q), kv = attend::detail::as_view(p.k), vv = attend::detail::as_view(p.v);
+    const auto s = attend::check_shapes(p.q, p.k, p.v);
+    attend::sdpa_options o;
+    const auto call = attend::detail::check_call(qv, kv, vv, s, attend::no_mask{}, o);
+    attend::detail::tile_config tiles;
+    tiles.query_rows = state.range(0);
+    tiles.key_tile = state.range(1);
+    attend::detail::attention_outputs<float> out;
+    out.out = attend::detail::as_mutable_view(p.out);
+    for (auto _ : state) {
+        attend::detail::tiled_attention(qv, kv, vv, s, call.mask, call.params, out, 1, tiles);
+        benchmark::DoNotOptimize(p.out.data());
+        benchmark::ClobberMemory();
+    }
+    attend_bench::set_flops(state, attend_bench::attention_flops(1, 8, len, len, 64));
+}
+
+constexpr index decode_heads = 32, decode_kv_heads = 8, decode_keys = 8192, decode_dim = 128;
+constexpr double decode_kv_bytes = 2.0 * decode_kv_heads * decode_keys * decode_dim * sizeof(float);
+
+void decode(benchmark::State& state) {
+    problem<float> p(decode_heads, decode_kv_heads, 1, decode_keys, decode_dim);
+    attend::sdpa_options o;
+    o.kernel = attend::kernel::tiled;
+    o.threads = static_cast<int>(state.range(0));
+    o.check_finite = state.range(1) != 0;  // the NaN/Inf scan of q, k, v is itself one full read of K and V
+    for (auto _ : state) {
+        attend::scaled_dot_product_attention_into(p.q, p.k, p.v, attend::causal(attend::alignment::bottom_right),
+                                                  p.out, o);
+        benchmark::DoNotOptimize(p.out.data());
+        benchmark::ClobberMemory();
+    }
+    attend_bench::set_bytes(state, decode_kv_bytes);
+    attend_bench::set_flops(state, attend_bench::attention_flops(1, decode_heads, 1, decode_keys, decode_dim));
+}
+
+void stream_kv(benchmark::State& state) {
+    problem<float> p(decode_heads, decode_kv_heads, 1, decode_keys, decode_dim);
+    const int threads = static_cast<int>(state.range(0));
+    const index parts = 64, n = p.k.size() / parts;
+    std::vector<float> sums(static_cast<std::size_t>(2 * parts));
+    for (auto _ : state) {
+        attend::detail::parallel_for(2 * parts, threads, [&](index u, int) {
+            const float* base = (u < parts ? p.k.data() : p.v.data()) + (u % parts) * n;
+            sums[static_cast<std::size_t>(u)] = Eigen::Map<const Eigen::ArrayXf>(base, n).sum();
+        });
+        benchmark::DoNotOptimize(sums.data());
+        benchmark::ClobberMemory();
+    }
+    attend_bench::set_bytes(state, decode_kv_bytes);
+}
+
+void lengths_and_threads(benchmark::internal::Benchmark* b) {
+    for (int threads : {1, 2})
+        for (int len : {1024, 2048, 4096}) b->Args({len, threads});
+}
+
+}  // namespace
+
+BENCHMARK_TEMPLATE(reference_kernel, float)->Arg(1024)->Arg(2048)->Arg(4096)->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(tiled, float)->Apply(lengths_and_threads)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(tiled_causal)->Apply(lengths_and_threads)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_TEMPLATE(reference_kernel, double)->Arg(2048)->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(tiled, double)->Args({2048, 1})->Args({2048, 2})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(tiled_window256)
+    ->Args({4096, 1})
+    ->Args({16384, 1})
+    ->Args({16384, 2})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(tiled, float)->Args({16384, 1})->Args({16384, 2})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(tiled_tiles)
+    ->ArgsProduct({{32, 64, 128, 256}, {128, 256, 512, 1024}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(decode)->ArgNames({"threads", "check_finite"})->ArgsProduct({{1, 2}, {0, 1}})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(stream_kv)->Arg(1)->Arg(2)->Unit(benchmark::kMicrosecond)->UseRealTime();

@@ -1,0 +1,157 @@
+#!/usr/bin/python3
+"""Turns attend_bench JSON (run with --benchmark_repetitions) and compare_pytorch.py JSON into the tables of
+bench/README.md and the data + plot of bench/gflops.png.
+
+    /usr/bin/python3 bench/summarize.py attend.json [pytorch.json] [--plot bench/gflops.png]
+
+Every figure is the best (shortest real time) of the repetitions: on a shared machine the other processes only
+ever make a run slower, so the best run is the closest to what the code does. Single-thread cases also show the
+CPU-time rate (thread CPU time, immune to time slicing by other processes) in brackets.
+"""
+
+import json
+import subprocess
+import sys
+
+
+def load_bench(path):
+    runs = {}
+    with open(path) as f:
+        for b in json.load(f)["benchmarks"]:
+            if b.get("run_type") != "iteration":
+                continue
+            runs.setdefault(b["run_name"], []).append(b)
+    best = {}
+    for name, rs in runs.items():
+        r = min(rs, key=lambda x: x["real_time"])
+        scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}[r["time_unit"]]
+        best[name.replace("/real_time", "")] = {
+            "real": r["real_time"] * scale,
+            "cpu": min(x["cpu_time"] for x in rs) * scale,
+            "flops": r.get("flops"),
+            "bytes": r.get("bytes"),
+            "n": len(rs),
+        }
+    return best
+
+
+def gf(x):
+    return f"{x / 1e9:.1f}" if x else "-"
+
+
+def main():
+    args = sys.argv[1:]
+    plot = None
+    if "--plot" in args:
+        i = args.index("--plot")
+        plot = args[i + 1]
+        del args[i:i + 2]
+    b = load_bench(args[0])
+    torch = {}
+    if len(args) > 1:
+        with open(args[1]) as f:
+            for r in json.load(f)["results"]:
+                torch[(r["name"], r["path"], r["threads"])] = r
+
+    def rate(name, key="flops"):
+        return b[name][key] if name in b else None
+
+    def work(name):
+        # flops per call = rate * real time
+        return b[name]["flops"] * b[name]["real"]
+
+    lines = []
+    lines.append("| L = S | threads | tiled GFLOP/s | sgemm (attention shape) | tiled / sgemm | sgemm (square) | "
+                 "tiled / square | causal time / non-causal | PyTorch SDPA GFLOP/s | tiled / PyTorch |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    for threads in (1, 2):
+        for length in (1024, 2048, 4096):
+            t = f"tiled<float>/{length}/{threads}"
+            g = f"gemm_attention_shape<float>/{length}/{threads}"
+            sq = f"gemm_square<float>/{length}/{threads}"
+            c = f"tiled_causal/{length}/{threads}"
+            if t not in b:
+                continue
+            tr = rate(t)
+            cpu = f" [{gf(work(t) / b[t]['cpu'])}]" if threads == 1 else ""
+            gcpu = f" [{gf(work(g) / b[g]['cpu'])}]" if threads == 1 and g in b else ""
+            py = torch.get((f"noncausal/{length}", "sdpa", threads))
+            lines.append(
+                f"| {length} | {threads} | {gf(tr)}{cpu} | {gf(rate(g))}{gcpu} | "
+                f"{tr / rate(g):.2f} | {gf(rate(sq))} | {tr / rate(sq):.2f} | "
+                f"{b[c]['real'] / b[t]['real']:.3f} | "
+                f"{py['gflops']:.2f} | {tr / 1e9 / py['gflops']:.0f}x |" if py else
+                f"| {length} | {threads} | {gf(tr)}{cpu} | {gf(rate(g))}{gcpu} | "
+                f"{tr / rate(g):.2f} | {gf(rate(sq))} | {tr / rate(sq):.2f} | "
+                f"{b[c]['real'] / b[t]['real']:.3f} | not measured | - |")
+    print("\n".join(lines))
+    print()
+    print("| case | figure |")
+    print("|---|---|")
+    for length in (2048, 4096):
+        one, two = f"tiled<float>/{length}/1", f"tiled<float>/{length}/2"
+        if one in b and two in b:
+            print(f"| 2 threads vs 1, non-causal L = {length} | {b[one]['real'] / b[two]['real']:.2f}x |")
+        one, two = f"tiled_causal/{length}/1", f"tiled_causal/{length}/2"
+        if one in b and two in b:
+            print(f"| 2 threads vs 1, causal L = {length} | {b[one]['real'] / b[two]['real']:.2f}x |")
+    for threads in (1, 2):
+        d, g = f"tiled<double>/2048/{threads}", f"gemm_attention_shape<double>/2048/{threads}"
+        sq = f"gemm_square<double>/2048/{threads}"
+        if d in b and g in b:
+            print(f"| double L = 2048, {threads} thread(s): tiled / dgemm (attention shape), / dgemm (square) | "
+                  f"{gf(rate(d))} / {gf(rate(g))} GFLOP/s = {rate(d) / rate(g):.2f}; "
+                  f"{rate(d) / rate(sq):.2f} of {gf(rate(sq))} |")
+    for threads in (1, 2):
+        w, f_ = f"tiled_window256/16384/{threads}", f"tiled<float>/16384/{threads}"
+        if w in b and f_ in b:
+            print(f"| window 256 vs full at L = 16384, {threads} thread(s) | {b[f_]['real'] / b[w]['real']:.1f}x "
+                  f"faster ({b[w]['real'] * 1e3:.0f} ms vs {b[f_]['real'] * 1e3:.0f} ms) |")
+    for threads in (1, 2):
+        s = f"stream_kv/{threads}"
+        for check in (0, 1):
+            d = f"decode/threads:{threads}/check_finite:{check}"
+            if d in b and s in b:
+                print(f"| decode {threads} thread(s), check_finite {'on' if check else 'off'}: K+V bandwidth vs "
+                      f"streaming read | {rate(d, 'bytes') / 1e9:.1f} / {rate(s, 'bytes') / 1e9:.1f} GB/s = "
+                      f"{rate(d, 'bytes') / rate(s, 'bytes'):.2f} |")
+    if "peak_rss" in b:
+        print("| peak RSS, L = S = 65536, H = 1 | see the peak_rss run |")
+
+    if plot:
+        data = plot.rsplit(".", 1)[0] + ".dat"
+        with open(data, "w") as f:
+            f.write("# L tiled1 tiled2 reference1 sgemm1 sgemm2 torch1 torch2 (GFLOP/s)\n")
+            for length in (1024, 2048, 4096):
+                row = [length]
+                for name in (f"tiled<float>/{length}/1", f"tiled<float>/{length}/2", f"reference_kernel<float>/{length}",
+                             f"gemm_attention_shape<float>/{length}/1", f"gemm_attention_shape<float>/{length}/2"):
+                    row.append(f"{rate(name) / 1e9:.3f}" if name in b else "NaN")
+                for threads in (1, 2):
+                    py = torch.get((f"noncausal/{length}", "sdpa", threads))
+                    row.append(f"{py['gflops']:.3f}" if py else "NaN")
+                f.write(" ".join(str(x) for x in row) + "\n")
+        script = f"""
+set terminal pngcairo size 900,560 font ',11'
+set output '{plot}'
+set title 'attention fp32, B = 1, H = 8, D = 64 (Zen 4, 2 vCPUs, shared)'
+set xlabel 'sequence length L = S'
+set ylabel 'GFLOP/s (4 B H L S D per call)'
+set logscale x 2
+set logscale y 10
+set xtics (1024, 2048, 4096)
+set key outside right
+set grid
+plot '{data}' using 1:2 with linespoints lw 2 title 'attend tiled, 1 thread', \\
+     '' using 1:3 with linespoints lw 2 title 'attend tiled, 2 threads', \\
+     '' using 1:5 with linespoints dt 2 title 'Eigen sgemm (attention shape), 1 thread', \\
+     '' using 1:6 with linespoints dt 2 title 'Eigen sgemm (attention shape), 2 threads', \\
+     '' using 1:4 with linespoints title 'attend reference kernel', \\
+     '' using 1:7 with linespoints title 'PyTorch 1.13 SDPA, 1 thread', \\
+     '' using 1:8 with linespoints title 'PyTorch 1.13 SDPA, 2 threads'
+"""
+        subprocess.run(["gnuplot"], input=script, text=True, check=True)
+
+
+if __name__ == "__main__":
+    main()

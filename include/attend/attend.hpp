@@ -1,0 +1,15 @@
+#pragma once
+/// attend: exact scaled-dot-product and multi-head attention over Eigen 3.4 tensors, with masks whose meaning
+/// is explicit in their types. `#include <attend/attend.hpp>` brings in every public header.
+
+#include "alignment.hpp"
+#include "backward.hpp"
+#include "error.hpp"
+#include "mask.hpp"
+#include "merge.hpp"
+#include "position.hpp"
+#include "score_bias.hpp"
+#include "sdpa.hpp"
+#include "shape.hpp"
+#include "tensor.hpp"
+#include "version.hpp"

@@ -1,0 +1,139 @@
+#pragma once
+/// kv_cache: the keys and values of past positions for incremental decoding. Storage is
+/// `[batch, kv_heads, capacity, head_dim]` (and `[..., value_dim]` for values), allocated once at construction:
+/// appending never reallocates, so views taken earlier stay valid, and appending past the capacity is a
+/// position_error instead of a silent growth. Keys are stored as attention reads them (after any rotary
+/// embedding), at global positions 0 .. length() - 1.
+
+#include <algorithm>
+#include <array>
+#include <type_traits>
+#include <vector>
+
+#include "error.hpp"
+#include "shape.hpp"
+#include "tensor.hpp"
+
+namespace attend {
+
+/// Keys `[batch, kv_heads, length, head_dim]` and values `[batch, kv_heads, length, value_dim]` of the positions
+/// seen so far, with a capacity fixed at construction. Copyable (a copy owns its own storage).
+template <class T>
+class kv_cache {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                  "attend: kv_cache<T> is defined for float and double");
+
+public:
+    /// An empty cache for `capacity` positions. Throws value_error `attend.value.size` if a size is < 1 and
+    /// shape_error `attend.shape.overflow` if the storage size overflows Eigen::Index.
+    kv_cache(index batch, index kv_heads, index capacity, index head_dim, index value_dim)
+        : batch_(batch), kv_heads_(kv_heads), capacity_(capacity), head_dim_(head_dim), value_dim_(value_dim) {
+        if (batch < 1 || kv_heads < 1 || capacity < 1 || head_dim < 1 || value_dim < 1)
+            throw value_error("attend.value.size",
+                              detail::concat("kv_cache sizes must be >= 1, got batch ", batch, ", kv_heads ", kv_heads,
+                                             ", capacity ", capacity, ", head_dim ", head_dim, ", value_dim ",
+                                             value_dim));
+        if (detail::product_overflows(batch, kv_heads, capacity, head_dim) ||
+            detail::product_overflows(batch, kv_heads, capacity, value_dim))
+            throw shape_error("attend.shape.overflow",
+                              detail::concat("kv_cache storage [", batch, ',', kv_heads, ',', capacity, ',',
+                                             std::max(head_dim, value_dim), "] overflows Eigen::Index"));
+        keys_.assign(static_cast<std::size_t>(batch * kv_heads * capacity * head_dim), T(0));
+        values_.assign(static_cast<std::size_t>(batch * kv_heads * capacity * value_dim), T(0));
+    }
+
+    index batch() const { return batch_; }
+    index kv_heads() const { return kv_heads_; }
+    index head_dim() const { return head_dim_; }
+    index value_dim() const { return value_dim_; }
+    /// Positions the cache can hold; fixed for its lifetime.
+    index capacity() const { return capacity_; }
+    /// Positions held now; the next appended token has global position length().
+    index length() const { return length_; }
+    /// capacity() - length().
+    index remaining() const { return capacity_ - length_; }
+
+    /// Appends L positions: k_new `[batch, kv_heads, L, head_dim]`, v_new `[batch, kv_heads, L, value_dim]`
+    /// (attend::tensor, a TensorMap of one, or a strided_view such as split_heads of a projected buffer).
+    /// Throws shape_error `attend.shape.cache` if a shape does not fit the cache, position_error
+    /// `attend.position.cache_full` if length() + L > capacity(); nothing is appended then.
+    template <class K, class V>
+    void append(const K& k_new, const V& v_new) {
+        static_assert(std::is_same_v<detail::scalar_of<K>, T> && std::is_same_v<detail::scalar_of<V>, T>,
+                      "attend: kv_cache<T>::append takes keys and values of scalar type T");
+        const auto k = detail::as_view(k_new);
+        const auto v = detail::as_view(v_new);
+        check_append(k, v);
+        const index L = k.dims[2];
+        for (index b = 0; b < batch_; ++b)
+            for (index h = 0; h < kv_heads_; ++h)
+                for (index i = 0; i < L; ++i) {
+                    std::copy(k.row(b, h, i), k.row(b, h, i) + head_dim_, key_row(b, h, length_ + i));
+                    std::copy(v.row(b, h, i), v.row(b, h, i) + value_dim_, value_row(b, h, length_ + i));
+                }
+        length_ += L;
+    }
+
+    /// Throws what append(k_new, v_new) would throw for views of these shapes, and changes nothing.
+    void check_append(const strided_view<const T>& k, const strided_view<const T>& v) const {
+        const auto cache_shape = [&] {
+            return detail::concat(" (cache [batch ", batch_, ", kv_heads ", kv_heads_, ", capacity ", capacity_,
+                                  ", head_dim ", head_dim_, ", value_dim ", value_dim_, "])");
+        };
+        const std::array<index, 4> k_expected{batch_, kv_heads_, k.dims[2], head_dim_};
+        const std::array<index, 4> v_expected{batch_, kv_heads_, k.dims[2], value_dim_};
+        if (k.dims != k_expected)
+            throw shape_error("attend.shape.cache",
+                              detail::concat("new keys ", detail::spell_view(k), " do not fit: expected ",
+                                             detail::format_shape(k_expected),
+                                             " = [batch, kv_heads, new tokens, head_dim]", cache_shape()));
+        if (v.dims != v_expected)
+            throw shape_error("attend.shape.cache",
+                              detail::concat("new values ", detail::spell_view(v), " do not fit: expected ",
+                                             detail::format_shape(v_expected),
+                                             " = [batch, kv_heads, new tokens (as the keys), value_dim]",
+                                             cache_shape()));
+        check_fits(k.dims[2]);
+    }
+
+    /// Throws position_error `attend.position.cache_full` if `new_tokens` more positions do not fit.
+    void check_fits(index new_tokens) const {
+        if (new_tokens > capacity_ - length_)
+            throw position_error("attend.position.cache_full",
+                                 detail::concat("cache is full: length ", length_, " + ", new_tokens,
+                                                " new tokens = ", length_ + new_tokens, " > capacity ", capacity_,
+                                                " (the capacity is fixed at construction; nothing was appended)"));
+    }
+
+    /// Keys `[batch, kv_heads, length(), head_dim]` over the cache's own storage (row stride head_dim, head
+    /// stride capacity * head_dim). Stays valid, and shows the same positions, across later appends.
+    strided_view<const T> keys() const { return view(keys_.data(), head_dim_, length_); }
+    /// Values `[batch, kv_heads, length(), value_dim]`, like keys().
+    strided_view<const T> values() const { return view(values_.data(), value_dim_, length_); }
+
+    /// Forgets every position (length() becomes 0); the storage and capacity stay.
+    void clear() { length_ = 0; }
+
+private:
+    strided_view<const T> view(const T* data, index dim, index len) const {
+        strided_view<const T> v;
+        v.data = data;
+        v.dims = {batch_, kv_heads_, len, dim};
+        v.strides = {kv_heads_ * capacity_ * dim, capacity_ * dim, dim, 1};
+        v.rank = 4;
+        return v;
+    }
+    T* key_row(index b, index h, index i) {
+        return keys_.data() + ((b * kv_heads_ + h) * capacity_ + i) * head_dim_;
+    }
+    T* value_row(index b, index h, index i) {
+        return values_.data() + ((b * kv_heads_ + h) * capacity_ + i) * value_dim_;
+    }
+
+    index batch_, kv_heads_, capacity_, head_dim_, value_dim_;
+    index length_ = 0;
+    std::vector<T> keys_;
+    std::vector<T> values_;
+};
+
+}  // namespace attend

@@ -1,0 +1,306 @@
+#pragma once
+/// The bound forms of masks: what kernels evaluate. A user builds an unbound expression (mask.hpp); `bind(shape)`
+/// checks it against one attention call and returns one of these, with broadcasting and alignment resolved.
+/// Every bound node answers, for a tile of the score matrix `[batch, heads, query_len, key_len]`:
+///   classify(tile)       empty (nothing allowed), full (all allowed, nothing added) or mixed;
+///   apply(tile, scores)  write -inf at forbidden positions and add additive terms, in place;
+///   allowed(b, h, i, j)  one position, for the generic paths and for materialize;
+///   query_padded(b, i)   the row is a padded query: zero output whatever the empty-row policy.
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "../tensor.hpp"
+
+namespace attend {
+
+/// What a rule says about a rectangle of scores.
+enum class tile_class {
+    empty,  ///< no position is allowed: the kernel skips the tile
+    full,   ///< every position is allowed and nothing is added: the kernel does not test it
+    mixed   ///< anything else: the kernel applies the mask to the tile
+};
+
+/// Queries [query_begin, query_end) x keys [key_begin, key_end) of one (batch, head).
+struct tile {
+    index batch = 0;
+    index head = 0;
+    index query_begin = 0;
+    index query_end = 0;
+    index key_begin = 0;
+    index key_end = 0;
+};
+
+namespace detail {
+
+template <class T>
+constexpr T minus_infinity() {
+    return -std::numeric_limits<T>::infinity();
+}
+
+inline tile_class intersect(tile_class a, tile_class b) {
+    if (a == tile_class::empty || b == tile_class::empty) return tile_class::empty;
+    if (a == tile_class::full && b == tile_class::full) return tile_class::full;
+    return tile_class::mixed;
+}
+
+inline tile_class unite(tile_class a, tile_class b) {
+    if (a == tile_class::full || b == tile_class::full) return tile_class::full;
+    if (a == tile_class::empty && b == tile_class::empty) return tile_class::empty;
+    return tile_class::mixed;
+}
+
+inline tile_class complement(tile_class a) {
+    if (a == tile_class::empty) return tile_class::full;
+    if (a == tile_class::full) return tile_class::empty;
+    return tile_class::mixed;
+}
+
+/// Writes -inf into a row of a score tile outside the allowed key interval [lo, hi).
+template <class T>
+void forbid_outside(T* row, index key_begin, index key_end, index lo, index hi) {
+    const index cut_lo = std::clamp(lo, key_begin, key_end);
+    const index cut_hi = std::clamp(hi, cut_lo, key_end);
+    std::fill(row, row + (cut_lo - key_begin), minus_infinity<T>());
+    std::fill(row + (cut_hi - key_begin), row + (key_end - key_begin), minus_infinity<T>());
+}
+
+/// Generic application through allowed(): for unions and complements, whose tiles are rare and small.
+template <class Node, class T>
+void apply_by_position(const Node& node, const tile& t, T* scores, index ld) {
+    for (index i = t.query_begin; i < t.query_end; ++i) {
+        T* row = scores + (i - t.query_begin) * ld;
+        for (index j = t.key_begin; j < t.key_end; ++j)
+            if (!node.allowed(t.batch, t.head, i, j)) row[j - t.key_begin] = minus_infinity<T>();
+    }
+}
+
+/// Every structured rule allows, per row, one interval of keys [lo, hi) (maybe empty). The rules differ only in
+/// the interval and in how they classify a tile exactly; the application is shared.
+template <class Rule>
+struct interval_rule {
+    bool allowed(index b, index, index i, index j) const {
+        const auto [lo, hi] = self().interval(b, i);
+        return lo <= j && j < hi;
+    }
+    bool query_padded(index, index) const { return false; }
+    template <class T>
+    void apply(const tile& t, T* scores, index ld) const {
+        for (index i = t.query_begin; i < t.query_end; ++i) {
+            const auto [lo, hi] = self().interval(t.batch, i);
+            forbid_outside(scores + (i - t.query_begin) * ld, t.key_begin, t.key_end, lo, hi);
+        }
+    }
+
+private:
+    const Rule& self() const { return static_cast<const Rule&>(*this); }
+};
+
+/// Keys j with i + offset - left <= j <= i + offset + right: causal is a band with right = 0 and an unbounded left.
+struct bound_band : interval_rule<bound_band> {
+    index offset = 0;  ///< 0 for top_left, key_len - query_len for bottom_right
+    index left = 0;    ///< capped at query_len + key_len, so no arithmetic overflows
+    index right = 0;
+    index key_len = 0;
+
+    std::array<index, 2> interval(index, index i) const {
+        return {std::max<index>(0, i + offset - left), std::min(key_len, i + offset + right + 1)};
+    }
+    tile_class classify(const tile& t) const {
+        const index first = t.query_begin, last = t.query_end - 1;
+        const auto first_row = interval(t.batch, first), last_row = interval(t.batch, last);
+        // The interval slides right by one per row, so the first row has the lowest bounds and the last the highest.
+        if (last_row[1] <= t.key_begin || first_row[0] >= t.key_end) return tile_class::empty;
+        if (last_row[0] <= t.key_begin && first_row[1] >= t.key_end) return tile_class::full;
+        return tile_class::mixed;
+    }
+};
+
+/// Keys j < prefix_len, or j <= i + offset (bidirectional over the prefix, causal after it).
+struct bound_prefix_lm : interval_rule<bound_prefix_lm> {
+    index prefix_len = 0;
+    index offset = 0;
+    index key_len = 0;
+
+    std::array<index, 2> interval(index, index i) const {
+        return {0, std::min(key_len, std::max(prefix_len, i + offset + 1))};
+    }
+    tile_class classify(const tile& t) const {
+        if (interval(t.batch, t.query_end - 1)[1] <= t.key_begin) return tile_class::empty;
+        if (interval(t.batch, t.query_begin)[1] >= t.key_end) return tile_class::full;
+        return tile_class::mixed;
+    }
+};
+
+/// Keys j < lengths[b]: the rest of each sequence is padding.
+struct bound_key_padding : interval_rule<bound_key_padding> {
+    std::shared_ptr<const std::vector<index>> lengths;
+
+    std::array<index, 2> interval(index b, index) const { return {0, (*lengths)[static_cast<std::size_t>(b)]}; }
+    tile_class classify(const tile& t) const {
+        const index n = interval(t.batch, 0)[1];
+        if (n <= t.key_begin) return tile_class::empty;
+        if (n >= t.key_end) return tile_class::full;
+        return tile_class::mixed;
+    }
+};
+
+/// Queries i >= lengths[b] are padding: they see nothing and their output rows are zero.
+struct bound_query_padding : interval_rule<bound_query_padding> {
+    std::shared_ptr<const std::vector<index>> lengths;
+    index key_len = 0;
+
+    std::array<index, 2> interval(index b, index i) const {
+        return {0, i < (*lengths)[static_cast<std::size_t>(b)] ? key_len : 0};
+    }
+    bool query_padded(index b, index i) const { return i >= (*lengths)[static_cast<std::size_t>(b)]; }
+    tile_class classify(const tile& t) const {
+        const index n = (*lengths)[static_cast<std::size_t>(t.batch)];
+        if (n <= t.query_begin) return tile_class::empty;
+        if (n >= t.query_end) return tile_class::full;
+        return tile_class::mixed;
+    }
+};
+
+/// Packed variable-length sequences: query i sees the keys of its own sequence only.
+struct bound_block_diagonal : interval_rule<bound_block_diagonal> {
+    std::shared_ptr<const std::vector<index>> starts;  ///< sequence s is [starts[s], starts[s + 1])
+
+    index block_of(index position) const {
+        const auto& s = *starts;
+        return static_cast<index>(std::upper_bound(s.begin(), s.end(), position) - s.begin()) - 1;
+    }
+    std::array<index, 2> interval(index, index i) const {
+        const auto s = static_cast<std::size_t>(block_of(i));
+        return {(*starts)[s], (*starts)[s + 1]};
+    }
+    tile_class classify(const tile& t) const {
+        const index q_first = block_of(t.query_begin), q_last = block_of(t.query_end - 1);
+        const index k_first = block_of(t.key_begin), k_last = block_of(t.key_end - 1);
+        if (q_last < k_first || k_last < q_first) return tile_class::empty;
+        if (q_first == q_last && k_first == k_last && q_first == k_first) return tile_class::full;
+        return tile_class::mixed;
+    }
+};
+
+/// Every position allowed: what a call without a mask binds to.
+struct bound_everything {
+    bool allowed(index, index, index, index) const { return true; }
+    bool query_padded(index, index) const { return false; }
+    tile_class classify(const tile&) const { return tile_class::full; }
+    template <class T>
+    void apply(const tile&, T*, index) const {}
+};
+
+/// A dense Boolean grid broadcast onto `[batch, heads, query_len, key_len]` by strides (0 on broadcast axes).
+/// `inverted` is true when the stored values follow the forbidden convention (true = blocked).
+struct bound_dense_boolean {
+    const std::uint8_t* data = nullptr;
+    std::array<index, 4> strides{};
+    bool inverted = false;
+
+    bool allowed(index b, index h, index i, index j) const {
+        return (data[b * strides[0] + h * strides[1] + i * strides[2] + j * strides[3]] != 0) != inverted;
+    }
+    bool query_padded(index, index) const { return false; }
+    tile_class classify(const tile& t) const {
+        bool any_allowed = false, any_forbidden = false;
+        for (index i = t.query_begin; i < t.query_end; ++i)
+            for (index j = t.key_begin; j < t.key_end; ++j) {
+                (allowed(t.batch, t.head, i, j) ? any_allowed : any_forbidden) = true;
+                if (any_allowed && any_forbidden) return tile_class::mixed;
+            }
+        return any_allowed ? tile_class::full : tile_class::empty;
+    }
+    template <class T>
+    void apply(const tile& t, T* scores, index ld) const {
+        apply_by_position(*this, t, scores, ld);
+    }
+};
+
+/// A dense additive grid broadcast like bound_dense_boolean; -inf forbids, finite values bias the scores.
+template <class V>
+struct bound_dense_additive {
+    const V* data = nullptr;
+    std::array<index, 4> strides{};
+
+    V value(index b, index h, index i, index j) const {
+        return data[b * strides[0] + h * strides[1] + i * strides[2] + j * strides[3]];
+    }
+    bool allowed(index b, index h, index i, index j) const { return value(b, h, i, j) != minus_infinity<V>(); }
+    bool query_padded(index, index) const { return false; }
+    tile_class classify(const tile& t) const {
+        bool all_forbidden = true, all_zero = true;
+        for (index i = t.query_begin; i < t.query_end; ++i)
+            for (index j = t.key_begin; j < t.key_end; ++j) {
+                const V x = value(t.batch, t.head, i, j);
+                all_forbidden = all_forbidden && x == minus_infinity<V>();
+                all_zero = all_zero && x == V(0);
+                if (!all_forbidden && !all_zero) return tile_class::mixed;
+            }
+        return all_forbidden ? tile_class::empty : tile_class::full;
+    }
+    template <class T>
+    void apply(const tile& t, T* scores, index ld) const {
+        for (index i = t.query_begin; i < t.query_end; ++i) {
+            T* row = scores + (i - t.query_begin) * ld;
+            for (index j = t.key_begin; j < t.key_end; ++j)
+                row[j - t.key_begin] += static_cast<T>(value(t.batch, t.head, i, j));
+        }
+    }
+};
+
+/// Intersection of allowed sets, and the sum of additive terms: both forbid where either forbids.
+template <class A, class B>
+struct bound_intersection {
+    A a;
+    B b;
+    bool allowed(index bb, index h, index i, index j) const { return a.allowed(bb, h, i, j) && b.allowed(bb, h, i, j); }
+    bool query_padded(index bb, index i) const { return a.query_padded(bb, i) || b.query_padded(bb, i); }
+    tile_class classify(const tile& t) const {
+        const tile_class first = a.classify(t);
+        return first == tile_class::empty ? first : intersect(first, b.classify(t));
+    }
+    template <class T>
+    void apply(const tile& t, T* scores, index ld) const {
+        a.apply(t, scores, ld);
+        b.apply(t, scores, ld);
+    }
+};
+
+/// Union of allowed sets (Boolean terms only).
+template <class A, class B>
+struct bound_union {
+    A a;
+    B b;
+    bool allowed(index bb, index h, index i, index j) const { return a.allowed(bb, h, i, j) || b.allowed(bb, h, i, j); }
+    bool query_padded(index bb, index i) const { return a.query_padded(bb, i) && b.query_padded(bb, i); }
+    tile_class classify(const tile& t) const {
+        const tile_class first = a.classify(t);
+        return first == tile_class::full ? first : unite(first, b.classify(t));
+    }
+    template <class T>
+    void apply(const tile& t, T* scores, index ld) const {
+        apply_by_position(*this, t, scores, ld);
+    }
+};
+
+/// Complement of an allowed set (Boolean terms without query padding only).
+template <class A>
+struct bound_complement {
+    A a;
+    bool allowed(index b, index h, index i, index j) const { return !a.allowed(b, h, i, j); }
+    bool query_padded(index, index) const { return false; }
+    tile_class classify(const tile& t) const { return complement(a.classify(t)); }
+    template <class T>
+    void apply(const tile& t, T* scores, index ld) const {
+        apply_by_position(*this, t, scores, ld);
+    }
+};
+
+}  // namespace detail
+}  // namespace attend

@@ -1,0 +1,87 @@
+#pragma once
+/// The reference kernel: materializes the scores of one (batch, head) `[query_len, key_len]`, masks them, takes a
+/// max-subtracted softmax along the key axis and multiplies by V. It is the oracle the fast kernel is tested
+/// against, so it is written for obviousness, not speed.
+
+#include <cmath>
+#include <limits>
+
+#include <Eigen/Core>
+
+#include "../score_bias.hpp"
+#include "../shape.hpp"
+#include "dropout.hpp"
+#include "mask_nodes.hpp"
+
+namespace attend::detail {
+
+template <class T>
+using row_matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+/// A `[len, dim]` slice of a strided view as a row-major matrix with the view's row stride.
+template <class T>
+auto matrix_of(const strided_view<T>& x, index b, index h) {
+    using plain = row_matrix<std::remove_const_t<T>>;
+    using map = Eigen::Map<std::conditional_t<std::is_const_v<T>, const plain, plain>, 0, Eigen::OuterStride<>>;
+    return map(x.row(b, h, 0), x.dims[2], x.dims[3], Eigen::OuterStride<>(x.strides[2]));
+}
+
+/// Where the results go: out `[batch, heads, query_len, value_dim]` (strided), and when not null the contiguous
+/// weights `[batch, heads, query_len, key_len]` and lse `[batch, heads, query_len]`.
+template <class T>
+struct attention_outputs {
+    strided_view<T> out;
+    T* weights = nullptr;
+    T* lse = nullptr;
+};
+
+/// Everything a kernel needs besides tensors and mask, already validated.
+template <class T>
+struct kernel_params {
+    T scale = 1;
+    dropout_rule dropout;
+    const score_bias* bias = nullptr;
+    bool weights_after_dropout = false;
+};
+
+template <class T, class Bound>
+void reference_attention(const strided_view<const T>& q, const strided_view<const T>& k,
+                         const strided_view<const T>& v, const attention_shape& s, const Bound& mask,
+                         const kernel_params<T>& p, const attention_outputs<T>& o) {
+    const index L = s.query_len, S = s.key_len;
+    row_matrix<T> scores(L, S);
+    for (index b = 0; b < s.batch; ++b)
+        for (index h = 0; h < s.heads; ++h) {
+            const index kvh = s.kv_head(h);
+            auto out = matrix_of(o.out, b, h);
+            if (L == 0) continue;
+            scores.noalias() = matrix_of(q, b, h) * matrix_of(k, b, kvh).transpose();
+            scores *= p.scale;
+            if (p.bias && !p.bias->empty()) p.bias->add_tile(h, 0, 0, L, S, L, S, scores.data(), S);
+            mask.apply(tile{b, h, 0, L, 0, S}, scores.data(), S);
+            for (index i = 0; i < L; ++i) {
+                auto row = scores.row(i);
+                const T max = mask.query_padded(b, i) ? -std::numeric_limits<T>::infinity() : row.maxCoeff();
+                T* lse = o.lse ? o.lse + (b * s.heads + h) * L + i : nullptr;
+                T* weights = o.weights ? o.weights + ((b * s.heads + h) * L + i) * S : nullptr;
+                if (max == -std::numeric_limits<T>::infinity()) {  // padded query, or empty row under the zero policy
+                    row.setZero();
+                    if (lse) *lse = max;
+                    if (weights) std::fill(weights, weights + S, T(0));
+                    continue;
+                }
+                row = (row.array() - max).exp();
+                const T sum = row.sum();
+                if (lse) *lse = max + std::log(sum);
+                row /= sum;
+                if (weights && !p.weights_after_dropout) std::copy(row.data(), row.data() + S, weights);
+                if (p.dropout.active())
+                    for (index j = 0; j < S; ++j)
+                        row(j) = p.dropout.keep(b, h, i, j) ? row(j) * static_cast<T>(p.dropout.keep_scale) : T(0);
+                if (weights && p.weights_after_dropout) std::copy(row.data(), row.data() + S, weights);
+            }
+            out.noalias() = scores * matrix_of(v, b, kvh);
+        }
+}
+
+}  // namespace attend::detail

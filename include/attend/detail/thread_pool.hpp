@@ -1,0 +1,99 @@
+#pragma once
+/// The threads of the tiled kernel: a fork-join over numbered work units with a static, deterministic
+/// partition. A unit is always computed entirely by one thread and nothing a unit computes depends on which
+/// thread ran it or on how many threads there are, so results are bit-identical for any thread count.
+///
+/// Eigen never starts threads of its own here: without OpenMP its products are single-threaded. When Eigen was
+/// built with OpenMP (EIGEN_HAS_OPENMP / _OPENMP), each worker sets its own OpenMP thread count to 1 for the
+/// duration of the call (omp_set_num_threads acts on the calling thread's ICV), so Eigen's GEMM does not nest a
+/// second level of threads under ours; the caller's setting is restored before returning. A global
+/// Eigen::setNbThreads(n > 1) by the application would still win; attend never calls it.
+
+#include <algorithm>
+#include <exception>
+#include <thread>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "../tensor.hpp"
+
+namespace attend::detail {
+
+/// The number of threads a call uses: `requested`, or the hardware concurrency when it is 0 (1 if unknown).
+inline int resolve_threads(int requested) {
+    if (requested > 0) return requested;
+    const unsigned n = std::thread::hardware_concurrency();
+    return n == 0 ? 1 : static_cast<int>(n);
+}
+
+/// Keeps Eigen single-threaded inside a worker (a no-op without OpenMP).
+class eigen_single_thread_scope {
+public:
+    eigen_single_thread_scope() {
+#if defined(_OPENMP)
+        saved_ = omp_get_max_threads();
+        omp_set_num_threads(1);
+#endif
+    }
+    ~eigen_single_thread_scope() {
+#if defined(_OPENMP)
+        omp_set_num_threads(saved_);
+#endif
+    }
+    eigen_single_thread_scope(const eigen_single_thread_scope&) = delete;
+    eigen_single_thread_scope& operator=(const eigen_single_thread_scope&) = delete;
+
+private:
+#if defined(_OPENMP)
+    int saved_ = 1;
+#endif
+};
+
+/// Runs body(unit, worker) for every unit in [0, units), worker in [0, workers) with
+/// workers = min(threads, units). Worker w takes units w, w + workers, w + 2 workers, ... (round robin, so
+/// units of rising cost, such as the query tiles of a causal mask, spread evenly). The calling thread is
+/// worker 0; the others are std::threads started for this call and joined before it returns (starting a
+/// thread costs tens of microseconds, nothing next to a tile of attention). The first exception a worker
+/// throws is rethrown here after every worker has stopped.
+template <class Body>
+void parallel_for(index units, int threads, Body&& body) {
+    if (units <= 0) return;
+    const int workers = static_cast<int>(std::min<index>(std::max(threads, 1), units));
+    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(workers));
+    const auto work = [&](int worker) {
+        try {
+            eigen_single_thread_scope single;
+            for (index unit = worker; unit < units; unit += workers) body(unit, worker);
+        } catch (...) {
+            errors[static_cast<std::size_t>(worker)] = std::current_exception();
+        }
+    };
+    if (workers == 1) {
+        work(0);
+    } else {
+        std::vector<std::thread> pool;
+        pool.reserve(static_cast<std::size_t>(workers - 1));
+        try {
+            for (int w = 1; w < workers; ++w) pool.emplace_back(work, w);
+        } catch (...) {
+            // Could not start a thread: the started ones and this one finish the units they were given; the
+            // units of the missing workers run here, still one unit per thread, so results do not change.
+            const int started = static_cast<int>(pool.size()) + 1;
+            work(0);
+            for (auto& t : pool) t.join();
+            for (int w = started; w < workers; ++w) work(w);
+            for (const auto& e : errors)
+                if (e) std::rethrow_exception(e);
+            return;
+        }
+        work(0);
+        for (auto& t : pool) t.join();
+    }
+    for (const auto& e : errors)
+        if (e) std::rethrow_exception(e);
+}
+
+}  // namespace attend::detail

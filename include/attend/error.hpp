@@ -1,0 +1,87 @@
+#pragma once
+/// The one error hierarchy of attend. Every message starts with a stable id in brackets, e.g.
+/// `[attend.shape.key_dim] query head_dim 64 != key head_dim 32 (query [2,8,128,64], key [2,8,256,32])`.
+/// Every check runs before any output is written, so a throw leaves the caller's buffers as they were.
+
+#include <cassert>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <Eigen/Core>
+
+#ifndef ATTEND_ASSERT
+#ifdef NDEBUG
+#define ATTEND_ASSERT(condition) ((void)0)
+#else
+/// Internal invariant; compiled out in release builds like eigen_assert.
+#define ATTEND_ASSERT(condition) assert(condition)
+#endif
+#endif
+
+namespace attend {
+
+/// Base of every error attend throws; `id()` is the stable identifier without brackets.
+class error : public std::invalid_argument {
+public:
+    error(std::string id, const std::string& message)
+        : std::invalid_argument("[" + id + "] " + message), id_(std::move(id)) {}
+    const std::string& id() const noexcept { return id_; }
+
+private:
+    std::string id_;
+};
+
+/// Tensors whose shapes do not fit together (ids `attend.shape.*`).
+class shape_error : public error {
+public:
+    using error::error;
+};
+
+/// Masks that do not broadcast, are inconsistent, or leave a query with no allowed key (`attend.mask.*`).
+class mask_error : public error {
+public:
+    using error::error;
+};
+
+/// Bad numbers: non-finite inputs, scales, probabilities, sizes (`attend.value.*`).
+class value_error : public error {
+public:
+    using error::error;
+};
+
+/// Positions outside what an embedding or cache can represent (`attend.position.*`).
+class position_error : public error {
+public:
+    using error::error;
+};
+
+namespace detail {
+
+/// `[2,8,128,64]`: how every message spells a shape.
+template <class Dims>
+std::string format_shape(const Dims& dims) {
+    std::ostringstream s;
+    s << '[';
+    bool first = true;
+    for (auto d : dims) {
+        if (!first) s << ',';
+        s << d;
+        first = false;
+    }
+    s << ']';
+    return s.str();
+}
+
+/// Streams any number of values into one string, for error messages.
+template <class... Parts>
+std::string concat(const Parts&... parts) {
+    std::ostringstream s;
+    s.precision(17);
+    (s << ... << parts);
+    return s.str();
+}
+
+}  // namespace detail
+}  // namespace attend

@@ -1,0 +1,586 @@
+#pragma once
+/// Masks with explicit meaning. Every mask says which keys a query may attend in the score matrix
+/// `[batch, heads, query_len, key_len]`:
+///   allowed_mask      Boolean, true = may attend (PyTorch SDPA, JAX, FlexAttention)
+///   forbidden_mask    Boolean, true = blocked (nn.MultiheadAttention's attn_mask and key_padding_mask)
+///   additive_mask<T>  added to the scaled scores; -inf forbids, finite values bias
+///   causal, key_padding, query_padding, sliding_window, prefix_lm, block_diagonal: rules, never materialized.
+/// Allowed sets combine with && || !, additive terms with +. The two Boolean conventions never convert
+/// implicitly: to_allowed / to_forbidden say which way.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "alignment.hpp"
+#include "detail/mask_nodes.hpp"
+#include "error.hpp"
+#include "shape.hpp"
+#include "tensor.hpp"
+
+namespace attend {
+
+/// The score shape `[batch, heads, query_len, key_len]` to draw or materialize a mask for.
+struct score_shape {
+    index batch = 1;
+    index heads = 1;
+    index query_len = 0;
+    index key_len = 0;
+};
+
+namespace detail {
+
+/// Tags: what kind of mask term a type is.
+struct boolean_term {};   ///< an allowed set
+struct additive_term {};  ///< values added to the scores
+struct forbidden_term {}; ///< a forbidden set: data only, must be converted with to_allowed
+
+template <class E>
+inline constexpr bool is_boolean_v = std::is_base_of_v<boolean_term, E>;
+template <class E>
+inline constexpr bool is_additive_v = std::is_base_of_v<additive_term, E>;
+template <class E>
+inline constexpr bool is_forbidden_v = std::is_base_of_v<forbidden_term, E>;
+template <class E>
+inline constexpr bool is_mask_v = is_boolean_v<E> || is_additive_v<E>;
+template <class E>
+inline constexpr bool is_mask_like_v = is_mask_v<E> || is_forbidden_v<E>;
+
+template <class E>
+constexpr bool has_query_padding() {
+    if constexpr (is_mask_v<E>) return E::has_query_padding;
+    return false;
+}
+
+/// The shape of a dense mask as the user gave it (rank 2, 3 or 4), and a message-friendly spelling.
+struct dense_dims {
+    std::vector<index> dims;
+
+    /// Strides onto `[batch, heads, query_len, key_len]`, aligned from the right against the score shape of the
+    /// call (rank 3 inputs have scores `[batch, query_len, key_len]`), 0 on broadcast axes.
+    std::array<index, 4> broadcast_strides(const attention_shape& s, const char* what) const {
+        const std::array<index, 4> score{s.batch, s.heads, s.query_len, s.key_len};
+        const std::vector<int> axes = s.rank == 4 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 2, 3};
+        const auto score_spelled = s.rank == 4 ? format_shape(score)
+                                               : format_shape(std::array<index, 3>{s.batch, s.query_len, s.key_len});
+        const int mask_rank = static_cast<int>(dims.size());
+        if (mask_rank > static_cast<int>(axes.size()))
+            throw mask_error("attend.mask.rank", concat(what, " of rank ", mask_rank, ' ', format_shape(dims),
+                                                        " has more axes than the scores ", score_spelled));
+        std::array<index, 4> strides{0, 0, 0, 0};
+        index stride = 1;
+        for (int a = mask_rank - 1; a >= 0; --a) {
+            const int axis = axes[axes.size() - static_cast<std::size_t>(mask_rank - a)];
+            const index n = dims[static_cast<std::size_t>(a)];
+            if (n != 1 && n != score[static_cast<std::size_t>(axis)])
+                throw mask_error("attend.mask.broadcast",
+                                 concat(what, ' ', format_shape(dims), " does not broadcast to the scores ",
+                                        score_spelled, " [batch, heads, query_len, key_len]: axis ", a, " is ", n,
+                                        ", expected 1 or ", score[static_cast<std::size_t>(axis)]));
+            strides[static_cast<std::size_t>(axis)] = n == 1 ? 0 : stride;
+            stride *= n;
+        }
+        return strides;
+    }
+};
+
+/// Reads a Boolean or numeric rank 2-4 row-major tensor (or TensorMap) into a flat vector plus its dims.
+template <class V, class X>
+std::pair<std::vector<V>, dense_dims> read_dense(const X& x, const char* what) {
+    using traits = tensor_traits<std::decay_t<X>>;
+    static_assert(traits::supported, "attend: masks are built from attend::tensor (row-major Eigen::Tensor) or "
+                                     "an Eigen::TensorMap of one");
+    static_assert(traits::row_major, "attend: mask tensors must be Eigen::RowMajor (PyTorch's layout)");
+    static_assert(traits::rank >= 2 && traits::rank <= 4,
+                  "attend: dense masks have rank 2 [query_len, key_len], 3 or 4 [batch, heads, query_len, key_len]");
+    dense_dims d;
+    for (int a = 0; a < traits::rank; ++a) d.dims.push_back(x.dimensions()[static_cast<std::size_t>(a)]);
+    std::vector<V> values(static_cast<std::size_t>(x.size()));
+    for (index n = 0; n < x.size(); ++n) values[static_cast<std::size_t>(n)] = static_cast<V>(x.data()[n]);
+    (void)what;
+    return {std::move(values), std::move(d)};
+}
+
+}  // namespace detail
+
+class forbidden_mask;
+
+/// Dense Boolean mask, true = this query may attend this key. Any shape that broadcasts to
+/// `[batch, heads, query_len, key_len]` (rank 2, 3 or 4, size-1 axes broadcast, aligned from the right).
+class allowed_mask : public detail::boolean_term {
+public:
+    static constexpr bool has_query_padding = false;
+
+    /// From a bool tensor in PyTorch scaled_dot_product_attention's convention: true = may attend.
+    template <class BoolTensor>
+    static allowed_mask from_torch_sdpa(const BoolTensor& t) {
+        return true_means_allowed(t);
+    }
+    /// From a bool tensor in JAX's and FlexAttention's convention: true = may attend.
+    template <class BoolTensor>
+    static allowed_mask from_jax(const BoolTensor& t) {
+        return true_means_allowed(t);
+    }
+    /// From a bool tensor whose true means "may attend".
+    template <class BoolTensor>
+    static allowed_mask true_means_allowed(const BoolTensor& t) {
+        static_assert(std::is_same_v<detail::scalar_of<BoolTensor>, bool>,
+                      "attend: allowed_mask is built from a bool tensor; for float masks use additive_mask");
+        auto [values, dims] = detail::read_dense<std::uint8_t>(t, "allowed mask");
+        return allowed_mask(std::make_shared<const std::vector<std::uint8_t>>(std::move(values)), std::move(dims),
+                            false);
+    }
+
+    /// The mask's dims as given (rank 2, 3 or 4).
+    const std::vector<index>& dims() const { return dims_.dims; }
+    /// The value at a position of a rank-4 mask (what materialize returns): true = may attend.
+    bool operator()(index b, index h, index i, index j) const {
+        ATTEND_ASSERT(dims_.dims.size() == 4);
+        const auto& d = dims_.dims;
+        return ((*values_)[static_cast<std::size_t>(((b * d[1] + h) * d[2] + i) * d[3] + j)] != 0) != inverted_;
+    }
+
+    /// Checks the mask against one call's shape (mask_error attend.mask.rank / attend.mask.broadcast).
+    detail::bound_dense_boolean bind(const attention_shape& s) const {
+        detail::bound_dense_boolean bound;
+        bound.data = values_->data();
+        bound.strides = dims_.broadcast_strides(s, "allowed mask");
+        bound.inverted = inverted_;
+        return bound;
+    }
+
+private:
+    friend class forbidden_mask;
+    friend forbidden_mask to_forbidden(const allowed_mask&);
+    friend allowed_mask to_allowed(const forbidden_mask&);
+    allowed_mask(std::shared_ptr<const std::vector<std::uint8_t>> values, detail::dense_dims dims, bool inverted)
+        : values_(std::move(values)), dims_(std::move(dims)), inverted_(inverted) {}
+
+    std::shared_ptr<const std::vector<std::uint8_t>> values_;
+    detail::dense_dims dims_;
+    bool inverted_ = false;  ///< values_ hold "blocked" flags (the mask came from a forbidden_mask)
+};
+
+/// Dense Boolean mask, true = blocked: nn.MultiheadAttention's convention. It is data, not an allowed set:
+/// combining it with masks or passing it to attention does not compile; convert it with to_allowed.
+class forbidden_mask : public detail::forbidden_term {
+public:
+    /// From a bool attn_mask or key_padding_mask of nn.MultiheadAttention: true = not allowed to attend.
+    template <class BoolTensor>
+    static forbidden_mask from_torch_mha(const BoolTensor& t) {
+        return true_means_blocked(t);
+    }
+    /// From a bool tensor whose true means "blocked".
+    template <class BoolTensor>
+    static forbidden_mask true_means_blocked(const BoolTensor& t) {
+        static_assert(std::is_same_v<detail::scalar_of<BoolTensor>, bool>,
+                      "attend: forbidden_mask is built from a bool tensor; for float masks use additive_mask");
+        auto [values, dims] = detail::read_dense<std::uint8_t>(t, "forbidden mask");
+        return forbidden_mask(std::make_shared<const std::vector<std::uint8_t>>(std::move(values)), std::move(dims),
+                              false);
+    }
+
+    /// The mask's dims as given.
+    const std::vector<index>& dims() const { return dims_.dims; }
+
+private:
+    friend forbidden_mask to_forbidden(const allowed_mask&);
+    friend allowed_mask to_allowed(const forbidden_mask&);
+    forbidden_mask(std::shared_ptr<const std::vector<std::uint8_t>> values, detail::dense_dims dims, bool inverted)
+        : values_(std::move(values)), dims_(std::move(dims)), inverted_(inverted) {}
+
+    std::shared_ptr<const std::vector<std::uint8_t>> values_;
+    detail::dense_dims dims_;
+    bool inverted_ = false;  ///< values_ hold "allowed" flags (the mask came from an allowed_mask)
+};
+
+/// The allowed set of a forbidden mask: allowed where it is false. O(1), shares the data.
+inline allowed_mask to_allowed(const forbidden_mask& m) { return allowed_mask(m.values_, m.dims_, !m.inverted_); }
+/// The forbidden set of an allowed mask: blocked where it is false. O(1), shares the data.
+inline forbidden_mask to_forbidden(const allowed_mask& m) { return forbidden_mask(m.values_, m.dims_, !m.inverted_); }
+
+/// Dense additive mask: added to the scaled scores before softmax; -inf forbids, finite values bias.
+/// Same broadcasting as allowed_mask. NaN or +inf entries are a value_error (attend.value.additive_mask).
+template <class T>
+class additive_mask : public detail::additive_term {
+public:
+    static_assert(std::is_floating_point_v<T>, "attend: additive_mask<T> needs a floating-point T");
+    static constexpr bool has_query_padding = false;
+
+    /// From values to add to the scores (PyTorch's float attn_mask in both SDPA and nn.MultiheadAttention).
+    template <class Tensor>
+    static additive_mask from_values(const Tensor& t) {
+        auto [values, dims] = detail::read_dense<T>(t, "additive mask");
+        for (std::size_t n = 0; n < values.size(); ++n)
+            if (std::isnan(values[n]) || values[n] == std::numeric_limits<T>::infinity())
+                throw value_error("attend.value.additive_mask",
+                                  concat_position(values[n], n, dims.dims));
+        return additive_mask(std::make_shared<const std::vector<T>>(std::move(values)), std::move(dims));
+    }
+    /// Same as from_values: PyTorch's float masks are additive in every API.
+    template <class Tensor>
+    static additive_mask from_torch(const Tensor& t) {
+        return from_values(t);
+    }
+
+    const std::vector<index>& dims() const { return dims_.dims; }
+
+    detail::bound_dense_additive<T> bind(const attention_shape& s) const {
+        detail::bound_dense_additive<T> bound;
+        bound.data = values_->data();
+        bound.strides = dims_.broadcast_strides(s, "additive mask");
+        return bound;
+    }
+
+private:
+    additive_mask(std::shared_ptr<const std::vector<T>> values, detail::dense_dims dims)
+        : values_(std::move(values)), dims_(std::move(dims)) {}
+    static std::string concat_position(T value, std::size_t flat, const std::vector<index>& dims) {
+        return detail::concat("additive mask ", detail::format_shape(dims), " holds ", value, " at flat index ", flat,
+                              "; entries must be finite or -inf (-inf forbids)");
+    }
+
+    std::shared_ptr<const std::vector<T>> values_;
+    detail::dense_dims dims_;
+};
+
+/// No mask: every query may attend every key.
+struct no_mask : detail::boolean_term {
+    static constexpr bool has_query_padding = false;
+    detail::bound_everything bind(const attention_shape&) const { return {}; }
+};
+
+namespace detail {
+inline index alignment_offset(alignment a, const attention_shape& s) {
+    return a == alignment::bottom_right ? s.key_len - s.query_len : 0;
+}
+
+inline std::shared_ptr<const std::vector<index>> checked_lengths(const std::vector<index>& lengths, index batch,
+                                                                index limit, const char* what, const char* limit_name) {
+    if (static_cast<index>(lengths.size()) != batch)
+        throw mask_error("attend.mask.lengths_batch", concat(what, " has ", lengths.size(), " lengths for batch ",
+                                                             batch, " (one length per sequence)"));
+    for (std::size_t b = 0; b < lengths.size(); ++b)
+        if (lengths[b] < 0 || lengths[b] > limit)
+            throw mask_error("attend.mask.length_range", concat(what, " length ", lengths[b], " of batch ", b,
+                                                                " is outside [0, ", limit_name, " = ", limit, ']'));
+    return std::make_shared<const std::vector<index>>(lengths);
+}
+}  // namespace detail
+
+/// Causal rule: with alignment::top_left query i sees keys j <= i (PyTorch's is_causal); with
+/// alignment::bottom_right, j <= i + key_len - query_len (KV-cache decoding). The alignment is required because
+/// the two differ exactly when query_len != key_len, where silent bugs live.
+struct causal_rule : detail::boolean_term {
+    static constexpr bool has_query_padding = false;
+    alignment align;
+
+    detail::bound_band bind(const attention_shape& s) const {
+        detail::bound_band band;
+        band.offset = detail::alignment_offset(align, s);
+        band.left = s.query_len + s.key_len;
+        band.right = 0;
+        band.key_len = s.key_len;
+        return band;
+    }
+};
+inline causal_rule causal(alignment a) { return causal_rule{{}, a}; }
+
+/// Sliding window: query i sees keys j with i' - left <= j <= i' + right, i' = i (top_left) or
+/// i + key_len - query_len (bottom_right). Negative sizes are a mask_error (attend.mask.window).
+struct sliding_window_rule : detail::boolean_term {
+    static constexpr bool has_query_padding = false;
+    index left = 0;
+    index right = 0;
+    alignment align = alignment::top_left;
+
+    detail::bound_band bind(const attention_shape& s) const {
+        detail::bound_band band;
+        band.offset = detail::alignment_offset(align, s);
+        band.left = std::min(left, s.query_len + s.key_len);
+        band.right = std::min(right, s.query_len + s.key_len);
+        band.key_len = s.key_len;
+        return band;
+    }
+};
+inline sliding_window_rule sliding_window(index left, index right, alignment a = alignment::top_left) {
+    if (left < 0 || right < 0)
+        throw mask_error("attend.mask.window",
+                         detail::concat("sliding_window(left ", left, ", right ", right, ") needs sizes >= 0"));
+    return sliding_window_rule{{}, left, right, a};
+}
+
+/// Prefix LM: every query sees the first prefix_len keys, and the rest causally (j <= i' as in causal).
+struct prefix_lm_rule : detail::boolean_term {
+    static constexpr bool has_query_padding = false;
+    index prefix_len = 0;
+    alignment align = alignment::top_left;
+
+    detail::bound_prefix_lm bind(const attention_shape& s) const {
+        if (prefix_len > s.key_len)
+            throw mask_error("attend.mask.prefix_len", detail::concat("prefix_lm prefix_len ", prefix_len,
+                                                                      " exceeds key_len ", s.key_len));
+        detail::bound_prefix_lm rule;
+        rule.prefix_len = prefix_len;
+        rule.offset = detail::alignment_offset(align, s);
+        rule.key_len = s.key_len;
+        return rule;
+    }
+};
+inline prefix_lm_rule prefix_lm(index prefix_len, alignment a = alignment::top_left) {
+    if (prefix_len < 0)
+        throw mask_error("attend.mask.prefix_len", detail::concat("prefix_lm prefix_len ", prefix_len, " is negative"));
+    return prefix_lm_rule{{}, prefix_len, a};
+}
+
+/// Key padding: in sequence b only keys j < lengths[b] exist. One length per batch entry, 0 <= length <= key_len.
+struct key_padding_rule : detail::boolean_term {
+    static constexpr bool has_query_padding = false;
+    std::vector<index> lengths;
+
+    detail::bound_key_padding bind(const attention_shape& s) const {
+        detail::bound_key_padding rule;
+        rule.lengths = detail::checked_lengths(lengths, s.batch, s.key_len, "key_padding", "key_len");
+        return rule;
+    }
+};
+inline key_padding_rule key_padding(std::vector<index> lengths) { return key_padding_rule{{}, std::move(lengths)}; }
+
+/// Query padding: in sequence b queries i >= lengths[b] are padding. Their output and weight rows are zero and
+/// lse is -inf whatever the empty-row policy, because masking keys never removes a padded query.
+struct query_padding_rule : detail::boolean_term {
+    static constexpr bool has_query_padding = true;
+    std::vector<index> lengths;
+
+    detail::bound_query_padding bind(const attention_shape& s) const {
+        detail::bound_query_padding rule;
+        rule.lengths = detail::checked_lengths(lengths, s.batch, s.query_len, "query_padding", "query_len");
+        rule.key_len = s.key_len;
+        return rule;
+    }
+};
+inline query_padding_rule query_padding(std::vector<index> lengths) {
+    return query_padding_rule{{}, std::move(lengths)};
+}
+
+/// Block diagonal for packed variable-length batches: the sequence axis holds sequences of the given lengths back
+/// to back, and a query sees only keys of its own sequence. Needs query_len == key_len == sum of lengths.
+struct block_diagonal_rule : detail::boolean_term {
+    static constexpr bool has_query_padding = false;
+    std::vector<index> sequence_lengths;
+
+    detail::bound_block_diagonal bind(const attention_shape& s) const {
+        std::vector<index> starts{0};
+        for (index n : sequence_lengths) {
+            if (n < 0)
+                throw mask_error("attend.mask.block_lengths",
+                                 detail::concat("block_diagonal sequence length ", n, " is negative"));
+            starts.push_back(starts.back() + n);
+        }
+        if (starts.back() != s.query_len || starts.back() != s.key_len)
+            throw mask_error("attend.mask.block_lengths",
+                             detail::concat("block_diagonal sequence lengths sum to ", starts.back(),
+                                            " but query_len is ", s.query_len, " and key_len is ", s.key_len,
+                                            " (packed sequences need all three equal)"));
+        detail::bound_block_diagonal rule;
+        rule.starts = std::make_shared<const std::vector<index>>(std::move(starts));
+        return rule;
+    }
+};
+inline block_diagonal_rule block_diagonal(std::vector<index> sequence_lengths) {
+    return block_diagonal_rule{{}, std::move(sequence_lengths)};
+}
+
+/// a && b: allowed where both allow.
+template <class A, class B>
+struct mask_and : detail::boolean_term {
+    static constexpr bool has_query_padding = A::has_query_padding || B::has_query_padding;
+    A a;
+    B b;
+    auto bind(const attention_shape& s) const {
+        using bound = detail::bound_intersection<decltype(a.bind(s)), decltype(b.bind(s))>;
+        return bound{a.bind(s), b.bind(s)};
+    }
+};
+
+/// a || b: allowed where either allows.
+template <class A, class B>
+struct mask_or : detail::boolean_term {
+    static constexpr bool has_query_padding = A::has_query_padding && B::has_query_padding;
+    A a;
+    B b;
+    auto bind(const attention_shape& s) const {
+        using bound = detail::bound_union<decltype(a.bind(s)), decltype(b.bind(s))>;
+        return bound{a.bind(s), b.bind(s)};
+    }
+};
+
+/// !a: allowed where a forbids.
+template <class A>
+struct mask_not : detail::boolean_term {
+    static constexpr bool has_query_padding = false;
+    A a;
+    auto bind(const attention_shape& s) const {
+        using bound = detail::bound_complement<decltype(a.bind(s))>;
+        return bound{a.bind(s)};
+    }
+};
+
+/// a + b: additive terms add; a Boolean term contributes 0 where allowed and -inf where not.
+template <class A, class B>
+struct mask_sum : detail::additive_term {
+    static constexpr bool has_query_padding = A::has_query_padding || B::has_query_padding;
+    A a;
+    B b;
+    auto bind(const attention_shape& s) const {
+        using bound = detail::bound_intersection<decltype(a.bind(s)), decltype(b.bind(s))>;
+        return bound{a.bind(s), b.bind(s)};
+    }
+};
+
+namespace detail {
+
+/// Compile-time checks of an operand of && || !, with the message saying which conversion to call.
+template <class E>
+constexpr void require_allowed_operand() {
+    static_assert(!is_forbidden_v<E>,
+                  "attend: a forbidden_mask (true = blocked) is not an allowed set; convert it explicitly with "
+                  "attend::to_allowed(mask) before combining it with && || !");
+    static_assert(!is_additive_v<E>, "attend: additive masks combine with +, not with && || !");
+    static_assert(is_mask_like_v<E>, "attend: && || ! combine attend masks only (allowed_mask, causal(...), ...)");
+}
+
+template <class E>
+constexpr void require_sum_operand() {
+    static_assert(!is_forbidden_v<E>,
+                  "attend: a forbidden_mask (true = blocked) cannot enter an additive expression; convert it "
+                  "explicitly with attend::to_allowed(mask)");
+    static_assert(is_mask_v<E>, "attend: + combines attend masks only (additive_mask, allowed sets)");
+}
+
+template <class A, class B>
+inline constexpr bool any_mask_like_v = is_mask_like_v<A> || is_mask_like_v<B>;
+
+}  // namespace detail
+
+/// Intersection of two allowed sets.
+template <class A, class B, std::enable_if_t<detail::any_mask_like_v<A, B>, int> = 0>
+auto operator&&(const A& a, const B& b) {
+    detail::require_allowed_operand<A>();
+    detail::require_allowed_operand<B>();
+    return mask_and<A, B>{{}, a, b};
+}
+
+/// Union of two allowed sets.
+template <class A, class B, std::enable_if_t<detail::any_mask_like_v<A, B>, int> = 0>
+auto operator||(const A& a, const B& b) {
+    detail::require_allowed_operand<A>();
+    detail::require_allowed_operand<B>();
+    return mask_or<A, B>{{}, a, b};
+}
+
+/// Complement of an allowed set.
+template <class A, std::enable_if_t<detail::is_mask_like_v<A>, int> = 0>
+auto operator!(const A& a) {
+    detail::require_allowed_operand<A>();
+    static_assert(!A::has_query_padding,
+                  "attend: query_padding marks padded queries; its complement has no meaning, apply it with && "
+                  "outside the negation");
+    return mask_not<A>{{}, a};
+}
+
+/// Sum of additive terms; at least one side is additive (for two allowed sets use &&).
+template <class A, class B, std::enable_if_t<detail::any_mask_like_v<A, B>, int> = 0>
+auto operator+(const A& a, const B& b) {
+    detail::require_sum_operand<A>();
+    detail::require_sum_operand<B>();
+    static_assert(detail::is_additive_v<A> || detail::is_additive_v<B>,
+                  "attend: + needs an additive term; intersect two allowed sets with &&");
+    return mask_sum<A, B>{{}, a, b};
+}
+
+namespace detail {
+
+/// The compile-time gate of every function that takes a mask, with the message naming the conversion.
+template <class Mask>
+constexpr void require_mask() {
+    static_assert(!is_forbidden_v<Mask>,
+                  "attend: attention takes allowed sets; a forbidden_mask (true = blocked) must be converted "
+                  "explicitly with attend::to_allowed(mask)");
+    static_assert(is_mask_v<Mask>,
+                  "attend: the mask argument must be an attend mask: wrap Boolean tensors with "
+                  "allowed_mask::from_torch_sdpa / forbidden_mask::from_torch_mha, float tensors with "
+                  "additive_mask<T>::from_values, or use a rule such as causal(alignment::top_left)");
+}
+
+inline attention_shape scores_only(const score_shape& s) {
+    attention_shape a;
+    a.batch = s.batch;
+    a.heads = s.heads;
+    a.kv_heads = s.heads;
+    a.query_len = s.query_len;
+    a.key_len = s.key_len;
+    a.head_dim = 1;
+    a.value_dim = 1;
+    a.rank = 4;
+    return a;
+}
+
+}  // namespace detail
+
+/// The allowed set of a mask expression as a dense allowed_mask `[batch, heads, query_len, key_len]`, for
+/// inspection and tests. Additive expressions give their support (entries other than -inf).
+template <class Mask>
+allowed_mask materialize(const Mask& mask, const score_shape& shape) {
+    detail::require_mask<Mask>();
+    const auto bound = mask.bind(detail::scores_only(shape));
+    tensor<bool, 4> dense(shape.batch, shape.heads, shape.query_len, shape.key_len);
+    for (index b = 0; b < shape.batch; ++b)
+        for (index h = 0; h < shape.heads; ++h)
+            for (index i = 0; i < shape.query_len; ++i)
+                for (index j = 0; j < shape.key_len; ++j) dense(b, h, i, j) = bound.allowed(b, h, i, j);
+    return allowed_mask::true_means_allowed(dense);
+}
+
+/// Tile classification of a mask expression for one shape, as the kernels see it.
+template <class Mask>
+tile_class classify(const Mask& mask, const score_shape& shape, const tile& t) {
+    detail::require_mask<Mask>();
+    return mask.bind(detail::scores_only(shape)).classify(t);
+}
+
+/// Draws the allowed grid, one line per query (`q0: k0`, `q1: k0 k1`, ...); padded queries read `(padded)`,
+/// queries with no allowed key `(none)`. With several batches or heads each grid gets a `batch b, head h:` line.
+template <class Mask>
+std::string to_string(const Mask& mask, const score_shape& shape) {
+    detail::require_mask<Mask>();
+    const auto bound = mask.bind(detail::scores_only(shape));
+    std::ostringstream s;
+    for (index b = 0; b < shape.batch; ++b)
+        for (index h = 0; h < shape.heads; ++h) {
+            if (shape.batch * shape.heads > 1) s << "batch " << b << ", head " << h << ":\n";
+            for (index i = 0; i < shape.query_len; ++i) {
+                s << 'q' << i << ':';
+                if (bound.query_padded(b, i)) {
+                    s << " (padded)\n";
+                    continue;
+                }
+                bool any = false;
+                for (index j = 0; j < shape.key_len; ++j)
+                    if (bound.allowed(b, h, i, j)) {
+                        s << " k" << j;
+                        any = true;
+                    }
+                s << (any ? "\n" : " (none)\n");
+            }
+        }
+    return s.str();
+}
+
+}  // namespace attend

@@ -1,0 +1,759 @@
+#pragma once
+/// Multi-head attention as nn.MultiheadAttention computes it, weights loadable 1:1:
+///   Q = query Wq^T + bq `[batch, query_len, heads * head_dim]`, K = key Wk^T + bk, V = value Wv^T + bv
+///   `[batch, key_len, kv_heads * head_dim]`, head h = attention(Q_h, K_{h / group}, V_{h / group}),
+///   out = concat_h(head h) Wo^T + bo `[batch, query_len, model_dim]`.
+/// The trap the seed notes warn about is the head split: a projected row holds the heads side by side, so
+/// `[batch, len, heads * head_dim]` must become `[batch, heads, len, head_dim]` by a transpose, not a reshape.
+/// attend never copies either way: heads are strided views of the projected buffers (split_heads), and the
+/// attention of every head is written straight into its slice of the `[batch, query_len, heads * head_dim]` buffer
+/// the output projection reads.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "cache.hpp"
+#include "detail/dropout.hpp"
+#include "error.hpp"
+#include "mask.hpp"
+#include "position.hpp"
+#include "sdpa.hpp"
+#include "shape.hpp"
+#include "tensor.hpp"
+
+namespace attend {
+
+/// Sizes of a multi_head_attention. The sizes that default to another one are 0 in the struct and mean "the
+/// same as": kv_heads = 0 is heads (plain multi-head attention), key_dim = 0 and value_dim = 0 are model_dim
+/// (self-attention widths). `mha_config{512, 8}` is nn.MultiheadAttention(512, 8).
+struct mha_config {
+    index model_dim = 0;  ///< E: width of the query input and of the output (PyTorch's embed_dim)
+    index heads = 0;      ///< query heads; head_dim = model_dim / heads, for queries, keys and values alike
+    index kv_heads = 0;   ///< key/value heads, 0 = heads; heads % kv_heads == 0 (grouped-query; 1 = multi-query)
+    index key_dim = 0;    ///< width of the key input (PyTorch's kdim), 0 = model_dim
+    index value_dim = 0;  ///< width of the value input (PyTorch's vdim), 0 = model_dim
+    bool bias = true;     ///< in-projection and out-projection biases, as nn.MultiheadAttention(bias=...)
+    double dropout = 0;   ///< probability of dropping an attention weight, applied only with training = true
+
+    /// A copy with every 0 default replaced by what it stands for.
+    mha_config resolved() const {
+        mha_config c = *this;
+        if (c.kv_heads == 0) c.kv_heads = c.heads;
+        if (c.key_dim == 0) c.key_dim = c.model_dim;
+        if (c.value_dim == 0) c.value_dim = c.model_dim;
+        return c;
+    }
+};
+
+/// The key padding of a multi-head attention call, in nn.MultiheadAttention's key_padding_mask convention:
+/// what it names is ignored. Either lengths (keys j >= lengths[b] of sequence b are padding; also
+/// key_padding(lengths)) or a forbidden_mask `[batch, key_len]`, true = ignore this key. An allowed_mask (true =
+/// may attend) does not convert: the compiler says to call to_forbidden, so the meaning cannot flip silently.
+class mha_key_padding {
+public:
+    enum class kind { none, lengths, forbidden };
+
+    /// No key padding.
+    mha_key_padding() = default;
+    /// Sequence b has lengths[b] real keys; the rest are padding.
+    mha_key_padding(std::vector<index> lengths) : kind_(kind::lengths), lengths_(std::move(lengths)) {}
+    /// Sequence b has lengths[b] real keys; the rest are padding.
+    mha_key_padding(std::initializer_list<index> lengths) : kind_(kind::lengths), lengths_(lengths) {}
+    /// The rule key_padding(lengths).
+    mha_key_padding(key_padding_rule rule) : kind_(kind::lengths), lengths_(std::move(rule.lengths)) {}
+    /// PyTorch's key_padding_mask `[batch, key_len]`: true = ignore this key.
+    mha_key_padding(forbidden_mask mask) : kind_(kind::forbidden), mask_(std::move(mask)) {}
+
+    /// Anything else does not compile, with the message saying what to write instead.
+    template <class M, std::enable_if_t<!std::is_same_v<std::decay_t<M>, forbidden_mask> &&
+                                            !std::is_same_v<std::decay_t<M>, key_padding_rule> &&
+                                            (detail::is_mask_like_v<std::decay_t<M>> ||
+                                             detail::tensor_traits<std::decay_t<M>>::supported),
+                                        int> = 0>
+    mha_key_padding(const M&) {
+        using m = std::decay_t<M>;
+        static_assert(!std::is_same_v<m, allowed_mask>,
+                      "attend: key_padding follows nn.MultiheadAttention's key_padding_mask convention (true = "
+                      "ignore this key); an allowed_mask (true = may attend) must be converted explicitly with "
+                      "attend::to_forbidden(mask)");
+        static_assert(!detail::tensor_traits<m>::supported,
+                      "attend: wrap a bool key_padding_mask tensor in attend::forbidden_mask::from_torch_mha(t) "
+                      "(true = ignore this key) before passing it as key_padding");
+        static_assert(!detail::is_mask_like_v<m> || std::is_same_v<m, allowed_mask>,
+                      "attend: key_padding takes lengths or a forbidden_mask [batch, key_len]; pass other masks "
+                      "as the mask argument of forward");
+    }
+
+    kind which() const { return kind_; }
+    bool empty() const { return kind_ == kind::none; }
+    const std::vector<index>& lengths() const { return lengths_; }
+    const std::optional<forbidden_mask>& mask() const { return mask_; }
+
+private:
+    kind kind_ = kind::none;
+    std::vector<index> lengths_;
+    std::optional<forbidden_mask> mask_;
+};
+
+/// Options of multi_head_attention::forward and forward_cached.
+struct mha_options {
+    mha_key_padding key_padding;  ///< lengths or a forbidden_mask [batch, key_len] (true = ignore), combined
+                                  ///< with the mask argument by &&
+    bool need_weights = false;    ///< fill result.weights (averaged) or result.head_weights (per head)
+    bool average_weights = true;  ///< with need_weights: mean over heads `[batch, query_len, key_len]` as
+                                  ///< PyTorch's average_attn_weights=True; false: per head `[batch, heads, ...]`
+    bool weights_after_dropout = false;  ///< weights as used (dropped, rescaled) instead of the probabilities
+                                         ///< (PyTorch returns them after dropout in training)
+    bool training = false;               ///< dropout (config.dropout) only when true; never in eval
+    std::uint64_t dropout_seed = 0;      ///< with (batch, head, query, key) it fixes which weights drop
+    std::optional<rotary_embedding> rotary;  ///< rotates each head of the projected Q and K
+    index position_offset = 0;  ///< global position of query 0 and key 0 for rotary; forward_cached adds the
+                                ///< cache length (new token i sits at position_offset + cache.length() + i)
+    attend::empty_rows empty_rows = attend::empty_rows::error;
+    std::optional<double> scale;  ///< default 1 / sqrt(head_dim), as nn.MultiheadAttention
+    int threads = 0;              ///< attention kernel threads, 0 = hardware concurrency
+    attend::kernel kernel = attend::kernel::automatic;
+    bool check_finite = true;  ///< reject NaN / Inf in the inputs and projections (value_error)
+};
+
+/// Result of multi_head_attention::forward.
+template <class T>
+struct mha_result {
+    tensor<T, 3> out;           ///< `[batch, query_len, model_dim]`
+    tensor<T, 3> weights;       ///< `[batch, query_len, key_len]`, mean over heads; need_weights && average_weights
+    tensor<T, 4> head_weights;  ///< `[batch, heads, query_len, key_len]`; need_weights && !average_weights
+};
+
+/// nn.MultiheadAttention's parameters under their PyTorch names (`out_proj.weight` is out_proj_weight). An
+/// empty tensor (size 0) is an absent parameter: give in_proj_weight, or q/k/v_proj_weight (PyTorch uses them
+/// when kdim or vdim != embed_dim), and the biases only when bias = true.
+template <class T>
+struct torch_mha_parameters {
+    tensor<T, 2> in_proj_weight;   ///< `[3E, E]`, rows q, k, v
+    tensor<T, 2> q_proj_weight;    ///< `[heads * head_dim, E]`
+    tensor<T, 2> k_proj_weight;    ///< `[kv_heads * head_dim, kdim]`
+    tensor<T, 2> v_proj_weight;    ///< `[kv_heads * head_dim, vdim]`
+    tensor<T, 1> in_proj_bias;     ///< `[3E]` (q, k, v; `heads*head_dim + 2*kv_heads*head_dim` under GQA)
+    tensor<T, 2> out_proj_weight;  ///< out_proj.weight `[E, heads * head_dim]`
+    tensor<T, 1> out_proj_bias;    ///< out_proj.bias `[E]`
+};
+
+namespace detail {
+namespace mha_init {
+
+/// A uniform double in [0, 1) for element `counter` of stream `stream` of seed `seed`: a counter-based
+/// generator (SplitMix64 finalizers), the same numbers on every platform and in any fill order.
+inline double uniform(std::uint64_t seed, std::uint64_t stream, std::uint64_t counter) {
+    std::uint64_t x = mix64(seed ^ 0xd1b54a32d192ed03ULL);
+    x = mix64(x ^ stream);
+    x = mix64(x ^ counter);
+    return static_cast<double>(x >> 11) * 0x1.0p-53;
+}
+
+/// Fills w with U(-bound, bound) draws: element k gets counter first_counter + k of the stream.
+template <class T>
+void fill_uniform(tensor<T, 2>& w, double bound, std::uint64_t seed, std::uint64_t stream,
+                  std::uint64_t first_counter = 0) {
+    for (index k = 0; k < w.size(); ++k)
+        w.data()[k] =
+            static_cast<T>(bound * (2.0 * uniform(seed, stream, first_counter + static_cast<std::uint64_t>(k)) - 1.0));
+}
+
+/// torch.nn.init.xavier_uniform_ (gain 1) for a weight `[fan_out, fan_in]`.
+inline double xavier_bound(index fan_out, index fan_in) {
+    return std::sqrt(6.0 / static_cast<double>(fan_in + fan_out));
+}
+
+}  // namespace mha_init
+
+/// Rank-3 row-major input of T, checked at compile time.
+template <class X, class T>
+constexpr void require_mha_input() {
+    using traits = tensor_traits<std::decay_t<X>>;
+    static_assert(traits::supported && !std::is_same_v<std::decay_t<X>, strided_view<T>> &&
+                      !std::is_same_v<std::decay_t<X>, strided_view<const T>>,
+                  "attend: multi-head attention inputs are attend::tensor<T, 3> [batch, len, dim] or an "
+                  "Eigen::TensorMap of one");
+    if constexpr (traits::supported) {
+        static_assert(traits::row_major,
+                      "attend: multi-head attention inputs must be Eigen::RowMajor (PyTorch's layout, last axis "
+                      "contiguous)");
+        static_assert(traits::rank == 3, "attend: multi-head attention inputs have rank 3 [batch, len, dim]");
+        static_assert(std::is_same_v<typename traits::scalar, T>,
+                      "attend: multi-head attention inputs must have the scalar type of the module");
+    }
+}
+
+template <class X>
+std::array<index, 3> dims3(const X& x) {
+    return {x.dimension(0), x.dimension(1), x.dimension(2)};
+}
+
+/// Intersection of a user mask with a rule: && for allowed sets, + for additive expressions.
+template <class A, class B>
+auto combine_masks(const A& a, const B& b) {
+    if constexpr (is_additive_v<A>) return a + b;
+    else return a && b;
+}
+
+/// A `[batch, key_len]` forbidden mask as the allowed mask `[batch, 1, 1, key_len]` it means for the scores.
+/// Throws mask_error `attend.mask.key_padding_shape` unless it is exactly `[batch, key_len]`.
+inline allowed_mask key_padding_allowed(const forbidden_mask& m, index batch, index key_len) {
+    const auto& d = m.dims();
+    if (d.size() != 2 || d[0] != batch || d[1] != key_len)
+        throw mask_error("attend.mask.key_padding_shape",
+                         concat("key_padding mask ", format_shape(d), " must be [batch, key_len] = ",
+                                format_shape(std::array<index, 2>{batch, key_len}),
+                                " (nn.MultiheadAttention's key_padding_mask, true = ignore this key)"));
+    // Read the values through the mask's own binding against scores [1, 1, batch, key_len].
+    attention_shape s;
+    s.batch = 1;
+    s.heads = 1;
+    s.kv_heads = 1;
+    s.query_len = batch;
+    s.key_len = key_len;
+    s.head_dim = 1;
+    s.value_dim = 1;
+    s.rank = 4;
+    const auto bound = to_allowed(m).bind(s);
+    tensor<bool, 4> allowed(batch, 1, 1, key_len);
+    for (index b = 0; b < batch; ++b)
+        for (index j = 0; j < key_len; ++j) allowed(b, 0, 0, j) = bound.allowed(0, 0, b, j);
+    return allowed_mask::true_means_allowed(allowed);
+}
+
+/// Calls f with the user mask combined with the key padding of the options.
+template <class Mask, class F>
+void with_key_padding(const Mask& mask, const mha_key_padding& padding, index batch, index key_len, F&& f) {
+    switch (padding.which()) {
+        case mha_key_padding::kind::none:
+            f(mask);
+            return;
+        case mha_key_padding::kind::lengths:
+            f(combine_masks(mask, key_padding(padding.lengths())));
+            return;
+        case mha_key_padding::kind::forbidden:
+            f(combine_masks(mask, key_padding_allowed(*padding.mask(), batch, key_len)));
+            return;
+    }
+}
+
+}  // namespace detail
+
+/// Multi-head attention with nn.MultiheadAttention's weight layout (batch_first) and initialisation, plus
+/// grouped-query heads, rotary embeddings and KV-cache decoding. T is float or double.
+/// Weights: q `[heads * head_dim, model_dim]`, k `[kv_heads * head_dim, key_dim]`, v `[kv_heads * head_dim,
+/// value_dim]`, out `[model_dim, heads * head_dim]`; biases q `[heads * head_dim]`, k and v `[kv_heads *
+/// head_dim]`, out `[model_dim]` (all empty when bias = false).
+template <class T>
+class multi_head_attention {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                  "attend: multi_head_attention<T> is defined for float and double");
+
+public:
+    /// Initialised as nn.MultiheadAttention._reset_parameters does: xavier_uniform_ on the in-projection (the
+    /// packed [3E, E] when key_dim == value_dim == model_dim and kv_heads == heads, else each weight), zero
+    /// in-projection bias, out weight U(-1/sqrt(E), 1/sqrt(E)) (nn.Linear's kaiming_uniform_(a=sqrt(5))),
+    /// zero out bias; the numbers come from a counter-based generator seeded by `seed` (platform-independent;
+    /// not torch's stream: load trained weights with from_torch).
+    /// Throws value_error `attend.value.size` (model_dim or heads < 1, kv_heads, key_dim or value_dim < 0),
+    /// shape_error `attend.shape.model_dim_heads` (model_dim % heads != 0), `attend.shape.gqa`
+    /// (heads % kv_heads != 0), value_error `attend.value.dropout` (dropout outside [0, 1)).
+    explicit multi_head_attention(const mha_config& config, std::uint64_t seed = 0) : config_(validated(config)) {
+        allocate();
+        const index E = config_.model_dim;
+        if (packed()) {
+            // One xavier draw over the packed [3E, E]: fan_in E, fan_out 3E, rows q, k, v.
+            const double bound = detail::mha_init::xavier_bound(3 * E, E);
+            const auto block = static_cast<std::uint64_t>(E * E);
+            detail::mha_init::fill_uniform(wq_, bound, seed, 0, 0);
+            detail::mha_init::fill_uniform(wk_, bound, seed, 0, block);
+            detail::mha_init::fill_uniform(wv_, bound, seed, 0, 2 * block);
+        } else {
+            detail::mha_init::fill_uniform(wq_, detail::mha_init::xavier_bound(wq_.dimension(0), wq_.dimension(1)),
+                                           seed, 1);
+            detail::mha_init::fill_uniform(wk_, detail::mha_init::xavier_bound(wk_.dimension(0), wk_.dimension(1)),
+                                           seed, 2);
+            detail::mha_init::fill_uniform(wv_, detail::mha_init::xavier_bound(wv_.dimension(0), wv_.dimension(1)),
+                                           seed, 3);
+        }
+        detail::mha_init::fill_uniform(wo_, 1.0 / std::sqrt(static_cast<double>(wo_.dimension(1))), seed, 4);
+    }
+
+    /// Loads nn.MultiheadAttention's parameters 1:1 (see torch_mha_parameters). Throws what the constructor
+    /// throws, and shape_error `attend.shape.torch_weight` naming the parameter and both shapes when one has the
+    /// wrong shape, is missing, or is given where it has no place (in_proj_weight with kdim/vdim != embed_dim or
+    /// kv_heads != heads, both in_proj_weight and q/k/v_proj_weight, a bias with bias = false).
+    static multi_head_attention from_torch(const mha_config& config, const torch_mha_parameters<T>& p) {
+        multi_head_attention m(config, no_init{});
+        m.load(p);
+        return m;
+    }
+
+    /// Packed form: in_proj_weight `[3E, E]` (rows q, k, v), in_proj_bias `[3E]`, out_proj.weight `[E, E]`,
+    /// out_proj.bias `[E]`; pass empty tensors `{}` for the biases of a bias = false module.
+    static multi_head_attention from_torch(const mha_config& config, const tensor<T, 2>& in_proj_weight,
+                                           const tensor<T, 1>& in_proj_bias, const tensor<T, 2>& out_proj_weight,
+                                           const tensor<T, 1>& out_proj_bias) {
+        torch_mha_parameters<T> p;
+        p.in_proj_weight = in_proj_weight;
+        p.in_proj_bias = in_proj_bias;
+        p.out_proj_weight = out_proj_weight;
+        p.out_proj_bias = out_proj_bias;
+        return from_torch(config, p);
+    }
+
+    /// Separate form (kdim / vdim != embed_dim): q_proj_weight `[E, E]`, k_proj_weight `[E, kdim]`,
+    /// v_proj_weight `[E, vdim]`, in_proj_bias `[3E]`, out_proj.weight, out_proj.bias.
+    static multi_head_attention from_torch(const mha_config& config, const tensor<T, 2>& q_proj_weight,
+                                           const tensor<T, 2>& k_proj_weight, const tensor<T, 2>& v_proj_weight,
+                                           const tensor<T, 1>& in_proj_bias, const tensor<T, 2>& out_proj_weight,
+                                           const tensor<T, 1>& out_proj_bias) {
+        torch_mha_parameters<T> p;
+        p.q_proj_weight = q_proj_weight;
+        p.k_proj_weight = k_proj_weight;
+        p.v_proj_weight = v_proj_weight;
+        p.in_proj_bias = in_proj_bias;
+        p.out_proj_weight = out_proj_weight;
+        p.out_proj_bias = out_proj_bias;
+        return from_torch(config, p);
+    }
+
+    /// The parameters under PyTorch's names, packed exactly when nn.MultiheadAttention would pack them.
+    torch_mha_parameters<T> to_torch() const {
+        torch_mha_parameters<T> p;
+        if (packed()) {
+            const index rows = wq_.dimension(0), E = config_.model_dim;
+            p.in_proj_weight = tensor<T, 2>(3 * rows, E);
+            std::copy(wq_.data(), wq_.data() + wq_.size(), p.in_proj_weight.data());
+            std::copy(wk_.data(), wk_.data() + wk_.size(), p.in_proj_weight.data() + wq_.size());
+            std::copy(wv_.data(), wv_.data() + wv_.size(), p.in_proj_weight.data() + wq_.size() + wk_.size());
+        } else {
+            p.q_proj_weight = wq_;
+            p.k_proj_weight = wk_;
+            p.v_proj_weight = wv_;
+        }
+        if (config_.bias) {
+            p.in_proj_bias = tensor<T, 1>(bq_.size() + bk_.size() + bv_.size());
+            std::copy(bq_.data(), bq_.data() + bq_.size(), p.in_proj_bias.data());
+            std::copy(bk_.data(), bk_.data() + bk_.size(), p.in_proj_bias.data() + bq_.size());
+            std::copy(bv_.data(), bv_.data() + bv_.size(), p.in_proj_bias.data() + bq_.size() + bk_.size());
+            p.out_proj_bias = bo_;
+        }
+        p.out_proj_weight = wo_;
+        return p;
+    }
+
+    /// The configuration with every 0 default resolved.
+    const mha_config& config() const { return config_; }
+    /// model_dim / heads: the width of one query, key and value head.
+    index head_dim() const { return config_.model_dim / config_.heads; }
+    /// True when nn.MultiheadAttention would hold one packed in_proj_weight (_qkv_same_embed_dim, no GQA).
+    bool packed() const {
+        return config_.key_dim == config_.model_dim && config_.value_dim == config_.model_dim &&
+               config_.kv_heads == config_.heads;
+    }
+    /// Number of learned scalars, PyTorch's sum(p.numel() for p in module.parameters()).
+    index parameter_count() const {
+        return wq_.size() + wk_.size() + wv_.size() + wo_.size() + bq_.size() + bk_.size() + bv_.size() +
+               bo_.size();
+    }
+
+    const tensor<T, 2>& q_weight() const { return wq_; }    ///< `[heads * head_dim, model_dim]`
+    const tensor<T, 2>& k_weight() const { return wk_; }    ///< `[kv_heads * head_dim, key_dim]`
+    const tensor<T, 2>& v_weight() const { return wv_; }    ///< `[kv_heads * head_dim, value_dim]`
+    const tensor<T, 2>& out_weight() const { return wo_; }  ///< `[model_dim, heads * head_dim]`
+    const tensor<T, 1>& q_bias() const { return bq_; }      ///< `[heads * head_dim]`, empty without bias
+    const tensor<T, 1>& k_bias() const { return bk_; }      ///< `[kv_heads * head_dim]`, empty without bias
+    const tensor<T, 1>& v_bias() const { return bv_; }      ///< `[kv_heads * head_dim]`, empty without bias
+    const tensor<T, 1>& out_bias() const { return bo_; }    ///< `[model_dim]`, empty without bias
+
+    /// An empty cache sized for this module: `[batch, kv_heads, capacity, head_dim]` keys and values.
+    kv_cache<T> make_cache(index batch, index capacity) const {
+        return kv_cache<T>(batch, config_.kv_heads, capacity, head_dim(), head_dim());
+    }
+
+    /// Attention of query `[batch, query_len, model_dim]` over key `[batch, key_len, key_dim]` and value
+    /// `[batch, key_len, value_dim]` (self-attention: pass the same tensor three times) under `mask` (an allowed
+    /// set or additive expression over scores `[batch, heads, query_len, key_len]`, e.g.
+    /// to_allowed(forbidden_mask::from_torch_mha(attn_mask)) or causal(alignment::top_left)), intersected with
+    /// options.key_padding. Padded queries (query_padding in the mask) get zero output and weight rows.
+    /// Throws shape_error `attend.shape.model_dim` (an input's last dim differs from model_dim / key_dim /
+    /// value_dim), `attend.shape.batch`, `attend.shape.key_len`, `attend.shape.empty_keys`, and what
+    /// scaled_dot_product_attention and rotary_embedding throw (mask_error attend.mask.*, incl.
+    /// attend.mask.key_padding_shape for a key padding mask that is not [batch, key_len]; value_error
+    /// attend.value.*; position_error attend.position.negative_offset).
+    template <class Q, class K, class V, class Mask>
+    mha_result<T> forward(const Q& query, const K& key, const V& value, const Mask& mask,
+                          const mha_options& options = {}) const {
+        detail::require_mask<Mask>();
+        detail::require_mha_input<Q, T>();
+        detail::require_mha_input<K, T>();
+        detail::require_mha_input<V, T>();
+        const auto qd = detail::dims3(query), kd = detail::dims3(key), vd = detail::dims3(value);
+        check_width("query", qd, config_.model_dim, "model_dim", "[batch, query_len, model_dim]");
+        check_width("key", kd, config_.key_dim, "key_dim", "[batch, key_len, key_dim]");
+        check_width("value", vd, config_.value_dim, "value_dim", "[batch, key_len, value_dim]");
+        if (qd[0] != kd[0] || qd[0] != vd[0])
+            throw shape_error("attend.shape.batch",
+                              detail::concat("batch differs: query ", qd[0], ", key ", kd[0], ", value ", vd[0],
+                                             " (query ", detail::format_shape(qd), ", key ", detail::format_shape(kd),
+                                             ", value ", detail::format_shape(vd), ')'));
+        if (kd[1] != vd[1])
+            throw shape_error("attend.shape.key_len",
+                              detail::concat("key key_len ", kd[1], " != value key_len ", vd[1], " (key ",
+                                             detail::format_shape(kd), ", value ", detail::format_shape(vd), ')'));
+        check_offset(options, options.position_offset);
+        if (options.check_finite) {
+            check_finite_input(query.data(), qd, "query");
+            check_finite_input(key.data(), kd, "key");
+            check_finite_input(value.data(), vd, "value");
+        }
+        const index B = qd[0], L = qd[1], S = kd[1];
+        const index H = config_.heads, G = config_.kv_heads, D = head_dim();
+        std::vector<T> q(static_cast<std::size_t>(B * L * H * D)), k(static_cast<std::size_t>(B * S * G * D)),
+            v(static_cast<std::size_t>(B * S * G * D));
+        project(query.data(), B * L, wq_, bq_, q.data());
+        project(key.data(), B * S, wk_, bk_, k.data());
+        project(value.data(), B * S, wv_, bv_, v.data());
+        if (options.rotary) {
+            options.rotary->apply(split_heads(q.data(), B, L, H, D), options.position_offset);
+            options.rotary->apply(split_heads(k.data(), B, S, G, D), options.position_offset);
+        }
+        const auto qv = split_heads(static_cast<const T*>(q.data()), B, L, H, D);
+        const auto kv = split_heads(static_cast<const T*>(k.data()), B, S, G, D);
+        const auto vv = split_heads(static_cast<const T*>(v.data()), B, S, G, D);
+        if (options.check_finite) check_finite_projections(qv, kv, vv);
+        const attention_shape s = detail::check_views(qv, kv, vv);
+        mha_result<T> r;
+        detail::with_key_padding(mask, options.key_padding, B, S, [&](const auto& full_mask) {
+            const auto call = detail::check_call(qv, kv, vv, s, full_mask, sdpa_options_of(options));
+            attend_and_project(qv, kv, vv, s, call, options, r);
+        });
+        return r;
+    }
+
+    /// forward without a mask (besides options.key_padding).
+    template <class Q, class K, class V>
+    mha_result<T> forward(const Q& query, const K& key, const V& value, const mha_options& options = {}) const {
+        return forward(query, key, value, no_mask{}, options);
+    }
+
+    /// Decoding step: self-attention of L new tokens x `[batch, L, model_dim]` over every position in the cache
+    /// plus themselves. Projects Q, K, V of the new tokens, rotates Q and K (options.rotary) at their global
+    /// positions position_offset + cache.length() + i, appends K and V to the cache, and attends over the whole
+    /// cache under causal(alignment::bottom_right) && mask && key_padding (key_len = cache.length() after the
+    /// append). Token by token this gives the outputs of one causal forward pass over the whole sequence.
+    /// Needs key_dim == value_dim == model_dim (shape_error `attend.shape.self_attention`) and a cache made for
+    /// this module (shape_error `attend.shape.cache`; see make_cache). Throws position_error
+    /// `attend.position.cache_full` if the new tokens do not fit, and everything forward throws. Every check
+    /// runs before the cache changes: on a throw nothing was appended.
+    template <class X, class Mask>
+    mha_result<T> forward_cached(const X& x, kv_cache<T>& cache, const Mask& mask,
+                                 const mha_options& options = {}) const {
+        detail::require_mask<Mask>();
+        detail::require_mha_input<X, T>();
+        const auto xd = detail::dims3(x);
+        check_width("x", xd, config_.model_dim, "model_dim", "[batch, new tokens, model_dim]");
+        if (config_.key_dim != config_.model_dim || config_.value_dim != config_.model_dim)
+            throw shape_error("attend.shape.self_attention",
+                              detail::concat("forward_cached is self-attention and needs key_dim == value_dim == "
+                                             "model_dim, got model_dim ", config_.model_dim, ", key_dim ",
+                                             config_.key_dim, ", value_dim ", config_.value_dim));
+        const index B = xd[0], L = xd[1], H = config_.heads, G = config_.kv_heads, D = head_dim();
+        if (cache.batch() != B || cache.kv_heads() != G || cache.head_dim() != D || cache.value_dim() != D)
+            throw shape_error("attend.shape.cache",
+                              detail::concat("cache [batch ", cache.batch(), ", kv_heads ", cache.kv_heads(),
+                                             ", head_dim ", cache.head_dim(), ", value_dim ", cache.value_dim(),
+                                             "] does not fit x ", detail::format_shape(xd), " and the module (kv_heads ",
+                                             G, ", head_dim ", D, "): expected [batch ", B, ", kv_heads ", G,
+                                             ", head_dim ", D, ", value_dim ", D, "] (see make_cache)"));
+        cache.check_fits(L);
+        const index past = cache.length(), S = past + L;
+        check_offset(options, options.position_offset + past);
+        if (options.check_finite) check_finite_input(x.data(), xd, "x");
+        std::vector<T> q(static_cast<std::size_t>(B * L * H * D)), k(static_cast<std::size_t>(B * L * G * D)),
+            v(static_cast<std::size_t>(B * L * G * D));
+        project(x.data(), B * L, wq_, bq_, q.data());
+        project(x.data(), B * L, wk_, bk_, k.data());
+        project(x.data(), B * L, wv_, bv_, v.data());
+        if (options.rotary) {
+            options.rotary->apply(split_heads(q.data(), B, L, H, D), options.position_offset + past);
+            options.rotary->apply(split_heads(k.data(), B, L, G, D), options.position_offset + past);
+        }
+        const auto qv = split_heads(static_cast<const T*>(q.data()), B, L, H, D);
+        const auto k_new = split_heads(static_cast<const T*>(k.data()), B, L, G, D);
+        const auto v_new = split_heads(static_cast<const T*>(v.data()), B, L, G, D);
+        if (options.check_finite) check_finite_projections(qv, k_new, v_new);
+        cache.check_append(k_new, v_new);
+        // Views of the cache as it will be after the append: the storage exists, only the length grows.
+        auto kv = cache.keys(), vv = cache.values();
+        kv.dims[2] = S;
+        vv.dims[2] = S;
+        const attention_shape s = detail::check_views(qv, kv, vv);
+        mha_result<T> r;
+        const auto causal_mask = detail::combine_masks(mask, causal(alignment::bottom_right));
+        detail::with_key_padding(causal_mask, options.key_padding, B, S, [&](const auto& full_mask) {
+            const auto call = detail::check_call(qv, kv, vv, s, full_mask, sdpa_options_of(options));
+            cache.append(k_new, v_new);  // checked above: cannot throw
+            attend_and_project(qv, kv, vv, s, call, options, r);
+        });
+        return r;
+    }
+
+    /// forward_cached without a mask besides the causal rule (and options.key_padding).
+    template <class X>
+    mha_result<T> forward_cached(const X& x, kv_cache<T>& cache, const mha_options& options = {}) const {
+        return forward_cached(x, cache, no_mask{}, options);
+    }
+
+private:
+    struct no_init {};
+
+    multi_head_attention(const mha_config& config, no_init) : config_(validated(config)) { allocate(); }
+
+    static mha_config validated(const mha_config& raw) {
+        const mha_config c = raw.resolved();
+        const auto spelled = [&] {
+            return detail::concat(" (mha_config{model_dim ", raw.model_dim, ", heads ", raw.heads, ", kv_heads ",
+                                  raw.kv_heads, ", key_dim ", raw.key_dim, ", value_dim ", raw.value_dim, "})");
+        };
+        if (raw.model_dim < 1 || raw.heads < 1 || raw.kv_heads < 0 || raw.key_dim < 0 || raw.value_dim < 0)
+            throw value_error("attend.value.size",
+                              detail::concat("model_dim and heads must be >= 1 and kv_heads, key_dim, value_dim >= 0 "
+                                             "(0 = default)",
+                                             spelled()));
+        if (c.model_dim % c.heads != 0)
+            throw shape_error("attend.shape.model_dim_heads",
+                              detail::concat("model_dim ", c.model_dim, " is not a multiple of heads ", c.heads,
+                                             " (head_dim = model_dim / heads)", spelled()));
+        if (c.heads % c.kv_heads != 0)
+            throw shape_error("attend.shape.gqa",
+                              detail::concat("heads ", c.heads, " is not a multiple of kv_heads ", c.kv_heads,
+                                             " (grouped-query attention needs heads % kv_heads == 0)", spelled()));
+        if (!(c.dropout >= 0 && c.dropout < 1))
+            throw value_error("attend.value.dropout",
+                              detail::concat("dropout probability ", c.dropout, " must be in [0, 1)"));
+        if (detail::product_overflows(c.heads, c.model_dim / c.heads, std::max({c.model_dim, c.key_dim, c.value_dim})))
+            throw shape_error("attend.shape.overflow", detail::concat("weights overflow Eigen::Index", spelled()));
+        return c;
+    }
+
+    void allocate() {
+        const index E = config_.model_dim, D = head_dim();
+        const index q_rows = config_.heads * D, kv_rows = config_.kv_heads * D;
+        wq_ = tensor<T, 2>(q_rows, E);
+        wk_ = tensor<T, 2>(kv_rows, config_.key_dim);
+        wv_ = tensor<T, 2>(kv_rows, config_.value_dim);
+        wo_ = tensor<T, 2>(E, q_rows);
+        if (config_.bias) {
+            bq_ = tensor<T, 1>(q_rows);
+            bk_ = tensor<T, 1>(kv_rows);
+            bv_ = tensor<T, 1>(kv_rows);
+            bo_ = tensor<T, 1>(E);
+            bq_.setZero();
+            bk_.setZero();
+            bv_.setZero();
+            bo_.setZero();
+        }
+    }
+
+    template <int R>
+    static std::string shape_of(const tensor<T, R>& t) {
+        return detail::format_shape(t.dimensions());
+    }
+
+    template <int R>
+    static void expect_shape(const tensor<T, R>& t, const std::array<index, R>& expected, const char* name,
+                             const char* meaning) {
+        std::array<index, R> got{};
+        for (std::size_t a = 0; a < got.size(); ++a) got[a] = t.dimension(a);
+        if (got != expected)
+            throw shape_error("attend.shape.torch_weight",
+                              detail::concat(name, ' ', detail::format_shape(got),
+                                             t.size() == 0 ? " (missing)" : "", " != expected ",
+                                             detail::format_shape(expected), " = ", meaning));
+    }
+
+    template <int R>
+    static void expect_absent(const tensor<T, R>& t, const char* name, const char* why) {
+        if (t.size() != 0)
+            throw shape_error("attend.shape.torch_weight",
+                              detail::concat(name, ' ', shape_of(t), " given, expected none (shape [0]): ", why));
+    }
+
+    void load(const torch_mha_parameters<T>& p) {
+        const index E = config_.model_dim, D = head_dim();
+        const index q_rows = config_.heads * D, kv_rows = config_.kv_heads * D;
+        const bool separate = p.q_proj_weight.size() != 0 || p.k_proj_weight.size() != 0 ||
+                              p.v_proj_weight.size() != 0;
+        // Validate everything first, then copy.
+        if (p.in_proj_weight.size() != 0) {
+            if (!packed())
+                throw shape_error("attend.shape.torch_weight",
+                                  detail::concat("in_proj_weight ", shape_of(p.in_proj_weight),
+                                                 " is only for key_dim == value_dim == model_dim and kv_heads == "
+                                                 "heads; this config needs q_proj_weight [",
+                                                 q_rows, ',', E, "], k_proj_weight [", kv_rows, ',', config_.key_dim,
+                                                 "], v_proj_weight [", kv_rows, ',', config_.value_dim, ']'));
+            if (separate)
+                throw shape_error("attend.shape.torch_weight",
+                                  detail::concat("both in_proj_weight ", shape_of(p.in_proj_weight),
+                                                 " and q/k/v_proj_weight ", shape_of(p.q_proj_weight), ", ",
+                                                 shape_of(p.k_proj_weight), ", ", shape_of(p.v_proj_weight),
+                                                 " given; give one form"));
+            expect_shape<2>(p.in_proj_weight, {3 * E, E}, "in_proj_weight", "[3 * embed_dim, embed_dim]");
+        } else {
+            expect_shape<2>(p.q_proj_weight, {q_rows, E}, "q_proj_weight", "[heads * head_dim, embed_dim]");
+            expect_shape<2>(p.k_proj_weight, {kv_rows, config_.key_dim}, "k_proj_weight",
+                            "[kv_heads * head_dim, kdim]");
+            expect_shape<2>(p.v_proj_weight, {kv_rows, config_.value_dim}, "v_proj_weight",
+                            "[kv_heads * head_dim, vdim]");
+        }
+        expect_shape<2>(p.out_proj_weight, {E, q_rows}, "out_proj.weight", "[embed_dim, heads * head_dim]");
+        if (config_.bias) {
+            expect_shape<1>(p.in_proj_bias, {q_rows + 2 * kv_rows}, "in_proj_bias",
+                            "[3 * embed_dim] (q, k, v biases)");
+            expect_shape<1>(p.out_proj_bias, {E}, "out_proj.bias", "[embed_dim]");
+        } else {
+            expect_absent(p.in_proj_bias, "in_proj_bias", "mha_config.bias is false");
+            expect_absent(p.out_proj_bias, "out_proj.bias", "mha_config.bias is false");
+        }
+        if (p.in_proj_weight.size() != 0) {
+            const T* w = p.in_proj_weight.data();
+            std::copy(w, w + wq_.size(), wq_.data());
+            std::copy(w + wq_.size(), w + wq_.size() + wk_.size(), wk_.data());
+            std::copy(w + wq_.size() + wk_.size(), w + wq_.size() + wk_.size() + wv_.size(), wv_.data());
+        } else {
+            wq_ = p.q_proj_weight;
+            wk_ = p.k_proj_weight;
+            wv_ = p.v_proj_weight;
+        }
+        wo_ = p.out_proj_weight;
+        if (config_.bias) {
+            const T* b = p.in_proj_bias.data();
+            std::copy(b, b + q_rows, bq_.data());
+            std::copy(b + q_rows, b + q_rows + kv_rows, bk_.data());
+            std::copy(b + q_rows + kv_rows, b + q_rows + 2 * kv_rows, bv_.data());
+            bo_ = p.out_proj_bias;
+        }
+    }
+
+    static void check_width(const char* name, const std::array<index, 3>& d, index expected, const char* dim_name,
+                            const char* meaning) {
+        if (d[2] != expected)
+            throw shape_error("attend.shape.model_dim",
+                              detail::concat(name, " last dim ", d[2], " != ", dim_name, ' ', expected, " (", name, ' ',
+                                             detail::format_shape(d), ", expected ",
+                                             detail::format_shape(std::array<index, 3>{d[0], d[1], expected}), " = ",
+                                             meaning, ')'));
+    }
+
+    /// position_offset >= 0, and the rotary embedding fits head_dim at the first position it rotates.
+    void check_offset(const mha_options& options, index first_position) const {
+        if (options.position_offset < 0)
+            throw position_error("attend.position.negative_offset",
+                                 detail::concat("position_offset must be >= 0, got ", options.position_offset));
+        if (options.rotary) options.rotary->validate(head_dim(), first_position);
+    }
+
+    static void check_finite_input(const T* data, const std::array<index, 3>& d, const char* name) {
+        const index n = d[0] * d[1] * d[2];
+        for (index k = 0; k < n; ++k)
+            if (!std::isfinite(data[k])) {
+                const index b = k / (d[1] * d[2]), i = (k / d[2]) % d[1], e = k % d[2];
+                throw value_error("attend.value.non_finite",
+                                  detail::concat(name, ' ', detail::format_shape(d), " holds ", data[k], " at ",
+                                                 detail::format_shape(std::array<index, 3>{b, i, e}),
+                                                 " (turn check_finite off to skip this scan)"));
+            }
+    }
+
+    static void check_finite_projections(const strided_view<const T>& q, const strided_view<const T>& k,
+                                         const strided_view<const T>& v) {
+        detail::check_finite(q, "projected query");
+        detail::check_finite(k, "projected key");
+        detail::check_finite(v, "projected value");
+    }
+
+    /// y `[rows, w.rows]` = x `[rows, w.cols]` w^T + b, one Eigen GEMM.
+    static void project(const T* x, index rows, const tensor<T, 2>& w, const tensor<T, 1>& b, T* y) {
+        using matrix = detail::row_matrix<T>;
+        const index out = w.dimension(0), in = w.dimension(1);
+        Eigen::Map<const matrix> xm(x, rows, in);
+        Eigen::Map<const matrix> wm(w.data(), out, in);
+        Eigen::Map<matrix> ym(y, rows, out);
+        ym.noalias() = xm * wm.transpose();
+        if (b.size() != 0) ym.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(b.data(), out);
+    }
+
+    sdpa_options sdpa_options_of(const mha_options& o) const {
+        sdpa_options s;
+        s.scale = o.scale;
+        s.empty_rows = o.empty_rows;
+        s.dropout.probability = config_.dropout;
+        s.dropout.seed = o.dropout_seed;
+        s.dropout.training = o.training;
+        s.threads = o.threads;
+        s.kernel = o.kernel;
+        s.need_weights = o.need_weights;
+        s.weights_after_dropout = o.weights_after_dropout;
+        s.check_finite = false;  // inputs and projections were scanned above, with their own names
+        return s;
+    }
+
+    /// Runs a checked call: heads written straight into their slices of o `[batch, query_len, heads*head_dim]`,
+    /// then the output projection, padded query rows zeroed, weights averaged or kept per head.
+    template <class Call>
+    void attend_and_project(const strided_view<const T>& q, const strided_view<const T>& k,
+                            const strided_view<const T>& v, const attention_shape& s, const Call& call,
+                            const mha_options& options, mha_result<T>& r) const {
+        const index B = s.batch, L = s.query_len, S = s.key_len, H = s.heads, D = head_dim();
+        std::vector<T> o(static_cast<std::size_t>(B * L * H * D));
+        std::vector<T> w(options.need_weights ? static_cast<std::size_t>(B * H * L * S) : 0);
+        detail::attention_outputs<T> outputs;
+        outputs.out = split_heads(o.data(), B, L, H, D);
+        outputs.weights = options.need_weights ? w.data() : nullptr;
+        if (B * L > 0) detail::run_checked(q, k, v, s, call, outputs);  // nothing to attend for zero queries
+        r.out = tensor<T, 3>(B, L, config_.model_dim);
+        project(o.data(), B * L, wo_, bo_, r.out.data());
+        for (index b = 0; b < B; ++b)
+            for (index i = 0; i < L; ++i)
+                if (call.mask.query_padded(b, i)) {
+                    T* row = r.out.data() + (b * L + i) * config_.model_dim;
+                    std::fill(row, row + config_.model_dim, T(0));
+                }
+        if (!options.need_weights) return;
+        if (!options.average_weights) {
+            r.head_weights = tensor<T, 4>(B, H, L, S);
+            std::copy(w.begin(), w.end(), r.head_weights.data());
+            return;
+        }
+        r.weights = tensor<T, 3>(B, L, S);
+        r.weights.setZero();
+        for (index b = 0; b < B; ++b)
+            for (index h = 0; h < H; ++h)
+                for (index i = 0; i < L; ++i) {
+                    const T* src = w.data() + ((b * H + h) * L + i) * S;
+                    T* dst = r.weights.data() + (b * L + i) * S;
+                    for (index j = 0; j < S; ++j) dst[j] += src[j];
+                }
+        for (index n = 0; n < r.weights.size(); ++n) r.weights.data()[n] /= static_cast<T>(H);  // torch's mean
+    }
+
+    mha_config config_;
+    tensor<T, 2> wq_, wk_, wv_, wo_;
+    tensor<T, 1> bq_, bk_, bv_, bo_;
+};
+
+}  // namespace attend

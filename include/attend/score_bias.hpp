@@ -1,0 +1,182 @@
+#pragma once
+/// score_bias: a position-dependent value added to the scaled scores of each (batch, head, query, key), applied
+/// tile by tile inside the kernels and never materialized as `[query_len, key_len]`.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "alignment.hpp"
+#include "error.hpp"
+#include "position.hpp"
+#include "tensor.hpp"
+
+namespace attend {
+
+/// What attention adds to the scaled score of query i and key j of head h before masking and softmax. A small
+/// closed type so kernels can inline it: none, ALiBi (-slope[h] * |i' - j|) or a T5 relative-position bias
+/// (table(bucket(j - i'), h)), where i' = i for alignment::top_left and i + key_len - query_len for
+/// alignment::bottom_right (so the last query sits at the last key, as in KV-cache decoding). The bias is the
+/// same for every batch entry. Copies are cheap: a relative table is shared, not copied.
+class score_bias {
+public:
+    /// No bias; empty() is true and kernels skip it.
+    score_bias() = default;
+
+    /// No bias; empty() is true and kernels skip it.
+    static score_bias none() { return score_bias(); }
+
+    /// ALiBi: head h adds -slopes_per_head[h] * |i' - j| (see alibi_slopes for the paper's slopes).
+    /// Throws value_error `attend.value.alibi_slopes` if a slope is not finite.
+    static score_bias alibi(std::vector<double> slopes_per_head, alignment align = alignment::top_left) {
+        for (std::size_t h = 0; h < slopes_per_head.size(); ++h)
+            if (!std::isfinite(slopes_per_head[h]))
+                throw value_error("attend.value.alibi_slopes",
+                                  detail::concat("ALiBi slope of head ", h, " is ", slopes_per_head[h],
+                                                 "; slopes must be finite"));
+        score_bias b;
+        b.kind_ = kind::alibi;
+        b.align_ = align;
+        b.slopes_ = std::move(slopes_per_head);
+        return b;
+    }
+
+    /// T5 relative-position bias: head h adds table.value(h, i', j) = table(bucket(j - i'), h). The table is
+    /// copied into shared ownership, so the bias stays valid after `table` goes away.
+    static score_bias relative(const relative_position_bias<double>& table, alignment align = alignment::top_left) {
+        return relative(std::make_shared<const relative_position_bias<double>>(table), align);
+    }
+
+    /// As above for a float table, converted to double once here (every float is exact in double).
+    static score_bias relative(const relative_position_bias<float>& table, alignment align = alignment::top_left) {
+        auto converted = std::make_shared<relative_position_bias<double>>(
+            table.heads(), table.bidirectional(), table.num_buckets(), table.max_distance());
+        converted->table() = table.table().template cast<double>();
+        return relative(std::shared_ptr<const relative_position_bias<double>>(std::move(converted)), align);
+    }
+
+    /// As above, sharing a table the caller keeps updating (e.g. during training) instead of copying it.
+    /// Throws value_error `attend.value.score_bias_table` if table is null.
+    static score_bias relative(std::shared_ptr<const relative_position_bias<double>> table,
+                               alignment align = alignment::top_left) {
+        if (!table)
+            throw value_error("attend.value.score_bias_table", "score_bias::relative got a null table");
+        score_bias b;
+        b.kind_ = kind::relative;
+        b.align_ = align;
+        b.table_ = std::move(table);
+        return b;
+    }
+
+    /// True for none(): there is nothing to add.
+    bool empty() const { return kind_ == kind::none; }
+
+    /// The alignment i' is computed with.
+    alignment bias_alignment() const { return align_; }
+
+    /// Checks the bias fits scores `[batch, heads, query_len, key_len]`; kernels call it before writing output.
+    /// Throws shape_error `attend.shape.score_bias_heads` if the ALiBi slopes or the table's heads != heads.
+    void validate(index heads, index query_len, index key_len) const {
+        const auto shape = [&] { return detail::concat(" (scores [batch,", heads, ',', query_len, ',', key_len, "])"); };
+        if (kind_ == kind::alibi && static_cast<index>(slopes_.size()) != heads)
+            throw shape_error("attend.shape.score_bias_heads",
+                              detail::concat("ALiBi has ", slopes_.size(), " slopes but attention has ", heads,
+                                             " heads", shape()));
+        if (kind_ == kind::relative && table_->heads() != heads)
+            throw shape_error("attend.shape.score_bias_heads",
+                              detail::concat("relative position bias table has ", table_->heads(),
+                                             " heads but attention has ", heads, " heads (table ",
+                                             detail::format_shape(table_->table().dimensions()), ')', shape()));
+    }
+
+    /// The bias of query i, key j of head `head` for scores with query_len queries and key_len keys, in T.
+    /// add_tile adds exactly this value. Call validate first; head must be in [0, heads).
+    template <class T>
+    T value(index head, index i, index j, index query_len, index key_len) const {
+        require_scalar<T>();
+        if (kind_ == kind::none) return T(0);
+        ATTEND_ASSERT(head >= 0);
+        ATTEND_ASSERT(kind_ != kind::alibi || head < static_cast<index>(slopes_.size()));
+        ATTEND_ASSERT(kind_ != kind::relative || head < table_->heads());
+        const index distance = j - (i + shift(query_len, key_len));  // key - query, as T5 defines it
+        if (kind_ == kind::alibi) return alibi_value<T>(head, distance);
+        return relative_value<T>(head, distance);
+    }
+
+    /// Adds the bias to a row-major tile of scores: scores[r * ld + c] is query query_begin + r and key
+    /// key_begin + c of head `head`, r < rows, c < cols, in scores of query_len x key_len. Call validate first.
+    /// The bias depends only on the diagonal j - i', so it is computed once per diagonal of the tile
+    /// (rows + cols - 1 values; ALiBi splits at the diagonal, no abs per element) and every row adds a
+    /// contiguous slice of it: the inner loop is a plain vectorizable add.
+    template <class T>
+    void add_tile(index head, index query_begin, index key_begin, index rows, index cols, index query_len,
+                  index key_len, T* scores, index ld) const {
+        require_scalar<T>();
+        if (kind_ == kind::none || rows <= 0 || cols <= 0) return;
+        ATTEND_ASSERT(head >= 0);
+        ATTEND_ASSERT(ld >= cols);
+        const index diagonals = rows + cols - 1;
+        constexpr index stack_size = 512;
+        T stack[stack_size];
+        std::vector<T> heap;
+        T* bias = stack;
+        if (diagonals > stack_size) {
+            heap.resize(static_cast<std::size_t>(diagonals));
+            bias = heap.data();
+        }
+        // bias[rows - 1 - r + c] belongs to distance j - i' = first + (rows - 1 - r + c).
+        const index first = key_begin - (query_begin + rows - 1 + shift(query_len, key_len));
+        if (kind_ == kind::alibi) {
+            ATTEND_ASSERT(head < static_cast<index>(slopes_.size()));
+            const T slope = static_cast<T>(slopes_[static_cast<std::size_t>(head)]);
+            const index split = std::clamp<index>(-first, 0, diagonals);  // first diagonal with j >= i'
+            for (index d = 0; d < split; ++d) bias[d] = -(slope * static_cast<T>(-(first + d)));
+            for (index d = split; d < diagonals; ++d) bias[d] = -(slope * static_cast<T>(first + d));
+        } else {
+            ATTEND_ASSERT(head < table_->heads());
+            for (index d = 0; d < diagonals; ++d) bias[d] = relative_value<T>(head, first + d);
+        }
+        for (index r = 0; r < rows; ++r) {
+            T* row = scores + r * ld;
+            const T* b = bias + (rows - 1 - r);
+            for (index c = 0; c < cols; ++c) row[c] += b[c];
+        }
+    }
+
+private:
+    enum class kind { none, alibi, relative };
+
+    template <class T>
+    static constexpr void require_scalar() {
+        static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                      "attend: score_bias adds to float or double scores");
+    }
+
+    index shift(index query_len, index key_len) const {
+        return align_ == alignment::bottom_right ? key_len - query_len : 0;
+    }
+
+    template <class T>
+    T alibi_value(index head, index distance) const {
+        const T slope = static_cast<T>(slopes_[static_cast<std::size_t>(head)]);
+        return -(slope * static_cast<T>(distance < 0 ? -distance : distance));
+    }
+
+    template <class T>
+    T relative_value(index head, index distance) const {
+        const index bucket = relative_position_bucket(distance, table_->bidirectional(), table_->num_buckets(),
+                                                      table_->max_distance());
+        return static_cast<T>(table_->table()(bucket, head));
+    }
+
+    kind kind_ = kind::none;
+    alignment align_ = alignment::top_left;
+    std::vector<double> slopes_;
+    std::shared_ptr<const relative_position_bias<double>> table_;
+};
+
+}  // namespace attend

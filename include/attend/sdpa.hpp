@@ -1,0 +1,252 @@
+#pragma once
+/// Scaled dot-product attention: out = softmax(scale * q k^T + mask + score_bias) v, softmax along the key axis.
+/// q `[batch, heads, query_len, head_dim]`, k `[batch, kv_heads, key_len, head_dim]`,
+/// v `[batch, kv_heads, key_len, value_dim]`, out `[batch, heads, query_len, value_dim]` (rank 3: one head).
+/// The data path reads in one direction: inputs -> checks -> mask tiles -> kernel -> outputs. Every check runs
+/// before the first output element is written.
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+
+#include "detail/reference_kernel.hpp"
+#include "detail/rows.hpp"
+#include "detail/thread_pool.hpp"
+#include "detail/tiled_kernel.hpp"
+#include "error.hpp"
+#include "mask.hpp"
+#include "score_bias.hpp"
+#include "shape.hpp"
+#include "tensor.hpp"
+
+namespace attend {
+
+/// What a query with no allowed key gets. Never NaN.
+enum class empty_rows {
+    error,  ///< throw mask_error attend.mask.empty_row naming the first (batch, head, query), before any write
+    zero    ///< zero output and weights, lse = -inf (PyTorch >= 2.5 SDPA and FlexAttention)
+};
+
+/// Which implementation computes the result; both give the same answer within rounding.
+enum class kernel {
+    automatic,  ///< the fastest available: tiled
+    reference,  ///< materializes the scores of one (batch, head); the oracle of the tests
+    tiled       ///< FlashAttention-2 style online softmax on GEMM tiles, O(threads x tile) memory; multi-threaded
+};
+
+/// Dropout on the attention probabilities. Applied only when `training` is true: attend never drops in eval.
+struct dropout_options {
+    double probability = 0;  ///< in [0, 1)
+    std::uint64_t seed = 0;  ///< with (batch, head, query, key) it fully determines which weights are dropped
+    bool training = false;
+};
+
+/// Options of scaled_dot_product_attention.
+struct sdpa_options {
+    std::optional<double> scale;  ///< default 1 / sqrt(head_dim); must be finite and > 0
+    attend::empty_rows empty_rows = attend::empty_rows::error;
+    dropout_options dropout;
+    attend::score_bias score_bias;  ///< ALiBi or relative-position bias, applied per tile
+    int threads = 0;                ///< tiled kernel threads; 0 = std::thread::hardware_concurrency(); same result
+                                    ///< bit for bit for any count
+    attend::kernel kernel = attend::kernel::automatic;
+    bool need_weights = false;           ///< fill result.weights `[batch, heads, query_len, key_len]`
+    bool need_lse = false;               ///< fill result.lse `[batch, heads, query_len]`
+    bool weights_after_dropout = false;  ///< weights as used (dropped and rescaled) instead of probabilities
+    bool check_finite = true;            ///< reject NaN / Inf in q, k, v (value_error attend.value.non_finite)
+};
+
+/// The result of scaled_dot_product_attention; Rank is the rank of the inputs (3 or 4).
+template <class T, int Rank>
+struct attention_result {
+    tensor<T, Rank> out;      ///< `[batch, heads, query_len, value_dim]`
+    tensor<T, Rank> weights;  ///< `[batch, heads, query_len, key_len]` when need_weights, else empty
+    tensor<T, Rank - 1> lse;  ///< `[batch, heads, query_len]`, natural-log sum-exp of masked scaled scores
+};
+
+namespace detail {
+
+template <class X>
+constexpr int rank_of() {
+    return tensor_traits<std::decay_t<X>>::rank;
+}
+
+template <class T>
+void check_finite(const strided_view<const T>& x, const char* name) {
+    for (index b = 0; b < x.dims[0]; ++b)
+        for (index h = 0; h < x.dims[1]; ++h)
+            for (index i = 0; i < x.dims[2]; ++i) {
+                const T* row = x.row(b, h, i);
+                // x * 0 is 0 for every finite x and NaN for NaN and +-inf: one vectorized sum per row finds out
+                // (a scalar isfinite scan cost as much as the tiled kernel itself when decoding).
+                if (!std::isnan((Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, x.dims[3]) * T(0)).sum()))
+                    continue;
+                for (index d = 0; d < x.dims[3]; ++d)
+                    if (!std::isfinite(row[d])) {
+                        const auto where = x.rank == 4 ? format_shape(std::array<index, 4>{b, h, i, d})
+                                                       : format_shape(std::array<index, 3>{b, i, d});
+                        throw value_error("attend.value.non_finite",
+                                          concat(name, ' ', spell_view(x), " holds ", row[d], " at ", where,
+                                                 " (turn check_finite off to skip this scan)"));
+                    }
+            }
+}
+
+template <class T>
+kernel_params<T> checked_params(const attention_shape& s, const sdpa_options& o) {
+    kernel_params<T> p;
+    const double scale = o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim));
+    if (!std::isfinite(scale) || scale <= 0)
+        throw value_error("attend.value.scale", concat("scale ", scale, " must be finite and > 0"));
+    p.scale = static_cast<T>(scale);
+    const double pd = o.dropout.probability;
+    if (!(pd >= 0 && pd < 1))
+        throw value_error("attend.value.dropout", concat("dropout probability ", pd, " must be in [0, 1)"));
+    if (o.dropout.training && pd > 0) {
+        p.dropout.seed = o.dropout.seed;
+        p.dropout.probability = pd;
+        p.dropout.keep_scale = 1.0 / (1.0 - pd);
+    }
+    if (o.threads < 0) throw value_error("attend.value.threads", concat("threads ", o.threads, " must be >= 0"));
+    if (!o.score_bias.empty()) {
+        o.score_bias.validate(s.heads, s.query_len, s.key_len);
+        p.bias = &o.score_bias;
+    }
+    p.weights_after_dropout = o.weights_after_dropout;
+    return p;
+}
+
+/// A call that passed every check: its kernel parameters and its mask bound to the shape.
+template <class T, class Bound>
+struct checked_call {
+    kernel_params<T> params;
+    Bound mask;
+    attend::kernel kernel = attend::kernel::automatic;
+    int threads = 1;  ///< resolved: >= 1
+};
+
+/// Every check of an attention call, in data-path order: options, mask against the shape, finite inputs, empty
+/// rows. Nothing is allocated or written before it returns.
+template <class T, class Mask>
+auto check_call(const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
+                const attention_shape& s, const Mask& mask, const sdpa_options& o) {
+    checked_call<T, decltype(mask.bind(s))> call{checked_params<T>(s, o), mask.bind(s), o.kernel,
+                                                 resolve_threads(o.threads)};
+    if (o.check_finite) {
+        check_finite(q, "query");
+        check_finite(k, "key");
+        check_finite(v, "value");
+    }
+    if (o.empty_rows == empty_rows::error)
+        if (const auto row = first_empty_row(call.mask, s))
+            throw mask_error("attend.mask.empty_row",
+                             concat("query ", (*row)[2], " of batch ", (*row)[0], ", head ", (*row)[1],
+                                    " has no allowed key, so softmax is undefined; fix the mask, mark padded "
+                                    "queries with query_padding, or pass empty_rows::zero"));
+    return call;
+}
+
+/// Runs the kernel of a checked call.
+template <class T, class Bound>
+void run_checked(const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
+                 const attention_shape& s, const checked_call<T, Bound>& call, const attention_outputs<T>& out) {
+    if (call.kernel == kernel::reference) reference_attention(q, k, v, s, call.mask, call.params, out);
+    else tiled_attention(q, k, v, s, call.mask, call.params, out, call.threads);
+}
+
+template <class X>
+strided_view<const scalar_of<X>> checked_input(const X& x) {
+    require_row_major_tensor<X>();
+    return as_view(x);
+}
+
+/// Shape of a caller-owned output, checked against what the call produces.
+template <class Out, std::size_t N>
+void check_output_dims(const Out& out, const std::array<index, N>& expected, const char* id, const char* what) {
+    std::array<index, N> got{};
+    for (std::size_t a = 0; a < N; ++a) got[a] = out.dimension(static_cast<index>(a));
+    if (got != expected)
+        throw shape_error(id, concat(what, ' ', format_shape(got), " != expected ", format_shape(expected)));
+}
+
+template <int Rank>
+std::array<index, Rank> rank_dims(const attention_shape& s, index last) {
+    if constexpr (Rank == 4) return {s.batch, s.heads, s.query_len, last};
+    else return {s.batch, s.query_len, last};
+}
+
+template <int Rank>
+std::array<index, Rank - 1> lse_dims(const attention_shape& s) {
+    if constexpr (Rank == 4) return {s.batch, s.heads, s.query_len};
+    else return {s.batch, s.query_len};
+}
+
+}  // namespace detail
+
+/// Attention of q over k/v under `mask` (an allowed set, an additive expression, or a rule such as
+/// causal(alignment::top_left)). Returns out, and weights / lse when asked by options.
+/// Throws shape_error (attend.shape.*), mask_error (attend.mask.*, incl. attend.mask.empty_row),
+/// value_error (attend.value.{scale, dropout, threads, non_finite}).
+template <class Q, class K, class V, class Mask>
+auto scaled_dot_product_attention(const Q& q, const K& k, const V& v, const Mask& mask,
+                                  const sdpa_options& options = {}) {
+    detail::require_mask<Mask>();
+    using T = detail::scalar_of<Q>;
+    constexpr int rank = detail::rank_of<Q>();
+    const auto qv = detail::checked_input(q), kv = detail::checked_input(k), vv = detail::checked_input(v);
+    static_assert(std::is_same_v<T, detail::scalar_of<K>> && std::is_same_v<T, detail::scalar_of<V>>,
+                  "attend: query, key and value must have the same scalar type");
+    const attention_shape s = detail::check_views(qv, kv, vv);
+    const auto call = detail::check_call(qv, kv, vv, s, mask, options);
+    attention_result<T, rank> r;
+    r.out.resize(detail::rank_dims<rank>(s, s.value_dim));
+    if (options.need_weights) r.weights.resize(detail::rank_dims<rank>(s, s.key_len));
+    if (options.need_lse) r.lse.resize(detail::lse_dims<rank>(s));
+    detail::attention_outputs<T> o;
+    o.out = detail::as_mutable_view(r.out);
+    o.weights = options.need_weights ? r.weights.data() : nullptr;
+    o.lse = options.need_lse ? r.lse.data() : nullptr;
+    detail::run_checked(qv, kv, vv, s, call, o);
+    return r;
+}
+
+/// Attention without a mask: every query attends every key.
+template <class Q, class K, class V>
+auto scaled_dot_product_attention(const Q& q, const K& k, const V& v, const sdpa_options& options = {}) {
+    return scaled_dot_product_attention(q, k, v, no_mask{}, options);
+}
+
+/// Writes attention into caller-owned tensors (attend::tensor or TensorMap of the inputs' rank):
+/// out `[batch, heads, query_len, value_dim]`, and unless nullptr weights `[batch, heads, query_len, key_len]`
+/// and lse `[batch, heads, query_len]`. On any error nothing is written (shape_error attend.shape.output,
+/// attend.shape.weights_output, attend.shape.lse_output besides those of scaled_dot_product_attention).
+template <class Q, class K, class V, class Mask, class Out, class Weights = std::nullptr_t,
+          class Lse = std::nullptr_t>
+void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const Mask& mask, Out&& out,
+                                       const sdpa_options& options = {}, Weights&& weights = nullptr,
+                                       Lse&& lse = nullptr) {
+    detail::require_mask<Mask>();
+    using T = detail::scalar_of<Q>;
+    constexpr int rank = detail::rank_of<Q>();
+    static_assert(std::is_same_v<T, detail::scalar_of<Out>> && detail::rank_of<Out>() == rank,
+                  "attend: out must have the scalar type and rank of the query");
+    const auto qv = detail::checked_input(q), kv = detail::checked_input(k), vv = detail::checked_input(v);
+    const attention_shape s = detail::check_views(qv, kv, vv);
+    detail::check_output_dims(out, detail::rank_dims<rank>(s, s.value_dim), "attend.shape.output", "out");
+    detail::attention_outputs<T> o;
+    o.out = detail::as_mutable_view(out);
+    if constexpr (!std::is_same_v<std::decay_t<Weights>, std::nullptr_t>) {
+        detail::check_output_dims(weights, detail::rank_dims<rank>(s, s.key_len), "attend.shape.weights_output",
+                                  "weights");
+        o.weights = weights.data();
+    }
+    if constexpr (!std::is_same_v<std::decay_t<Lse>, std::nullptr_t>) {
+        detail::check_output_dims(lse, detail::lse_dims<rank>(s), "attend.shape.lse_output", "lse");
+        o.lse = lse.data();
+    }
+    const auto call = detail::check_call(qv, kv, vv, s, mask, options);
+    detail::run_checked(qv, kv, vv, s, call, o);
+}
+
+}  // namespace attend

@@ -1,0 +1,157 @@
+#pragma once
+/// Tensor aliases and the strided views attend reads its inputs through.
+/// Layout is PyTorch's, row-major: `[batch, heads, query_len, head_dim]`; rank 3 `[batch, len, dim]` is one head.
+
+#include <array>
+#include <cstdint>
+#include <type_traits>
+
+#include <unsupported/Eigen/CXX11/Tensor>
+
+namespace attend {
+
+using index = Eigen::Index;
+
+/// Row-major tensor, PyTorch's layout: the last axis is contiguous.
+template <class T, int Rank>
+using tensor = Eigen::Tensor<T, Rank, Eigen::RowMajor>;
+
+/// Read-only view of caller memory in the same layout; nothing is copied.
+template <class T, int Rank>
+using const_tensor_view = Eigen::TensorMap<const Eigen::Tensor<T, Rank, Eigen::RowMajor>>;
+
+/// Writable view of caller memory, for the `_into` forms.
+template <class T, int Rank>
+using tensor_view = Eigen::TensorMap<Eigen::Tensor<T, Rank, Eigen::RowMajor>>;
+
+/// A rank-4 strided view `[batch, heads, len, dim]` with a contiguous last axis. Rank-3 inputs get heads = 1;
+/// multi-head attention reads heads straight out of its projected `[batch, len, heads * head_dim]` buffers
+/// through these strides, with no transpose copy.
+template <class T>
+struct strided_view {
+    T* data = nullptr;
+    std::array<index, 4> dims{};     ///< batch, heads, len, dim
+    std::array<index, 4> strides{};  ///< elements; strides[3] == 1
+    int rank = 4;                    ///< rank of the tensor the user passed (3 or 4), kept for messages
+
+    T* row(index b, index h, index i) const { return data + b * strides[0] + h * strides[1] + i * strides[2]; }
+    index size() const { return dims[0] * dims[1] * dims[2] * dims[3]; }
+};
+
+/// Splits a projected `[batch, len, heads * head_dim]` buffer into heads without copying:
+/// head h of token i is the slice `[h * head_dim, (h + 1) * head_dim)` of row i.
+template <class T>
+strided_view<T> split_heads(T* data, index batch, index len, index heads, index head_dim) {
+    strided_view<T> v;
+    v.data = data;
+    v.dims = {batch, heads, len, head_dim};
+    v.strides = {len * heads * head_dim, head_dim, heads * head_dim, 1};
+    v.rank = 4;
+    return v;
+}
+
+namespace detail {
+
+template <class X>
+struct tensor_traits {
+    static constexpr bool supported = false;
+};
+
+template <class T, int Rank, int Options, class IndexType>
+struct tensor_traits<Eigen::Tensor<T, Rank, Options, IndexType>> {
+    static constexpr bool supported = true;
+    static constexpr bool row_major = (Options & Eigen::RowMajor) != 0;
+    static constexpr int rank = Rank;
+    using scalar = T;
+};
+
+template <class T, int Rank, int Options, class IndexType, int MapOptions, template <class> class MakePointer>
+struct tensor_traits<Eigen::TensorMap<Eigen::Tensor<T, Rank, Options, IndexType>, MapOptions, MakePointer>>
+    : tensor_traits<Eigen::Tensor<std::remove_const_t<T>, Rank, Options, IndexType>> {};
+
+template <class T, int Rank, int Options, class IndexType, int MapOptions, template <class> class MakePointer>
+struct tensor_traits<Eigen::TensorMap<const Eigen::Tensor<T, Rank, Options, IndexType>, MapOptions, MakePointer>>
+    : tensor_traits<Eigen::Tensor<std::remove_const_t<T>, Rank, Options, IndexType>> {};
+
+template <class T>
+struct tensor_traits<strided_view<T>> {
+    static constexpr bool supported = true;
+    static constexpr bool row_major = true;
+    static constexpr int rank = 4;
+    using scalar = std::remove_const_t<T>;
+};
+
+template <class X>
+using scalar_of = typename tensor_traits<std::decay_t<X>>::scalar;
+
+/// Checks at compile time that X is a tensor attend can read without copying.
+template <class X>
+constexpr void require_row_major_tensor() {
+    using traits = tensor_traits<std::decay_t<X>>;
+    static_assert(traits::supported,
+                  "attend: inputs must be attend::tensor (Eigen::Tensor<T, Rank, Eigen::RowMajor>) or an "
+                  "Eigen::TensorMap of one; evaluate Eigen tensor expressions into a tensor first");
+    if constexpr (traits::supported) {
+        static_assert(traits::row_major,
+                      "attend: tensors must be Eigen::RowMajor (PyTorch's layout, last axis contiguous); a "
+                      "column-major tensor would read heads and positions transposed");
+        static_assert(traits::rank == 3 || traits::rank == 4,
+                      "attend: attention inputs are rank 4 [batch, heads, len, dim] or rank 3 [batch, len, dim]");
+        static_assert(std::is_same_v<typename traits::scalar, float> || std::is_same_v<typename traits::scalar, double>,
+                      "attend: the scalar type must be float or double");
+    }
+}
+
+/// A rank-3 or rank-4 row-major tensor as a rank-4 strided view.
+template <class X>
+auto as_view(const X& x) {
+    require_row_major_tensor<X>();
+    using T = scalar_of<X>;
+    if constexpr (std::is_same_v<std::decay_t<X>, strided_view<const T>>) {
+        return x;
+    } else if constexpr (std::is_same_v<std::decay_t<X>, strided_view<T>>) {
+        strided_view<const T> v;
+        v.data = x.data;
+        v.dims = x.dims;
+        v.strides = x.strides;
+        v.rank = x.rank;
+        return v;
+    } else {
+        strided_view<const T> v;
+        v.data = x.data();
+        constexpr int rank = tensor_traits<std::decay_t<X>>::rank;
+        v.rank = rank;
+        if constexpr (rank == 4) {
+            v.dims = {x.dimension(0), x.dimension(1), x.dimension(2), x.dimension(3)};
+        } else {
+            v.dims = {x.dimension(0), 1, x.dimension(1), x.dimension(2)};
+        }
+        v.strides = {v.dims[1] * v.dims[2] * v.dims[3], v.dims[2] * v.dims[3], v.dims[3], 1};
+        return v;
+    }
+}
+
+/// A writable rank-3 or rank-4 row-major tensor as a rank-4 strided view.
+template <class X>
+auto as_mutable_view(X& x) {
+    require_row_major_tensor<X>();
+    using T = scalar_of<X>;
+    strided_view<T> v;
+    constexpr int rank = tensor_traits<std::decay_t<X>>::rank;
+    if constexpr (std::is_same_v<std::decay_t<X>, strided_view<T>>) {
+        return x;
+    } else {
+        v.data = x.data();
+        v.rank = rank;
+        if constexpr (rank == 4) {
+            v.dims = {x.dimension(0), x.dimension(1), x.dimension(2), x.dimension(3)};
+        } else {
+            v.dims = {x.dimension(0), 1, x.dimension(1), x.dimension(2)};
+        }
+        v.strides = {v.dims[1] * v.dims[2] * v.dims[3], v.dims[2] * v.dims[3], v.dims[3], 1};
+        return v;
+    }
+}
+
+}  // namespace detail
+}  // namespace attend

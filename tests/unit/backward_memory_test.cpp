@@ -1,0 +1,207 @@
+// Memory of the tiled backward (attend/backward.hpp): at query_len = key_len = 16384 (one head, head_dim 64,
+// float) a query x key buffer would take 1 GiB; the backward must stay within 64 MiB beyond its inputs and
+// outputs.
+//
+// This binary counts every heap byte: it replaces the global operator new / delete (std::vector, std::string,
+// shared_ptr) and, because Eigen allocates its matrices with std::malloc rather than operator new, also
+// interposes glibc's malloc family, forwarding to __libc_malloc & co. Sizes come from malloc_usable_size, so
+// frees need no bookkeeping. Under AddressSanitizer (which owns malloc) and off glibc the test is skipped.
+#include <attend/backward.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <iostream>
+#include <new>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define ATTEND_TEST_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define ATTEND_TEST_ASAN 1
+#endif
+#endif
+
+#if defined(__GLIBC__) && !defined(ATTEND_TEST_ASAN)
+#define ATTEND_TEST_COUNTS_HEAP 1
+#include <malloc.h>
+#endif
+
+#ifdef ATTEND_TEST_COUNTS_HEAP
+
+namespace {
+
+/// Bytes currently allocated and the peak since the last reset, over all threads.
+struct heap_counter {
+    std::atomic<std::int64_t> current{0};
+    std::atomic<std::int64_t> peak{0};
+
+    void allocated(void* p) {
+        if (!p) return;
+        const auto n = static_cast<std::int64_t>(malloc_usable_size(p));
+        const std::int64_t now = current.fetch_add(n, std::memory_order_relaxed) + n;
+        std::int64_t seen = peak.load(std::memory_order_relaxed);
+        while (now > seen && !peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+        }
+    }
+    void released(void* p) {
+        if (p) current.fetch_sub(static_cast<std::int64_t>(malloc_usable_size(p)), std::memory_order_relaxed);
+    }
+    /// Starts a measurement: returns the bytes allocated now, the baseline of the peak.
+    std::int64_t reset() {
+        const std::int64_t now = current.load();
+        peak.store(now);
+        return now;
+    }
+};
+
+heap_counter& counter() {
+    static heap_counter c;  // constant-initialized: usable before main and from the allocator hooks
+    return c;
+}
+
+}  // namespace
+
+extern "C" {
+void* __libc_malloc(std::size_t);
+void* __libc_calloc(std::size_t, std::size_t);
+void* __libc_realloc(void*, std::size_t);
+void* __libc_memalign(std::size_t, std::size_t);
+void __libc_free(void*);
+
+void* malloc(std::size_t n) noexcept {
+    void* p = __libc_malloc(n);
+    counter().allocated(p);
+    return p;
+}
+void* calloc(std::size_t count, std::size_t n) noexcept {
+    void* p = __libc_calloc(count, n);
+    counter().allocated(p);
+    return p;
+}
+void* realloc(void* old, std::size_t n) noexcept {
+    const auto before = old ? static_cast<std::int64_t>(malloc_usable_size(old)) : 0;
+    void* p = __libc_realloc(old, n);
+    if (p || n == 0) {
+        counter().current.fetch_sub(before, std::memory_order_relaxed);
+        counter().allocated(p);
+    }
+    return p;
+}
+void* memalign(std::size_t alignment, std::size_t n) noexcept {
+    void* p = __libc_memalign(alignment, n);
+    counter().allocated(p);
+    return p;
+}
+void* aligned_alloc(std::size_t alignment, std::size_t n) noexcept { return memalign(alignment, n); }
+int posix_memalign(void** out, std::size_t alignment, std::size_t n) noexcept {
+    void* p = memalign(alignment, n);
+    if (!p) return ENOMEM;
+    *out = p;
+    return 0;
+}
+void free(void* p) noexcept {
+    counter().released(p);
+    __libc_free(p);
+}
+}
+
+void* operator new(std::size_t n) {
+    if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+    throw std::bad_alloc();
+}
+void* operator new[](std::size_t n) { return operator new(n); }
+void* operator new(std::size_t n, std::align_val_t alignment) {
+    void* p = nullptr;
+    if (posix_memalign(&p, std::max(sizeof(void*), static_cast<std::size_t>(alignment)), n == 0 ? 1 : n) == 0) return p;
+    throw std::bad_alloc();
+}
+void* operator new[](std::size_t n, std::align_val_t alignment) { return operator new(n, alignment); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return std::malloc(n == 0 ? 1 : n); }
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return std::malloc(n == 0 ? 1 : n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+
+namespace {
+
+using attend::index;
+using attend::tensor;
+
+constexpr double mib = 1024.0 * 1024.0;
+
+void fill(tensor<float, 4>& t, std::uint64_t seed) {
+    for (index n = 0; n < t.size(); ++n) {
+        seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+        t.data()[n] = static_cast<float>(static_cast<double>(seed >> 40) / static_cast<double>(1ULL << 24) * 2 - 1);
+    }
+}
+
+TEST(BackwardMemory, CounterSeesEigenAndOperatorNew) {
+    const std::int64_t base = counter().reset();
+    {
+        Eigen::MatrixXf m(1024, 1024);  // std::malloc inside Eigen
+        m.setZero();
+        std::vector<float> v(1 << 20);  // operator new
+        EXPECT_GE(counter().peak.load() - base, static_cast<std::int64_t>(8 * mib));
+    }
+    EXPECT_LE(counter().current.load() - base, static_cast<std::int64_t>(mib / 16));
+}
+
+/// q, k, v, out and d_out hold arbitrary values in [-1, 1) and lse is a constant: allocation does not depend on
+/// the values (only P = exp(s - lse) must stay finite, and s <= 64 / 8 here), and skipping the forward pass keeps
+/// the test to one backward call.
+TEST(BackwardMemory, NoQueryByKeyBuffer) {
+    const index L = 16384, S = 16384, D = 64;
+    tensor<float, 4> q(1, 1, L, D), k(1, 1, S, D), v(1, 1, S, D), out(1, 1, L, D), d_out(1, 1, L, D);
+    fill(q, 1);
+    fill(k, 2);
+    fill(v, 3);
+    fill(out, 4);
+    fill(d_out, 5);
+    tensor<float, 3> lse(1, 1, L);
+    lse.setConstant(static_cast<float>(std::log(static_cast<double>(S)) + 8));
+    attend::sdpa_options options;
+    options.threads = 2;
+    options.check_finite = false;
+
+    const std::int64_t base = counter().reset();
+    const auto g = attend::scaled_dot_product_attention_backward(q, k, v, out, lse, d_out, attend::causal(
+                                                                     attend::alignment::top_left), options);
+    const double peak = static_cast<double>(counter().peak.load() - base) / mib;
+    const double outputs = static_cast<double>((g.dq.size() + g.dk.size() + g.dv.size()) * 4) / mib;
+    std::cout << "[memory] backward L = S = 16384, D = 64, float: peak " << peak << " MiB allocated during the call, "
+              << outputs << " MiB of it the returned gradients; a query x key float buffer would be "
+              << static_cast<double>(L * S * 4) / mib << " MiB\n";
+    EXPECT_LT(peak - outputs, 64.0);
+    EXPECT_TRUE(std::isfinite(g.dq(0, 0, L - 1, 0)) && std::isfinite(g.dk(0, 0, 0, 0)));
+
+    // The _into form allocates only scratch.
+    tensor<float, 4> dq(q.dimensions()), dk(k.dimensions()), dv(v.dimensions());
+    const std::int64_t base_into = counter().reset();
+    attend::scaled_dot_product_attention_backward_into(q, k, v, out, lse, d_out,
+                                                       attend::causal(attend::alignment::bottom_right), dq, dk, dv,
+                                                       options);
+    const double peak_into = static_cast<double>(counter().peak.load() - base_into) / mib;
+    std::cout << "[memory] backward_into: peak " << peak_into << " MiB\n";
+    EXPECT_LT(peak_into, 64.0);
+}
+
+}  // namespace
+
+#else
+
+TEST(BackwardMemory, NoQueryByKeyBuffer) { GTEST_SKIP() << "heap counting needs glibc and no AddressSanitizer"; }
+
+#endif

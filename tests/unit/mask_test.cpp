@@ -1,0 +1,387 @@
+// Tests of mask.hpp: each rule equals its definition, tile classification agrees with materialization, the
+// algebra is set algebra, the two Boolean conventions convert exactly, dense masks broadcast like NumPy.
+#include <functional>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include <attend/mask.hpp>
+
+#include "support/random.hpp"
+
+namespace {
+
+using attend::index;
+using predicate = std::function<bool(index b, index h, index i, index j)>;
+
+attend::score_shape random_shape(attend_test::rng& g) {
+    return {g.uniform_int(1, 3), g.uniform_int(1, 3), g.uniform_int(1, 40), g.uniform_int(1, 40)};
+}
+
+template <class Mask>
+void expect_materializes_to(const Mask& mask, const attend::score_shape& s, const predicate& expected) {
+    const auto dense = attend::materialize(mask, s);
+    for (index b = 0; b < s.batch; ++b)
+        for (index h = 0; h < s.heads; ++h)
+            for (index i = 0; i < s.query_len; ++i)
+                for (index j = 0; j < s.key_len; ++j)
+                    ASSERT_EQ(dense(b, h, i, j), expected(b, h, i, j))
+                        << "at [" << b << ',' << h << ',' << i << ',' << j << "] of [" << s.batch << ',' << s.heads
+                        << ',' << s.query_len << ',' << s.key_len << ']';
+}
+
+/// Classification must never lie: empty means nothing allowed, full means everything allowed. With `exact`
+/// (the primitive rules) mixed must also mean both kinds are present, so the kernel never tests a full tile.
+template <class Mask>
+void expect_classification_agrees(const Mask& mask, const attend::score_shape& s, attend_test::rng& g, bool exact) {
+    const auto dense = attend::materialize(mask, s);
+    for (int n = 0; n < 40; ++n) {
+        attend::tile t;
+        t.batch = g.uniform_int(0, s.batch - 1);
+        t.head = g.uniform_int(0, s.heads - 1);
+        t.query_begin = g.uniform_int(0, s.query_len - 1);
+        t.query_end = g.uniform_int(t.query_begin + 1, s.query_len);
+        t.key_begin = g.uniform_int(0, s.key_len - 1);
+        t.key_end = g.uniform_int(t.key_begin + 1, s.key_len);
+        bool any_allowed = false, any_forbidden = false;
+        for (index i = t.query_begin; i < t.query_end; ++i)
+            for (index j = t.key_begin; j < t.key_end; ++j)
+                (dense(t.batch, t.head, i, j) ? any_allowed : any_forbidden) = true;
+        const auto c = attend::classify(mask, s, t);
+        if (c == attend::tile_class::empty) {
+            ASSERT_FALSE(any_allowed);
+        }
+        if (c == attend::tile_class::full) {
+            ASSERT_FALSE(any_forbidden);
+        }
+        if (exact && c == attend::tile_class::mixed) {
+            ASSERT_TRUE(any_allowed && any_forbidden);
+        }
+    }
+}
+
+attend::tensor<bool, 4> random_bool(attend_test::rng& g, index b, index h, index l, index s, double p = 0.6) {
+    attend::tensor<bool, 4> t(b, h, l, s);
+    for (index n = 0; n < t.size(); ++n) t.data()[n] = g.bernoulli(p);
+    return t;
+}
+
+std::vector<index> random_lengths(attend_test::rng& g, index batch, index limit) {
+    std::vector<index> lengths;
+    for (index b = 0; b < batch; ++b) lengths.push_back(g.uniform_int(0, limit));
+    return lengths;
+}
+
+TEST(mask, causal_top_left_allows_keys_up_to_the_query_index) {
+    attend_test::rng g(1);
+    for (int n = 0; n < attend_test::repeat(200); ++n) {
+        const auto s = random_shape(g);
+        const auto rule = attend::causal(attend::alignment::top_left);
+        expect_materializes_to(rule, s, [](index, index, index i, index j) { return j <= i; });
+        expect_classification_agrees(rule, s, g, true);
+    }
+}
+
+TEST(mask, causal_bottom_right_aligns_the_last_query_with_the_last_key) {
+    attend_test::rng g(2);
+    for (int n = 0; n < attend_test::repeat(200); ++n) {
+        const auto s = random_shape(g);
+        const auto rule = attend::causal(attend::alignment::bottom_right);
+        const index offset = s.key_len - s.query_len;
+        expect_materializes_to(rule, s, [&](index, index, index i, index j) { return j <= i + offset; });
+        expect_classification_agrees(rule, s, g, true);
+    }
+}
+
+TEST(mask, causal_alignments_agree_exactly_when_query_len_equals_key_len) {
+    const attend::score_shape s{1, 1, 9, 9};
+    const auto a = attend::to_string(attend::causal(attend::alignment::top_left), s);
+    EXPECT_EQ(a, attend::to_string(attend::causal(attend::alignment::bottom_right), s));
+    const attend::score_shape decode{1, 1, 2, 5};
+    EXPECT_EQ(attend::to_string(attend::causal(attend::alignment::bottom_right), decode),
+              "q0: k0 k1 k2 k3\nq1: k0 k1 k2 k3 k4\n");
+    EXPECT_EQ(attend::to_string(attend::causal(attend::alignment::top_left), decode), "q0: k0\nq1: k0 k1\n");
+}
+
+TEST(mask, sliding_window_allows_a_band_around_the_aligned_diagonal) {
+    attend_test::rng g(3);
+    for (int n = 0; n < attend_test::repeat(200); ++n) {
+        const auto s = random_shape(g);
+        const index left = g.uniform_int(0, 12), right = g.uniform_int(0, 12);
+        const auto align = g.bernoulli(0.5) ? attend::alignment::top_left : attend::alignment::bottom_right;
+        const index offset = align == attend::alignment::bottom_right ? s.key_len - s.query_len : 0;
+        const auto rule = attend::sliding_window(left, right, align);
+        expect_materializes_to(rule, s, [&](index, index, index i, index j) {
+            return j >= i + offset - left && j <= i + offset + right;
+        });
+        expect_classification_agrees(rule, s, g, true);
+    }
+}
+
+TEST(mask, prefix_lm_is_bidirectional_over_the_prefix_and_causal_after) {
+    attend_test::rng g(4);
+    for (int n = 0; n < attend_test::repeat(200); ++n) {
+        const auto s = random_shape(g);
+        const index prefix = g.uniform_int(0, s.key_len);
+        const auto rule = attend::prefix_lm(prefix);
+        expect_materializes_to(rule, s, [&](index, index, index i, index j) { return j < prefix || j <= i; });
+        expect_classification_agrees(rule, s, g, true);
+    }
+}
+
+TEST(mask, key_padding_forbids_keys_past_each_sequence_length) {
+    attend_test::rng g(5);
+    for (int n = 0; n < attend_test::repeat(200); ++n) {
+        const auto s = random_shape(g);
+        const auto lengths = random_lengths(g, s.batch, s.key_len);
+        const auto rule = attend::key_padding(lengths);
+        expect_materializes_to(rule, s, [&](index b, index, index, index j) {
+            return j < lengths[static_cast<std::size_t>(b)];
+        });
+        expect_classification_agrees(rule, s, g, true);
+    }
+}
+
+TEST(mask, query_padding_removes_padded_queries_and_draws_them_as_padded) {
+    attend_test::rng g(6);
+    for (int n = 0; n < attend_test::repeat(200); ++n) {
+        const auto s = random_shape(g);
+        const auto lengths = random_lengths(g, s.batch, s.query_len);
+        const auto rule = attend::query_padding(lengths);
+        expect_materializes_to(rule, s, [&](index b, index, index i, index) {
+            return i < lengths[static_cast<std::size_t>(b)];
+        });
+        expect_classification_agrees(rule, s, g, true);
+    }
+    EXPECT_EQ(attend::to_string(attend::query_padding({2}) && attend::causal(attend::alignment::top_left),
+                                {1, 1, 3, 3}),
+              "q0: k0\nq1: k0 k1\nq2: (padded)\n");
+}
+
+TEST(mask, block_diagonal_keeps_packed_sequences_apart) {
+    attend_test::rng g(7);
+    for (int n = 0; n < attend_test::repeat(200); ++n) {
+        std::vector<index> lengths;
+        std::vector<index> sequence_of;
+        const index count = g.uniform_int(1, 6);
+        for (index c = 0; c < count; ++c) {
+            lengths.push_back(g.uniform_int(0, 9));
+            for (index t = 0; t < lengths.back(); ++t) sequence_of.push_back(c);
+        }
+        const auto total = static_cast<index>(sequence_of.size());
+        if (total == 0) continue;
+        const attend::score_shape s{g.uniform_int(1, 2), g.uniform_int(1, 2), total, total};
+        const auto rule = attend::block_diagonal(lengths);
+        expect_materializes_to(rule, s, [&](index, index, index i, index j) {
+            return sequence_of[static_cast<std::size_t>(i)] == sequence_of[static_cast<std::size_t>(j)];
+        });
+        expect_classification_agrees(rule, s, g, true);
+    }
+}
+
+TEST(mask, dense_allowed_mask_classifies_tiles_exactly) {
+    attend_test::rng g(8);
+    for (int n = 0; n < attend_test::repeat(100); ++n) {
+        const auto s = random_shape(g);
+        const auto values = random_bool(g, s.batch, s.heads, s.query_len, s.key_len, g.uniform(0.0, 1.0));
+        const auto mask = attend::allowed_mask::from_torch_sdpa(values);
+        expect_materializes_to(mask, s, [&](index b, index h, index i, index j) { return values(b, h, i, j); });
+        expect_classification_agrees(mask, s, g, true);
+    }
+}
+
+TEST(mask, algebra_is_set_algebra_and_classification_stays_sound) {
+    attend_test::rng g(9);
+    for (int n = 0; n < attend_test::repeat(200); ++n) {
+        const auto s = random_shape(g);
+        const auto dense_values = random_bool(g, s.batch, s.heads, s.query_len, s.key_len);
+        const auto dense = attend::allowed_mask::from_torch_sdpa(dense_values);
+        const auto causal = attend::causal(attend::alignment::top_left);
+        const index left = g.uniform_int(0, 6);
+        const auto window = attend::sliding_window(left, 0);
+        const auto pad = attend::key_padding(random_lengths(g, s.batch, s.key_len));
+        const auto a = attend::materialize(causal, s), w = attend::materialize(window, s);
+        const auto d = attend::materialize(dense, s), p = attend::materialize(pad, s);
+
+        const auto expr1 = (causal && pad) || !dense;
+        expect_materializes_to(expr1, s, [&](index b, index h, index i, index j) {
+            return (a(b, h, i, j) && p(b, h, i, j)) || !d(b, h, i, j);
+        });
+        expect_classification_agrees(expr1, s, g, false);
+
+        const auto expr2 = !(window || dense) && !causal;
+        expect_materializes_to(expr2, s, [&](index b, index h, index i, index j) {
+            return !(w(b, h, i, j) || d(b, h, i, j)) && !a(b, h, i, j);
+        });
+        expect_classification_agrees(expr2, s, g, false);
+
+        // De Morgan: !(x && y) == !x || !y.
+        EXPECT_EQ(attend::to_string(!(causal && dense), s), attend::to_string(!causal || !dense, s));
+    }
+}
+
+TEST(mask, forbidden_and_allowed_conventions_convert_exactly_and_round_trip) {
+    attend_test::rng g(10);
+    for (int n = 0; n < attend_test::repeat(50); ++n) {
+        const auto s = random_shape(g);
+        const auto blocked = random_bool(g, s.batch, s.heads, s.query_len, s.key_len);
+        const auto forbidden = attend::forbidden_mask::from_torch_mha(blocked);
+        expect_materializes_to(attend::to_allowed(forbidden), s,
+                               [&](index b, index h, index i, index j) { return !blocked(b, h, i, j); });
+        const auto allowed = attend::allowed_mask::from_torch_sdpa(blocked);
+        expect_materializes_to(attend::to_allowed(attend::to_forbidden(allowed)), s,
+                               [&](index b, index h, index i, index j) { return blocked(b, h, i, j); });
+        // The trap of the seeds: the same tensor read in the other convention is the complement.
+        EXPECT_EQ(attend::to_string(attend::to_allowed(forbidden), s), attend::to_string(!allowed, s));
+    }
+}
+
+TEST(mask, key_padding_as_a_dense_mask_broadcasts_over_heads_and_queries) {
+    attend_test::rng g(11);
+    for (int n = 0; n < attend_test::repeat(50); ++n) {
+        const auto s = random_shape(g);
+        const auto lengths = random_lengths(g, s.batch, s.key_len);
+        attend::tensor<bool, 4> pad(s.batch, 1, 1, s.key_len);  // [batch, 1, 1, key_len], true = blocked
+        for (index b = 0; b < s.batch; ++b)
+            for (index j = 0; j < s.key_len; ++j) pad(b, 0, 0, j) = j >= lengths[static_cast<std::size_t>(b)];
+        EXPECT_EQ(attend::to_string(attend::to_allowed(attend::forbidden_mask::from_torch_mha(pad)), s),
+                  attend::to_string(attend::key_padding(lengths), s));
+    }
+}
+
+TEST(mask, dense_masks_align_from_the_right_like_numpy) {
+    // Rank 2 [query_len, key_len] applies to every batch and head.
+    attend::tensor<bool, 2> grid(2, 3);
+    grid.setValues({{true, false, true}, {false, true, false}});
+    EXPECT_EQ(attend::to_string(attend::allowed_mask::from_torch_sdpa(grid), {2, 1, 2, 3}),
+              "batch 0, head 0:\nq0: k0 k2\nq1: k1\nbatch 1, head 0:\nq0: k0 k2\nq1: k1\n");
+
+    // Rank 3 against rank-4 scores [batch, heads, L, S] means [heads, L, S], as in PyTorch.
+    attend::tensor<bool, 3> per_head(2, 1, 2);
+    per_head.setValues({{{true, false}}, {{false, true}}});
+    const auto mask = attend::allowed_mask::from_torch_sdpa(per_head);
+    EXPECT_EQ(attend::to_string(mask, {1, 2, 1, 2}), "batch 0, head 0:\nq0: k0\nbatch 0, head 1:\nq0: k1\n");
+
+    // With rank-3 inputs the scores are [batch, L, S], so the same mask means [batch, L, S].
+    attend::attention_shape rank3;
+    rank3.batch = 2;
+    rank3.heads = 1;
+    rank3.kv_heads = 1;
+    rank3.query_len = 1;
+    rank3.key_len = 2;
+    rank3.head_dim = 1;
+    rank3.value_dim = 1;
+    rank3.rank = 3;
+    const auto bound = mask.bind(rank3);
+    EXPECT_TRUE(bound.allowed(0, 0, 0, 0));
+    EXPECT_FALSE(bound.allowed(0, 0, 0, 1));
+    EXPECT_FALSE(bound.allowed(1, 0, 0, 0));
+    EXPECT_TRUE(bound.allowed(1, 0, 0, 1));
+}
+
+TEST(mask, additive_terms_add_and_boolean_terms_contribute_zero_or_minus_infinity) {
+    attend::tensor<double, 2> bias(2, 3);
+    const double inf = std::numeric_limits<double>::infinity();
+    bias.setValues({{0.5, -inf, -1.0}, {2.0, 0.0, -inf}});
+    const auto additive = attend::additive_mask<double>::from_values(bias);
+    const auto expr = additive + attend::causal(attend::alignment::top_left);
+    EXPECT_EQ(attend::to_string(expr, {1, 1, 2, 3}), "q0: k0\nq1: k0 k1\n");
+
+    attend::attention_shape s;
+    s.batch = s.heads = s.kv_heads = s.head_dim = s.value_dim = 1;
+    s.query_len = 2;
+    s.key_len = 3;
+    const auto bound = expr.bind(s);
+    double scores[6] = {1, 1, 1, 1, 1, 1};
+    bound.apply(attend::tile{0, 0, 0, 2, 0, 3}, scores, 3);
+    EXPECT_EQ(scores[0], 1.5);
+    EXPECT_EQ(scores[1], -inf);
+    EXPECT_EQ(scores[2], -inf);  // finite bias, but causal forbids
+    EXPECT_EQ(scores[3], 3.0);
+    EXPECT_EQ(scores[4], 1.0);
+    EXPECT_EQ(scores[5], -inf);
+}
+
+TEST(mask, to_string_draws_the_seed_causal_grid_and_rows_without_keys) {
+    EXPECT_EQ(attend::to_string(attend::causal(attend::alignment::top_left), {1, 1, 3, 3}),
+              "q0: k0\nq1: k0 k1\nq2: k0 k1 k2\n");
+    EXPECT_EQ(attend::to_string(attend::key_padding({0}), {1, 1, 2, 2}), "q0: (none)\nq1: (none)\n");
+}
+
+TEST(mask_errors, a_mask_that_does_not_broadcast_names_both_shapes) {
+    attend::tensor<bool, 2> grid(3, 4);
+    grid.setConstant(true);
+    const auto mask = attend::allowed_mask::from_torch_sdpa(grid);
+    try {
+        (void)attend::materialize(mask, {1, 1, 3, 5});
+        FAIL() << "expected mask_error";
+    } catch (const attend::mask_error& e) {
+        EXPECT_EQ(e.id(), "attend.mask.broadcast");
+        EXPECT_NE(std::string(e.what()).find("[3,4]"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("[1,1,3,5]"), std::string::npos) << e.what();
+    }
+}
+
+TEST(mask_errors, a_rank_four_mask_over_rank_three_scores_is_rejected) {
+    attend::tensor<bool, 4> grid(1, 1, 2, 2);
+    grid.setConstant(true);
+    attend::attention_shape s;
+    s.batch = s.heads = s.kv_heads = s.head_dim = s.value_dim = 1;
+    s.query_len = s.key_len = 2;
+    s.rank = 3;
+    try {
+        (void)attend::allowed_mask::from_torch_sdpa(grid).bind(s);
+        FAIL() << "expected mask_error";
+    } catch (const attend::mask_error& e) {
+        EXPECT_EQ(e.id(), "attend.mask.rank");
+    }
+}
+
+template <class F>
+void expect_mask_error(const char* id, F&& f) {
+    try {
+        f();
+        FAIL() << "expected mask_error " << id;
+    } catch (const attend::mask_error& e) {
+        EXPECT_EQ(e.id(), id) << e.what();
+        EXPECT_NE(std::string(e.what()).find(std::string("[") + id + "]"), std::string::npos);
+    }
+}
+
+TEST(mask_errors, lengths_are_checked_against_batch_and_sequence_length) {
+    const attend::score_shape s{2, 1, 3, 4};
+    expect_mask_error("attend.mask.lengths_batch", [&] { (void)attend::materialize(attend::key_padding({1}), s); });
+    expect_mask_error("attend.mask.length_range", [&] { (void)attend::materialize(attend::key_padding({1, 5}), s); });
+    expect_mask_error("attend.mask.length_range", [&] { (void)attend::materialize(attend::key_padding({-1, 2}), s); });
+    expect_mask_error("attend.mask.lengths_batch", [&] { (void)attend::materialize(attend::query_padding({1, 2, 3}), s); });
+    expect_mask_error("attend.mask.length_range", [&] { (void)attend::materialize(attend::query_padding({4, 1}), s); });
+}
+
+TEST(mask_errors, structured_rule_parameters_are_checked) {
+    expect_mask_error("attend.mask.window", [] { (void)attend::sliding_window(-1, 2); });
+    expect_mask_error("attend.mask.window", [] { (void)attend::sliding_window(1, -2); });
+    expect_mask_error("attend.mask.prefix_len", [] { (void)attend::prefix_lm(-1); });
+    expect_mask_error("attend.mask.prefix_len", [] { (void)attend::materialize(attend::prefix_lm(5), {1, 1, 3, 4}); });
+    expect_mask_error("attend.mask.block_lengths",
+                      [] { (void)attend::materialize(attend::block_diagonal({2, 1}), {1, 1, 4, 4}); });
+    expect_mask_error("attend.mask.block_lengths",
+                      [] { (void)attend::materialize(attend::block_diagonal({2, -1, 3}), {1, 1, 4, 4}); });
+    expect_mask_error("attend.mask.block_lengths",
+                      [] { (void)attend::materialize(attend::block_diagonal({2, 2}), {1, 1, 4, 5}); });
+}
+
+TEST(mask_errors, additive_masks_reject_nan_and_plus_infinity) {
+    for (const double bad : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+        attend::tensor<double, 2> bias(2, 2);
+        bias.setZero();
+        bias(1, 0) = bad;
+        try {
+            (void)attend::additive_mask<double>::from_values(bias);
+            FAIL() << "expected value_error";
+        } catch (const attend::value_error& e) {
+            EXPECT_EQ(e.id(), "attend.value.additive_mask");
+        }
+    }
+}
+
+}  // namespace

@@ -1,0 +1,900 @@
+// Tests of attend/mha.hpp: nn.MultiheadAttention goldens, the head split (reshape vs transpose), grouped-query
+// heads, self vs cross attention, dropout, initialisation, and every error id with nothing computed on error.
+#include <attend/mha.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <iostream>
+#include <limits>
+#include <optional>
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+#include "support/golden.hpp"
+#include "support/random.hpp"
+
+namespace {
+
+using attend::index;
+using attend::tensor;
+using attend_test::json;
+
+/// Runs f, which must throw exactly E with the given id; returns the message.
+template <class E, class F>
+std::string expect_error(F&& f, const std::string& id) {
+    try {
+        f();
+        ADD_FAILURE() << "expected " << typeid(E).name() << " [" << id << "], nothing was thrown";
+    } catch (const attend::error& e) {
+        EXPECT_EQ(typeid(e), typeid(E)) << e.what();
+        EXPECT_EQ(e.id(), id) << e.what();
+        EXPECT_NE(std::string(e.what()).find("[" + id + "]"), std::string::npos) << e.what();
+        return e.what();
+    }
+    return {};
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+template <class A, class B>
+double max_abs_diff(const A& a, const B& b) {
+    EXPECT_EQ(a.size(), b.size());
+    double m = 0;
+    for (index k = 0; k < std::min(a.size(), b.size()); ++k)
+        m = std::max(m, std::abs(static_cast<double>(a.data()[k]) - static_cast<double>(b.data()[k])));
+    return m;
+}
+
+template <class T, int R>
+bool bit_equal(const tensor<T, R>& a, const tensor<T, R>& b) {
+    if (a.dimensions() != b.dimensions()) return false;
+    for (index k = 0; k < a.size(); ++k)
+        if (a.data()[k] != b.data()[k]) return false;
+    return true;
+}
+
+template <class T>
+tensor<T, 3> random3(std::uint64_t seed, index b, index l, index d) {
+    return attend_test::random_tensor<T>(seed, b, l, d);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// An independent oracle: nn.MultiheadAttention written with explicit loops, one head at a time, reading head h
+// of a projection as rows [h * D, (h + 1) * D) of the weight, i.e. q_h = x W_q[h*D:(h+1)*D]^T + b_q[h*D:(h+1)*D].
+
+struct oracle_options {
+    std::function<bool(index, index, index)> allowed;  ///< (batch, query, key); empty = all allowed
+    std::optional<attend::rotary_embedding> rotary;
+    index position_offset = 0;
+};
+
+struct oracle_result {
+    tensor<double, 3> out;
+    tensor<double, 4> head_weights;
+};
+
+template <class T>
+oracle_result explicit_mha(const attend::multi_head_attention<T>& m, const tensor<T, 3>& query,
+                           const tensor<T, 3>& key, const tensor<T, 3>& value, const oracle_options& o = {}) {
+    const auto& c = m.config();
+    const index B = query.dimension(0), L = query.dimension(1), S = key.dimension(1);
+    const index H = c.heads, G = c.kv_heads, D = m.head_dim(), E = c.model_dim;
+    const auto bias = [](const tensor<T, 1>& b, index r) { return b.size() ? static_cast<double>(b(r)) : 0.0; };
+    const auto project_head = [&](const tensor<T, 3>& x, index b, index len, const tensor<T, 2>& w,
+                                  const tensor<T, 1>& bv, index head) {
+        tensor<double, 4> y(1, 1, len, D);
+        for (index i = 0; i < len; ++i)
+            for (index d = 0; d < D; ++d) {
+                double s = bias(bv, head * D + d);
+                for (index e = 0; e < x.dimension(2); ++e)
+                    s += static_cast<double>(x(b, i, e)) * static_cast<double>(w(head * D + d, e));
+                y(0, 0, i, d) = s;
+            }
+        return y;
+    };
+    tensor<double, 3> concat(B, L, H * D);
+    oracle_result r;
+    r.head_weights = tensor<double, 4>(B, H, L, S);
+    r.head_weights.setZero();
+    for (index b = 0; b < B; ++b)
+        for (index h = 0; h < H; ++h) {
+            const index g = h / (H / G);
+            auto q = project_head(query, b, L, m.q_weight(), m.q_bias(), h);
+            auto k = project_head(key, b, S, m.k_weight(), m.k_bias(), g);
+            const auto v = project_head(value, b, S, m.v_weight(), m.v_bias(), g);
+            if (o.rotary) {
+                o.rotary->apply(q, o.position_offset);
+                o.rotary->apply(k, o.position_offset);
+            }
+            for (index i = 0; i < L; ++i) {
+                std::vector<double> p(static_cast<std::size_t>(S), -std::numeric_limits<double>::infinity());
+                double mx = -std::numeric_limits<double>::infinity();
+                for (index j = 0; j < S; ++j) {
+                    if (o.allowed && !o.allowed(b, i, j)) continue;
+                    double s = 0;
+                    for (index d = 0; d < D; ++d) s += q(0, 0, i, d) * k(0, 0, j, d);
+                    p[static_cast<std::size_t>(j)] = s / std::sqrt(static_cast<double>(D));
+                    mx = std::max(mx, p[static_cast<std::size_t>(j)]);
+                }
+                double sum = 0;
+                for (auto& x : p) sum += (x = std::exp(x - mx));
+                for (index d = 0; d < D; ++d) {
+                    double acc = 0;
+                    for (index j = 0; j < S; ++j) acc += p[static_cast<std::size_t>(j)] / sum * v(0, 0, j, d);
+                    concat(b, i, h * D + d) = acc;
+                }
+                for (index j = 0; j < S; ++j) r.head_weights(b, h, i, j) = p[static_cast<std::size_t>(j)] / sum;
+            }
+        }
+    r.out = tensor<double, 3>(B, L, E);
+    for (index b = 0; b < B; ++b)
+        for (index i = 0; i < L; ++i)
+            for (index e = 0; e < E; ++e) {
+                double s = bias(m.out_bias(), e);
+                for (index f = 0; f < H * D; ++f) s += concat(b, i, f) * static_cast<double>(m.out_weight()(e, f));
+                r.out(b, i, e) = s;
+            }
+    return r;
+}
+
+/// The classic bug: the projected [B, L, H*D] buffer reshaped to [B, H, L, D] without the transpose, and the
+/// head outputs [B, H, L, D] reshaped back to [B, L, H*D] the same way. No mask, plain multi-head attention.
+template <class T>
+tensor<double, 3> reshape_bug_mha(const attend::multi_head_attention<T>& m, const tensor<T, 3>& x) {
+    const auto& c = m.config();
+    const index B = x.dimension(0), L = x.dimension(1), H = c.heads, D = m.head_dim(), E = c.model_dim;
+    const auto project = [&](const tensor<T, 2>& w, const tensor<T, 1>& bv) {
+        std::vector<double> y(static_cast<std::size_t>(B * L * H * D));
+        for (index b = 0; b < B; ++b)
+            for (index i = 0; i < L; ++i)
+                for (index f = 0; f < H * D; ++f) {
+                    double s = bv.size() ? static_cast<double>(bv(f)) : 0.0;
+                    for (index e = 0; e < E; ++e) s += static_cast<double>(x(b, i, e)) * static_cast<double>(w(f, e));
+                    y[static_cast<std::size_t>((b * L + i) * H * D + f)] = s;
+                }
+        return y;
+    };
+    const auto q = project(m.q_weight(), m.q_bias()), k = project(m.k_weight(), m.k_bias()),
+               v = project(m.v_weight(), m.v_bias());
+    const auto at = [&](const std::vector<double>& y, index b, index h, index i, index d) {
+        return y[static_cast<std::size_t>(((b * H + h) * L + i) * D + d)];  // reshape, no transpose
+    };
+    std::vector<double> o(static_cast<std::size_t>(B * L * H * D));
+    for (index b = 0; b < B; ++b)
+        for (index h = 0; h < H; ++h)
+            for (index i = 0; i < L; ++i) {
+                std::vector<double> p(static_cast<std::size_t>(L));
+                double mx = -std::numeric_limits<double>::infinity(), sum = 0;
+                for (index j = 0; j < L; ++j) {
+                    double s = 0;
+                    for (index d = 0; d < D; ++d) s += at(q, b, h, i, d) * at(k, b, h, j, d);
+                    p[static_cast<std::size_t>(j)] = s / std::sqrt(static_cast<double>(D));
+                    mx = std::max(mx, p[static_cast<std::size_t>(j)]);
+                }
+                for (auto& s : p) sum += (s = std::exp(s - mx));
+                for (index d = 0; d < D; ++d) {
+                    double acc = 0;
+                    for (index j = 0; j < L; ++j) acc += p[static_cast<std::size_t>(j)] / sum * at(v, b, h, j, d);
+                    o[static_cast<std::size_t>(((b * H + h) * L + i) * D + d)] = acc;
+                }
+            }
+    tensor<double, 3> out(B, L, E);
+    for (index b = 0; b < B; ++b)
+        for (index i = 0; i < L; ++i)
+            for (index e = 0; e < E; ++e) {
+                double s = m.out_bias().size() ? static_cast<double>(m.out_bias()(e)) : 0.0;
+                for (index f = 0; f < H * D; ++f)
+                    s += o[static_cast<std::size_t>((b * L + i) * H * D + f)] * static_cast<double>(m.out_weight()(e, f));
+                out(b, i, e) = s;
+            }
+    return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// PyTorch goldens (tests/data/mha.json)
+
+template <class T>
+attend::torch_mha_parameters<T> golden_parameters(const json& c) {
+    attend::torch_mha_parameters<T> p;
+    const json& params = attend_test::member(c, "parameters");
+    for (const auto& name_json : attend_test::member(c, "parameter_names")) {
+        const auto name = name_json.get<std::string>();
+        const json& t = params.at(name);
+        if (name == "in_proj_weight") p.in_proj_weight = attend_test::to_tensor<T, 2>(t, name);
+        else if (name == "q_proj_weight") p.q_proj_weight = attend_test::to_tensor<T, 2>(t, name);
+        else if (name == "k_proj_weight") p.k_proj_weight = attend_test::to_tensor<T, 2>(t, name);
+        else if (name == "v_proj_weight") p.v_proj_weight = attend_test::to_tensor<T, 2>(t, name);
+        else if (name == "in_proj_bias") p.in_proj_bias = attend_test::to_tensor<T, 1>(t, name);
+        else if (name == "out_proj.weight") p.out_proj_weight = attend_test::to_tensor<T, 2>(t, name);
+        else if (name == "out_proj.bias") p.out_proj_bias = attend_test::to_tensor<T, 1>(t, name);
+        else ADD_FAILURE() << "unknown parameter " << name;
+    }
+    return p;
+}
+
+attend::mha_config golden_config(const json& c) {
+    const json& cfg = attend_test::member(c, "config");
+    attend::mha_config config;
+    config.model_dim = cfg.at("embed_dim").get<index>();
+    config.heads = cfg.at("num_heads").get<index>();
+    config.key_dim = cfg.at("kdim").get<index>();
+    config.value_dim = cfg.at("vdim").get<index>();
+    config.bias = cfg.at("bias").get<bool>();
+    config.dropout = cfg.at("dropout").get<double>();
+    return config;
+}
+
+/// forward with the case's masks: attn_mask [L, S] (true = blocked) as the mask, key_padding_mask [B, S]
+/// (true = ignore) as options.key_padding, both in nn.MultiheadAttention's convention.
+template <class T>
+attend::mha_result<T> golden_forward(const attend::multi_head_attention<T>& m, const json& c,
+                                     attend::mha_options options) {
+    const json& in = attend_test::member(c, "inputs");
+    const auto q = attend_test::to_tensor<T, 3>(in.at("query"), "query");
+    const auto k = attend_test::to_tensor<T, 3>(in.at("key"), "key");
+    const auto v = attend_test::to_tensor<T, 3>(in.at("value"), "value");
+    const json& masks = attend_test::member(c, "masks");
+    if (!masks.at("key_padding_mask").is_null())
+        options.key_padding = attend::forbidden_mask::from_torch_mha(
+            attend_test::to_bool<2>(masks.at("key_padding_mask"), "key_padding_mask"));
+    if (!masks.at("attn_mask").is_null()) {
+        const auto blocked = attend::forbidden_mask::from_torch_mha(attend_test::to_bool<2>(masks.at("attn_mask")));
+        return m.forward(q, k, v, attend::to_allowed(blocked), options);
+    }
+    return m.forward(q, k, v, options);
+}
+
+const char* const golden_cases[] = {"self_attention_masked", "cross_attention_L3_S5", "kdim5_vdim6", "no_bias"};
+
+class MhaGolden : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(MhaGolden, MatchesPyTorchInDouble) {
+    const json doc = attend_test::load_golden("mha.json");
+    const json& c = attend_test::find_case(doc, GetParam());
+    const auto m = attend::multi_head_attention<double>::from_torch(golden_config(c), golden_parameters<double>(c));
+    EXPECT_EQ(m.parameter_count(), attend_test::member(c, "parameter_count").get<index>());
+    EXPECT_EQ(m.packed(), c.at("parameter_names").at(0) == "in_proj_weight");
+
+    const json& outputs = attend_test::member(c, "outputs");
+    const auto out = attend_test::to_double<3>(outputs.at("out"), "out");
+    const auto averaged = attend_test::to_double<3>(outputs.at("weights_averaged"), "weights_averaged");
+    const auto per_head = attend_test::to_double<4>(outputs.at("weights_per_head"), "weights_per_head");
+
+    attend::mha_options options;
+    options.need_weights = true;
+    const auto avg = golden_forward(m, c, options);
+    options.average_weights = false;
+    const auto ph = golden_forward(m, c, options);
+
+    const double e_out = max_abs_diff(avg.out, out), e_avg = max_abs_diff(avg.weights, averaged),
+                 e_ph = max_abs_diff(ph.head_weights, per_head);
+    std::cout << "  [" << GetParam() << "] max abs error: out " << e_out << ", averaged weights " << e_avg
+              << ", per-head weights " << e_ph << '\n';
+    EXPECT_LE(e_out, 1e-10);
+    EXPECT_LE(e_avg, 1e-10);
+    EXPECT_LE(e_ph, 1e-10);
+    EXPECT_EQ(avg.head_weights.size(), 0);
+    EXPECT_EQ(ph.weights.size(), 0);
+    EXPECT_TRUE(bit_equal(avg.out, ph.out));
+
+    // Without need_weights the output is the same and no weights are returned.
+    const auto plain = golden_forward(m, c, {});
+    EXPECT_TRUE(bit_equal(plain.out, avg.out));
+    EXPECT_EQ(plain.weights.size() + plain.head_weights.size(), 0);
+}
+
+TEST_P(MhaGolden, MatchesPyTorchInFloat) {
+    const json doc = attend_test::load_golden("mha.json");
+    const json& c = attend_test::find_case(doc, GetParam());
+    const auto m = attend::multi_head_attention<float>::from_torch(golden_config(c), golden_parameters<float>(c));
+    attend::mha_options options;
+    options.need_weights = true;
+    const auto r = golden_forward(m, c, options);
+    const auto out = attend_test::to_double<3>(attend_test::member(c, "outputs").at("out"), "out");
+    const double e = max_abs_diff(r.out, out);
+    std::cout << "  [" << GetParam() << "] float max abs error: out " << e << '\n';
+    EXPECT_LE(e, 1e-5);
+}
+
+TEST_P(MhaGolden, ParametersRoundTripThroughToTorch) {
+    const json doc = attend_test::load_golden("mha.json");
+    const json& c = attend_test::find_case(doc, GetParam());
+    const auto given = golden_parameters<double>(c);
+    const auto m = attend::multi_head_attention<double>::from_torch(golden_config(c), given);
+    const auto back = m.to_torch();
+    EXPECT_TRUE(bit_equal(back.in_proj_weight, given.in_proj_weight));
+    EXPECT_TRUE(bit_equal(back.q_proj_weight, given.q_proj_weight));
+    EXPECT_TRUE(bit_equal(back.k_proj_weight, given.k_proj_weight));
+    EXPECT_TRUE(bit_equal(back.v_proj_weight, given.v_proj_weight));
+    EXPECT_TRUE(bit_equal(back.in_proj_bias, given.in_proj_bias));
+    EXPECT_TRUE(bit_equal(back.out_proj_weight, given.out_proj_weight));
+    EXPECT_TRUE(bit_equal(back.out_proj_bias, given.out_proj_bias));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, MhaGolden, ::testing::ValuesIn(golden_cases));
+
+TEST(MhaGoldenForms, PositionalFromTorchOverloadsAndLengthsMatchTheMaskForms) {
+    const json doc = attend_test::load_golden("mha.json");
+    {
+        const json& c = attend_test::find_case(doc, "cross_attention_L3_S5");
+        const auto p = golden_parameters<double>(c);
+        const auto m = attend::multi_head_attention<double>::from_torch(golden_config(c), p.in_proj_weight,
+                                                                         p.in_proj_bias, p.out_proj_weight,
+                                                                         p.out_proj_bias);
+        const json& in = c.at("inputs");
+        const auto q = attend_test::to_double<3>(in.at("query")), k = attend_test::to_double<3>(in.at("key")),
+                   v = attend_test::to_double<3>(in.at("value"));
+        attend::mha_options o;
+        o.key_padding = {5, 2};  // the golden key_padding_mask blocks keys 2.. of batch 1
+        const auto r = m.forward(q, k, v, o);
+        const double e = max_abs_diff(r.out, attend_test::to_double<3>(c.at("outputs").at("out")));
+        std::cout << "  [cross_attention_L3_S5, key padding as lengths] max abs error: out " << e << '\n';
+        EXPECT_LE(e, 1e-10);
+        o.key_padding = attend::key_padding({5, 2});
+        EXPECT_TRUE(bit_equal(m.forward(q, k, v, o).out, r.out));
+    }
+    {
+        const json& c = attend_test::find_case(doc, "kdim5_vdim6");
+        const auto p = golden_parameters<double>(c);
+        const auto m = attend::multi_head_attention<double>::from_torch(
+            golden_config(c), p.q_proj_weight, p.k_proj_weight, p.v_proj_weight, p.in_proj_bias, p.out_proj_weight,
+            p.out_proj_bias);
+        EXPECT_FALSE(m.packed());
+        EXPECT_EQ(m.parameter_count(), 248);
+        const auto r = golden_forward(m, c, {});
+        EXPECT_LE(max_abs_diff(r.out, attend_test::to_double<3>(c.at("outputs").at("out"))), 1e-10);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The head split: reshape vs transpose
+
+TEST(HeadSplit, MatchesAnExplicitPerHeadLoopAndNotAReshape) {
+    attend_test::rng g(11);
+    for (int rep = 0; rep < attend_test::repeat(12); ++rep) {
+        const index H = g.uniform_int(2, 4), D = g.uniform_int(1, 5), E = H * D;
+        const index B = g.uniform_int(1, 3), L = g.uniform_int(2, 7);
+        attend::mha_config c{E, H};
+        attend::multi_head_attention<double> m(c, 100 + static_cast<std::uint64_t>(rep));
+        const auto x = random3<double>(200 + static_cast<std::uint64_t>(rep), B, L, E);
+        const auto r = m.forward(x, x, x);
+        const auto oracle = explicit_mha(m, x, x, x);
+        EXPECT_LE(max_abs_diff(r.out, oracle.out), 1e-12) << "H " << H << " D " << D << " B " << B << " L " << L;
+        // The test is sharp: the reshape-without-transpose bug gives a visibly different answer.
+        EXPECT_GT(max_abs_diff(reshape_bug_mha(m, x), oracle.out), 1e-3) << "H " << H << " D " << D << " L " << L;
+    }
+}
+
+TEST(HeadSplit, PerHeadWeightsAreThoseOfEachHeadsOwnRows) {
+    attend::multi_head_attention<double> m({6, 3}, 5);
+    const auto x = random3<double>(6, 2, 4, 6);
+    attend::mha_options o;
+    o.need_weights = true;
+    o.average_weights = false;
+    const auto r = m.forward(x, x, x, o);
+    const auto oracle = explicit_mha(m, x, x, x);
+    EXPECT_LE(max_abs_diff(r.head_weights, oracle.head_weights), 1e-12);
+    // The heads really differ, so a weight tensor with heads permuted would fail.
+    double between = 0;
+    for (index i = 0; i < 4; ++i)
+        for (index j = 0; j < 4; ++j) between = std::max(between, std::abs(r.head_weights(0, 0, i, j) - r.head_weights(0, 1, i, j)));
+    EXPECT_GT(between, 1e-3);
+}
+
+TEST(CrossAttention, RandomShapesWithKeyAndValueWidthsMatchTheOracle) {
+    attend_test::rng g(12);
+    for (int rep = 0; rep < attend_test::repeat(10); ++rep) {
+        const index H = g.uniform_int(1, 4), G = H % 2 == 0 ? g.uniform_int(1, 2) : 1, D = g.uniform_int(1, 4);
+        attend::mha_config c;
+        c.model_dim = H * D;
+        c.heads = H;
+        c.kv_heads = G;
+        c.key_dim = g.uniform_int(1, 7);
+        c.value_dim = g.uniform_int(1, 7);
+        c.bias = g.bernoulli(0.5);
+        const attend::multi_head_attention<double> m(c, 300 + static_cast<std::uint64_t>(rep));
+        const index B = g.uniform_int(1, 3), L = g.uniform_int(1, 6), S = g.uniform_int(1, 9);
+        const auto q = random3<double>(1000 + static_cast<std::uint64_t>(rep), B, L, c.model_dim);
+        const auto k = random3<double>(2000 + static_cast<std::uint64_t>(rep), B, S, c.key_dim);
+        const auto v = random3<double>(3000 + static_cast<std::uint64_t>(rep), B, S, c.value_dim);
+        std::vector<index> lengths;
+        for (index b = 0; b < B; ++b) lengths.push_back(g.uniform_int(1, S));
+        attend::mha_options o;
+        o.key_padding = lengths;
+        o.need_weights = true;
+        o.average_weights = false;
+        const auto r = m.forward(q, k, v, o);
+        oracle_options oo;
+        oo.allowed = [&](index b, index, index j) { return j < lengths[static_cast<std::size_t>(b)]; };
+        const auto oracle = explicit_mha(m, q, k, v, oo);
+        EXPECT_LE(max_abs_diff(r.out, oracle.out), 1e-12) << "rep " << rep;
+        EXPECT_LE(max_abs_diff(r.head_weights, oracle.head_weights), 1e-12) << "rep " << rep;
+        EXPECT_EQ(r.out.dimension(1), L);
+        EXPECT_EQ(r.head_weights.dimension(3), S);
+    }
+}
+
+TEST(CrossAttention, SelfAttentionIsCrossAttentionWithTheSameTensor) {
+    attend::multi_head_attention<double> m({8, 2}, 3);
+    const auto x = random3<double>(4, 2, 5, 8);
+    const tensor<double, 3> k = x, v = x;
+    const auto causal = attend::causal(attend::alignment::top_left);
+    EXPECT_TRUE(bit_equal(m.forward(x, x, x, causal).out, m.forward(x, k, v, causal).out));
+    // A TensorMap input reads the same memory, nothing copied.
+    const attend::const_tensor_view<double, 3> view(x.data(), 2, 5, 8);
+    EXPECT_TRUE(bit_equal(m.forward(view, view, view, causal).out, m.forward(x, x, x, causal).out));
+    // Cross-attention with L != S and no causal mask: every query sees every key.
+    const auto src = random3<double>(5, 2, 7, 8);
+    attend::mha_options o;
+    o.need_weights = true;
+    const auto r = m.forward(x, src, src, o);
+    EXPECT_LE(max_abs_diff(r.out, explicit_mha(m, x, src, src).out), 1e-12);
+    for (index i = 0; i < 5; ++i)
+        for (index j = 0; j < 7; ++j) EXPECT_GT(r.weights(1, i, j), 0.0);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Grouped-query and multi-query attention
+
+/// The plain multi-head module that repeats each kv head's rows of Wk, Wv (and biases) for its query heads.
+template <class T>
+attend::multi_head_attention<T> repeated_kv(const attend::multi_head_attention<T>& gqa) {
+    const auto& c = gqa.config();
+    const index H = c.heads, G = c.kv_heads, D = gqa.head_dim(), group = H / G;
+    attend::mha_config full = c;
+    full.kv_heads = H;
+    auto p = gqa.to_torch();
+    if (G == H) return attend::multi_head_attention<T>::from_torch(full, p);
+    const auto repeat_rows = [&](const tensor<T, 2>& w) {
+        tensor<T, 2> r(H * D, w.dimension(1));
+        for (index h = 0; h < H; ++h)
+            for (index d = 0; d < D; ++d)
+                for (index e = 0; e < w.dimension(1); ++e) r(h * D + d, e) = w((h / group) * D + d, e);
+        return r;
+    };
+    p.k_proj_weight = repeat_rows(p.k_proj_weight);
+    p.v_proj_weight = repeat_rows(p.v_proj_weight);
+    if (c.bias) {
+        tensor<T, 1> b(3 * H * D);
+        for (index f = 0; f < H * D; ++f) {
+            b(f) = gqa.q_bias()(f);
+            b(H * D + f) = gqa.k_bias()((f / D / group) * D + f % D);
+            b(2 * H * D + f) = gqa.v_bias()((f / D / group) * D + f % D);
+        }
+        p.in_proj_bias = b;
+    }
+    return attend::multi_head_attention<T>::from_torch(full, p);
+}
+
+/// Non-zero biases, so the bias split under GQA is exercised too.
+template <class T>
+attend::multi_head_attention<T> with_random_biases(const attend::multi_head_attention<T>& m, std::uint64_t seed) {
+    auto p = m.to_torch();
+    attend_test::fill_uniform(p.in_proj_bias, seed);
+    attend_test::fill_uniform(p.out_proj_bias, seed + 1);
+    return attend::multi_head_attention<T>::from_torch(m.config(), p);
+}
+
+TEST(GroupedQuery, EqualsPlainAttentionWithRepeatedKeyValueWeights) {
+    for (const index G : {1, 2, 3, 6}) {  // 1 = multi-query, 6 = plain multi-head
+        attend::mha_config c{12, 6, G};
+        const auto m = with_random_biases(attend::multi_head_attention<double>(c, 40), 41);
+        EXPECT_EQ(m.k_weight().dimension(0), G * 2);
+        EXPECT_EQ(m.parameter_count(), 12 * 12 * 2 + 2 * G * 2 * 12 + 12 + 2 * G * 2 + 12);
+        const auto full = repeated_kv(m);
+        const auto x = random3<double>(42, 2, 5, 12), src = random3<double>(43, 2, 6, 12);
+        attend::mha_options o;
+        o.need_weights = true;
+        o.average_weights = false;
+        o.key_padding = {6, 4};
+        const auto a = m.forward(x, src, src, o), b = full.forward(x, src, src, o);
+        EXPECT_LE(max_abs_diff(a.out, b.out), 1e-12) << "kv_heads " << G;
+        EXPECT_LE(max_abs_diff(a.head_weights, b.head_weights), 1e-12) << "kv_heads " << G;
+        const auto causal = attend::causal(attend::alignment::top_left);
+        EXPECT_LE(max_abs_diff(m.forward(x, x, x, causal).out, full.forward(x, x, x, causal).out), 1e-12);
+    }
+}
+
+TEST(GroupedQuery, IsNotPackedLikePyTorchAndLoadsSeparateWeights) {
+    const attend::multi_head_attention<float> m({8, 4, 2}, 1);
+    EXPECT_FALSE(m.packed());
+    const auto p = m.to_torch();
+    EXPECT_EQ(p.in_proj_weight.size(), 0);
+    EXPECT_EQ(p.k_proj_weight.dimension(0), 4);
+    EXPECT_EQ(p.in_proj_bias.size(), 8 + 4 + 4);
+    const auto again = attend::multi_head_attention<float>::from_torch(m.config(), p);
+    EXPECT_TRUE(bit_equal(again.k_weight(), m.k_weight()));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Masks, padding and rotary
+
+TEST(Masks, KeyPaddingAsForbiddenMaskEqualsLengthsAndAnyPaddedContent) {
+    attend::multi_head_attention<double> m({8, 2}, 7);
+    const auto x = random3<double>(8, 2, 4, 8);
+    auto src = random3<double>(9, 2, 6, 8);
+    tensor<bool, 2> kpm(2, 6);
+    for (index b = 0; b < 2; ++b)
+        for (index j = 0; j < 6; ++j) kpm(b, j) = j >= (b == 0 ? 6 : 3);
+    attend::mha_options by_mask, by_lengths;
+    by_mask.key_padding = attend::forbidden_mask::from_torch_mha(kpm);
+    by_lengths.key_padding = {6, 3};
+    const auto a = m.forward(x, src, src, by_mask);
+    EXPECT_TRUE(bit_equal(a.out, m.forward(x, src, src, by_lengths).out));
+    // What the padded keys hold cannot matter.
+    for (index j = 3; j < 6; ++j)
+        for (index e = 0; e < 8; ++e) src(1, j, e) = 1e3 * static_cast<double>(e + j);
+    EXPECT_TRUE(bit_equal(a.out, m.forward(x, src, src, by_mask).out));
+}
+
+TEST(Masks, KeyPaddingCombinesWithAnAdditiveMask) {
+    attend::multi_head_attention<double> m({4, 2}, 7);
+    const auto x = random3<double>(8, 2, 3, 4);
+    tensor<double, 2> bias(3, 3);
+    attend_test::fill_uniform(bias, 9);
+    bias(0, 2) = -std::numeric_limits<double>::infinity();
+    attend::mha_options o;
+    o.key_padding = {3, 2};
+    o.need_weights = true;
+    const auto r = m.forward(x, x, x, attend::additive_mask<double>::from_values(bias), o);
+    EXPECT_EQ(r.weights(0, 0, 2), 0.0);
+    EXPECT_EQ(r.weights(1, 1, 2), 0.0);
+    EXPECT_GT(r.weights(0, 1, 2), 0.0);
+}
+
+TEST(Masks, PaddedQueriesAreZeroAndRealOnesIgnoreThePadding) {
+    attend::multi_head_attention<double> m({8, 2}, 17);
+    auto x = random3<double>(18, 2, 5, 8);
+    const std::vector<index> lengths{5, 3};
+    attend::mha_options o;
+    o.key_padding = lengths;
+    o.need_weights = true;
+    const auto qp = attend::query_padding(lengths);
+    const auto a = m.forward(x, x, x, qp, o);
+    for (index i = 3; i < 5; ++i)
+        for (index e = 0; e < 8; ++e) EXPECT_EQ(a.out(1, i, e), 0.0);
+    for (index i = 3; i < 5; ++i)
+        for (index j = 0; j < 5; ++j) EXPECT_EQ(a.weights(1, i, j), 0.0);
+    for (index i = 0; i < 3; ++i)
+        for (index j = 3; j < 5; ++j) EXPECT_EQ(a.weights(1, i, j), 0.0);
+    for (index i = 3; i < 5; ++i)
+        for (index e = 0; e < 8; ++e) x(1, i, e) = -50.0 + static_cast<double>(i * e);
+    const auto b = m.forward(x, x, x, qp, o);
+    EXPECT_TRUE(bit_equal(a.out, b.out));
+}
+
+TEST(Masks, AllKeysBlockedIsAnErrorOrZeroByPolicy) {
+    attend::multi_head_attention<double> m({4, 2}, 7);
+    const auto x = random3<double>(8, 1, 3, 4);
+    attend::mha_options o;
+    o.key_padding = {0};
+    expect_error<attend::mask_error>([&] { m.forward(x, x, x, o); }, "attend.mask.empty_row");
+    o.empty_rows = attend::empty_rows::zero;
+    o.need_weights = true;
+    const auto r = m.forward(x, x, x, o);
+    for (index n = 0; n < r.weights.size(); ++n) EXPECT_EQ(r.weights.data()[n], 0.0);
+    for (index n = 0; n < r.out.size(); ++n) EXPECT_TRUE(std::isfinite(r.out.data()[n]));
+}
+
+TEST(Rotary, RotatesEachHeadOfQAndKAtItsPosition) {
+    for (const auto layout : {attend::rotary_layout::half_split, attend::rotary_layout::interleaved}) {
+        attend::multi_head_attention<double> m({12, 2, 1}, 21);  // head_dim 6, multi-query
+        const auto x = random3<double>(22, 2, 5, 12);
+        attend::mha_options o;
+        o.rotary = attend::rotary_embedding{4, 10000, layout};
+        o.position_offset = 3;
+        const auto causal = attend::causal(attend::alignment::top_left);
+        const auto r = m.forward(x, x, x, causal, o);
+        oracle_options oo;
+        oo.rotary = o.rotary;
+        oo.position_offset = 3;
+        oo.allowed = [](index, index i, index j) { return j <= i; };
+        EXPECT_LE(max_abs_diff(r.out, explicit_mha(m, x, x, x, oo).out), 1e-12);
+        // Rotary scores depend on relative positions only: a shift of every position changes nothing.
+        o.position_offset = 40;
+        EXPECT_LE(max_abs_diff(m.forward(x, x, x, causal, o).out, r.out), 1e-12);
+        // And it does change the result compared to no rotary.
+        EXPECT_GT(max_abs_diff(m.forward(x, x, x, causal).out, r.out), 1e-6);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Dropout
+
+template <class T>
+attend::multi_head_attention<T> with_dropout(const attend::multi_head_attention<T>& m, double p) {
+    auto c = m.config();
+    c.dropout = p;
+    return attend::multi_head_attention<T>::from_torch(c, m.to_torch());
+}
+
+TEST(Dropout, EvalIsBitIdenticalToNoDropout) {
+    const auto base = with_random_biases(attend::multi_head_attention<float>({8, 2}, 51), 52);
+    const auto dropping = with_dropout(base, 0.5);
+    const auto x = attend_test::random_tensor<float>(53, 2, 6, 8);
+    attend::mha_options o;
+    o.need_weights = true;
+    o.dropout_seed = 99;
+    const auto a = base.forward(x, x, x, o), b = dropping.forward(x, x, x, o);
+    EXPECT_TRUE(bit_equal(a.out, b.out));
+    EXPECT_TRUE(bit_equal(a.weights, b.weights));
+    // training with probability 0 drops nothing either.
+    o.training = true;
+    EXPECT_TRUE(bit_equal(base.forward(x, x, x, o).out, a.out));
+}
+
+TEST(Dropout, TrainingUsesTheSeedDeterministically) {
+    const auto m = with_dropout(attend::multi_head_attention<double>({8, 2}, 61), 0.3);
+    const auto x = random3<double>(62, 2, 6, 8);
+    attend::mha_options o;
+    o.training = true;
+    o.dropout_seed = 5;
+    o.need_weights = true;
+    o.average_weights = false;
+    o.weights_after_dropout = true;
+    const auto a = m.forward(x, x, x, o), b = m.forward(x, x, x, o);
+    EXPECT_TRUE(bit_equal(a.out, b.out));
+    EXPECT_TRUE(bit_equal(a.head_weights, b.head_weights));
+    o.threads = 1;
+    EXPECT_TRUE(bit_equal(m.forward(x, x, x, o).out, a.out));
+    o.dropout_seed = 6;
+    EXPECT_GT(max_abs_diff(m.forward(x, x, x, o).out, a.out), 1e-6);
+    attend::mha_options eval;
+    eval.need_weights = true;
+    eval.average_weights = false;
+    const auto e = m.forward(x, x, x, eval);
+    EXPECT_GT(max_abs_diff(e.out, a.out), 1e-6);
+    // Dropped weights are exactly 0, kept ones are the probability scaled by 1 / (1 - p).
+    int dropped = 0;
+    for (index n = 0; n < a.head_weights.size(); ++n) {
+        const double w = a.head_weights.data()[n], p = e.head_weights.data()[n];
+        if (w == 0) ++dropped;
+        else EXPECT_NEAR(w, p / 0.7, 1e-14);
+    }
+    EXPECT_GT(dropped, 0);
+}
+
+TEST(Dropout, MeanOverSeedsApproachesTheEvalOutput) {
+    // Attention output and out-projection are linear in the weights, and E[dropped weight] = weight, so the mean
+    // over N seeds estimates the eval output with a standard error sigma / sqrt(N) per element. The bound is
+    // 5 standard errors of the sample itself (plus rounding), per element: a biased rescaling (e.g. no
+    // 1 / (1 - p)) misses it by far more.
+    const auto m = with_dropout(with_random_biases(attend::multi_head_attention<double>({8, 2}, 71), 72), 0.25);
+    const auto x = random3<double>(73, 2, 5, 8);
+    const auto reference = m.forward(x, x, x).out;
+    const int n = attend_test::repeat(2000);
+    std::vector<double> sum(static_cast<std::size_t>(reference.size()), 0.0), sum_sq(sum.size(), 0.0);
+    attend::mha_options o;
+    o.training = true;
+    for (int s = 0; s < n; ++s) {
+        o.dropout_seed = static_cast<std::uint64_t>(1000 + s);
+        const auto r = m.forward(x, x, x, o);
+        for (index k = 0; k < r.out.size(); ++k) {
+            sum[static_cast<std::size_t>(k)] += r.out.data()[k];
+            sum_sq[static_cast<std::size_t>(k)] += r.out.data()[k] * r.out.data()[k];
+        }
+    }
+    double worst = 0;
+    for (std::size_t k = 0; k < sum.size(); ++k) {
+        const double mean = sum[k] / n;
+        const double var = std::max(0.0, sum_sq[k] / n - mean * mean) * n / (n - 1);
+        const double bound = 5.0 * std::sqrt(var / n) + 1e-12;
+        const double err = std::abs(mean - reference.data()[k]);
+        worst = std::max(worst, err / bound);
+        EXPECT_LE(err, bound) << "element " << k;
+    }
+    std::cout << "  dropout mean over " << n << " seeds: worst |mean - eval| / (5 standard errors) = " << worst << '\n';
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Initialisation
+
+template <class T>
+void expect_uniform(const tensor<T, 2>& w, double bound, const char* what) {
+    double sum = 0, sum_sq = 0, largest = 0;
+    for (index k = 0; k < w.size(); ++k) {
+        const double x = w.data()[k];
+        sum += x;
+        sum_sq += x * x;
+        largest = std::max(largest, std::abs(x));
+    }
+    const double n = static_cast<double>(w.size());
+    EXPECT_LE(largest, static_cast<double>(static_cast<T>(bound))) << what;
+    EXPECT_GT(largest, 0.9 * bound) << what;  // the whole range is used
+    // U(-a, a): mean 0, variance a^2 / 3; 5 standard errors of each estimate.
+    EXPECT_LE(std::abs(sum / n), 5 * bound / std::sqrt(3 * n)) << what;
+    EXPECT_NEAR(sum_sq / n, bound * bound / 3, 5 * bound * bound * std::sqrt(4.0 / 45.0 / n)) << what;
+}
+
+TEST(Init, PackedXavierLikePyTorch) {
+    const index E = 32;
+    const attend::multi_head_attention<double> m({E, 4}, 123);
+    EXPECT_TRUE(m.packed());
+    const auto p = m.to_torch();
+    expect_uniform(p.in_proj_weight, std::sqrt(6.0 / (E + 3 * E)), "in_proj_weight");  // xavier on [3E, E]
+    expect_uniform(m.out_weight(), 1 / std::sqrt(static_cast<double>(E)), "out_proj.weight");
+    for (index k = 0; k < p.in_proj_bias.size(); ++k) EXPECT_EQ(p.in_proj_bias(k), 0.0);
+    for (index k = 0; k < p.out_proj_bias.size(); ++k) EXPECT_EQ(p.out_proj_bias(k), 0.0);
+    EXPECT_EQ(m.parameter_count(), 4 * E * E + 4 * E);
+    // q, k and v are different slices of one draw.
+    EXPECT_GT(max_abs_diff(m.q_weight(), m.k_weight()), 1e-3);
+    EXPECT_GT(max_abs_diff(m.k_weight(), m.v_weight()), 1e-3);
+}
+
+TEST(Init, SeparateXavierPerWeightAndDeterministicSeeds) {
+    attend::mha_config c;
+    c.model_dim = 24;
+    c.heads = 4;
+    c.key_dim = 40;
+    c.value_dim = 10;
+    const attend::multi_head_attention<float> m(c, 9);
+    EXPECT_FALSE(m.packed());
+    expect_uniform(m.q_weight(), std::sqrt(6.0 / (24 + 24)), "q_proj_weight");
+    expect_uniform(m.k_weight(), std::sqrt(6.0 / (24 + 40)), "k_proj_weight");
+    expect_uniform(m.v_weight(), std::sqrt(6.0 / (24 + 10)), "v_proj_weight");
+    expect_uniform(m.out_weight(), 1 / std::sqrt(24.0), "out_proj.weight");
+    EXPECT_EQ(m.parameter_count(), 24 * 24 + 24 * 40 + 24 * 10 + 24 * 24 + 3 * 24 + 24);  // PyTorch's count
+    const attend::multi_head_attention<float> same(c, 9), other(c, 10);
+    EXPECT_TRUE(bit_equal(m.q_weight(), same.q_weight()));
+    EXPECT_TRUE(bit_equal(m.out_weight(), same.out_weight()));
+    EXPECT_FALSE(bit_equal(m.q_weight(), other.q_weight()));
+    attend::mha_config nb{8, 2};
+    nb.bias = false;
+    const attend::multi_head_attention<float> no_bias(nb);
+    EXPECT_EQ(no_bias.parameter_count(), 4 * 64);
+    EXPECT_EQ(no_bias.q_bias().size() + no_bias.out_bias().size(), 0);
+    EXPECT_EQ(no_bias.to_torch().in_proj_bias.size(), 0);
+}
+
+TEST(Init, ConfigDefaultsResolve) {
+    const attend::multi_head_attention<double> m({8, 2});
+    EXPECT_EQ(m.config().kv_heads, 2);
+    EXPECT_EQ(m.config().key_dim, 8);
+    EXPECT_EQ(m.config().value_dim, 8);
+    EXPECT_EQ(m.head_dim(), 4);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Errors: type, id, and nothing computed
+
+TEST(Errors, Constructor) {
+    using attend::mha_config;
+    const auto make = [](mha_config c) { return [c] { attend::multi_head_attention<double> m(c); }; };
+    auto msg = expect_error<attend::shape_error>(make({10, 4}), "attend.shape.model_dim_heads");
+    EXPECT_TRUE(contains(msg, "model_dim 10")) << msg;
+    EXPECT_TRUE(contains(msg, "heads 4")) << msg;
+    msg = expect_error<attend::shape_error>(make({12, 6, 4}), "attend.shape.gqa");
+    EXPECT_TRUE(contains(msg, "kv_heads 4")) << msg;
+    expect_error<attend::shape_error>(make({12, 2, 4}), "attend.shape.gqa");  // kv_heads > heads
+    mha_config d{8, 2};
+    for (const double p : {-0.1, 1.0, std::numeric_limits<double>::quiet_NaN()}) {
+        d.dropout = p;
+        expect_error<attend::value_error>(make(d), "attend.value.dropout");
+    }
+    expect_error<attend::value_error>(make({0, 1}), "attend.value.size");
+    expect_error<attend::value_error>(make({8, 0}), "attend.value.size");
+    expect_error<attend::value_error>(make({8, 2, -1}), "attend.value.size");
+    mha_config neg{8, 2};
+    neg.key_dim = -3;
+    expect_error<attend::value_error>(make(neg), "attend.value.size");
+}
+
+TEST(Errors, FromTorchNamesTheParameterAndBothShapes) {
+    using P = attend::torch_mha_parameters<double>;
+    const attend::mha_config c{8, 2};
+    const P good = attend::multi_head_attention<double>(c, 1).to_torch();
+    const auto load = [&](const attend::mha_config& config, const P& p) {
+        return [config, p] { attend::multi_head_attention<double>::from_torch(config, p); };
+    };
+    P p = good;
+    p.in_proj_weight = tensor<double, 2>(20, 8);
+    auto msg = expect_error<attend::shape_error>(load(c, p), "attend.shape.torch_weight");
+    EXPECT_TRUE(contains(msg, "in_proj_weight [20,8]")) << msg;
+    EXPECT_TRUE(contains(msg, "[24,8]")) << msg;
+    p = good;
+    p.out_proj_weight = tensor<double, 2>(8, 7);
+    msg = expect_error<attend::shape_error>(load(c, p), "attend.shape.torch_weight");
+    EXPECT_TRUE(contains(msg, "out_proj.weight [8,7]") && contains(msg, "[8,8]")) << msg;
+    p = good;
+    p.in_proj_bias = tensor<double, 1>(16);
+    msg = expect_error<attend::shape_error>(load(c, p), "attend.shape.torch_weight");
+    EXPECT_TRUE(contains(msg, "in_proj_bias [16]") && contains(msg, "[24]")) << msg;
+    p = good;
+    p.out_proj_bias = tensor<double, 1>();
+    msg = expect_error<attend::shape_error>(load(c, p), "attend.shape.torch_weight");
+    EXPECT_TRUE(contains(msg, "out_proj.bias") && contains(msg, "missing")) << msg;
+    p = good;
+    p.q_proj_weight = tensor<double, 2>(8, 8);
+    msg = expect_error<attend::shape_error>(load(c, p), "attend.shape.torch_weight");
+    EXPECT_TRUE(contains(msg, "both")) << msg;
+    // kdim != embed_dim: PyTorch has no packed weight, so a packed one is refused and the separate ones asked for.
+    attend::mha_config kc{8, 2};
+    kc.key_dim = 5;
+    msg = expect_error<attend::shape_error>(load(kc, good), "attend.shape.torch_weight");
+    EXPECT_TRUE(contains(msg, "in_proj_weight [24,8]") && contains(msg, "k_proj_weight [8,5]")) << msg;
+    P sep;
+    sep.q_proj_weight = tensor<double, 2>(8, 8);
+    sep.k_proj_weight = tensor<double, 2>(8, 8);  // should be [8, 5]
+    sep.v_proj_weight = tensor<double, 2>(8, 8);
+    sep.in_proj_bias = good.in_proj_bias;
+    sep.out_proj_weight = good.out_proj_weight;
+    sep.out_proj_bias = good.out_proj_bias;
+    msg = expect_error<attend::shape_error>(load(kc, sep), "attend.shape.torch_weight");
+    EXPECT_TRUE(contains(msg, "k_proj_weight [8,8]") && contains(msg, "[8,5]")) << msg;
+    // bias = false with biases given.
+    attend::mha_config nb{8, 2};
+    nb.bias = false;
+    msg = expect_error<attend::shape_error>(load(nb, good), "attend.shape.torch_weight");
+    EXPECT_TRUE(contains(msg, "in_proj_bias [24]")) << msg;
+    // The constructor's checks come first.
+    expect_error<attend::shape_error>(load({9, 2}, good), "attend.shape.model_dim_heads");
+}
+
+TEST(Errors, ForwardShapes) {
+    attend::mha_config c{8, 2};
+    c.key_dim = 5;
+    c.value_dim = 6;
+    const attend::multi_head_attention<double> m(c, 3);
+    const auto q = random3<double>(1, 2, 3, 8), k = random3<double>(2, 2, 4, 5), v = random3<double>(3, 2, 4, 6);
+    EXPECT_NO_THROW(m.forward(q, k, v));
+    auto msg = expect_error<attend::shape_error>([&] { m.forward(random3<double>(1, 2, 3, 7), k, v); },
+                                                 "attend.shape.model_dim");
+    EXPECT_TRUE(contains(msg, "query") && contains(msg, "[2,3,7]") && contains(msg, "[2,3,8]")) << msg;
+    msg = expect_error<attend::shape_error>([&] { m.forward(q, random3<double>(2, 2, 4, 8), v); },
+                                            "attend.shape.model_dim");
+    EXPECT_TRUE(contains(msg, "key") && contains(msg, "key_dim 5") && contains(msg, "[2,4,8]")) << msg;
+    msg = expect_error<attend::shape_error>([&] { m.forward(q, k, random3<double>(3, 2, 4, 5)); },
+                                            "attend.shape.model_dim");
+    EXPECT_TRUE(contains(msg, "value") && contains(msg, "value_dim 6") && contains(msg, "[2,4,5]")) << msg;
+    msg = expect_error<attend::shape_error>([&] { m.forward(q, random3<double>(2, 3, 4, 5), v); }, "attend.shape.batch");
+    EXPECT_TRUE(contains(msg, "[3,4,5]")) << msg;
+    msg = expect_error<attend::shape_error>([&] { m.forward(q, k, random3<double>(3, 2, 5, 6)); },
+                                            "attend.shape.key_len");
+    EXPECT_TRUE(contains(msg, "[2,4,5]") && contains(msg, "[2,5,6]")) << msg;
+    expect_error<attend::shape_error>(
+        [&] { m.forward(q, tensor<double, 3>(2, 0, 5), tensor<double, 3>(2, 0, 6)); }, "attend.shape.empty_keys");
+    // Zero queries is an empty result, not an error.
+    EXPECT_EQ(m.forward(tensor<double, 3>(2, 0, 8), k, v).out.size(), 0);
+}
+
+TEST(Errors, ForwardMasksOptionsAndValues) {
+    const attend::multi_head_attention<double> m({8, 2}, 3);
+    const auto x = random3<double>(1, 2, 3, 8);
+    attend::mha_options o;
+    o.key_padding = {3};
+    expect_error<attend::mask_error>([&] { m.forward(x, x, x, o); }, "attend.mask.lengths_batch");
+    o.key_padding = {3, 4};
+    expect_error<attend::mask_error>([&] { m.forward(x, x, x, o); }, "attend.mask.length_range");
+    o.key_padding = attend::forbidden_mask::from_torch_mha(tensor<bool, 2>(3, 2).setConstant(false));
+    auto msg = expect_error<attend::mask_error>([&] { m.forward(x, x, x, o); }, "attend.mask.key_padding_shape");
+    EXPECT_TRUE(contains(msg, "[3,2]") && contains(msg, "[2,3]")) << msg;
+    o.key_padding = {};
+    expect_error<attend::mask_error>(
+        [&] { m.forward(x, x, x, attend::allowed_mask::from_torch_sdpa(tensor<bool, 2>(4, 3).setConstant(true))); },
+        "attend.mask.broadcast");
+    o.rotary = attend::rotary_embedding{6};  // head_dim is 4
+    expect_error<attend::shape_error>([&] { m.forward(x, x, x, o); }, "attend.shape.rotary_dim");
+    o.rotary = attend::rotary_embedding{4};
+    o.position_offset = -1;
+    expect_error<attend::position_error>([&] { m.forward(x, x, x, o); }, "attend.position.negative_offset");
+    o.rotary.reset();
+    expect_error<attend::position_error>([&] { m.forward(x, x, x, o); }, "attend.position.negative_offset");
+    o.position_offset = 0;
+    o.scale = -1.0;
+    expect_error<attend::value_error>([&] { m.forward(x, x, x, o); }, "attend.value.scale");
+    o.scale.reset();
+    auto bad = x;
+    bad(1, 2, 5) = std::numeric_limits<double>::quiet_NaN();
+    msg = expect_error<attend::value_error>([&] { m.forward(x, bad, x); }, "attend.value.non_finite");
+    EXPECT_TRUE(contains(msg, "key") && contains(msg, "[1,2,5]")) << msg;
+    attend::mha_options unchecked;
+    unchecked.check_finite = false;
+    EXPECT_NO_THROW(m.forward(x, bad, x, unchecked));
+}
+
+}  // namespace

@@ -1,0 +1,483 @@
+// Every error path of scaled_dot_product_attention (sdpa.hpp, shape.hpp, mask.hpp, score_bias.hpp): one test per
+// error id, asserting the exception type, e.id(), that the message starts with "[id]" and carries the offending
+// shapes or values, and that nothing was written: the calls go through scaled_dot_product_attention_into with
+// sentinel-filled out, weights and lse, which must still hold the sentinel afterwards. The allocating form is
+// checked to throw the same id.
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include <attend/attend.hpp>
+
+#include "support/random.hpp"
+
+namespace {
+
+using attend::index;
+template <class T, int Rank>
+using tensor = attend::tensor<T, Rank>;
+
+constexpr float sentinel = -7777.25f;
+constexpr float nan_f = std::numeric_limits<float>::quiet_NaN();
+constexpr float inf_f = std::numeric_limits<float>::infinity();
+
+template <int Rank>
+tensor<float, Rank> random4(std::uint64_t seed, const std::array<index, static_cast<std::size_t>(Rank)>& dims) {
+    tensor<float, Rank> t(dims);
+    attend_test::fill_uniform(t, seed);
+    return t;
+}
+
+/// q [B,H,L,D], k [B,G,S,D], v [B,G,S,Dv] filled with random values.
+struct qkv {
+    tensor<float, 4> q, k, v;
+};
+qkv make(index B, index H, index G, index L, index S, index D, index Dv) {
+    return {random4<4>(1, {B, H, L, D}), random4<4>(2, {B, G, S, D}), random4<4>(3, {B, G, S, Dv})};
+}
+
+/// Sentinel-filled outputs shaped after the inputs (rank of q), as a caller would allocate them.
+template <int Rank>
+struct sentinel_outputs {
+    tensor<float, Rank> out, weights;
+    tensor<float, Rank - 1> lse;
+
+    bool untouched() const {
+        for (const auto* t : {&out, &weights})
+            for (index n = 0; n < t->size(); ++n)
+                if (!(t->data()[n] == sentinel)) return false;
+        for (index n = 0; n < lse.size(); ++n)
+            if (!(lse.data()[n] == sentinel)) return false;
+        return true;
+    }
+};
+
+template <class Q, class K, class V>
+auto outputs_for(const Q& q, const K& k, const V& v) {
+    constexpr int rank = Q::NumDimensions;
+    // value_dim and key_len from the last axes of v and k, which may have another rank than q (attend.shape.rank).
+    const index value_dim = v.dimension(V::NumDimensions - 1), key_len = k.dimension(K::NumDimensions - 2);
+    sentinel_outputs<rank> s;
+    if constexpr (rank == 4) {
+        s.out.resize(q.dimension(0), q.dimension(1), q.dimension(2), value_dim);
+        s.weights.resize(q.dimension(0), q.dimension(1), q.dimension(2), key_len);
+        s.lse.resize(q.dimension(0), q.dimension(1), q.dimension(2));
+    } else {
+        s.out.resize(q.dimension(0), q.dimension(1), value_dim);
+        s.weights.resize(q.dimension(0), q.dimension(1), key_len);
+        s.lse.resize(q.dimension(0), q.dimension(1));
+    }
+    s.out.setConstant(sentinel);
+    s.weights.setConstant(sentinel);
+    s.lse.setConstant(sentinel);
+    return s;
+}
+
+/// Runs f, which must throw E with the given id and a message holding every fragment.
+template <class E, class F>
+void expect_error(F&& f, const std::string& id, const std::vector<std::string>& fragments) {
+    static_assert(std::is_base_of_v<attend::error, E>, "attend errors only");
+    try {
+        f();
+        ADD_FAILURE() << "expected " << id << ", nothing was thrown";
+    } catch (const E& e) {
+        const std::string what = e.what();
+        EXPECT_EQ(e.id(), id) << what;
+        EXPECT_EQ(what.rfind("[" + id + "] ", 0), 0u) << "message must start with the bracketed id: " << what;
+        for (const auto& fragment : fragments)
+            EXPECT_NE(what.find(fragment), std::string::npos) << "message lacks \"" << fragment << "\": " << what;
+    } catch (const std::exception& e) {
+        ADD_FAILURE() << "expected " << id << " as the right exception type, got: " << e.what();
+    }
+}
+
+/// The _into form with sentinel outputs (nothing may be written) and the allocating form; both must throw.
+template <class E, class Q, class K, class V, class Mask>
+void expect_call_error(const Q& q, const K& k, const V& v, const Mask& mask, const attend::sdpa_options& o,
+                       const std::string& id, const std::vector<std::string>& fragments) {
+    auto s = outputs_for(q, k, v);
+    expect_error<E>([&] { attend::scaled_dot_product_attention_into(q, k, v, mask, s.out, o, s.weights, s.lse); },
+                    id, fragments);
+    EXPECT_TRUE(s.untouched()) << id << ": an output was written before the error";
+    attend::sdpa_options with_outputs = o;
+    with_outputs.need_weights = true;
+    with_outputs.need_lse = true;
+    expect_error<E>([&] { (void)attend::scaled_dot_product_attention(q, k, v, mask, with_outputs); }, id, fragments);
+}
+
+template <class E, class Q, class K, class V>
+void expect_call_error(const Q& q, const K& k, const V& v, const attend::sdpa_options& o, const std::string& id,
+                       const std::vector<std::string>& fragments) {
+    expect_call_error<E>(q, k, v, attend::no_mask{}, o, id, fragments);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Shape rules (shape.hpp), in the order check_shapes applies them
+// ---------------------------------------------------------------------------------------------------------------
+
+TEST(SdpaErrors, RankDiffersBetweenQueryKeyAndValueIsShapeRank) {
+    const auto q = random4<4>(1, {2, 3, 5, 4});
+    const auto k = random4<3>(2, {2, 6, 4}), v = random4<3>(3, {2, 6, 7});
+    expect_call_error<attend::shape_error>(q, k, v, {}, "attend.shape.rank", {"4, 3, 3", "[2,3,5,4]", "[2,6,4]", "[2,6,7]"});
+    expect_error<attend::shape_error>([&] { (void)attend::check_shapes(q, k, v); }, "attend.shape.rank", {"[2,3,5,4]"});
+}
+
+TEST(SdpaErrors, BatchDiffersIsShapeBatch) {
+    const auto x = make(2, 2, 2, 4, 5, 3, 3);
+    const auto k = random4<4>(4, {3, 2, 5, 3});
+    expect_call_error<attend::shape_error>(x.q, k, x.v, {}, "attend.shape.batch",
+                                           {"query 2, key 3, value 2", "[2,2,4,3]", "[3,2,5,3]", "[2,2,5,3]"});
+}
+
+TEST(SdpaErrors, KeyAndValueKvHeadsDifferIsShapeKvHeads) {
+    const auto x = make(2, 2, 2, 4, 5, 3, 6);
+    const auto v = random4<4>(4, {2, 1, 5, 6});
+    expect_call_error<attend::shape_error>(x.q, x.k, v, {}, "attend.shape.kv_heads",
+                                           {"key kv_heads 2 != value kv_heads 1", "[2,2,5,3]", "[2,1,5,6]"});
+}
+
+TEST(SdpaErrors, KeyAndValueLengthsDifferIsShapeKeyLen) {
+    const auto x = make(1, 2, 2, 4, 5, 3, 6);
+    const auto v = random4<4>(4, {1, 2, 6, 6});
+    expect_call_error<attend::shape_error>(x.q, x.k, v, {}, "attend.shape.key_len",
+                                           {"key key_len 5 != value key_len 6", "[1,2,5,3]", "[1,2,6,6]"});
+}
+
+TEST(SdpaErrors, QueryAndKeyHeadDimsDifferIsShapeKeyDim) {
+    const auto x = make(2, 8, 8, 4, 6, 4, 4);
+    const auto k = random4<4>(4, {2, 8, 6, 3});
+    const auto v = random4<4>(5, {2, 8, 6, 4});
+    expect_call_error<attend::shape_error>(x.q, k, v, {}, "attend.shape.key_dim",
+                                           {"query head_dim 4 != key head_dim 3", "[2,8,4,4]", "[2,8,6,3]"});
+    // Rank 3 spells rank-3 shapes.
+    const auto q3 = random4<3>(6, {2, 4, 5}), k3 = random4<3>(7, {2, 6, 3}), v3 = random4<3>(8, {2, 6, 2});
+    expect_call_error<attend::shape_error>(q3, k3, v3, {}, "attend.shape.key_dim", {"[2,4,5]", "[2,6,3]"});
+}
+
+TEST(SdpaErrors, ZeroHeadsOrZeroKvHeadsIsShapeEmptyHeads) {
+    const auto a = make(2, 0, 1, 4, 5, 3, 3);
+    expect_call_error<attend::shape_error>(a.q, a.k, a.v, {}, "attend.shape.empty_heads",
+                                           {"heads 0, kv_heads 1", "[2,0,4,3]", "[2,1,5,3]"});
+    const auto b = make(2, 2, 0, 4, 5, 3, 3);
+    expect_call_error<attend::shape_error>(b.q, b.k, b.v, {}, "attend.shape.empty_heads",
+                                           {"heads 2, kv_heads 0", "[2,2,4,3]", "[2,0,5,3]"});
+}
+
+TEST(SdpaErrors, HeadsNotAMultipleOfKvHeadsIsShapeGqa) {
+    const auto x = make(1, 3, 2, 4, 5, 3, 3);
+    expect_call_error<attend::shape_error>(x.q, x.k, x.v, {}, "attend.shape.gqa",
+                                           {"heads 3 is not a multiple of kv_heads 2", "[1,3,4,3]", "[1,2,5,3]"});
+}
+
+TEST(SdpaErrors, ZeroKeyLenIsShapeEmptyKeys) {
+    const auto x = make(2, 2, 1, 4, 0, 3, 3);
+    expect_call_error<attend::shape_error>(x.q, x.k, x.v, {}, "attend.shape.empty_keys",
+                                           {"key_len is 0", "[2,2,4,3]", "[2,1,0,3]"});
+}
+
+TEST(SdpaErrors, ZeroHeadDimIsShapeEmptyHeadDim) {
+    const auto x = make(2, 2, 2, 4, 5, 0, 3);
+    expect_call_error<attend::shape_error>(x.q, x.k, x.v, {}, "attend.shape.empty_head_dim",
+                                           {"head_dim is 0", "[2,2,4,0]", "[2,2,5,0]"});
+}
+
+// TensorMaps whose dims claim 2^63 elements over a 64-float buffer: check_shapes must reject them from the dims
+// alone, before reading or writing any element (ASan would report a read past the buffer).
+TEST(SdpaErrors, ElementCountsBeyondEigenIndexAreShapeOverflowBeforeAnyMemoryIsTouched) {
+    std::vector<float> buffer(64, 0.5f), out_buffer(64, sentinel);
+    const index huge_batch = index(1) << 40;
+    {
+        // query: 2^40 * 1 * 2^20 * 8 = 2^63 elements.
+        const attend::const_tensor_view<float, 4> q(buffer.data(), huge_batch, 1, index(1) << 20, 8),
+            k(buffer.data(), huge_batch, 1, 4, 8), v(buffer.data(), huge_batch, 1, 4, 8);
+        expect_error<attend::shape_error>([&] { (void)attend::check_shapes(q, k, v); }, "attend.shape.overflow",
+                                          {"[1099511627776,1,1048576,8]", "[1099511627776,1,4,8]"});
+        attend::tensor_view<float, 4> out(out_buffer.data(), huge_batch, 1, index(1) << 20, 8);
+        expect_error<attend::shape_error>(
+            [&] { attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, out); },
+            "attend.shape.overflow", {"[1099511627776,1,1048576,8]"});
+        expect_error<attend::shape_error>([&] { (void)attend::scaled_dot_product_attention(q, k, v); },
+                                          "attend.shape.overflow", {"[1099511627776,1,1048576,8]"});
+    }
+    {
+        // Every tensor fits, the scores [2^20, 1, 2^21, 2^22] = 2^63 do not.
+        const attend::const_tensor_view<float, 4> q(buffer.data(), index(1) << 20, 1, index(1) << 21, 1),
+            k(buffer.data(), index(1) << 20, 1, index(1) << 22, 1), v(buffer.data(), index(1) << 20, 1, index(1) << 22, 1);
+        expect_error<attend::shape_error>([&] { (void)attend::check_shapes(q, k, v); }, "attend.shape.overflow",
+                                          {"scores [1048576,1,2097152,4194304]"});
+        attend::tensor_view<float, 4> out(out_buffer.data(), index(1) << 20, 1, index(1) << 21, 1);
+        expect_error<attend::shape_error>(
+            [&] { attend::scaled_dot_product_attention_into(q, k, v, attend::causal(attend::alignment::top_left), out); },
+            "attend.shape.overflow", {"scores"});
+    }
+    for (const float x : out_buffer) ASSERT_EQ(x, sentinel);
+}
+
+// Same rule, but the overflowing product is within one batch entry (heads * len * dim = 2^63). Turning dims
+// into strides must not itself overflow (signed overflow is undefined behaviour; UBSan aborts on it). Run in a
+// child process so that such an abort fails this test only.
+/// 0 when check_shapes throws attend.shape.overflow for q [1, 2^21, 2^21, 2^21] (2^63 elements in one batch entry).
+int per_batch_overflow_exit_code() {
+    std::vector<float> buffer(64, 0.5f);
+    const index n = index(1) << 21;
+    const attend::const_tensor_view<float, 4> q(buffer.data(), 1, n, n, n);
+    const attend::const_tensor_view<float, 4> k(buffer.data(), 1, n, 4, n);
+    const attend::const_tensor_view<float, 4> v(buffer.data(), 1, n, 4, 4);
+    try {
+        (void)attend::check_shapes(q, k, v);
+    } catch (const attend::shape_error& e) {
+        return e.id() == "attend.shape.overflow" ? 0 : 2;
+    }
+    return 1;
+}
+
+TEST(SdpaErrors, PerBatchElementCountBeyondEigenIndexIsShapeOverflowWithoutUndefinedBehaviour) {
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    EXPECT_EXIT(std::exit(per_batch_overflow_exit_code()), ::testing::ExitedWithCode(0), "")
+        << "check_shapes must throw attend.shape.overflow for q [1,2^21,2^21,2^21] without computing an "
+           "overflowing stride";
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Caller-owned outputs (_into)
+// ---------------------------------------------------------------------------------------------------------------
+
+TEST(SdpaErrors, OutputOfWrongShapeIsShapeOutput) {
+    const auto x = make(2, 2, 2, 4, 5, 3, 6);
+    auto s = outputs_for(x.q, x.k, x.v);
+    tensor<float, 4> bad(2, 2, 4, 5);  // value_dim 5 instead of 6
+    bad.setConstant(sentinel);
+    expect_error<attend::shape_error>(
+        [&] { attend::scaled_dot_product_attention_into(x.q, x.k, x.v, attend::no_mask{}, bad, {}, s.weights, s.lse); },
+        "attend.shape.output", {"out [2,2,4,5] != expected [2,2,4,6]"});
+    EXPECT_TRUE(s.untouched());
+    for (index n = 0; n < bad.size(); ++n) ASSERT_EQ(bad.data()[n], sentinel);
+}
+
+TEST(SdpaErrors, WeightsOutputOfWrongShapeIsShapeWeightsOutput) {
+    const auto x = make(2, 2, 2, 4, 5, 3, 6);
+    auto s = outputs_for(x.q, x.k, x.v);
+    tensor<float, 4> bad(2, 2, 5, 4);  // [L, S] swapped
+    bad.setConstant(sentinel);
+    expect_error<attend::shape_error>(
+        [&] { attend::scaled_dot_product_attention_into(x.q, x.k, x.v, attend::no_mask{}, s.out, {}, bad, s.lse); },
+        "attend.shape.weights_output", {"weights [2,2,5,4] != expected [2,2,4,5]"});
+    EXPECT_TRUE(s.untouched());
+    for (index n = 0; n < bad.size(); ++n) ASSERT_EQ(bad.data()[n], sentinel);
+}
+
+TEST(SdpaErrors, LseOutputOfWrongShapeIsShapeLseOutput) {
+    const auto x = make(2, 2, 2, 4, 5, 3, 6);
+    auto s = outputs_for(x.q, x.k, x.v);
+    tensor<float, 3> bad(2, 4, 2);  // [B, L, H] instead of [B, H, L]
+    bad.setConstant(sentinel);
+    expect_error<attend::shape_error>(
+        [&] { attend::scaled_dot_product_attention_into(x.q, x.k, x.v, attend::no_mask{}, s.out, {}, s.weights, bad); },
+        "attend.shape.lse_output", {"lse [2,4,2] != expected [2,2,4]"});
+    EXPECT_TRUE(s.untouched());
+    for (index n = 0; n < bad.size(); ++n) ASSERT_EQ(bad.data()[n], sentinel);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Masks (mask.hpp)
+// ---------------------------------------------------------------------------------------------------------------
+
+TEST(SdpaErrors, DenseMaskThatDoesNotBroadcastIsMaskBroadcast) {
+    const auto x = make(2, 2, 2, 4, 5, 3, 3);
+    tensor<bool, 2> wrong_len(3, 5);  // query_len 3, the call has 4
+    wrong_len.setConstant(true);
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::allowed_mask::from_torch_sdpa(wrong_len), {},
+                                          "attend.mask.broadcast", {"[3,5]", "[2,2,4,5]"});
+    tensor<bool, 4> wrong_batch(3, 1, 1, 5);  // key padding for 3 sequences, the batch is 2
+    wrong_batch.setConstant(false);
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v,
+                                          attend::to_allowed(attend::forbidden_mask::from_torch_mha(wrong_batch)), {},
+                                          "attend.mask.broadcast", {"[3,1,1,5]", "[2,2,4,5]"});
+    tensor<float, 2> wrong_keys(4, 6);
+    wrong_keys.setZero();
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::additive_mask<float>::from_values(wrong_keys), {},
+                                          "attend.mask.broadcast", {"[4,6]", "[2,2,4,5]"});
+}
+
+TEST(SdpaErrors, DenseMaskOfHigherRankThanTheScoresIsMaskRank) {
+    const auto q = random4<3>(1, {2, 4, 3}), k = random4<3>(2, {2, 5, 3}), v = random4<3>(3, {2, 5, 3});
+    tensor<bool, 4> m(2, 1, 4, 5);  // rank 4 for rank-3 scores [2,4,5]
+    m.setConstant(true);
+    expect_call_error<attend::mask_error>(q, k, v, attend::allowed_mask::from_torch_sdpa(m), {}, "attend.mask.rank",
+                                          {"[2,1,4,5]", "[2,4,5]"});
+}
+
+TEST(SdpaErrors, PaddingLengthsNotOnePerBatchEntryIsMaskLengthsBatch) {
+    const auto x = make(2, 2, 2, 4, 5, 3, 3);
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::key_padding({3}), {}, "attend.mask.lengths_batch",
+                                          {"1 lengths for batch 2"});
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::query_padding({1, 2, 3}), {},
+                                          "attend.mask.lengths_batch", {"3 lengths for batch 2"});
+}
+
+TEST(SdpaErrors, PaddingLengthOutsideZeroToLenIsMaskLengthRange) {
+    const auto x = make(2, 2, 2, 4, 5, 3, 3);
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::key_padding({3, 6}), {}, "attend.mask.length_range",
+                                          {"6", "batch 1", "key_len = 5"});
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::key_padding({-1, 2}), {}, "attend.mask.length_range",
+                                          {"-1", "batch 0"});
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::query_padding({5, 2}) && attend::causal(attend::alignment::top_left), {},
+                                          "attend.mask.length_range", {"5", "query_len = 4"});
+}
+
+TEST(SdpaErrors, NegativeSlidingWindowIsMaskWindow) {
+    expect_error<attend::mask_error>([] { (void)attend::sliding_window(-1, 2); }, "attend.mask.window",
+                                     {"left -1", "right 2"});
+    expect_error<attend::mask_error>([] { (void)attend::sliding_window(3, -2, attend::alignment::bottom_right); },
+                                     "attend.mask.window", {"left 3", "right -2"});
+}
+
+TEST(SdpaErrors, PrefixLongerThanKeysOrNegativeIsMaskPrefixLen) {
+    expect_error<attend::mask_error>([] { (void)attend::prefix_lm(-1); }, "attend.mask.prefix_len", {"-1"});
+    const auto x = make(2, 2, 2, 4, 5, 3, 3);
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::prefix_lm(6), {}, "attend.mask.prefix_len",
+                                          {"prefix_len 6", "key_len 5"});
+}
+
+TEST(SdpaErrors, BlockDiagonalLengthsNotMatchingTheSequenceIsMaskBlockLengths) {
+    const auto x = make(1, 2, 2, 5, 5, 3, 3);
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::block_diagonal({2, 2}), {},
+                                          "attend.mask.block_lengths", {"sum to 4", "query_len is 5", "key_len is 5"});
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::block_diagonal({3, -1, 3}), {},
+                                          "attend.mask.block_lengths", {"-1"});
+    const auto y = make(1, 2, 2, 4, 5, 3, 3);  // packed sequences need query_len == key_len
+    expect_call_error<attend::mask_error>(y.q, y.k, y.v, attend::block_diagonal({4}), {}, "attend.mask.block_lengths",
+                                          {"query_len is 4", "key_len is 5"});
+}
+
+TEST(SdpaErrors, QueryWithoutAllowedKeyIsMaskEmptyRow) {
+    const auto x = make(2, 3, 3, 4, 5, 3, 3);
+    tensor<bool, 4> m(2, 3, 4, 5);
+    m.setConstant(true);
+    for (index j = 0; j < 5; ++j) m(1, 2, 3, j) = false;  // the one empty row: batch 1, head 2, query 3
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::allowed_mask::from_torch_sdpa(m), {},
+                                          "attend.mask.empty_row", {"query 3", "batch 1", "head 2"});
+    // A structured rule too: bottom_right causal with query_len > key_len leaves the first queries empty.
+    const auto y = make(1, 1, 1, 6, 4, 3, 3);
+    expect_call_error<attend::mask_error>(y.q, y.k, y.v, attend::causal(attend::alignment::bottom_right), {},
+                                          "attend.mask.empty_row", {"query 0", "batch 0", "head 0"});
+}
+
+TEST(SdpaErrors, AdditiveMaskWithNaNOrPlusInfinityIsValueAdditiveMask) {
+    for (const float bad : {nan_f, inf_f}) {
+        tensor<float, 2> m(3, 4);
+        m.setZero();
+        m(1, 2) = bad;
+        expect_error<attend::value_error>([&] { (void)attend::additive_mask<float>::from_values(m); },
+                                          "attend.value.additive_mask", {"[3,4]", "flat index 6"});
+    }
+    tensor<double, 2> ok(3, 4);  // -inf is the one allowed infinity
+    ok.setConstant(-std::numeric_limits<double>::infinity());
+    EXPECT_NO_THROW((void)attend::additive_mask<double>::from_values(ok));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Values (sdpa.hpp, score_bias.hpp)
+// ---------------------------------------------------------------------------------------------------------------
+
+TEST(SdpaErrors, NaNOrInfinityInQueryKeyOrValueIsValueNonFinite) {
+    const char* names[] = {"query", "key", "value"};
+    for (int which = 0; which < 3; ++which)
+        for (const float bad : {nan_f, inf_f, -inf_f}) {
+            SCOPED_TRACE(std::string(names[which]) + " holds " + std::to_string(bad));
+            auto x = make(2, 2, 1, 4, 5, 3, 6);
+            tensor<float, 4>& t = which == 0 ? x.q : which == 1 ? x.k : x.v;
+            t(1, 0, 2, 1) = bad;
+            expect_call_error<attend::value_error>(x.q, x.k, x.v, {}, "attend.value.non_finite",
+                                                   {names[which], "[1,0,2,1]"});
+            // check_finite = false skips the scan: no throw (the numbers are then the caller's business).
+            attend::sdpa_options unchecked;
+            unchecked.check_finite = false;
+            auto s = outputs_for(x.q, x.k, x.v);
+            EXPECT_NO_THROW(
+                attend::scaled_dot_product_attention_into(x.q, x.k, x.v, attend::no_mask{}, s.out, unchecked, s.weights, s.lse));
+        }
+    // Rank 3 names the rank-3 position.
+    auto q3 = random4<3>(1, {2, 4, 3});
+    const auto k3 = random4<3>(2, {2, 5, 3}), v3 = random4<3>(3, {2, 5, 3});
+    q3(1, 3, 2) = nan_f;
+    expect_call_error<attend::value_error>(q3, k3, v3, {}, "attend.value.non_finite", {"query", "[1,3,2]"});
+}
+
+TEST(SdpaErrors, ScaleZeroNegativeNaNOrInfiniteIsValueScale) {
+    const auto x = make(2, 2, 2, 4, 5, 3, 3);
+    for (const double bad : {0.0, -0.0, -0.5, std::nan(""), std::numeric_limits<double>::infinity(),
+                             -std::numeric_limits<double>::infinity()}) {
+        SCOPED_TRACE("scale " + std::to_string(bad));
+        attend::sdpa_options o;
+        o.scale = bad;
+        expect_call_error<attend::value_error>(x.q, x.k, x.v, o, "attend.value.scale", {"scale"});
+    }
+}
+
+TEST(SdpaErrors, DropoutProbabilityOutsideZeroToOneIsValueDropout) {
+    const auto x = make(2, 2, 2, 4, 5, 3, 3);
+    for (const double bad : {-0.1, 1.0, 1.5, std::nan("")}) {
+        SCOPED_TRACE("probability " + std::to_string(bad));
+        attend::sdpa_options o;
+        o.dropout = {bad, 7, true};
+        expect_call_error<attend::value_error>(x.q, x.k, x.v, o, "attend.value.dropout", {"dropout probability"});
+    }
+    attend::sdpa_options o;
+    o.dropout = {-0.1, 7, true};
+    expect_call_error<attend::value_error>(x.q, x.k, x.v, o, "attend.value.dropout", {"-0.1"});
+}
+
+TEST(SdpaErrors, NegativeThreadCountIsValueThreads) {
+    const auto x = make(2, 2, 2, 4, 5, 3, 3);
+    attend::sdpa_options o;
+    o.threads = -1;
+    expect_call_error<attend::value_error>(x.q, x.k, x.v, o, "attend.value.threads", {"threads -1"});
+}
+
+TEST(SdpaErrors, ScoreBiasForAnotherHeadCountIsShapeScoreBiasHeads) {
+    const auto x = make(2, 2, 1, 4, 5, 3, 3);
+    attend::sdpa_options o;
+    o.score_bias = attend::score_bias::alibi({0.5, 0.25, 0.125});  // three slopes, two heads
+    expect_call_error<attend::shape_error>(x.q, x.k, x.v, o, "attend.shape.score_bias_heads",
+                                           {"3 slopes", "2 heads"});
+    expect_error<attend::value_error>(
+        [] { (void)attend::score_bias::alibi({0.5, std::numeric_limits<double>::infinity()}); },
+        "attend.value.alibi_slopes", {"head 1"});
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The hierarchy
+// ---------------------------------------------------------------------------------------------------------------
+
+TEST(SdpaErrors, EveryErrorIsAnAttendErrorAndAnInvalidArgument) {
+    const auto x = make(2, 2, 2, 4, 5, 3, 3);
+    const auto k = random4<4>(4, {2, 2, 5, 2});
+    attend::sdpa_options bad_scale;
+    bad_scale.scale = 0.0;
+    int caught = 0;
+    const auto expect_base = [&](auto&& f) {
+        try {
+            f();
+        } catch (const attend::error& e) {
+            ++caught;
+            EXPECT_NE(dynamic_cast<const std::invalid_argument*>(&e), nullptr);
+            EXPECT_FALSE(e.id().empty());
+        }
+    };
+    expect_base([&] { (void)attend::scaled_dot_product_attention(x.q, k, x.v); });
+    expect_base([&] { (void)attend::scaled_dot_product_attention(x.q, x.k, x.v, attend::key_padding({1}), {}); });
+    expect_base([&] { (void)attend::scaled_dot_product_attention(x.q, x.k, x.v, bad_scale); });
+    EXPECT_EQ(caught, 3);
+}
+
+}  // namespace

@@ -1,0 +1,626 @@
+// The tiled kernel (detail/tiled_kernel.hpp) against the reference kernel over many seeded random
+// configurations, plus thread determinism and dispatch.
+//
+// Error measure, for out and weights: max |tiled - reference| / max(1, max |reference|) over the whole tensor;
+// for lse, per element |tiled - reference| / max(1, |reference|), with -inf required at exactly the same places.
+// Bounds: 1e-5 in float, 1e-12 in double. Every tiled value must also be free of NaN, and a weight of a forbidden
+// position must be exactly 0.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <attend/attend.hpp>
+
+#include "support/random.hpp"
+
+namespace {
+
+using attend::index;
+using attend::alignment;
+using attend::detail::tile_config;
+
+template <class T>
+double tolerance() {
+    return std::is_same_v<T, float> ? 1e-5 : 1e-12;
+}
+
+/// Input storage for one configuration: contiguous rank 3 / rank 4 tensors, or projected [B, len, heads * dim]
+/// buffers read through split_heads (the strided views multi-head attention uses).
+template <class T>
+struct inputs {
+    std::vector<T> q_data, k_data, v_data;
+    attend::strided_view<const T> q, k, v;
+};
+
+template <class T>
+attend::strided_view<const T> make_view(std::vector<T>& data, attend_test::rng& g, double amplitude, int rank,
+                                        bool split, index batch, index heads, index len, index dim) {
+    data.resize(static_cast<std::size_t>(batch * heads * len * dim));
+    for (auto& x : data) x = static_cast<T>(amplitude * g.uniform(-1.0, 1.0));
+    attend::strided_view<const T> view;
+    if (split) return attend::split_heads<const T>(data.data(), batch, len, heads, dim);
+    view.data = data.data();
+    view.rank = rank;
+    view.dims = {batch, heads, len, dim};
+    view.strides = {heads * len * dim, len * dim, dim, 1};
+    return view;
+}
+
+/// Everything one random configuration decides besides the mask.
+struct config {
+    std::uint64_t seed = 0;
+    int rank = 4;
+    bool split = false;
+    bool strided_out = false;
+    index batch = 1, heads = 1, kv_heads = 1, query_len = 1, key_len = 1, head_dim = 1, value_dim = 1;
+    double q_amplitude = 1;
+    attend::sdpa_options options;
+    int threads = 1;
+    bool default_tiles = true;
+    tile_config tiles;
+    std::string bias_kind = "none";
+    std::string mask_kind;
+
+    std::string describe() const {
+        std::ostringstream s;
+        s << "seed " << seed << " rank " << rank << (split ? " split_heads" : "") << (strided_out ? " strided_out" : "")
+          << " B " << batch << " H " << heads << " KH " << kv_heads << " L " << query_len << " S " << key_len << " D "
+          << head_dim << " Dv " << value_dim << " mask " << mask_kind << " bias " << bias_kind << " dropout "
+          << (options.dropout.training ? options.dropout.probability : 0.0) << " weights " << options.need_weights
+          << (options.weights_after_dropout ? " (after dropout)" : "") << " lse " << options.need_lse << " empty_rows "
+          << (options.empty_rows == attend::empty_rows::zero ? "zero" : "error") << " threads " << threads;
+        if (!default_tiles)
+            s << " tiles {" << tiles.query_rows << ", " << tiles.key_tile << ", trim " << tiles.trim_step << ", slab "
+              << tiles.slab_rows << ", gemv " << tiles.gemv_rows << ", decode " << tiles.decode_queries << "/"
+              << tiles.decode_chunk << "}";
+        return s.str();
+    }
+};
+
+struct tally {
+    int compared = 0;
+    int rejected = 0;  ///< empty rows under empty_rows::error: both kernels are behind the same check
+};
+
+template <class T>
+struct run_outputs {
+    std::vector<T> out_data, weights, lse;
+    attend::detail::attention_outputs<T> o;
+};
+
+template <class T>
+run_outputs<T> make_outputs(const config& c, bool strided) {
+    run_outputs<T> r;
+    const index rows = c.batch * c.heads * c.query_len;
+    r.out_data.assign(static_cast<std::size_t>(rows * c.value_dim), std::numeric_limits<T>::quiet_NaN());
+    if (strided) {
+        r.o.out = attend::split_heads<T>(r.out_data.data(), c.batch, c.query_len, c.heads, c.value_dim);
+    } else {
+        r.o.out.data = r.out_data.data();
+        r.o.out.dims = {c.batch, c.heads, c.query_len, c.value_dim};
+        r.o.out.strides = {c.heads * c.query_len * c.value_dim, c.query_len * c.value_dim, c.value_dim, 1};
+    }
+    if (c.options.need_weights) {
+        r.weights.assign(static_cast<std::size_t>(rows * c.key_len), std::numeric_limits<T>::quiet_NaN());
+        r.o.weights = r.weights.data();
+    }
+    if (c.options.need_lse) {
+        r.lse.assign(static_cast<std::size_t>(rows), std::numeric_limits<T>::quiet_NaN());
+        r.o.lse = r.lse.data();
+    }
+    return r;
+}
+
+template <class T>
+T out_at(const run_outputs<T>& r, index b, index h, index i, index d) {
+    return r.o.out.row(b, h, i)[d];
+}
+
+/// Runs both kernels on one configuration and checks the tiled one against the reference.
+template <class T, class Mask>
+void compare(const config& c, const inputs<T>& in, const Mask& mask, tally& t) {
+    SCOPED_TRACE(c.describe());
+    const attend::attention_shape s = attend::detail::check_views(in.q, in.k, in.v);
+    std::optional<decltype(attend::detail::check_call(in.q, in.k, in.v, s, mask, c.options))> call;
+    try {
+        call.emplace(attend::detail::check_call(in.q, in.k, in.v, s, mask, c.options));
+    } catch (const attend::mask_error& e) {
+        ASSERT_EQ(c.options.empty_rows, attend::empty_rows::error) << e.what();
+        ASSERT_STREQ(e.id().c_str(), "attend.mask.empty_row");
+        ++t.rejected;
+        return;
+    }
+    auto ref = make_outputs<T>(c, false);
+    auto til = make_outputs<T>(c, c.strided_out);
+    attend::detail::reference_attention(in.q, in.k, in.v, s, call->mask, call->params, ref.o);
+    if (c.default_tiles)
+        attend::detail::tiled_attention(in.q, in.k, in.v, s, call->mask, call->params, til.o, c.threads);
+    else
+        attend::detail::tiled_attention(in.q, in.k, in.v, s, call->mask, call->params, til.o, c.threads, c.tiles);
+
+    const double tol = tolerance<T>();
+    double ref_max = 0, diff = 0;
+    bool nan = false;
+    for (index b = 0; b < s.batch; ++b)
+        for (index h = 0; h < s.heads; ++h)
+            for (index i = 0; i < s.query_len; ++i)
+                for (index d = 0; d < s.value_dim; ++d) {
+                    const double a = out_at(ref, b, h, i, d), x = out_at(til, b, h, i, d);
+                    nan = nan || std::isnan(x);
+                    ref_max = std::max(ref_max, std::abs(a));
+                    diff = std::max(diff, std::abs(a - x));
+                }
+    EXPECT_FALSE(nan) << "NaN in tiled out";
+    EXPECT_LE(diff / std::max(1.0, ref_max), tol) << "out";
+    if (c.options.need_lse) {
+        for (std::size_t n = 0; n < ref.lse.size(); ++n) {
+            const double a = ref.lse[n], x = til.lse[n];
+            ASSERT_FALSE(std::isnan(x)) << "NaN in tiled lse at " << n;
+            if (std::isinf(a) || std::isinf(x)) {
+                ASSERT_EQ(a, x) << "lse at " << n;
+                continue;
+            }
+            ASSERT_LE(std::abs(a - x) / std::max(1.0, std::abs(a)), tol) << "lse at " << n << ": " << a << " vs " << x;
+        }
+    }
+    if (c.options.need_weights) {
+        double wmax = 0, wdiff = 0;
+        for (std::size_t n = 0; n < ref.weights.size(); ++n) {
+            ASSERT_FALSE(std::isnan(til.weights[n])) << "NaN in tiled weights at " << n;
+            wmax = std::max(wmax, std::abs(static_cast<double>(ref.weights[n])));
+            wdiff = std::max(wdiff, std::abs(static_cast<double>(ref.weights[n]) - static_cast<double>(til.weights[n])));
+        }
+        EXPECT_LE(wdiff / std::max(1.0, wmax), tol) << "weights";
+        for (index b = 0; b < s.batch; ++b)
+            for (index h = 0; h < s.heads; ++h)
+                for (index i = 0; i < s.query_len; ++i)
+                    for (index j = 0; j < s.key_len; ++j)
+                        if (!call->mask.allowed(b, h, i, j) || call->mask.query_padded(b, i)) {
+                            ASSERT_EQ(til.weights[static_cast<std::size_t>(((b * s.heads + h) * s.query_len + i) *
+                                                                           s.key_len + j)],
+                                      T(0))
+                                << "forbidden weight (" << b << ',' << h << ',' << i << ',' << j << ") is not 0";
+                        }
+    }
+    ++t.compared;
+}
+
+// ---- masks --------------------------------------------------------------------------------------------------------
+
+/// Dims of a dense mask broadcasting to the scores: rank 2..score rank, each axis full or 1.
+std::vector<index> dense_dims(attend_test::rng& g, const config& c) {
+    const std::vector<index> score = c.rank == 4 ? std::vector<index>{c.batch, c.heads, c.query_len, c.key_len}
+                                                 : std::vector<index>{c.batch, c.query_len, c.key_len};
+    const auto rank = static_cast<std::size_t>(g.uniform_int(2, static_cast<index>(score.size())));
+    std::vector<index> dims(score.end() - static_cast<std::ptrdiff_t>(rank), score.end());
+    for (auto& d : dims)
+        if (g.bernoulli(0.3)) d = 1;
+    return dims;
+}
+
+template <int Rank, class V>
+attend::tensor<V, Rank> dense_tensor(const std::vector<index>& dims) {
+    std::array<index, Rank> d{};
+    for (int a = 0; a < Rank; ++a) d[static_cast<std::size_t>(a)] = dims[static_cast<std::size_t>(a)];
+    return attend::tensor<V, Rank>(d);
+}
+
+/// Calls f with an allowed_mask (or, with `forbidden`, to_allowed of a forbidden_mask) of random broadcast shape.
+template <class F>
+void with_dense_boolean(attend_test::rng& g, const config& c, bool forbidden, F&& f) {
+    const auto dims = dense_dims(g, c);
+    const double density = g.uniform(0.3, 1.0);
+    const auto fill = [&](auto& x) {
+        for (index n = 0; n < x.size(); ++n) x.data()[n] = g.bernoulli(density) != forbidden;
+    };
+    const auto make = [&](const auto& x) {
+        if (forbidden) f(attend::to_allowed(attend::forbidden_mask::from_torch_mha(x)));
+        else f(attend::allowed_mask::from_torch_sdpa(x));
+    };
+    if (dims.size() == 2) {
+        auto x = dense_tensor<2, bool>(dims);
+        fill(x);
+        make(x);
+    } else if (dims.size() == 3) {
+        auto x = dense_tensor<3, bool>(dims);
+        fill(x);
+        make(x);
+    } else {
+        auto x = dense_tensor<4, bool>(dims);
+        fill(x);
+        make(x);
+    }
+}
+
+/// An additive mask of random broadcast shape: -inf, 0 and finite values.
+template <class T>
+attend::additive_mask<T> dense_additive(attend_test::rng& g, const config& c) {
+    const auto dims = dense_dims(g, c);
+    const double forbid = g.uniform(0.0, 0.5), zero = g.uniform(0.0, 0.5);
+    const auto fill = [&](auto& x) {
+        for (index n = 0; n < x.size(); ++n) {
+            const double u = g.uniform();
+            x.data()[n] = u < forbid ? -std::numeric_limits<T>::infinity()
+                                     : u < forbid + zero ? T(0) : static_cast<T>(g.uniform(-4.0, 4.0));
+        }
+    };
+    if (dims.size() == 2) {
+        auto x = dense_tensor<2, T>(dims);
+        fill(x);
+        return attend::additive_mask<T>::from_values(x);
+    }
+    if (dims.size() == 3) {
+        auto x = dense_tensor<3, T>(dims);
+        fill(x);
+        return attend::additive_mask<T>::from_values(x);
+    }
+    auto x = dense_tensor<4, T>(dims);
+    fill(x);
+    return attend::additive_mask<T>::from_values(x);
+}
+
+std::vector<index> lengths(attend_test::rng& g, index batch, index max) {
+    std::vector<index> n(static_cast<std::size_t>(batch));
+    for (auto& x : n) x = g.bernoulli(0.2) ? max : g.uniform_int(0, max);
+    return n;
+}
+
+alignment any_alignment(attend_test::rng& g) { return g.bernoulli(0.5) ? alignment::top_left : alignment::bottom_right; }
+
+attend::sliding_window_rule any_window(attend_test::rng& g, const config& c) {
+    const index span = std::max(c.query_len, c.key_len);
+    return attend::sliding_window(g.uniform_int(0, span / 2 + 2), g.uniform_int(0, span / 4 + 1), any_alignment(g));
+}
+
+std::vector<index> block_lengths(attend_test::rng& g, index total) {
+    std::vector<index> n;
+    index left = total;
+    while (left > 0) {
+        const index x = std::min(left, g.uniform_int(0, total / 3 + 2));
+        n.push_back(x);
+        left -= x;
+    }
+    return n;
+}
+
+/// Picks a mask expression and calls compare with it.
+template <class T>
+void compare_random_mask(attend_test::rng& g, config& c, const inputs<T>& in, tally& t) {
+    constexpr int kinds = 20;
+    int kind = static_cast<int>(g.uniform_int(0, kinds - 1));
+    if (kind == 10 && c.query_len != c.key_len) kind = 4;
+    const auto run = [&](const char* name, const auto& mask) {
+        c.mask_kind = name;
+        compare(c, in, mask, t);
+    };
+    switch (kind) {
+        case 0: return run("none", attend::no_mask{});
+        case 1: return with_dense_boolean(g, c, false, [&](const auto& m) { run("allowed_mask", m); });
+        case 2: return with_dense_boolean(g, c, true, [&](const auto& m) { run("to_allowed(forbidden)", m); });
+        case 3: return run("additive", dense_additive<T>(g, c));
+        case 4: return run("causal top_left", attend::causal(alignment::top_left));
+        case 5: return run("causal bottom_right", attend::causal(alignment::bottom_right));
+        case 6: return run("sliding_window", any_window(g, c));
+        case 7: return run("prefix_lm", attend::prefix_lm(g.uniform_int(0, c.key_len), any_alignment(g)));
+        case 8: return run("key_padding", attend::key_padding(lengths(g, c.batch, c.key_len)));
+        case 9:
+            return run("query_padding && causal",
+                       attend::query_padding(lengths(g, c.batch, c.query_len)) && attend::causal(any_alignment(g)));
+        case 10: return run("block_diagonal", attend::block_diagonal(block_lengths(g, c.query_len)));
+        case 11:
+            return run("causal && key_padding",
+                       attend::causal(any_alignment(g)) && attend::key_padding(lengths(g, c.batch, c.key_len)));
+        case 12:
+            return run("sliding_window || prefix_lm",
+                       any_window(g, c) || attend::prefix_lm(g.uniform_int(0, c.key_len), any_alignment(g)));
+        case 13:
+            return with_dense_boolean(g, c, false, [&](const auto& m) { run("!allowed_mask", !m); });
+        case 14: return run("additive + causal", dense_additive<T>(g, c) + attend::causal(any_alignment(g)));
+        case 15:
+            return with_dense_boolean(g, c, false, [&](const auto& m) {
+                run("query_padding && allowed_mask", attend::query_padding(lengths(g, c.batch, c.query_len)) && m);
+            });
+        case 16:
+            return run("!causal || sliding_window", !attend::causal(any_alignment(g)) || any_window(g, c));
+        case 17:
+            return with_dense_boolean(g, c, true, [&](const auto& m) {
+                run("additive + (to_allowed(forbidden) && sliding_window)",
+                    dense_additive<T>(g, c) + (m && any_window(g, c)));
+            });
+        case 18:
+            return run("query_padding && key_padding + additive",
+                       (attend::query_padding(lengths(g, c.batch, c.query_len)) &&
+                        attend::key_padding(lengths(g, c.batch, c.key_len))) +
+                           dense_additive<T>(g, c));
+        default:
+            return with_dense_boolean(g, c, false, [&](const auto& m) {
+                run("allowed_mask || causal", m || attend::causal(any_alignment(g)));
+            });
+    }
+}
+
+// ---- random configurations ----------------------------------------------------------------------------------------
+
+index pick(attend_test::rng& g, const std::vector<index>& values) {
+    return values[static_cast<std::size_t>(g.uniform_int(0, static_cast<index>(values.size()) - 1))];
+}
+
+template <class T>
+void random_configuration(std::uint64_t seed, tally& t) {
+    attend_test::rng g(seed);
+    config c;
+    c.seed = seed;
+    c.rank = g.bernoulli(0.2) ? 3 : 4;
+    c.default_tiles = g.bernoulli(0.5);
+    const std::vector<index> sizes{1, 2, 7, 16, 31, 63, 64, 65, 100, 129, 257, 513, 1000};
+    // Work (reference flops) stays bounded; tiny tiles get tiny problems.
+    const double budget = c.default_tiles ? 4e6 : 2.5e5;
+    for (int attempt = 0;; ++attempt) {
+        c.batch = g.uniform_int(1, 3);
+        c.heads = c.rank == 3 ? 1 : pick(g, {1, 2, 3, 4, 8});
+        std::vector<index> divisors;
+        for (index d = 1; d <= c.heads; ++d)
+            if (c.heads % d == 0) divisors.push_back(d);
+        c.kv_heads = pick(g, divisors);
+        c.query_len = pick(g, sizes);
+        c.key_len = g.bernoulli(0.2) ? c.query_len : pick(g, sizes);
+        c.head_dim = pick(g, {1, 3, 8, 16, 32, 64});
+        c.value_dim = g.bernoulli(0.6) ? c.head_dim : pick(g, {1, 5, 16, 24, 64});
+        const double work = static_cast<double>(c.batch * c.heads * c.query_len * c.key_len) *
+                            static_cast<double>(c.head_dim + c.value_dim);
+        if (work <= budget || attempt > 50) break;
+    }
+    c.split = c.rank == 4 && g.bernoulli(0.3);
+    c.strided_out = c.rank == 4 && g.bernoulli(0.3);
+    c.q_amplitude = g.bernoulli(0.3) ? 4.0 : 1.0;
+    c.threads = static_cast<int>(g.uniform_int(1, 4));
+    if (!c.default_tiles) {
+        c.tiles.query_rows = pick(g, {1, 3, 8, 16, 64});
+        c.tiles.key_tile = pick(g, {1, 5, 16, 32, 100});
+        c.tiles.trim_step = pick(g, {1, 2, 7, 16});
+        c.tiles.decode_queries = pick(g, {0, 4, 16});
+        c.tiles.decode_chunk = c.tiles.key_tile * pick(g, {1, 2, 3});
+        c.tiles.slab_rows = pick(g, {1, 3, 32});
+        c.tiles.gemv_rows = pick(g, {0, 2, 8});
+    }
+    auto& o = c.options;
+    o.empty_rows = g.bernoulli(0.7) ? attend::empty_rows::zero : attend::empty_rows::error;
+    o.need_lse = g.bernoulli(0.7);
+    o.need_weights = g.bernoulli(0.35);
+    if (g.bernoulli(0.2)) o.scale = g.uniform(0.05, 2.0);
+    if (g.bernoulli(0.25)) {
+        o.dropout.training = true;
+        o.dropout.probability = g.uniform(0.05, 0.7);
+        o.dropout.seed = g.next();
+        o.weights_after_dropout = g.bernoulli(0.5);
+    }
+    const double bias = g.uniform();
+    if (bias < 0.15) {
+        std::vector<double> slopes(static_cast<std::size_t>(c.heads));
+        for (auto& x : slopes) x = g.uniform(0.0, 0.3);
+        o.score_bias = attend::score_bias::alibi(slopes, any_alignment(g));
+        c.bias_kind = "alibi";
+    } else if (bias < 0.3) {
+        attend::relative_position_bias<double> table(c.heads, g.bernoulli(0.5), pick(g, {8, 32}), pick(g, {20, 128}),
+                                                     g.next());
+        o.score_bias = attend::score_bias::relative(table, any_alignment(g));
+        c.bias_kind = "relative";
+    }
+    inputs<T> in;
+    in.q = make_view(in.q_data, g, c.q_amplitude, c.rank, c.split, c.batch, c.heads, c.query_len, c.head_dim);
+    in.k = make_view(in.k_data, g, 1.0, c.rank, c.split, c.batch, c.kv_heads, c.key_len, c.head_dim);
+    in.v = make_view(in.v_data, g, 1.0, c.rank, c.split, c.batch, c.kv_heads, c.key_len, c.value_dim);
+    compare_random_mask(g, c, in, t);
+}
+
+TEST(TiledKernel, MatchesReferenceFloat) {
+    tally t;
+    const int n = attend_test::repeat(320);
+    for (int i = 0; i < n; ++i) {
+        random_configuration<float>(0x5eed0000ULL + static_cast<std::uint64_t>(i), t);
+        if (HasFatalFailure()) return;
+    }
+    std::printf("float: %d configurations compared, %d rejected as empty rows before either kernel ran\n",
+                t.compared, t.rejected);
+    EXPECT_GT(t.compared, n / 2);
+}
+
+TEST(TiledKernel, MatchesReferenceDouble) {
+    tally t;
+    const int n = attend_test::repeat(240);
+    for (int i = 0; i < n; ++i) {
+        random_configuration<double>(0xd0b1e000ULL + static_cast<std::uint64_t>(i), t);
+        if (HasFatalFailure()) return;
+    }
+    std::printf("double: %d configurations compared, %d rejected as empty rows before either kernel ran\n",
+                t.compared, t.rejected);
+    EXPECT_GT(t.compared, n / 2);
+}
+
+/// The sizes the issue names, each against every other, with default tiles and a causal mask and without.
+TEST(TiledKernel, NamedSizesFloat) {
+    tally t;
+    const std::vector<index> sizes{1, 7, 63, 65, 129, 1000};
+    std::uint64_t seed = 77;
+    for (index l : sizes)
+        for (index sk : sizes) {
+            attend_test::rng g(seed++);
+            config c;
+            c.seed = seed;
+            c.heads = 2;
+            c.kv_heads = 1;
+            c.query_len = l;
+            c.key_len = sk;
+            c.head_dim = 64;
+            c.value_dim = 48;
+            c.threads = 2;
+            c.options.need_lse = true;
+            c.options.empty_rows = attend::empty_rows::zero;
+            inputs<float> in;
+            in.q = make_view(in.q_data, g, 2.0, 4, false, c.batch, c.heads, l, c.head_dim);
+            in.k = make_view(in.k_data, g, 1.0, 4, false, c.batch, c.kv_heads, sk, c.head_dim);
+            in.v = make_view(in.v_data, g, 1.0, 4, false, c.batch, c.kv_heads, sk, c.value_dim);
+            c.mask_kind = "none";
+            compare(c, in, attend::no_mask{}, t);
+            c.mask_kind = "causal bottom_right";
+            compare(c, in, attend::causal(alignment::bottom_right), t);
+            if (HasFatalFailure()) return;
+        }
+    EXPECT_EQ(t.compared, 72);
+}
+
+// ---- determinism and dispatch ------------------------------------------------------------------------------------
+
+template <class T>
+bool same_bits(const attend::tensor<T, 4>& a, const attend::tensor<T, 4>& b) {
+    return a.size() == b.size() &&
+           std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(T)) == 0;
+}
+template <class T>
+bool same_bits(const attend::tensor<T, 3>& a, const attend::tensor<T, 3>& b) {
+    return a.size() == b.size() &&
+           std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(T)) == 0;
+}
+
+TEST(TiledKernel, BitIdenticalForAnyThreadCount) {
+    const auto q = attend_test::random_tensor<float>(1, 2, 4, 333, 32);
+    const auto k = attend_test::random_tensor<float>(2, 2, 2, 517, 32);
+    const auto v = attend_test::random_tensor<float>(3, 2, 2, 517, 40);
+    attend::sdpa_options o;
+    o.kernel = attend::kernel::tiled;
+    o.need_weights = true;
+    o.need_lse = true;
+    o.empty_rows = attend::empty_rows::zero;
+    o.dropout = {0.2, 1234, true};
+    o.score_bias = attend::score_bias::alibi(attend::alibi_slopes(4));
+    const auto mask = attend::causal(alignment::bottom_right) && attend::key_padding({517, 300});
+    o.threads = 1;
+    const auto one = attend::scaled_dot_product_attention(q, k, v, mask, o);
+    for (int threads : {2, 7}) {
+        o.threads = threads;
+        const auto r = attend::scaled_dot_product_attention(q, k, v, mask, o);
+        EXPECT_TRUE(same_bits(one.out, r.out)) << threads << " threads";
+        EXPECT_TRUE(same_bits(one.weights, r.weights)) << threads << " threads";
+        EXPECT_TRUE(same_bits(one.lse, r.lse)) << threads << " threads";
+    }
+}
+
+TEST(TiledKernel, DecodePathBitIdenticalForAnyThreadCount) {
+    // query_len 3 <= 16 and key_len 5000 > the decode chunk: keys are split into chunks merged in order.
+    for (bool small_chunks : {false, true}) {
+        const auto q = attend_test::random_tensor<float>(11, 1, 8, 3, 64);
+        const auto k = attend_test::random_tensor<float>(12, 1, 2, 5000, 64);
+        const auto v = attend_test::random_tensor<float>(13, 1, 2, 5000, 64);
+        const auto qv = attend::detail::as_view(q), kv = attend::detail::as_view(k), vv = attend::detail::as_view(v);
+        const auto s = attend::check_shapes(q, k, v);
+        attend::sdpa_options o;
+        o.need_lse = true;
+        const auto mask = attend::causal(alignment::bottom_right) && attend::key_padding({4321});
+        const auto call = attend::detail::check_call(qv, kv, vv, s, mask, o);
+        tile_config tiles = attend::detail::default_tile_config<float>(s);
+        if (small_chunks) tiles.decode_chunk = 300;
+        ASSERT_LE(s.query_len, tiles.decode_queries);
+        ASSERT_GT(s.key_len, tiles.decode_chunk);
+        std::vector<std::vector<float>> outs, lses;
+        for (int threads : {1, 2, 7}) {
+            attend::tensor<float, 4> out(1, 8, 3, 64);
+            attend::tensor<float, 3> lse(1, 8, 3);
+            attend::detail::attention_outputs<float> r;
+            r.out = attend::detail::as_mutable_view(out);
+            r.lse = lse.data();
+            attend::detail::tiled_attention(qv, kv, vv, s, call.mask, call.params, r, threads, tiles);
+            outs.emplace_back(out.data(), out.data() + out.size());
+            lses.emplace_back(lse.data(), lse.data() + lse.size());
+        }
+        EXPECT_EQ(outs[0], outs[1]);
+        EXPECT_EQ(outs[0], outs[2]);
+        EXPECT_EQ(lses[0], lses[1]);
+        EXPECT_EQ(lses[0], lses[2]);
+        o.kernel = attend::kernel::reference;
+        const auto ref = attend::scaled_dot_product_attention(q, k, v, mask, o);
+        double diff = 0, lse_diff = 0;
+        for (index n = 0; n < ref.out.size(); ++n)
+            diff = std::max(diff, static_cast<double>(std::abs(ref.out.data()[n] - outs[0][static_cast<std::size_t>(n)])));
+        for (index n = 0; n < ref.lse.size(); ++n)
+            lse_diff = std::max(lse_diff, std::abs(static_cast<double>(ref.lse.data()[n]) -
+                                                   static_cast<double>(lses[0][static_cast<std::size_t>(n)])) /
+                                              std::max(1.0, std::abs(static_cast<double>(ref.lse.data()[n]))));
+        EXPECT_LE(diff, 1e-5);
+        EXPECT_LE(lse_diff, 1e-5);
+    }
+}
+
+TEST(TiledKernel, AutomaticIsTiled) {
+    const auto q = attend_test::random_tensor<double>(21, 2, 3, 70, 16);
+    const auto k = attend_test::random_tensor<double>(22, 2, 3, 90, 16);
+    const auto v = attend_test::random_tensor<double>(23, 2, 3, 90, 8);
+    attend::sdpa_options o;
+    o.need_lse = true;
+    o.threads = 2;
+    const auto automatic = attend::scaled_dot_product_attention(q, k, v, attend::causal(alignment::bottom_right), o);
+    o.kernel = attend::kernel::tiled;
+    const auto tiled = attend::scaled_dot_product_attention(q, k, v, attend::causal(alignment::bottom_right), o);
+    o.kernel = attend::kernel::reference;
+    const auto reference = attend::scaled_dot_product_attention(q, k, v, attend::causal(alignment::bottom_right), o);
+    EXPECT_TRUE(same_bits(automatic.out, tiled.out));
+    EXPECT_TRUE(same_bits(automatic.lse, tiled.lse));
+    double diff = 0;
+    for (index n = 0; n < reference.out.size(); ++n)
+        diff = std::max(diff, std::abs(reference.out.data()[n] - tiled.out.data()[n]));
+    EXPECT_LE(diff, 1e-12);
+}
+
+TEST(TiledKernel, ThreadsOption) {
+    const auto q = attend_test::random_tensor<float>(31, 1, 2, 9, 8);
+    attend::sdpa_options o;
+    o.threads = -1;
+    try {
+        (void)attend::scaled_dot_product_attention(q, q, q, o);
+        FAIL() << "threads -1 accepted";
+    } catch (const attend::value_error& e) {
+        EXPECT_EQ(e.id(), "attend.value.threads");
+    }
+    o.threads = 0;  // hardware concurrency
+    const auto r = attend::scaled_dot_product_attention(q, q, q, o);
+    EXPECT_EQ(r.out.dimension(2), 9);
+    EXPECT_GE(attend::detail::resolve_threads(0), 1);
+    EXPECT_EQ(attend::detail::resolve_threads(3), 3);
+}
+
+TEST(TiledKernel, ParallelForRunsEveryUnitOnceAndRethrows) {
+    for (int threads : {1, 2, 7}) {
+        std::vector<int> hits(23, 0);
+        attend::detail::parallel_for(23, threads, [&](index unit, int) { ++hits[static_cast<std::size_t>(unit)]; });
+        EXPECT_EQ(std::count(hits.begin(), hits.end(), 1), 23);
+    }
+    EXPECT_THROW(attend::detail::parallel_for(10, 3,
+                                              [](index unit, int) {
+                                                  if (unit == 4) throw std::runtime_error("unit 4");
+                                              }),
+                 std::runtime_error);
+}
+
+TEST(TiledKernel, MergeRowIsMergePartialsFormula) {
+    const float a[2] = {1.0f, -2.0f}, b[2] = {3.0f, 0.5f};
+    float out[2];
+    const float lse = attend::detail::merge_row(a, 0.5f, b, -1.0f, out, 2);
+    const float wa = std::exp(0.0f), wb = std::exp(-1.5f);
+    EXPECT_FLOAT_EQ(out[0], (wa * 1.0f + wb * 3.0f) / (wa + wb));
+    EXPECT_FLOAT_EQ(lse, 0.5f + std::log(wa + wb));
+    const float inf = std::numeric_limits<float>::infinity();
+    EXPECT_EQ(attend::detail::merge_row(a, -inf, b, -inf, out, 2), -inf);
+    EXPECT_EQ(out[0], 0.0f);
+}
+
+}  // namespace
