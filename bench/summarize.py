@@ -2,7 +2,10 @@
 """Turns attend_bench JSON (run with --benchmark_repetitions) and compare_pytorch.py JSON into the tables of
 bench/README.md and the data + plot of bench/gflops.png.
 
-    /usr/bin/python3 bench/summarize.py attend.json [pytorch.json] [--plot bench/gflops.png]
+    /usr/bin/python3 bench/summarize.py attend.json [more-attend.json ...] [pytorch.json] [--plot bench/gflops.png]
+
+(a file whose name contains "pytorch" is read as compare_pytorch.py output; later attend files replace the cases
+they contain)
 
 Every figure is the best (shortest real time) of the repetitions: on a shared machine the other processes only
 ever make a run slower, so the best run is the closest to what the code does. Single-thread cases also show the
@@ -14,13 +17,17 @@ import subprocess
 import sys
 
 
-def load_bench(path):
+def load_bench(paths):
+    """Later files replace earlier ones case by case (a re-run of some cases after a change)."""
     runs = {}
-    with open(path) as f:
-        for b in json.load(f)["benchmarks"]:
-            if b.get("run_type") != "iteration":
-                continue
-            runs.setdefault(b["run_name"], []).append(b)
+    for path in paths:
+        fresh = {}
+        with open(path) as f:
+            for b in json.load(f)["benchmarks"]:
+                if b.get("run_type") != "iteration":
+                    continue
+                fresh.setdefault(b["run_name"], []).append(b)
+        runs.update(fresh)
     best = {}
     for name, rs in runs.items():
         r = min(rs, key=lambda x: x["real_time"])
@@ -31,6 +38,7 @@ def load_bench(path):
             "flops": r.get("flops"),
             "bytes": r.get("bytes"),
             "n": len(rs),
+            "real_time_rate": name.endswith("/real_time"),
         }
     return best
 
@@ -46,10 +54,11 @@ def main():
         i = args.index("--plot")
         plot = args[i + 1]
         del args[i:i + 2]
-    b = load_bench(args[0])
+    torch_json = [a for a in args if "pytorch" in a]
+    b = load_bench([a for a in args if a not in torch_json])
     torch = {}
-    if len(args) > 1:
-        with open(args[1]) as f:
+    if torch_json:
+        with open(torch_json[0]) as f:
             for r in json.load(f)["results"]:
                 torch[(r["name"], r["path"], r["threads"])] = r
 
@@ -57,8 +66,8 @@ def main():
         return b[name][key] if name in b else None
 
     def work(name):
-        # flops per call = rate * real time
-        return b[name]["flops"] * b[name]["real"]
+        # flops per call = rate * the time the rate was computed from
+        return b[name]["flops"] * (b[name]["real"] if b[name]["real_time_rate"] else b[name]["cpu"])
 
     lines = []
     lines.append("| L = S | threads | tiled GFLOP/s | sgemm (attention shape) | tiled / sgemm | sgemm (square) | "
@@ -76,10 +85,12 @@ def main():
             cpu = f" [{gf(work(t) / b[t]['cpu'])}]" if threads == 1 else ""
             gcpu = f" [{gf(work(g) / b[g]['cpu'])}]" if threads == 1 and g in b else ""
             py = torch.get((f"noncausal/{length}", "sdpa", threads))
+            causal = f"{b[c]['real'] / b[t]['real']:.3f}" + (
+                f" [{b[c]['cpu'] / b[t]['cpu']:.3f}]" if threads == 1 else "")
             lines.append(
                 f"| {length} | {threads} | {gf(tr)}{cpu} | {gf(rate(g))}{gcpu} | "
                 f"{tr / rate(g):.2f} | {gf(rate(sq))} | {tr / rate(sq):.2f} | "
-                f"{b[c]['real'] / b[t]['real']:.3f} | "
+                f"{causal} | "
                 f"{py['gflops']:.2f} | {tr / 1e9 / py['gflops']:.0f}x |" if py else
                 f"| {length} | {threads} | {gf(tr)}{cpu} | {gf(rate(g))}{gcpu} | "
                 f"{tr / rate(g):.2f} | {gf(rate(sq))} | {tr / rate(sq):.2f} | "
@@ -98,6 +109,9 @@ def main():
     for threads in (1, 2):
         d, g = f"tiled<double>/2048/{threads}", f"gemm_attention_shape<double>/2048/{threads}"
         sq = f"gemm_square<double>/2048/{threads}"
+        if d in b and g in b and threads == 1:
+            print(f"| double L = 2048, 1 thread, by CPU time: tiled / dgemm (attention shape), / dgemm (square) | "
+                  f"{b[g]['cpu'] / b[d]['cpu']:.2f}, {(work(d) / b[d]['cpu']) / (work(sq) / b[sq]['cpu']):.2f} |")
         if d in b and g in b:
             print(f"| double L = 2048, {threads} thread(s): tiled / dgemm (attention shape), / dgemm (square) | "
                   f"{gf(rate(d))} / {gf(rate(g))} GFLOP/s = {rate(d) / rate(g):.2f}; "
@@ -105,13 +119,17 @@ def main():
     for threads in (1, 2):
         w, f_ = f"tiled_window256/16384/{threads}", f"tiled<float>/16384/{threads}"
         if w in b and f_ in b:
+            cpu = f" [{b[f_]['cpu'] / b[w]['cpu']:.1f}x by CPU time]" if threads == 1 else ""
             print(f"| window 256 vs full at L = 16384, {threads} thread(s) | {b[f_]['real'] / b[w]['real']:.1f}x "
-                  f"faster ({b[w]['real'] * 1e3:.0f} ms vs {b[f_]['real'] * 1e3:.0f} ms) |")
+                  f"faster{cpu} ({b[w]['real'] * 1e3:.0f} ms vs {b[f_]['real'] * 1e3:.0f} ms) |")
     for threads in (1, 2):
         s = f"stream_kv/{threads}"
         for check in (0, 1):
             d = f"decode/threads:{threads}/check_finite:{check}"
             if d in b and s in b:
+                if threads == 1:
+                    print(f"| decode 1 thread, check_finite {'on' if check else 'off'}, by CPU time | "
+                          f"{b[s]['cpu'] / b[d]['cpu']:.2f} of the streaming read |")
                 print(f"| decode {threads} thread(s), check_finite {'on' if check else 'off'}: K+V bandwidth vs "
                       f"streaming read | {rate(d, 'bytes') / 1e9:.1f} / {rate(s, 'bytes') / 1e9:.1f} GB/s = "
                       f"{rate(d, 'bytes') / rate(s, 'bytes'):.2f} |")
@@ -126,7 +144,10 @@ def main():
                 row = [length]
                 for name in (f"tiled<float>/{length}/1", f"tiled<float>/{length}/2", f"reference_kernel<float>/{length}",
                              f"gemm_attention_shape<float>/{length}/1", f"gemm_attention_shape<float>/{length}/2"):
-                    row.append(f"{rate(name) / 1e9:.3f}" if name in b else "NaN")
+                    # one thread: CPU-time rate (what the code does when it has the core); two: wall clock
+                    one = not name.endswith("/2")
+                    value = (work(name) / b[name]["cpu"] if one else rate(name)) if name in b else None
+                    row.append(f"{value / 1e9:.3f}" if value else "NaN")
                 for threads in (1, 2):
                     py = torch.get((f"noncausal/{length}", "sdpa", threads))
                     row.append(f"{py['gflops']:.3f}" if py else "NaN")
@@ -134,13 +155,14 @@ def main():
         script = f"""
 set terminal pngcairo size 900,560 font ',11'
 set output '{plot}'
-set title 'attention fp32, B = 1, H = 8, D = 64 (Zen 4, 2 vCPUs, shared)'
+set title "attention fp32, B = 1, H = 8, D = 64 (Zen 4, 2 shared vCPUs)\\n1 thread: rate by thread CPU time; 2 threads and PyTorch: wall clock"
 set xlabel 'sequence length L = S'
 set ylabel 'GFLOP/s (4 B H L S D per call)'
 set logscale x 2
 set logscale y 10
 set xtics (1024, 2048, 4096)
-set key outside right
+set xrange [900:4600]
+set key at graph 0.98, graph 0.5 right box opaque font ',9'
 set grid
 plot '{data}' using 1:2 with linespoints lw 2 title 'attend tiled, 1 thread', \\
      '' using 1:3 with linespoints lw 2 title 'attend tiled, 2 threads', \\

@@ -4,9 +4,11 @@
 
 #include "alignment.hpp"
 #include "backward.hpp"
+#include "cache.hpp"
 #include "error.hpp"
 #include "mask.hpp"
 #include "merge.hpp"
+#include "mha.hpp"
 #include "position.hpp"
 #include "score_bias.hpp"
 #include "sdpa.hpp"

@@ -26,8 +26,8 @@ partial_attention<T, Rank> merge_partials(const tensor<T, Rank>& out_a, const te
                                           const tensor<T, Rank>& out_b, const tensor<T, Rank - 1>& lse_b) {
     static_assert(Rank == 3 || Rank == 4, "attend: merge_partials takes outputs of rank 3 or 4");
     bool same = true;
-    for (int a = 0; a < Rank; ++a) same = same && out_a.dimension(a) == out_b.dimension(a);
-    for (int a = 0; a < Rank - 1; ++a)
+    for (std::size_t a = 0; a < std::size_t(Rank); ++a) same = same && out_a.dimension(a) == out_b.dimension(a);
+    for (std::size_t a = 0; a + 1 < std::size_t(Rank); ++a)
         same = same && lse_a.dimension(a) == out_a.dimension(a) && lse_b.dimension(a) == out_a.dimension(a);
     if (!same)
         throw shape_error("attend.shape.merge",

@@ -102,7 +102,27 @@ constexpr void require_row_major_tensor() {
     }
 }
 
-/// A rank-3 or rank-4 row-major tensor as a rank-4 strided view.
+/// A dense rank-3 or rank-4 row-major tensor as a rank-4 view over `data`. The strides are products of the
+/// dims, taken in unsigned arithmetic: a shape whose products overflow Eigen::Index must reach check_views,
+/// which rejects it (attend.shape.overflow), without undefined behaviour on the way.
+template <class T, class X>
+strided_view<T> dense_view(T* data, const X& x) {
+    constexpr int rank = tensor_traits<std::decay_t<X>>::rank;
+    strided_view<T> v;
+    v.data = data;
+    v.rank = rank;
+    if constexpr (rank == 4) {
+        v.dims = {x.dimension(0), x.dimension(1), x.dimension(2), x.dimension(3)};
+    } else {
+        v.dims = {x.dimension(0), 1, x.dimension(1), x.dimension(2)};
+    }
+    const auto u = [](index n) { return static_cast<std::uint64_t>(n); };
+    v.strides = {static_cast<index>(u(v.dims[1]) * u(v.dims[2]) * u(v.dims[3])),
+                 static_cast<index>(u(v.dims[2]) * u(v.dims[3])), v.dims[3], 1};
+    return v;
+}
+
+/// A rank-3 or rank-4 row-major tensor, TensorMap or strided_view as a read-only rank-4 strided view.
 template <class X>
 auto as_view(const X& x) {
     require_row_major_tensor<X>();
@@ -117,39 +137,19 @@ auto as_view(const X& x) {
         v.rank = x.rank;
         return v;
     } else {
-        strided_view<const T> v;
-        v.data = x.data();
-        constexpr int rank = tensor_traits<std::decay_t<X>>::rank;
-        v.rank = rank;
-        if constexpr (rank == 4) {
-            v.dims = {x.dimension(0), x.dimension(1), x.dimension(2), x.dimension(3)};
-        } else {
-            v.dims = {x.dimension(0), 1, x.dimension(1), x.dimension(2)};
-        }
-        v.strides = {v.dims[1] * v.dims[2] * v.dims[3], v.dims[2] * v.dims[3], v.dims[3], 1};
-        return v;
+        return dense_view<const T>(x.data(), x);
     }
 }
 
-/// A writable rank-3 or rank-4 row-major tensor as a rank-4 strided view.
+/// A writable rank-3 or rank-4 row-major tensor, TensorMap or strided_view as a rank-4 strided view.
 template <class X>
 auto as_mutable_view(X& x) {
     require_row_major_tensor<X>();
     using T = scalar_of<X>;
-    strided_view<T> v;
-    constexpr int rank = tensor_traits<std::decay_t<X>>::rank;
     if constexpr (std::is_same_v<std::decay_t<X>, strided_view<T>>) {
         return x;
     } else {
-        v.data = x.data();
-        v.rank = rank;
-        if constexpr (rank == 4) {
-            v.dims = {x.dimension(0), x.dimension(1), x.dimension(2), x.dimension(3)};
-        } else {
-            v.dims = {x.dimension(0), 1, x.dimension(1), x.dimension(2)};
-        }
-        v.strides = {v.dims[1] * v.dims[2] * v.dims[3], v.dims[2] * v.dims[3], v.dims[3], 1};
-        return v;
+        return dense_view<T>(x.data(), x);
     }
 }
 

@@ -70,7 +70,9 @@ void reference_attention(const strided_view<const T>& q, const strided_view<cons
                     if (weights) std::fill(weights, weights + S, T(0));
                     continue;
                 }
-                row = (row.array() - max).exp();
+                // std::exp, not Eigen's vectorized exp: that one returns ~3e-39 for -inf in some builds, and a
+                // forbidden weight must be exactly 0.
+                for (index j = 0; j < S; ++j) row(j) = std::exp(row(j) - max);
                 const T sum = row.sum();
                 if (lse) *lse = max + std::log(sum);
                 row /= sum;

@@ -8,10 +8,16 @@
 /// give zero rows and lse -inf, never NaN.
 ///
 /// Grouped-query attention: a work unit holds all `heads / kv_heads` query heads of one kv head, their query rows
-/// stacked into one block ([head 0 rows; head 1 rows; ...]), so each K and V tile is read, packed and multiplied
-/// once for the whole group (for decoding with one query and 4 query heads per kv head that turns four
-/// one-row products into one four-row product). Mask classification, score_bias and dropout stay per head: the
-/// block is made of per-head sub-blocks, each classified and masked as its own tile.
+/// stacked into one block ([head 0 rows; head 1 rows; ...]), so each K and V tile is read from memory and packed
+/// once for the whole group. Mask classification, score_bias and dropout stay per head: the block is made of
+/// per-head sub-blocks, each classified and masked as its own tile. (A block of at most gemv_rows rows, e.g. one
+/// decoded query on 4 query heads per kv head, uses one GEMV per row over L1-sized key slices instead of a GEMM,
+/// which would copy K and V into packed panels first.)
+///
+/// Masks: a tile classified empty for every head is skipped before its GEMM; a full tile gets no per-element mask
+/// work; a mixed tile is cut into runs of 32-key strips, the strips every row may see go through one block GEMM,
+/// the others through 32-query slabs each trimmed to the keys it may see (a causal diagonal or a window edge costs
+/// about a slab-sized triangle, not a block-sized one).
 ///
 /// Decoding (query_len <= 16, no weights asked): a block has too few rows to keep threads busy, so the keys are
 /// also split into fixed-size chunks (the chunk size depends on the shape only, never on the thread count); the
@@ -48,17 +54,16 @@ struct tile_config {
     index decode_chunk = 2048;   ///< keys per chunk of the decode path
 };
 
-/// Tile sizes chosen by measurement (bench/README.md has the sweep: `attend_bench --benchmark_filter=tiled_tiles`)
-/// on Zen 4 (AVX-512, 1 MiB L2 per core), fp32, head_dim 64, L = S = 2048. Every block of 64 to 256 query rows x
-/// 256 to 1024 keys ran within a few percent of the others (and about 10 % faster than the same work as two
-/// materialized GEMMs); 32 rows or 128 keys were 10 to 60 % slower: Eigen packs both GEMM operands on every call,
-/// so each K and V tile is re-packed once per query block, and small blocks pay that, plus the per-tile
-/// softmax bookkeeping, too often. Among the flat region, 128 rows x 512 keys was fastest and keeps the score tile
-/// (256 KiB) and the K and V tiles (128 KiB each) in L2; more rows would waste more of the diagonal tile of a
-/// causal mask (masked columns are trimmed in steps of 32 keys, rows are not) and of a sliding window. Double
-/// uses half the keys, so its tiles take the same bytes, and head dims of 128 or more halve the key tile again.
-/// The decode chunk is 4 key tiles: at key_len 8192, head_dim 128 that is 8 chunks per kv head to spread over
-/// threads, each streaming 1 MiB of K and V.
+/// Tile sizes chosen by measurement (bench/README.md has the sweep, `attend_bench --benchmark_filter=tiled_tiles`)
+/// on Zen 4 (AVX-512, 1 MiB L2 per core), fp32, head_dim 64, L = S = 2048, one thread. Blocks of 64 to 256 query
+/// rows x 256 to 1024 keys all ran within about 5 % of each other and of the same work done as two materialized
+/// GEMMs; 32 rows or 128 keys were up to 50 % slower: Eigen packs both GEMM operands on every call, so each K and
+/// V tile is re-packed once per query block, and small blocks pay that, plus the per-tile softmax bookkeeping, too
+/// often. 128 rows x 512 keys was among the fastest and keeps the score tile (256 KiB) and the K and V tiles
+/// (128 KiB each) in L2; more rows would put more of a causal diagonal or a window edge into mixed tiles (those
+/// are cut into 32-key strips and 32-query slabs, but each slab is a smaller, slower GEMM). Double uses half the
+/// keys, so its tiles take the same bytes; head dims of 128 or more halve the key tile again. The decode chunk is
+/// 4 key tiles: at key_len 8192, head_dim 128 that is 8 chunks per kv head to spread over threads.
 template <class T>
 tile_config default_tile_config(const attention_shape& s) {
     tile_config c;
