@@ -200,7 +200,8 @@ void reference_backward(const backward_inputs<T>& in, const attention_shape& s, 
                     row.setZero();
                     continue;
                 }
-                row = (row.array() - max).exp();
+                // std::exp: forbidden probabilities must be exactly 0 (see reference_kernel.hpp).
+                for (index j = 0; j < S; ++j) row(j) = std::exp(row(j) - max);
                 row /= row.sum();
             }
             dropped = probs;
@@ -458,10 +459,12 @@ private:
 template <class T, class Bound>
 void run_backward(const backward_inputs<T>& in, const checked_backward<T, Bound>& checked,
                   const gradient_outputs<T>& out, const backward_tiling& tiling) {
+    const erased_mask<Bound> erased(checked.call.mask);
+    const mask_tiles& mask = erased;
     if (checked.call.kernel == kernel::reference)
-        reference_backward(in, checked.shape, checked.call.mask, checked.call.params, out);
+        reference_backward(in, checked.shape, mask, checked.call.params, out);
     else
-        tiled_backward_runner<T, Bound>(in, checked.shape, checked.call.mask, checked.call.params, out, tiling)
+        tiled_backward_runner<T, mask_tiles>(in, checked.shape, mask, checked.call.params, out, tiling)
             .run(checked.call.threads);
 }
 

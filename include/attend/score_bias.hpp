@@ -120,7 +120,8 @@ public:
         ATTEND_ASSERT(head >= 0);
         ATTEND_ASSERT(ld >= cols);
         const index diagonals = rows + cols - 1;
-        constexpr index stack_size = 512;
+        // Covers the kernels' largest tile (128 queries x 512 keys -> 639 diagonals) without a heap allocation.
+        constexpr index stack_size = 1024;
         T stack[stack_size];
         std::vector<T> heap;
         T* bias = stack;

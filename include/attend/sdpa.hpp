@@ -139,7 +139,7 @@ auto check_call(const strided_view<const T>& q, const strided_view<const T>& k, 
         check_finite(v, "value");
     }
     if (o.empty_rows == empty_rows::error)
-        if (const auto row = first_empty_row(call.mask, s))
+        if (const auto row = first_empty_row<mask_tiles>(erased_mask<decltype(call.mask)>(call.mask), s))
             throw mask_error("attend.mask.empty_row",
                              concat("query ", (*row)[2], " of batch ", (*row)[0], ", head ", (*row)[1],
                                     " has no allowed key, so softmax is undefined; fix the mask, mark padded "
@@ -151,8 +151,10 @@ auto check_call(const strided_view<const T>& q, const strided_view<const T>& k, 
 template <class T, class Bound>
 void run_checked(const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
                  const attention_shape& s, const checked_call<T, Bound>& call, const attention_outputs<T>& out) {
-    if (call.kernel == kernel::reference) reference_attention(q, k, v, s, call.mask, call.params, out);
-    else tiled_attention(q, k, v, s, call.mask, call.params, out, call.threads);
+    const erased_mask<Bound> erased(call.mask);
+    const mask_tiles& mask = erased;
+    if (call.kernel == kernel::reference) reference_attention(q, k, v, s, mask, call.params, out);
+    else tiled_attention(q, k, v, s, mask, call.params, out, call.threads);
 }
 
 template <class X>

@@ -158,7 +158,7 @@ TEST(ScoreBias, TilesLargerThanTheStackBufferMatchValueToo) {
         for (auto align : alignments)
             for (int rep = 0; rep < attend_test::repeat(4); ++rep) {
                 const auto bias = random_bias(g, kind, 2, align);
-                // rows + cols - 1 > 512 diagonals: the heap path.
+                // rows + cols - 1 > 1024 diagonals: the heap path.
                 check_tile_equals_value<double>(g, bias, 2, 700, 900, 700);
                 check_tile_equals_value<float>(g, bias, 2, 1000, 300, 1000);
             }

@@ -302,5 +302,33 @@ struct bound_complement {
     }
 };
 
+/// The kernels' view of any bound mask. A kernel instantiated per mask expression costs minutes of compile time
+/// per expression; through this interface each kernel is compiled once per scalar type, at the price of one
+/// virtual call per tile (or per row), which is nothing next to a tile's GEMM.
+class mask_tiles {
+public:
+    virtual ~mask_tiles() = default;
+    virtual tile_class classify(const tile& t) const = 0;
+    virtual void apply(const tile& t, float* scores, index ld) const = 0;
+    virtual void apply(const tile& t, double* scores, index ld) const = 0;
+    virtual bool allowed(index b, index h, index i, index j) const = 0;
+    virtual bool query_padded(index b, index i) const = 0;
+};
+
+/// A bound mask behind mask_tiles; holds a reference, so it lives no longer than the call it serves.
+template <class Bound>
+class erased_mask final : public mask_tiles {
+public:
+    explicit erased_mask(const Bound& bound) : bound_(bound) {}
+    tile_class classify(const tile& t) const override { return bound_.classify(t); }
+    void apply(const tile& t, float* scores, index ld) const override { bound_.apply(t, scores, ld); }
+    void apply(const tile& t, double* scores, index ld) const override { bound_.apply(t, scores, ld); }
+    bool allowed(index b, index h, index i, index j) const override { return bound_.allowed(b, h, i, j); }
+    bool query_padded(index b, index i) const override { return bound_.query_padded(b, i); }
+
+private:
+    const Bound& bound_;
+};
+
 }  // namespace detail
 }  // namespace attend

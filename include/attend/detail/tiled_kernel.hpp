@@ -129,7 +129,8 @@ public:
                  const attention_outputs<T>& o, const tile_config& c)
         : q_(q), k_(k), v_(v), s_(s), mask_(mask), p_(p), o_(o), c_(c) {
         group_ = s.group_size();
-        block_queries_ = std::min(s.query_len, std::max<index>(1, (c.query_rows + group_ - 1) / group_));
+        // At least 1 even for query_len == 0, where query_blocks_ becomes 0 and there is no work.
+        block_queries_ = std::max<index>(1, std::min(s.query_len, (c.query_rows + group_ - 1) / group_));
         query_blocks_ = (s.query_len + block_queries_ - 1) / block_queries_;
         rows_ = group_ * block_queries_;
         bias_ = p.bias && !p.bias->empty() ? p.bias : nullptr;
