@@ -55,7 +55,11 @@ public:
     static score_bias relative(const relative_position_bias<float>& table, alignment align = alignment::top_left) {
         auto converted = std::make_shared<relative_position_bias<double>>(
             table.heads(), table.bidirectional(), table.num_buckets(), table.max_distance());
-        converted->table() = table.table().template cast<double>();
+        // An element loop, not Eigen's cast(): g++ 12 reports a false -Warray-bounds on the vectorized cast of
+        // small tensors, which would break users who build with -Werror.
+        const auto& from = table.table();
+        auto& to = converted->table();
+        for (index n = 0; n < from.size(); ++n) to.data()[n] = static_cast<double>(from.data()[n]);
         return relative(std::shared_ptr<const relative_position_bias<double>>(std::move(converted)), align);
     }
 

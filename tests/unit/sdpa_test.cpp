@@ -1,7 +1,8 @@
 // Properties of attend::scaled_dot_product_attention (sdpa.hpp) over many seeded random configurations: odd
 // sizes, query_len != key_len, head_dim != value_dim, rank 3 and rank 4, grouped-query attention (including
-// kv_heads == 1), float and double, both kernels. Each test name states the invariant; a failure prints the
-// seed and the configuration, so it reproduces anywhere (the generator is splitmix64, see support/random.hpp).
+// kv_heads == 1), float and double, every kernel (reference, tiled, automatic). Each test name states the
+// invariant; a failure prints the seed and the configuration, so it reproduces anywhere (the generator is
+// splitmix64, see support/random.hpp).
 //
 // Tolerances (stated once, used everywhere):
 //   vs the independent double oracle:  float 2e-5, double 1e-12. Inputs are in [-1, 1) and head_dim <= 9, so a
@@ -1450,9 +1451,10 @@ TYPED_TEST(SdpaProperty, DropoutIsAPureFunctionOfSeedAndPosition) {
         const auto k2 = run(other_kernel, x, attend::no_mask{}, o);
         for (index e = 0; e < a.weights.size(); ++e)
             ASSERT_EQ(a.weights.data()[e] == T(0), k2.weights.data()[e] == T(0)) << "kernels drop different weights";
-        // The drop pattern depends on neither the values nor how many queries the call has.
+        // The drop pattern depends on neither the query values nor how many queries the call has: a call with the
+        // first half of the query positions, holding other values, drops the same (b, h, i, j).
         config c2 = c;
-        c2.query_len = std::max<index>(1, c.query_len / 2);  // ... and fewer queries (a prefix)
+        c2.query_len = std::max<index>(1, c.query_len / 2);
         inputs<T> z{tensor<T, 4>(c.batch, c.heads, c2.query_len, c.head_dim), x.k, x.v};
         attend_test::fill_uniform(z.q, c.seed + 99);
         const auto b = run(c2, z, attend::no_mask{}, o);
