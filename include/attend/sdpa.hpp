@@ -167,7 +167,7 @@ strided_view<const scalar_of<X>> checked_input(const X& x) {
 template <class Out, std::size_t N>
 void check_output_dims(const Out& out, const std::array<index, N>& expected, const char* id, const char* what) {
     std::array<index, N> got{};
-    for (std::size_t a = 0; a < N; ++a) got[a] = out.dimension(a);
+    for (std::size_t a = 0; a < N; ++a) got[a] = out.dimensions()[a];  // dimensions(): Tensor and TensorMap index it alike
     if (got != expected)
         throw shape_error(id, concat(what, ' ', format_shape(got), " != expected ", format_shape(expected)));
 }

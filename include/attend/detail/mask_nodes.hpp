@@ -244,12 +244,24 @@ struct bound_dense_additive {
             }
         return all_forbidden ? tile_class::empty : tile_class::full;
     }
+    /// -inf stays -inf; a finite bias saturates at the lowest finite T, so a finite fill (say -1e300 on float
+    /// scores, or two float lowest() added) never turns into -inf and silently empties a row that the empty-row
+    /// check saw as allowed.
     template <class T>
     void apply(const tile& t, T* scores, index ld) const {
+        constexpr T lowest = std::numeric_limits<T>::lowest();
         for (index i = t.query_begin; i < t.query_end; ++i) {
             T* row = scores + (i - t.query_begin) * ld;
-            for (index j = t.key_begin; j < t.key_end; ++j)
-                row[j - t.key_begin] += static_cast<T>(value(t.batch, t.head, i, j));
+            for (index j = t.key_begin; j < t.key_end; ++j) {
+                const V x = value(t.batch, t.head, i, j);
+                T& s = row[j - t.key_begin];
+                if (x == minus_infinity<V>()) {
+                    s = minus_infinity<T>();
+                } else if (s != minus_infinity<T>()) {
+                    const T bias = static_cast<double>(x) < static_cast<double>(lowest) ? lowest : static_cast<T>(x);
+                    s = std::max(s + bias, lowest);
+                }
+            }
         }
     }
 };

@@ -433,14 +433,15 @@ private:
                !(w.row_sum[static_cast<std::size_t>(r)] > 0);
     }
 
-    /// out = acc / sum, lse = max + log(sum); zero rows and lse -inf for padded queries and empty rows. Leaves the
-    /// lse of each row in w.row_max for write_weights.
+    /// out = acc / sum, lse = max + log(sum); zero rows and lse -inf for padded queries and empty rows. Leaves
+    /// max = -inf in w.row_max for zero rows, so write_weights writes zeros there.
     void finish_rows(tiled_workspace<T>& w, const block& blk) const {
         const index rows = group_ * blk.queries, dv = s_.value_dim;
         for (index r = 0; r < rows; ++r) {
             const index h = blk.kv_head * group_ + r / blk.queries, i = blk.query_begin + r % blk.queries;
             T* out = o_.out.row(blk.batch, h, i);
             T& m = w.row_max[static_cast<std::size_t>(r)];
+            T lse = minus_infinity<T>();
             if (row_is_zero(w, blk, r)) {
                 std::fill(out, out + dv, T(0));
                 m = minus_infinity<T>();
@@ -448,13 +449,14 @@ private:
                 const T l = w.row_sum[static_cast<std::size_t>(r)];
                 const T* acc = w.acc.data() + r * dv;
                 for (index d = 0; d < dv; ++d) out[d] = acc[d] / l;
-                m += std::log(l);
+                lse = m + std::log(l);
             }
-            if (o_.lse) o_.lse[(blk.batch * s_.heads + h) * s_.query_len + i] = m;
+            if (o_.lse) o_.lse[(blk.batch * s_.heads + h) * s_.query_len + i] = lse;
         }
     }
 
-    /// Second pass for the weights output: P = exp(S - lse) tile by tile, written straight into weights.
+    /// Second pass for the weights output: P = exp(S - max) / sum tile by tile, written straight into weights.
+    /// Not exp(S - lse): lse rounded in T would cost |lse| ulps of relative accuracy when scores are large.
     void write_weights(tiled_workspace<T>& w, const block& blk) const {
         const index rows = group_ * blk.queries, ld = c_.key_tile, S = s_.key_len;
         const T keep_scale = static_cast<T>(p_.dropout.keep_scale);
@@ -473,13 +475,15 @@ private:
             compute_scores(w, blk, all, k0, k1);
             for (index r = 0; r < rows; ++r) {
                 T* out = weights_row(r) + k0;
-                const T lse = w.row_max[static_cast<std::size_t>(r)];
-                if (lse == minus_infinity<T>()) {
+                const T m = w.row_max[static_cast<std::size_t>(r)];
+                if (m == minus_infinity<T>()) {
                     std::fill(out, out + nk, T(0));
                     continue;
                 }
+                const T l = w.row_sum[static_cast<std::size_t>(r)];
                 std::copy(w.scores.data() + r * ld, w.scores.data() + r * ld + nk, out);
-                exp_shifted(out, nk, lse);
+                exp_shifted(out, nk, m);
+                for (index j = 0; j < nk; ++j) out[j] /= l;
                 if (drop) {
                     const index h = blk.kv_head * group_ + r / blk.queries, i = blk.query_begin + r % blk.queries;
                     for (index j = 0; j < nk; ++j)
