@@ -22,26 +22,18 @@
 #include <vector>
 
 #include "support/golden.hpp"
+#include "support/errors.hpp"
 #include "support/random.hpp"
 
 namespace {
+
+using attend_test::expect_error;
 
 using attend::alignment;
 using attend::index;
 using attend::kernel;
 using attend::sdpa_options;
 using attend::tensor;
-
-template <class E, class F>
-void expect_error(F&& f, const std::string& id) {
-    try {
-        f();
-        ADD_FAILURE() << "expected " << typeid(E).name() << " [" << id << "], nothing was thrown";
-    } catch (const attend::error& e) {
-        EXPECT_EQ(typeid(e), typeid(E)) << e.what();
-        EXPECT_EQ(e.id(), id) << e.what();
-    }
-}
 
 template <class T, int Rank>
 T max_abs(const tensor<T, Rank>& x) {

@@ -15,26 +15,15 @@
 #include <typeinfo>
 #include <vector>
 
+#include "support/errors.hpp"
 #include "support/random.hpp"
 
 namespace {
 
+using attend_test::expect_error;
+
 using attend::index;
 using attend::tensor;
-
-template <class E, class F>
-std::string expect_error(F&& f, const std::string& id) {
-    try {
-        f();
-        ADD_FAILURE() << "expected " << typeid(E).name() << " [" << id << "], nothing was thrown";
-    } catch (const attend::error& e) {
-        EXPECT_EQ(typeid(e), typeid(E)) << e.what();
-        EXPECT_EQ(e.id(), id) << e.what();
-        EXPECT_NE(std::string(e.what()).find("[" + id + "]"), std::string::npos) << e.what();
-        return e.what();
-    }
-    return {};
-}
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 

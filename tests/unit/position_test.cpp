@@ -10,25 +10,15 @@
 #include <typeinfo>
 #include <vector>
 
+#include "support/errors.hpp"
 #include "support/random.hpp"
 
 namespace {
 
+using attend_test::expect_error;
+
 using attend::index;
 using attend::tensor;
-
-/// Runs f, which must throw exactly E with the given id.
-template <class E, class F>
-void expect_error(F&& f, const std::string& id) {
-    try {
-        f();
-        ADD_FAILURE() << "expected " << typeid(E).name() << " [" << id << "], nothing was thrown";
-    } catch (const attend::error& e) {
-        EXPECT_EQ(typeid(e), typeid(E)) << e.what();
-        EXPECT_EQ(e.id(), id) << e.what();
-        EXPECT_NE(std::string(e.what()).find("[" + id + "]"), std::string::npos) << e.what();
-    }
-}
 
 template <class T, int R>
 void fill_sentinel(tensor<T, R>& t) {

@@ -10,24 +10,16 @@
 #include <typeinfo>
 #include <vector>
 
+#include "support/errors.hpp"
 #include "support/random.hpp"
 
 namespace {
 
+using attend_test::expect_error;
+
 using attend::alignment;
 using attend::index;
 using attend::score_bias;
-
-template <class E, class F>
-void expect_error(F&& f, const std::string& id) {
-    try {
-        f();
-        ADD_FAILURE() << "expected " << typeid(E).name() << " [" << id << "], nothing was thrown";
-    } catch (const attend::error& e) {
-        EXPECT_EQ(typeid(e), typeid(E)) << e.what();
-        EXPECT_EQ(e.id(), id) << e.what();
-    }
-}
 
 constexpr alignment alignments[] = {alignment::top_left, alignment::bottom_right};
 

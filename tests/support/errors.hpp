@@ -1,0 +1,28 @@
+#pragma once
+/// The one check of an error path: f must throw exactly E, with the stable id `id`, and the message must start
+/// with that id in brackets. Returns the message so a test can look for shapes or values in it.
+
+#include <string>
+#include <typeinfo>
+
+#include <gtest/gtest.h>
+
+#include <attend/error.hpp>
+
+namespace attend_test {
+
+template <class E, class F>
+std::string expect_error(F&& f, const std::string& id) {
+    try {
+        f();
+        ADD_FAILURE() << "expected " << typeid(E).name() << " [" << id << "], nothing was thrown";
+    } catch (const attend::error& e) {
+        EXPECT_EQ(typeid(e), typeid(E)) << e.what();
+        EXPECT_EQ(e.id(), id) << e.what();
+        EXPECT_NE(std::string(e.what()).find("[" + id + "]"), std::string::npos) << e.what();
+        return e.what();
+    }
+    return {};
+}
+
+}  // namespace attend_test
