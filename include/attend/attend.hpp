@@ -9,6 +9,7 @@
 #include "mask.hpp"
 #include "merge.hpp"
 #include "mha.hpp"
+#include "mha_backward.hpp"
 #include "position.hpp"
 #include "score_bias.hpp"
 #include "sdpa.hpp"

@@ -134,6 +134,27 @@ struct mha_result {
     tensor<T, 4> head_weights;  ///< `[batch, heads, query_len, key_len]`; need_weights && !average_weights
 };
 
+/// What multi_head_attention_backward needs from a training forward pass (forward(..., saved)): the projected
+/// heads as the kernel read them (rotated when options.rotary) and the attention output before the output
+/// projection. O(batch x len x model_dim) scalars; nothing of size query_len x key_len is kept.
+template <class T>
+struct mha_saved {
+    tensor<T, 3> q;          ///< `[batch, query_len, heads * head_dim]`
+    tensor<T, 3> k;          ///< `[batch, key_len, kv_heads * head_dim]`
+    tensor<T, 3> v;          ///< `[batch, key_len, kv_heads * head_dim]`
+    tensor<T, 3> attention;  ///< `[batch, query_len, heads * head_dim]`: head h in columns [h * head_dim, ...)
+    tensor<T, 3> lse;        ///< `[batch, heads, query_len]`, -inf for padded queries and empty rows
+};
+
+/// One learned tensor seen as flat storage, for optimizers: multi_head_attention::parameters() and
+/// mha_gradients::parameters() list the same tensors in the same order.
+template <class T>
+struct parameter_span {
+    const char* name;  ///< q_weight, k_weight, v_weight, out_weight, q_bias, k_bias, v_bias, out_bias
+    T* data;
+    index size;
+};
+
 /// nn.MultiheadAttention's parameters under their PyTorch names (`out_proj.weight` is out_proj_weight). An
 /// empty tensor (size 0) is an absent parameter: give in_proj_weight, or q/k/v_proj_weight (PyTorch uses them
 /// when kdim or vdim != embed_dim), and the biases only when bias = true.
@@ -248,6 +269,116 @@ void with_key_padding(const Mask& mask, const mha_key_padding& padding, index ba
     }
 }
 
+/// Weights and biases (or their gradients) under PyTorch's names: q, k, v stacked into in_proj_weight when
+/// `packed`, else q/k/v_proj_weight; the biases stacked into in_proj_bias unless they are empty.
+template <class T>
+torch_mha_parameters<T> torch_layout(bool packed, const tensor<T, 2>& wq, const tensor<T, 2>& wk,
+                                     const tensor<T, 2>& wv, const tensor<T, 2>& wo, const tensor<T, 1>& bq,
+                                     const tensor<T, 1>& bk, const tensor<T, 1>& bv, const tensor<T, 1>& bo) {
+    torch_mha_parameters<T> p;
+    if (packed) {
+        p.in_proj_weight = tensor<T, 2>(wq.dimension(0) + wk.dimension(0) + wv.dimension(0), wq.dimension(1));
+        T* w = std::copy(wq.data(), wq.data() + wq.size(), p.in_proj_weight.data());
+        w = std::copy(wk.data(), wk.data() + wk.size(), w);
+        std::copy(wv.data(), wv.data() + wv.size(), w);
+    } else {
+        p.q_proj_weight = wq;
+        p.k_proj_weight = wk;
+        p.v_proj_weight = wv;
+    }
+    if (bq.size() != 0) {
+        p.in_proj_bias = tensor<T, 1>(bq.size() + bk.size() + bv.size());
+        T* b = std::copy(bq.data(), bq.data() + bq.size(), p.in_proj_bias.data());
+        b = std::copy(bk.data(), bk.data() + bk.size(), b);
+        std::copy(bv.data(), bv.data() + bv.size(), b);
+        p.out_proj_bias = bo;
+    }
+    p.out_proj_weight = wo;
+    return p;
+}
+
+/// y `[rows, w.rows]` = x `[rows, w.cols]` w^T + b, one Eigen GEMM.
+template <class T>
+void project(const T* x, index rows, const tensor<T, 2>& w, const tensor<T, 1>& b, T* y) {
+    using matrix = row_matrix<T>;
+    const index out = w.dimension(0), in = w.dimension(1);
+    Eigen::Map<const matrix> xm(x, rows, in);
+    Eigen::Map<const matrix> wm(w.data(), out, in);
+    Eigen::Map<matrix> ym(y, rows, out);
+    ym.noalias() = xm * wm.transpose();
+    if (b.size() != 0) ym.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(b.data(), out);
+}
+
+inline void check_width(const char* name, const std::array<index, 3>& d, index expected, const char* dim_name,
+                        const char* meaning) {
+    if (d[2] != expected)
+        throw shape_error("attend.shape.model_dim",
+                          concat(name, " last dim ", d[2], " != ", dim_name, ' ', expected, " (", name, ' ',
+                                 format_shape(d), ", expected ", format_shape(std::array<index, 3>{d[0], d[1], expected}),
+                                 " = ", meaning, ')'));
+}
+
+/// The shapes of query `[batch, query_len, model_dim]`, key `[batch, key_len, key_dim]` and value
+/// `[batch, key_len, value_dim]` against the module and each other.
+inline void check_mha_inputs(const mha_config& c, const std::array<index, 3>& qd, const std::array<index, 3>& kd,
+                             const std::array<index, 3>& vd) {
+    check_width("query", qd, c.model_dim, "model_dim", "[batch, query_len, model_dim]");
+    check_width("key", kd, c.key_dim, "key_dim", "[batch, key_len, key_dim]");
+    check_width("value", vd, c.value_dim, "value_dim", "[batch, key_len, value_dim]");
+    if (qd[0] != kd[0] || qd[0] != vd[0])
+        throw shape_error("attend.shape.batch",
+                          concat("batch differs: query ", qd[0], ", key ", kd[0], ", value ", vd[0], " (query ",
+                                 format_shape(qd), ", key ", format_shape(kd), ", value ", format_shape(vd), ')'));
+    if (kd[1] != vd[1])
+        throw shape_error("attend.shape.key_len", concat("key key_len ", kd[1], " != value key_len ", vd[1], " (key ",
+                                                         format_shape(kd), ", value ", format_shape(vd), ')'));
+}
+
+/// position_offset >= 0, and the rotary embedding fits head_dim at the first position it rotates.
+inline void check_positions(const mha_config& c, const mha_options& options, index first_position) {
+    if (options.position_offset < 0)
+        throw position_error("attend.position.negative_offset",
+                             concat("position_offset must be >= 0, got ", options.position_offset));
+    if (options.rotary) options.rotary->validate(c.model_dim / c.heads, first_position);
+}
+
+template <class T>
+void check_finite_input(const T* data, const std::array<index, 3>& d, const char* name) {
+    const index n = d[0] * d[1] * d[2];
+    for (index k = 0; k < n; ++k)
+        if (!std::isfinite(data[k])) {
+            const index b = k / (d[1] * d[2]), i = (k / d[2]) % d[1], e = k % d[2];
+            throw value_error("attend.value.non_finite",
+                              concat(name, ' ', format_shape(d), " holds ", data[k], " at ",
+                                     format_shape(std::array<index, 3>{b, i, e}),
+                                     " (turn check_finite off to skip this scan)"));
+        }
+}
+
+template <class T>
+void check_finite_projections(const strided_view<const T>& q, const strided_view<const T>& k,
+                              const strided_view<const T>& v) {
+    check_finite(q, "projected query");
+    check_finite(k, "projected key");
+    check_finite(v, "projected value");
+}
+
+/// The attention options of a multi-head call: dropout probability from the module, the rest from the call.
+inline sdpa_options sdpa_options_for(const mha_config& c, const mha_options& o) {
+    sdpa_options s;
+    s.scale = o.scale;
+    s.empty_rows = o.empty_rows;
+    s.dropout.probability = c.dropout;
+    s.dropout.seed = o.dropout_seed;
+    s.dropout.training = o.training;
+    s.threads = o.threads;
+    s.kernel = o.kernel;
+    s.need_weights = o.need_weights;
+    s.weights_after_dropout = o.weights_after_dropout;
+    s.check_finite = false;  // inputs and projections were scanned before, with their own names
+    return s;
+}
+
 }  // namespace detail
 
 /// Multi-head attention with nn.MultiheadAttention's weight layout (batch_first) and initialisation, plus
@@ -331,27 +462,7 @@ public:
 
     /// The parameters under PyTorch's names, packed exactly when nn.MultiheadAttention would pack them.
     torch_mha_parameters<T> to_torch() const {
-        torch_mha_parameters<T> p;
-        if (packed()) {
-            const index rows = wq_.dimension(0), E = config_.model_dim;
-            p.in_proj_weight = tensor<T, 2>(3 * rows, E);
-            std::copy(wq_.data(), wq_.data() + wq_.size(), p.in_proj_weight.data());
-            std::copy(wk_.data(), wk_.data() + wk_.size(), p.in_proj_weight.data() + wq_.size());
-            std::copy(wv_.data(), wv_.data() + wv_.size(), p.in_proj_weight.data() + wq_.size() + wk_.size());
-        } else {
-            p.q_proj_weight = wq_;
-            p.k_proj_weight = wk_;
-            p.v_proj_weight = wv_;
-        }
-        if (config_.bias) {
-            p.in_proj_bias = tensor<T, 1>(bq_.size() + bk_.size() + bv_.size());
-            std::copy(bq_.data(), bq_.data() + bq_.size(), p.in_proj_bias.data());
-            std::copy(bk_.data(), bk_.data() + bk_.size(), p.in_proj_bias.data() + bq_.size());
-            std::copy(bv_.data(), bv_.data() + bv_.size(), p.in_proj_bias.data() + bq_.size() + bk_.size());
-            p.out_proj_bias = bo_;
-        }
-        p.out_proj_weight = wo_;
-        return p;
+        return detail::torch_layout(packed(), wq_, wk_, wv_, wo_, bq_, bk_, bv_, bo_);
     }
 
     /// The configuration with every 0 default resolved.
@@ -378,6 +489,22 @@ public:
     const tensor<T, 1>& v_bias() const { return bv_; }      ///< `[kv_heads * head_dim]`, empty without bias
     const tensor<T, 1>& out_bias() const { return bo_; }    ///< `[model_dim]`, empty without bias
 
+    /// Every learned tensor as mutable flat storage (weights, then biases when config.bias), for an optimizer
+    /// step; the order is that of mha_gradients::parameters().
+    std::vector<parameter_span<T>> parameters() {
+        std::vector<parameter_span<T>> p{{"q_weight", wq_.data(), wq_.size()},
+                                         {"k_weight", wk_.data(), wk_.size()},
+                                         {"v_weight", wv_.data(), wv_.size()},
+                                         {"out_weight", wo_.data(), wo_.size()}};
+        if (config_.bias) {
+            p.push_back({"q_bias", bq_.data(), bq_.size()});
+            p.push_back({"k_bias", bk_.data(), bk_.size()});
+            p.push_back({"v_bias", bv_.data(), bv_.size()});
+            p.push_back({"out_bias", bo_.data(), bo_.size()});
+        }
+        return p;
+    }
+
     /// An empty cache sized for this module: `[batch, kv_heads, capacity, head_dim]` keys and values.
     kv_cache<T> make_cache(index batch, index capacity) const {
         return kv_cache<T>(batch, config_.kv_heads, capacity, head_dim(), head_dim());
@@ -396,51 +523,15 @@ public:
     template <class Q, class K, class V, class Mask>
     mha_result<T> forward(const Q& query, const K& key, const V& value, const Mask& mask,
                           const mha_options& options = {}) const {
-        detail::require_mask<Mask>();
-        detail::require_mha_input<Q, T>();
-        detail::require_mha_input<K, T>();
-        detail::require_mha_input<V, T>();
-        const auto qd = detail::dims3(query), kd = detail::dims3(key), vd = detail::dims3(value);
-        check_width("query", qd, config_.model_dim, "model_dim", "[batch, query_len, model_dim]");
-        check_width("key", kd, config_.key_dim, "key_dim", "[batch, key_len, key_dim]");
-        check_width("value", vd, config_.value_dim, "value_dim", "[batch, key_len, value_dim]");
-        if (qd[0] != kd[0] || qd[0] != vd[0])
-            throw shape_error("attend.shape.batch",
-                              detail::concat("batch differs: query ", qd[0], ", key ", kd[0], ", value ", vd[0],
-                                             " (query ", detail::format_shape(qd), ", key ", detail::format_shape(kd),
-                                             ", value ", detail::format_shape(vd), ')'));
-        if (kd[1] != vd[1])
-            throw shape_error("attend.shape.key_len",
-                              detail::concat("key key_len ", kd[1], " != value key_len ", vd[1], " (key ",
-                                             detail::format_shape(kd), ", value ", detail::format_shape(vd), ')'));
-        check_offset(options, options.position_offset);
-        if (options.check_finite) {
-            check_finite_input(query.data(), qd, "query");
-            check_finite_input(key.data(), kd, "key");
-            check_finite_input(value.data(), vd, "value");
-        }
-        const index B = qd[0], L = qd[1], S = kd[1];
-        const index H = config_.heads, G = config_.kv_heads, D = head_dim();
-        std::vector<T> q(static_cast<std::size_t>(B * L * H * D)), k(static_cast<std::size_t>(B * S * G * D)),
-            v(static_cast<std::size_t>(B * S * G * D));
-        project(query.data(), B * L, wq_, bq_, q.data());
-        project(key.data(), B * S, wk_, bk_, k.data());
-        project(value.data(), B * S, wv_, bv_, v.data());
-        if (options.rotary) {
-            options.rotary->apply(split_heads(q.data(), B, L, H, D), options.position_offset);
-            options.rotary->apply(split_heads(k.data(), B, S, G, D), options.position_offset);
-        }
-        const auto qv = split_heads(static_cast<const T*>(q.data()), B, L, H, D);
-        const auto kv = split_heads(static_cast<const T*>(k.data()), B, S, G, D);
-        const auto vv = split_heads(static_cast<const T*>(v.data()), B, S, G, D);
-        if (options.check_finite) check_finite_projections(qv, kv, vv);
-        const attention_shape s = detail::check_views(qv, kv, vv);
-        mha_result<T> r;
-        detail::with_key_padding(mask, options.key_padding, B, S, [&](const auto& full_mask) {
-            const auto call = detail::check_call(qv, kv, vv, s, full_mask, sdpa_options_of(options));
-            attend_and_project(qv, kv, vv, s, call, options, r);
-        });
-        return r;
+        return forward_impl(query, key, value, mask, options, nullptr);
+    }
+
+    /// forward for training: also fills `saved` with what multi_head_attention_backward (mha_backward.hpp)
+    /// needs. On a throw `saved` is unchanged.
+    template <class Q, class K, class V, class Mask>
+    mha_result<T> forward(const Q& query, const K& key, const V& value, const Mask& mask, const mha_options& options,
+                          mha_saved<T>& saved) const {
+        return forward_impl(query, key, value, mask, options, &saved);
     }
 
     /// forward without a mask (besides options.key_padding).
@@ -464,7 +555,7 @@ public:
         detail::require_mask<Mask>();
         detail::require_mha_input<X, T>();
         const auto xd = detail::dims3(x);
-        check_width("x", xd, config_.model_dim, "model_dim", "[batch, new tokens, model_dim]");
+        detail::check_width("x", xd, config_.model_dim, "model_dim", "[batch, new tokens, model_dim]");
         if (config_.key_dim != config_.model_dim || config_.value_dim != config_.model_dim)
             throw shape_error("attend.shape.self_attention",
                               detail::concat("forward_cached is self-attention and needs key_dim == value_dim == "
@@ -480,13 +571,13 @@ public:
                                              ", head_dim ", D, ", value_dim ", D, "] (see make_cache)"));
         cache.check_fits(L);
         const index past = cache.length(), S = past + L;
-        check_offset(options, options.position_offset + past);
-        if (options.check_finite) check_finite_input(x.data(), xd, "x");
+        detail::check_positions(config_, options, options.position_offset + past);
+        if (options.check_finite) detail::check_finite_input(x.data(), xd, "x");
         std::vector<T> q(static_cast<std::size_t>(B * L * H * D)), k(static_cast<std::size_t>(B * L * G * D)),
             v(static_cast<std::size_t>(B * L * G * D));
-        project(x.data(), B * L, wq_, bq_, q.data());
-        project(x.data(), B * L, wk_, bk_, k.data());
-        project(x.data(), B * L, wv_, bv_, v.data());
+        detail::project(x.data(), B * L, wq_, bq_, q.data());
+        detail::project(x.data(), B * L, wk_, bk_, k.data());
+        detail::project(x.data(), B * L, wv_, bv_, v.data());
         if (options.rotary) {
             options.rotary->apply(split_heads(q.data(), B, L, H, D), options.position_offset + past);
             options.rotary->apply(split_heads(k.data(), B, L, G, D), options.position_offset + past);
@@ -494,7 +585,7 @@ public:
         const auto qv = split_heads(static_cast<const T*>(q.data()), B, L, H, D);
         const auto k_new = split_heads(static_cast<const T*>(k.data()), B, L, G, D);
         const auto v_new = split_heads(static_cast<const T*>(v.data()), B, L, G, D);
-        if (options.check_finite) check_finite_projections(qv, k_new, v_new);
+        if (options.check_finite) detail::check_finite_projections(qv, k_new, v_new);
         cache.check_append(k_new, v_new);
         // Views of the cache as it will be after the append: the storage exists, only the length grows.
         auto kv = cache.keys(), vv = cache.values();
@@ -504,9 +595,10 @@ public:
         mha_result<T> r;
         const auto causal_mask = detail::combine_masks(mask, causal(alignment::bottom_right));
         detail::with_key_padding(causal_mask, options.key_padding, B, S, [&](const auto& full_mask) {
-            const auto call = detail::check_call(qv, kv, vv, s, full_mask, sdpa_options_of(options));
+            const auto call = detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options));
             cache.append(k_new, v_new);  // checked above: cannot throw
-            attend_and_project(qv, kv, vv, s, call, options, r);
+            tensor<T, 3> o(B, L, H * D);
+            attend_and_project(qv, kv, vv, s, call, options, o, nullptr, r);
         });
         return r;
     }
@@ -649,67 +741,52 @@ private:
         }
     }
 
-    static void check_width(const char* name, const std::array<index, 3>& d, index expected, const char* dim_name,
-                            const char* meaning) {
-        if (d[2] != expected)
-            throw shape_error("attend.shape.model_dim",
-                              detail::concat(name, " last dim ", d[2], " != ", dim_name, ' ', expected, " (", name, ' ',
-                                             detail::format_shape(d), ", expected ",
-                                             detail::format_shape(std::array<index, 3>{d[0], d[1], expected}), " = ",
-                                             meaning, ')'));
-    }
-
-    /// position_offset >= 0, and the rotary embedding fits head_dim at the first position it rotates.
-    void check_offset(const mha_options& options, index first_position) const {
-        if (options.position_offset < 0)
-            throw position_error("attend.position.negative_offset",
-                                 detail::concat("position_offset must be >= 0, got ", options.position_offset));
-        if (options.rotary) options.rotary->validate(head_dim(), first_position);
-    }
-
-    static void check_finite_input(const T* data, const std::array<index, 3>& d, const char* name) {
-        const index n = d[0] * d[1] * d[2];
-        for (index k = 0; k < n; ++k)
-            if (!std::isfinite(data[k])) {
-                const index b = k / (d[1] * d[2]), i = (k / d[2]) % d[1], e = k % d[2];
-                throw value_error("attend.value.non_finite",
-                                  detail::concat(name, ' ', detail::format_shape(d), " holds ", data[k], " at ",
-                                                 detail::format_shape(std::array<index, 3>{b, i, e}),
-                                                 " (turn check_finite off to skip this scan)"));
-            }
-    }
-
-    static void check_finite_projections(const strided_view<const T>& q, const strided_view<const T>& k,
-                                         const strided_view<const T>& v) {
-        detail::check_finite(q, "projected query");
-        detail::check_finite(k, "projected key");
-        detail::check_finite(v, "projected value");
-    }
-
-    /// y `[rows, w.rows]` = x `[rows, w.cols]` w^T + b, one Eigen GEMM.
-    static void project(const T* x, index rows, const tensor<T, 2>& w, const tensor<T, 1>& b, T* y) {
-        using matrix = detail::row_matrix<T>;
-        const index out = w.dimension(0), in = w.dimension(1);
-        Eigen::Map<const matrix> xm(x, rows, in);
-        Eigen::Map<const matrix> wm(w.data(), out, in);
-        Eigen::Map<matrix> ym(y, rows, out);
-        ym.noalias() = xm * wm.transpose();
-        if (b.size() != 0) ym.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(b.data(), out);
-    }
-
-    sdpa_options sdpa_options_of(const mha_options& o) const {
-        sdpa_options s;
-        s.scale = o.scale;
-        s.empty_rows = o.empty_rows;
-        s.dropout.probability = config_.dropout;
-        s.dropout.seed = o.dropout_seed;
-        s.dropout.training = o.training;
-        s.threads = o.threads;
-        s.kernel = o.kernel;
-        s.need_weights = o.need_weights;
-        s.weights_after_dropout = o.weights_after_dropout;
-        s.check_finite = false;  // inputs and projections were scanned above, with their own names
-        return s;
+    template <class Q, class K, class V, class Mask>
+    mha_result<T> forward_impl(const Q& query, const K& key, const V& value, const Mask& mask,
+                               const mha_options& options, mha_saved<T>* saved) const {
+        detail::require_mask<Mask>();
+        detail::require_mha_input<Q, T>();
+        detail::require_mha_input<K, T>();
+        detail::require_mha_input<V, T>();
+        const auto qd = detail::dims3(query), kd = detail::dims3(key), vd = detail::dims3(value);
+        detail::check_mha_inputs(config_, qd, kd, vd);
+        detail::check_positions(config_, options, options.position_offset);
+        if (options.check_finite) {
+            detail::check_finite_input(query.data(), qd, "query");
+            detail::check_finite_input(key.data(), kd, "key");
+            detail::check_finite_input(value.data(), vd, "value");
+        }
+        const index B = qd[0], L = qd[1], S = kd[1];
+        const index H = config_.heads, G = config_.kv_heads, D = head_dim();
+        // Projections `[batch, len, heads * head_dim]`: the heads side by side, read through split_heads views.
+        tensor<T, 3> q(B, L, H * D), k(B, S, G * D), v(B, S, G * D);
+        detail::project(query.data(), B * L, wq_, bq_, q.data());
+        detail::project(key.data(), B * S, wk_, bk_, k.data());
+        detail::project(value.data(), B * S, wv_, bv_, v.data());
+        if (options.rotary) {
+            options.rotary->apply(split_heads(q.data(), B, L, H, D), options.position_offset);
+            options.rotary->apply(split_heads(k.data(), B, S, G, D), options.position_offset);
+        }
+        const auto qv = split_heads(static_cast<const T*>(q.data()), B, L, H, D);
+        const auto kv = split_heads(static_cast<const T*>(k.data()), B, S, G, D);
+        const auto vv = split_heads(static_cast<const T*>(v.data()), B, S, G, D);
+        if (options.check_finite) detail::check_finite_projections(qv, kv, vv);
+        const attention_shape s = detail::check_views(qv, kv, vv);
+        mha_result<T> r;
+        tensor<T, 3> o(B, L, H * D);
+        tensor<T, 3> lse(saved ? B : 0, H, L);
+        detail::with_key_padding(mask, options.key_padding, B, S, [&](const auto& full_mask) {
+            const auto call = detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options));
+            attend_and_project(qv, kv, vv, s, call, options, o, saved ? lse.data() : nullptr, r);
+        });
+        if (saved) {
+            saved->q = std::move(q);
+            saved->k = std::move(k);
+            saved->v = std::move(v);
+            saved->attention = std::move(o);
+            saved->lse = std::move(lse);
+        }
+        return r;
     }
 
     /// Runs a checked call: heads written straight into their slices of o `[batch, query_len, heads*head_dim]`,
@@ -717,16 +794,16 @@ private:
     template <class Call>
     void attend_and_project(const strided_view<const T>& q, const strided_view<const T>& k,
                             const strided_view<const T>& v, const attention_shape& s, const Call& call,
-                            const mha_options& options, mha_result<T>& r) const {
+                            const mha_options& options, tensor<T, 3>& o, T* lse, mha_result<T>& r) const {
         const index B = s.batch, L = s.query_len, S = s.key_len, H = s.heads, D = head_dim();
-        std::vector<T> o(static_cast<std::size_t>(B * L * H * D));
         std::vector<T> w(options.need_weights ? static_cast<std::size_t>(B * H * L * S) : 0);
         detail::attention_outputs<T> outputs;
         outputs.out = split_heads(o.data(), B, L, H, D);
         outputs.weights = options.need_weights ? w.data() : nullptr;
+        outputs.lse = lse;
         if (B * L > 0) detail::run_checked(q, k, v, s, call, outputs);  // nothing to attend for zero queries
         r.out = tensor<T, 3>(B, L, config_.model_dim);
-        project(o.data(), B * L, wo_, bo_, r.out.data());
+        detail::project(o.data(), B * L, wo_, bo_, r.out.data());
         for (index b = 0; b < B; ++b)
             for (index i = 0; i < L; ++i)
                 if (call.mask.query_padded(b, i)) {

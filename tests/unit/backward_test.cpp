@@ -23,6 +23,7 @@
 
 #include "support/golden.hpp"
 #include "support/errors.hpp"
+#include "support/finite_differences.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -84,46 +85,8 @@ double dot(const tensor<double, Rank>& a, const tensor<double, Rank>& b) {
 
 // ---- finite differences ---------------------------------------------------------------------------------------
 
-/// Central differences with the five-point stencil f'(x) ~ (8 (f(x+h) - f(x-h)) - (f(x+2h) - f(x-2h))) / 12h.
-/// Its truncation error is h^4 |f^(5)| / 30, about 3e-12 at h = 3e-3 for inputs of magnitude 1; its rounding
-/// error about 1.5 eps |loss| / h ~ 1e-13. A gradient component c is accepted when
-/// |analytic - fd| <= 1e-6 * max(|c|, 1e-4): relative error <= 1e-6, and for components below 1e-4 an absolute
-/// floor of 1e-10, still a hundred times the stencil's error (the measured worst case is ~1e-13).
-constexpr double fd_step = 3e-3;
-constexpr double fd_relative = 1e-6;
-constexpr double fd_floor = 1e-4;
-
-template <int Rank>
-tensor<double, Rank> fd_gradient(tensor<double, Rank>& x, const std::function<double()>& loss) {
-    tensor<double, Rank> g(x.dimensions());
-    for (index n = 0; n < x.size(); ++n) {
-        const double saved = x.data()[n];
-        const auto at = [&](double delta) {
-            x.data()[n] = saved + delta;
-            return loss();
-        };
-        const double f1 = at(fd_step), fm1 = at(-fd_step), f2 = at(2 * fd_step), fm2 = at(-2 * fd_step);
-        x.data()[n] = saved;
-        g.data()[n] = (8 * (f1 - fm1) - (f2 - fm2)) / (12 * fd_step);
-    }
-    return g;
-}
-
-template <int Rank>
-void expect_close_to_fd(const tensor<double, Rank>& analytic, const tensor<double, Rank>& fd, const std::string& what) {
-    ASSERT_EQ(analytic.size(), fd.size()) << what;
-    int reported = 0;
-    double worst = 0;
-    for (index n = 0; n < fd.size(); ++n) {
-        const double a = analytic.data()[n], f = fd.data()[n];
-        const double err = std::abs(a - f), allowed = fd_relative * std::max(std::abs(f), fd_floor);
-        worst = std::max(worst, err / allowed);
-        if (!(err <= allowed) && reported++ < 5)
-            ADD_FAILURE() << what << " element " << n << ": analytic " << a << ", finite difference " << f
-                          << ", error " << err << " > " << allowed;
-    }
-    EXPECT_LE(worst, 1.0) << what;
-}
+using attend_test::expect_close_to_fd;
+using attend_test::fd_gradient;
 
 /// Gradients of loss = sum(out * w) by both kernels against finite differences of the reference forward pass.
 template <int Rank, class Mask>

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "support/golden.hpp"
+#include "support/mha_golden.hpp"
 #include "support/errors.hpp"
 #include "support/random.hpp"
 
@@ -186,58 +187,9 @@ tensor<double, 3> reshape_bug_mha(const attend::multi_head_attention<T>& m, cons
 // ---------------------------------------------------------------------------------------------------------
 // PyTorch goldens (tests/data/mha.json)
 
-template <class T>
-attend::torch_mha_parameters<T> golden_parameters(const json& c) {
-    attend::torch_mha_parameters<T> p;
-    const json& params = attend_test::member(c, "parameters");
-    for (const auto& name_json : attend_test::member(c, "parameter_names")) {
-        const auto name = name_json.get<std::string>();
-        const json& t = params.at(name);
-        if (name == "in_proj_weight") p.in_proj_weight = attend_test::to_tensor<T, 2>(t, name);
-        else if (name == "q_proj_weight") p.q_proj_weight = attend_test::to_tensor<T, 2>(t, name);
-        else if (name == "k_proj_weight") p.k_proj_weight = attend_test::to_tensor<T, 2>(t, name);
-        else if (name == "v_proj_weight") p.v_proj_weight = attend_test::to_tensor<T, 2>(t, name);
-        else if (name == "in_proj_bias") p.in_proj_bias = attend_test::to_tensor<T, 1>(t, name);
-        else if (name == "out_proj.weight") p.out_proj_weight = attend_test::to_tensor<T, 2>(t, name);
-        else if (name == "out_proj.bias") p.out_proj_bias = attend_test::to_tensor<T, 1>(t, name);
-        else ADD_FAILURE() << "unknown parameter " << name;
-    }
-    return p;
-}
-
-attend::mha_config golden_config(const json& c) {
-    const json& cfg = attend_test::member(c, "config");
-    attend::mha_config config;
-    config.model_dim = cfg.at("embed_dim").get<index>();
-    config.heads = cfg.at("num_heads").get<index>();
-    config.key_dim = cfg.at("kdim").get<index>();
-    config.value_dim = cfg.at("vdim").get<index>();
-    config.bias = cfg.at("bias").get<bool>();
-    config.dropout = cfg.at("dropout").get<double>();
-    return config;
-}
-
-/// forward with the case's masks: attn_mask [L, S] (true = blocked) as the mask, key_padding_mask [B, S]
-/// (true = ignore) as options.key_padding, both in nn.MultiheadAttention's convention.
-template <class T>
-attend::mha_result<T> golden_forward(const attend::multi_head_attention<T>& m, const json& c,
-                                     attend::mha_options options) {
-    const json& in = attend_test::member(c, "inputs");
-    const auto q = attend_test::to_tensor<T, 3>(in.at("query"), "query");
-    const auto k = attend_test::to_tensor<T, 3>(in.at("key"), "key");
-    const auto v = attend_test::to_tensor<T, 3>(in.at("value"), "value");
-    const json& masks = attend_test::member(c, "masks");
-    if (!masks.at("key_padding_mask").is_null())
-        options.key_padding = attend::forbidden_mask::from_torch_mha(
-            attend_test::to_bool<2>(masks.at("key_padding_mask"), "key_padding_mask"));
-    if (!masks.at("attn_mask").is_null()) {
-        const auto blocked = attend::forbidden_mask::from_torch_mha(attend_test::to_bool<2>(masks.at("attn_mask")));
-        return m.forward(q, k, v, attend::to_allowed(blocked), options);
-    }
-    return m.forward(q, k, v, options);
-}
-
-const char* const golden_cases[] = {"self_attention_masked", "cross_attention_L3_S5", "kdim5_vdim6", "no_bias"};
+using attend_test::golden_config;
+using attend_test::golden_forward;
+using attend_test::golden_parameters;
 
 class MhaGolden : public ::testing::TestWithParam<const char*> {};
 
@@ -304,7 +256,7 @@ TEST_P(MhaGolden, ParametersRoundTripThroughToTorch) {
     EXPECT_TRUE(bit_equal(back.out_proj_bias, given.out_proj_bias));
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, MhaGolden, ::testing::ValuesIn(golden_cases));
+INSTANTIATE_TEST_SUITE_P(Cases, MhaGolden, ::testing::ValuesIn(attend_test::golden_mha_cases));
 
 TEST(MhaGoldenForms, PositionalFromTorchOverloadsAndLengthsMatchTheMaskForms) {
     const json doc = attend_test::load_golden("mha.json");
