@@ -26,6 +26,7 @@
 
 #include "detail/dropout.hpp"
 #include "detail/mask_nodes.hpp"
+#include "detail/memory.hpp"
 #include "detail/reference_kernel.hpp"
 #include "detail/thread_pool.hpp"
 #include "detail/tiled_kernel.hpp"
@@ -173,6 +174,16 @@ void reference_backward(const backward_inputs<T>& in, const attention_shape& s, 
                         const kernel_params<T>& p, const gradient_outputs<T>& o) {
     const index L = s.query_len, S = s.key_len, diagonals = L + S - 1;
     const bool bias = p.bias && !p.bias->empty();
+    row_matrix<T> probs, dropped, dp;  // allocated before the first write to an output
+    allocating(
+        [&] {
+            probs.resize(L, S);
+            dropped.resize(L, S);
+            dp.resize(L, S);
+        },
+        [&] { return allocation_text("the reference backward's score matrices (3 x query_len x key_len)",
+                                     std::array<index, 3>{3, L, S}, sizeof(T)); },
+        "kernel::reference materializes the scores of one (batch, head); the tiled backward needs O(threads x tile)");
     for (index b = 0; b < s.batch; ++b) {
         for (index h = 0; h < s.heads; ++h) matrix_of(o.dq, b, h).setZero();
         for (index h = 0; h < s.kv_heads; ++h) {
@@ -183,7 +194,6 @@ void reference_backward(const backward_inputs<T>& in, const attention_shape& s, 
     if (o.score_bias_gradient && bias) std::fill(o.score_bias_gradient, o.score_bias_gradient + s.heads * diagonals, T(0));
     if (L == 0) return;
     const T keep_scale = static_cast<T>(p.dropout.keep_scale);
-    row_matrix<T> probs(L, S), dropped(L, S), dp(L, S);
     for (index b = 0; b < s.batch; ++b)
         for (index h = 0; h < s.heads; ++h) {
             const index kvh = s.kv_head(h);
@@ -307,13 +317,26 @@ public:
         if (s_.batch == 0) return;
         const index units = s_.batch * s_.kv_heads * chunks_;
         const index dq_size = s_.batch * s_.heads * s_.query_len * s_.head_dim;
-        partials_.assign(static_cast<std::size_t>((chunks_ - 1) * dq_size), T(0));
         const bool bias_grad = bias_ && o_.score_bias_gradient;
-        if (bias_grad) bias_partials_.assign(static_cast<std::size_t>(units * group_ * diagonals_), T(0));
         const int workers = static_cast<int>(std::min<index>(std::max(threads, 1), units));
         std::vector<backward_workspace<T>> ws;
-        ws.reserve(static_cast<std::size_t>(workers));
-        for (int w = 0; w < workers; ++w) ws.emplace_back(t_, s_, p_.dropout.active());
+        allocating(
+            [&] {
+                partials_.assign(static_cast<std::size_t>((chunks_ - 1) * dq_size), T(0));
+                if (bias_grad) bias_partials_.assign(static_cast<std::size_t>(units * group_ * diagonals_), T(0));
+                ws.reserve(static_cast<std::size_t>(workers));
+                for (int w = 0; w < workers; ++w) ws.emplace_back(t_, s_, p_.dropout.active());
+            },
+            [&] {
+                const index tile = t_.block_q * t_.block_k, dims = t_.block_k * (2 * s_.head_dim + s_.value_dim);
+                return allocation_text("the tiled backward's scratch (workers x elements)",
+                                       std::array<index, 2>{workers, 4 * tile + dims}, sizeof(T)) +
+                       allocation_text(" and dq partials (key chunks - 1 x batch x heads x query_len x head_dim)",
+                                       std::array<index, 5>{chunks_ - 1, s_.batch, s_.heads, s_.query_len,
+                                                            s_.head_dim},
+                                       sizeof(T));
+            },
+            "Fewer threads need less scratch");
         parallel_for(units, threads, [&](index unit, int worker) { run_unit(ws[static_cast<std::size_t>(worker)], unit); });
         if (chunks_ > 1 && s_.query_len > 0)
             parallel_for(s_.batch * s_.heads, threads, [&](index bh, int) { add_partials(bh / s_.heads, bh % s_.heads); });
@@ -545,20 +568,22 @@ auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, c
                                                 options);
     const attention_shape& s = checked.shape;
     attention_gradients<T, rank> g;
-    g.dq.resize(detail::rank_dims<rank>(s, s.head_dim));
+    const char* hint = "The gradients are as large as q, k and v; split the call over the batch";
+    detail::resize_guarded(g.dq, detail::rank_dims<rank>(s, s.head_dim), "dq", hint);
     if constexpr (rank == 4) {
-        g.dk.resize(s.batch, s.kv_heads, s.key_len, s.head_dim);
-        g.dv.resize(s.batch, s.kv_heads, s.key_len, s.value_dim);
+        detail::resize_guarded(g.dk, std::array<index, 4>{s.batch, s.kv_heads, s.key_len, s.head_dim}, "dk", hint);
+        detail::resize_guarded(g.dv, std::array<index, 4>{s.batch, s.kv_heads, s.key_len, s.value_dim}, "dv", hint);
     } else {
-        g.dk.resize(s.batch, s.key_len, s.head_dim);
-        g.dv.resize(s.batch, s.key_len, s.value_dim);
+        detail::resize_guarded(g.dk, std::array<index, 3>{s.batch, s.key_len, s.head_dim}, "dk", hint);
+        detail::resize_guarded(g.dv, std::array<index, 3>{s.batch, s.key_len, s.value_dim}, "dv", hint);
     }
     detail::gradient_outputs<T> o;
     o.dq = detail::as_mutable_view(g.dq);
     o.dk = detail::as_mutable_view(g.dk);
     o.dv = detail::as_mutable_view(g.dv);
     if (!options.score_bias.empty()) {
-        g.score_bias_gradient.resize(s.heads, s.query_len + s.key_len - 1);
+        detail::resize_guarded(g.score_bias_gradient, std::array<index, 2>{s.heads, s.query_len + s.key_len - 1},
+                               "score_bias_gradient", hint);
         o.score_bias_gradient = g.score_bias_gradient.data();
     }
     detail::run_backward(in, checked, o);
@@ -576,7 +601,9 @@ auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, c
 /// dq like q, dk like k, dv like v, and unless nullptr score_bias_gradient `[heads, query_len + key_len - 1]`
 /// (written only when options.score_bias is not none). On any error nothing is written: the throws of
 /// scaled_dot_product_attention_backward and shape_error attend.shape.backward_dq / backward_dk / backward_dv /
-/// backward_score_bias for outputs of the wrong shape.
+/// backward_score_bias for outputs of the wrong shape, and attend.shape.aliasing, naming both tensors, when an
+/// output overlaps q, k, v, out, d_out, lse or another output in memory (measured conservatively, from each
+/// tensor's lowest to its highest element address; adjacent buffers are fine).
 template <class Q, class K, class V, class Out, class Lse, class DOut, class Mask, class DQ, class DK, class DV,
           class BiasGrad = std::nullptr_t>
 void scaled_dot_product_attention_backward_into(const Q& q, const K& k, const V& v, const Out& out, const Lse& lse,
@@ -608,6 +635,12 @@ void scaled_dot_product_attention_backward_into(const Q& q, const K& k, const V&
                                              detail::format_shape(expected), " [heads, query_len + key_len - 1]"));
         o.score_bias_gradient = options.score_bias.empty() ? nullptr : score_bias_gradient.data();
     }
+    detail::check_no_aliasing(
+        {detail::named("query", in.q), detail::named("key", in.k), detail::named("value", in.v),
+         detail::named("out", in.out), detail::named("d_out", in.d_out), detail::named("lse", in.lse, in.lse_dims)},
+        {detail::named("dq", o.dq), detail::named("dk", o.dk), detail::named("dv", o.dv),
+         detail::named("score_bias_gradient", o.score_bias_gradient,
+                       std::array<index, 2>{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1})});
     const auto checked = detail::check_backward(in, &o, mask, options);
     detail::run_backward(in, checked, o);
 }

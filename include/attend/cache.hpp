@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "detail/memory.hpp"
 #include "error.hpp"
 #include "shape.hpp"
 #include "tensor.hpp"
@@ -24,8 +25,9 @@ class kv_cache {
                   "attend: kv_cache<T> is defined for float and double");
 
 public:
-    /// An empty cache for `capacity` positions. Throws value_error `attend.value.size` if a size is < 1 and
-    /// shape_error `attend.shape.overflow` if the storage size overflows Eigen::Index.
+    /// An empty cache for `capacity` positions. Throws value_error `attend.value.size` if a size is < 1,
+    /// shape_error `attend.shape.overflow` if the storage size overflows Eigen::Index and resource_error
+    /// `attend.resource.allocation` if the storage cannot be allocated.
     kv_cache(index batch, index kv_heads, index capacity, index head_dim, index value_dim)
         : batch_(batch), kv_heads_(kv_heads), capacity_(capacity), head_dim_(head_dim), value_dim_(value_dim) {
         if (batch < 1 || kv_heads < 1 || capacity < 1 || head_dim < 1 || value_dim < 1)
@@ -38,8 +40,18 @@ public:
             throw shape_error("attend.shape.overflow",
                               detail::concat("kv_cache storage [", batch, ',', kv_heads, ',', capacity, ',',
                                              std::max(head_dim, value_dim), "] overflows Eigen::Index"));
-        keys_.assign(static_cast<std::size_t>(batch * kv_heads * capacity * head_dim), T(0));
-        values_.assign(static_cast<std::size_t>(batch * kv_heads * capacity * value_dim), T(0));
+        detail::allocating(
+            [&] {
+                keys_.assign(static_cast<std::size_t>(batch * kv_heads * capacity * head_dim), T(0));
+                values_.assign(static_cast<std::size_t>(batch * kv_heads * capacity * value_dim), T(0));
+            },
+            [&] {
+                return detail::allocation_text("kv_cache storage (keys and values x batch x kv_heads x capacity x dim)",
+                                               std::array<index, 5>{2, batch, kv_heads, capacity,
+                                                                    std::max(head_dim, value_dim)},
+                                               sizeof(T));
+            },
+            "Choose a smaller capacity");
     }
 
     index batch() const { return batch_; }
@@ -56,7 +68,8 @@ public:
     /// Appends L positions: k_new `[batch, kv_heads, L, head_dim]`, v_new `[batch, kv_heads, L, value_dim]`
     /// (attend::tensor, a TensorMap of one, or a strided_view such as split_heads of a projected buffer).
     /// Throws shape_error `attend.shape.cache` if a shape does not fit the cache, position_error
-    /// `attend.position.cache_full` if length() + L > capacity(); nothing is appended then.
+    /// `attend.position.cache_full` if length() + L > capacity(), shape_error `attend.shape.aliasing` if k_new or
+    /// v_new lies in the cache's own storage (appending writes there while reading them); nothing is appended then.
     template <class K, class V>
     void append(const K& k_new, const V& v_new) {
         static_assert(std::is_same_v<detail::scalar_of<K>, T> && std::is_same_v<detail::scalar_of<V>, T>,
@@ -94,6 +107,11 @@ public:
                                              " = [batch, kv_heads, new tokens (as the keys), value_dim]",
                                              cache_shape()));
         check_fits(k.dims[2]);
+        const std::array<index, 4> keys_dims{batch_, kv_heads_, capacity_, head_dim_};
+        const std::array<index, 4> values_dims{batch_, kv_heads_, capacity_, value_dim_};
+        detail::check_no_aliasing({detail::named("new keys", k), detail::named("new values", v)},
+                                  {detail::named("cache keys", keys_.data(), keys_dims),
+                                   detail::named("cache values", values_.data(), values_dims)});
     }
 
     /// Throws position_error `attend.position.cache_full` if `new_tokens` more positions do not fit.

@@ -57,6 +57,13 @@ public:
     using error::error;
 };
 
+/// Memory a valid call needs could not be allocated (`attend.resource.*`): a result, a workspace or a thread's
+/// scratch. Thrown before any output is written; the message names what was being allocated and its bytes.
+class resource_error : public error {
+public:
+    using error::error;
+};
+
 namespace detail {
 
 /// `[2,8,128,64]`: how every message spells a shape.

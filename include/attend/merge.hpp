@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 
+#include "detail/memory.hpp"
 #include "detail/merge_rows.hpp"
 #include "error.hpp"
 #include "tensor.hpp"
@@ -20,7 +21,9 @@ struct partial_attention {
 
 /// Combines two parts: out = (e^(lse_a - m) out_a + e^(lse_b - m) out_b) / (e^(lse_a - m) + e^(lse_b - m)),
 /// lse = m + log(e^(lse_a - m) + e^(lse_b - m)), m = max(lse_a, lse_b). A row empty in both parts stays zero with
-/// lse -inf. Throws shape_error attend.shape.merge when shapes differ, value_error attend.value.lse on NaN or +inf.
+/// lse -inf. Throws shape_error attend.shape.merge when shapes differ, value_error attend.value.lse on NaN or +inf,
+/// resource_error attend.resource.allocation when the result cannot be allocated. The result is a fresh pair of
+/// tensors, so it never aliases the parts.
 template <class T, int Rank>
 partial_attention<T, Rank> merge_partials(const tensor<T, Rank>& out_a, const tensor<T, Rank - 1>& lse_a,
                                           const tensor<T, Rank>& out_b, const tensor<T, Rank - 1>& lse_b) {
@@ -44,8 +47,9 @@ partial_attention<T, Rank> merge_partials(const tensor<T, Rank>& out_a, const te
                                                                      "; it must be finite or -inf"));
         }
     partial_attention<T, Rank> r;
-    r.out.resize(out_a.dimensions());
-    r.lse.resize(lse_a.dimensions());
+    const char* hint = "The merged out and lse are as large as one part's; split the call over the batch";
+    detail::resize_guarded(r.out, out_a.dimensions(), "out", hint);
+    detail::resize_guarded(r.lse, lse_a.dimensions(), "lse", hint);
     const index dim = out_a.dimension(Rank - 1);
     for (index row = 0; row < lse_a.size(); ++row)
         r.lse.data()[row] = detail::merge_row(out_a.data() + row * dim, lse_a.data()[row], out_b.data() + row * dim,

@@ -10,6 +10,7 @@
 #include <optional>
 #include <type_traits>
 
+#include "detail/memory.hpp"
 #include "detail/reference_kernel.hpp"
 #include "detail/rows.hpp"
 #include "detail/thread_pool.hpp"
@@ -202,9 +203,10 @@ auto scaled_dot_product_attention(const Q& q, const K& k, const V& v, const Mask
     const attention_shape s = detail::check_views(qv, kv, vv);
     const auto call = detail::check_call(qv, kv, vv, s, mask, options);
     attention_result<T, rank> r;
-    r.out.resize(detail::rank_dims<rank>(s, s.value_dim));
-    if (options.need_weights) r.weights.resize(detail::rank_dims<rank>(s, s.key_len));
-    if (options.need_lse) r.lse.resize(detail::lse_dims<rank>(s));
+    const char* hint = "need_weights materializes [batch, heads, query_len, key_len]; leave it off or split the call";
+    detail::resize_guarded(r.out, detail::rank_dims<rank>(s, s.value_dim), "out", hint);
+    if (options.need_weights) detail::resize_guarded(r.weights, detail::rank_dims<rank>(s, s.key_len), "weights", hint);
+    if (options.need_lse) detail::resize_guarded(r.lse, detail::lse_dims<rank>(s), "lse", hint);
     detail::attention_outputs<T> o;
     o.out = detail::as_mutable_view(r.out);
     o.weights = options.need_weights ? r.weights.data() : nullptr;
@@ -223,6 +225,9 @@ auto scaled_dot_product_attention(const Q& q, const K& k, const V& v, const sdpa
 /// out `[batch, heads, query_len, value_dim]`, and unless nullptr weights `[batch, heads, query_len, key_len]`
 /// and lse `[batch, heads, query_len]`. On any error nothing is written (shape_error attend.shape.output,
 /// attend.shape.weights_output, attend.shape.lse_output besides those of scaled_dot_product_attention).
+/// Outputs must not overlap q, k, v or each other in memory (measured conservatively, from each tensor's lowest
+/// to its highest element address): the kernels read inputs while they write outputs, tile by tile, so an
+/// overlap is shape_error attend.shape.aliasing naming both tensors. Adjacent buffers are fine.
 template <class Q, class K, class V, class Mask, class Out, class Weights = std::nullptr_t,
           class Lse = std::nullptr_t>
 void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const Mask& mask, Out&& out,
@@ -247,6 +252,10 @@ void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const
         detail::check_output_dims(lse, detail::lse_dims<rank>(s), "attend.shape.lse_output", "lse");
         o.lse = lse.data();
     }
+    detail::check_no_aliasing({detail::named("query", qv), detail::named("key", kv), detail::named("value", vv)},
+                              {detail::named("out", o.out),
+                               detail::named("weights", o.weights, detail::rank_dims<rank>(s, s.key_len)),
+                               detail::named("lse", o.lse, detail::lse_dims<rank>(s))});
     const auto call = detail::check_call(qv, kv, vv, s, mask, options);
     detail::run_checked(qv, kv, vv, s, call, o);
 }

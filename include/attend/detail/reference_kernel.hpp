@@ -12,6 +12,7 @@
 #include "../shape.hpp"
 #include "dropout.hpp"
 #include "mask_nodes.hpp"
+#include "memory.hpp"
 
 namespace attend::detail {
 
@@ -49,7 +50,13 @@ void reference_attention(const strided_view<const T>& q, const strided_view<cons
                          const strided_view<const T>& v, const attention_shape& s, const Bound& mask,
                          const kernel_params<T>& p, const attention_outputs<T>& o) {
     const index L = s.query_len, S = s.key_len;
-    row_matrix<T> scores(L, S);
+    row_matrix<T> scores = allocating([&] { return row_matrix<T>(L, S); },
+                                      [&] {
+                                          return allocation_text("the reference kernel's scores",
+                                                                 std::array<index, 2>{L, S}, sizeof(T));
+                                      },
+                                      "kernel::reference materializes the scores [query_len, key_len] of one "
+                                      "(batch, head); kernel::tiled needs O(threads x tile)");
     for (index b = 0; b < s.batch; ++b)
         for (index h = 0; h < s.heads; ++h) {
             const index kvh = s.kv_head(h);

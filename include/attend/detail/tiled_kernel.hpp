@@ -36,6 +36,7 @@
 #include "../shape.hpp"
 #include "dropout.hpp"
 #include "mask_nodes.hpp"
+#include "memory.hpp"
 #include "merge_rows.hpp"
 #include "reference_kernel.hpp"
 #include "thread_pool.hpp"
@@ -157,10 +158,19 @@ private:
 
     std::vector<tiled_workspace<T>> workspaces(index units, int threads) const {
         const int workers = static_cast<int>(std::min<index>(std::max(threads, 1), units));
-        std::vector<tiled_workspace<T>> w;
-        w.reserve(static_cast<std::size_t>(workers));
-        for (int n = 0; n < workers; ++n) w.emplace_back(rows_, s_.head_dim, c_.key_tile, s_.value_dim, group_);
-        return w;
+        return allocating(
+            [&] {
+                std::vector<tiled_workspace<T>> w;
+                w.reserve(static_cast<std::size_t>(workers));
+                for (int n = 0; n < workers; ++n) w.emplace_back(rows_, s_.head_dim, c_.key_tile, s_.value_dim, group_);
+                return w;
+            },
+            [&] {
+                const index per_worker = rows_ * (s_.head_dim + c_.key_tile + s_.value_dim + 4);
+                return allocation_text("the tiled kernel's scratch (workers x elements)",
+                                       std::array<index, 2>{workers, per_worker}, sizeof(T));
+            },
+            "Fewer threads need less scratch");
     }
 
     void run_blocks(int threads) {
@@ -181,8 +191,17 @@ private:
         const index blocks = block_count(), units = blocks * chunks;
         const index dv = s_.value_dim;
         // Partial results of every (block, chunk), normalized: out = acc / sum, lse = max + log(sum).
-        std::vector<T> part_out(static_cast<std::size_t>(units * rows_ * dv));
-        std::vector<T> part_lse(static_cast<std::size_t>(units * rows_));
+        std::vector<T> part_out, part_lse;
+        allocating(
+            [&] {
+                part_out.resize(static_cast<std::size_t>(units * rows_ * dv));
+                part_lse.resize(static_cast<std::size_t>(units * rows_));
+            },
+            [&] {
+                return allocation_text("the decode path's partial outputs (units x rows x (value_dim + 1))",
+                                       std::array<index, 3>{units, rows_, dv + 1}, sizeof(T));
+            },
+            "Split the call over the batch");
         auto ws = workspaces(units, threads);
         parallel_for(units, threads, [&](index unit, int worker) {
             auto& w = ws[static_cast<std::size_t>(worker)];

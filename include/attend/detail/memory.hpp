@@ -1,0 +1,127 @@
+#pragma once
+/// Two guards of the calls that write memory. Outputs that share memory with an input or with each other are
+/// rejected before anything is written (shape_error attend.shape.aliasing): the kernels read inputs while they
+/// write outputs, tile by tile and from several threads, so an overlap would give results that depend on the
+/// order of the work. And a result, workspace or thread scratch that cannot be allocated becomes a resource_error
+/// (attend.resource.allocation) naming what was being allocated and its size, instead of a std::bad_alloc from
+/// deep inside Eigen or the standard library.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <new>
+#include <stdexcept>
+#include <string>
+
+#include "../error.hpp"
+#include "../shape.hpp"
+#include "../tensor.hpp"
+
+namespace attend::detail {
+
+/// The bytes [begin, end) from a tensor's lowest to its highest element address (empty: begin == end). For a
+/// strided view this is conservative: two views whose rows interleave (two heads of one projected buffer)
+/// overlap by this measure although they share no element.
+struct memory_range {
+    std::uintptr_t begin = 0;
+    std::uintptr_t end = 0;
+
+    bool overlaps(const memory_range& o) const { return begin < end && o.begin < o.end && begin < o.end && o.begin < end; }
+};
+
+/// The range of `size` contiguous elements at `data`.
+template <class T>
+memory_range range_of(const T* data, index size) {
+    if (data == nullptr || size <= 0) return {};
+    const auto begin = reinterpret_cast<std::uintptr_t>(data);
+    return {begin, begin + static_cast<std::uintptr_t>(size) * sizeof(T)};
+}
+
+/// The range of a strided view, whatever the signs of its strides.
+template <class T>
+memory_range range_of(const strided_view<T>& v) {
+    if (v.data == nullptr) return {};
+    std::uintptr_t below = 0, above = 0;  // elements before and after v.data
+    for (std::size_t a = 0; a < 4; ++a) {
+        if (v.dims[a] <= 0) return {};
+        const index reach = (v.dims[a] - 1) * v.strides[a];
+        if (reach < 0) below += static_cast<std::uintptr_t>(-reach);
+        else above += static_cast<std::uintptr_t>(reach);
+    }
+    const auto base = reinterpret_cast<std::uintptr_t>(v.data);
+    return {base - below * sizeof(T), base + (above + 1) * sizeof(T)};
+}
+
+/// A tensor of a call, for the aliasing check: its name in messages, its shape as spelled there, its memory.
+struct named_range {
+    const char* name;
+    std::string shape;
+    memory_range range;
+};
+
+template <class T>
+named_range named(const char* name, const strided_view<T>& v) {
+    return {name, spell_view(v), range_of(v)};
+}
+
+template <class T, std::size_t N>
+named_range named(const char* name, const T* data, const std::array<index, N>& dims) {
+    index size = 1;
+    for (index d : dims) size *= d;
+    return {name, format_shape(dims), range_of(data, size)};
+}
+
+/// Throws shape_error attend.shape.aliasing, naming both tensors, when an output overlaps an input or an
+/// earlier output. Runs before anything is written.
+inline void check_no_aliasing(std::initializer_list<named_range> inputs, std::initializer_list<named_range> outputs) {
+    const auto fail = [](const named_range& out, const char* kind, const named_range& other) {
+        throw shape_error("attend.shape.aliasing",
+                          concat("output ", out.name, ' ', out.shape, " overlaps ", kind, ' ', other.name, ' ',
+                                 other.shape, " in memory; outputs are written while inputs are still read, so an "
+                                 "output may share no memory with an input or another output: pass separate buffers"));
+    };
+    for (auto out = outputs.begin(); out != outputs.end(); ++out) {
+        for (const auto& in : inputs)
+            if (out->range.overlaps(in.range)) fail(*out, "input", in);
+        for (auto earlier = outputs.begin(); earlier != out; ++earlier)
+            if (out->range.overlaps(earlier->range)) fail(*out, "output", *earlier);
+    }
+}
+
+/// "weights [1,1,1048576,1048576] = 4398046511104 bytes": what an allocation was for. The byte count is a
+/// double because the product of the dims may overflow every integer type.
+template <class Dims>
+std::string allocation_text(const char* what, const Dims& dims, std::size_t scalar_bytes) {
+    double bytes = static_cast<double>(scalar_bytes);
+    for (auto d : dims) bytes *= static_cast<double>(d);
+    return concat(what, ' ', format_shape(dims), " = ", bytes, " bytes");
+}
+
+[[noreturn]] inline void throw_allocation_failure(const std::string& what, const char* cause, const char* hint) {
+    throw resource_error("attend.resource.allocation",
+                         concat("could not allocate ", what, " (", cause, "); nothing was written. ", hint));
+}
+
+/// Runs allocate() and returns what it returns; a std::bad_alloc or std::length_error (a size past what the
+/// allocator can represent) becomes resource_error attend.resource.allocation with describe()'s text and the
+/// hint. describe is called only on failure, so a call that succeeds builds no message.
+template <class Allocate, class Describe>
+auto allocating(Allocate&& allocate, Describe&& describe, const char* hint) -> decltype(allocate()) {
+    try {
+        return allocate();
+    } catch (const std::bad_alloc&) {
+        throw_allocation_failure(describe(), "std::bad_alloc", hint);
+    } catch (const std::length_error&) {
+        throw_allocation_failure(describe(), "std::length_error", hint);
+    }
+}
+
+/// t.resize(dims), guarded: `what` names t in the message.
+template <class Tensor, class Dims>
+void resize_guarded(Tensor& t, const Dims& dims, const char* what, const char* hint) {
+    allocating([&] { t.resize(dims); },
+               [&] { return allocation_text(what, dims, sizeof(typename Tensor::Scalar)); }, hint);
+}
+
+}  // namespace attend::detail

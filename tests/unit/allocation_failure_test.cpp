@@ -1,0 +1,126 @@
+// A huge but valid call fails with resource_error attend.resource.allocation, naming what it was allocating and
+// its bytes, before any output is written: never an uncaught std::bad_alloc from deep inside, never undefined
+// behaviour. The inputs are small (head_dim 1), the materialized [query_len, key_len] = 2^20 x 2^20 scores or
+// weights are 4 TiB in float.
+//
+// Under AddressSanitizer a failed allocation aborts unless ASAN_OPTIONS holds allocator_may_return_null=1
+// (scripts/test sets it). On a Linux kernel that overcommits memory unconditionally (vm.overcommit_memory = 1)
+// a 4 TiB request may succeed and then exhaust memory when written, so the test skips there.
+
+#include <fstream>
+#include <limits>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include <attend/attend.hpp>
+
+#include "support/errors.hpp"
+
+namespace {
+
+using attend::index;
+
+constexpr float sentinel = -7777.25f;
+constexpr index huge_len = index(1) << 20;
+
+bool allocator_always_succeeds() {
+    std::ifstream policy("/proc/sys/vm/overcommit_memory");
+    int mode = 0;
+    return policy >> mode && mode == 1;
+}
+
+#define ATTEND_SKIP_IF_ALWAYS_OVERCOMMITTING()                                                        \
+    if (allocator_always_succeeds())                                                                  \
+    GTEST_SKIP() << "vm.overcommit_memory = 1: a 4 TiB allocation would succeed and exhaust memory " \
+                    "when written"
+
+/// q, k, v `[1, 2^20, 1]`: 4 MiB each, valid, with scores of 2^40 elements.
+struct huge_call {
+    attend::tensor<float, 3> q{1, huge_len, 1}, k{1, huge_len, 1}, v{1, huge_len, 1};
+    attend::tensor<float, 3> out{1, huge_len, 1};
+    huge_call() {
+        q.setConstant(0.5f);
+        k.setConstant(0.25f);
+        v.setConstant(1.0f);
+        out.setConstant(sentinel);
+    }
+    bool out_untouched() const {
+        for (index n = 0; n < out.size(); ++n)
+            if (!(out.data()[n] == sentinel)) return false;
+        return true;
+    }
+};
+
+TEST(AllocationFailure, ReferenceKernelScoresOfTwoToTheFortyElementsAreAResourceErrorBeforeAnyWrite) {
+    ATTEND_SKIP_IF_ALWAYS_OVERCOMMITTING();
+    huge_call c;
+    attend::sdpa_options o;
+    o.kernel = attend::kernel::reference;
+    o.threads = 1;
+    const std::string message = attend_test::expect_error<attend::resource_error>(
+        [&] { attend::scaled_dot_product_attention_into(c.q, c.k, c.v, attend::no_mask{}, c.out, o); },
+        "attend.resource.allocation");
+    EXPECT_NE(message.find("the reference kernel's scores [1048576,1048576] = 4398046511104 bytes"), std::string::npos)
+        << message;
+    EXPECT_TRUE(c.out_untouched());
+}
+
+TEST(AllocationFailure, NeedWeightsOfTwoToTheFortyElementsIsAResourceError) {
+    ATTEND_SKIP_IF_ALWAYS_OVERCOMMITTING();
+    huge_call c;
+    for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
+        attend::sdpa_options o;
+        o.kernel = kernel;
+        o.threads = 1;
+        o.need_weights = true;
+        const std::string message = attend_test::expect_error<attend::resource_error>(
+            [&] { (void)attend::scaled_dot_product_attention(c.q, c.k, c.v, o); }, "attend.resource.allocation");
+        EXPECT_NE(message.find("weights [1,1048576,1048576] = 4398046511104 bytes"), std::string::npos) << message;
+        EXPECT_NE(message.find("need_weights"), std::string::npos) << message;
+    }
+}
+
+TEST(AllocationFailure, TheSameShapeWithoutWeightsRunsInTiles) {
+    // The tiled kernel needs O(threads x tile) memory: the call that cannot materialize its scores still runs.
+    // Only a slice of the queries, to keep the test short: 4 queries against 2^20 keys.
+    huge_call c;
+    attend::tensor<float, 3> q(1, 4, 1);
+    q.setConstant(0.5f);
+    attend::sdpa_options o;
+    o.kernel = attend::kernel::tiled;
+    o.threads = 1;
+    const auto r = attend::scaled_dot_product_attention(q, c.k, c.v, o);
+    for (index n = 0; n < r.out.size(); ++n) EXPECT_FLOAT_EQ(r.out.data()[n], 1.0f);
+}
+
+TEST(AllocationFailure, ReferenceBackwardScoresAreAResourceErrorBeforeAnyWrite) {
+    ATTEND_SKIP_IF_ALWAYS_OVERCOMMITTING();
+    huge_call c;
+    attend::tensor<float, 2> lse(1, huge_len);
+    lse.setConstant(0.0f);
+    attend::tensor<float, 3> d_out = c.v, dq = c.out, dk = c.out, dv = c.out;
+    attend::sdpa_options o;
+    o.kernel = attend::kernel::reference;
+    o.threads = 1;
+    const std::string message = attend_test::expect_error<attend::resource_error>(
+        [&] {
+            attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, c.v, lse, d_out, attend::no_mask{}, dq,
+                                                               dk, dv, o);
+        },
+        "attend.resource.allocation");
+    EXPECT_NE(message.find("the reference backward's score matrices (3 x query_len x key_len) [3,1048576,1048576]"), std::string::npos) << message;
+    for (const auto* g : {&dq, &dk, &dv})
+        for (index n = 0; n < g->size(); ++n) ASSERT_EQ(g->data()[n], sentinel);
+}
+
+TEST(AllocationFailure, AKvCacheLargerThanAVectorCanHoldIsAResourceError) {
+    // 2^62 positions of one float: within Eigen::Index, past std::vector's max_size, so the standard library
+    // throws std::length_error before asking the allocator (this holds under every sanitizer and kernel policy).
+    const std::string message = attend_test::expect_error<attend::resource_error>(
+        [] { attend::kv_cache<float> cache(1, 1, index(1) << 62, 1, 1); }, "attend.resource.allocation");
+    EXPECT_NE(message.find("kv_cache storage (keys and values x batch x kv_heads x capacity x dim) [2,1,1,4611686018427387904,1]"), std::string::npos) << message;
+    EXPECT_NE(message.find("std::length_error"), std::string::npos) << message;
+}
+
+}  // namespace
