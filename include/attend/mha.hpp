@@ -24,6 +24,7 @@
 
 #include "cache.hpp"
 #include "detail/dropout.hpp"
+#include "detail/random.hpp"
 #include "error.hpp"
 #include "mask.hpp"
 #include "position.hpp"
@@ -172,13 +173,9 @@ struct torch_mha_parameters {
 namespace detail {
 namespace mha_init {
 
-/// A uniform double in [0, 1) for element `counter` of stream `stream` of seed `seed`: a counter-based
-/// generator (SplitMix64 finalizers), the same numbers on every platform and in any fill order.
+/// A uniform double in [0, 1) for element `counter` of stream `stream` of seed `seed`.
 inline double uniform(std::uint64_t seed, std::uint64_t stream, std::uint64_t counter) {
-    std::uint64_t x = mix64(seed ^ 0xd1b54a32d192ed03ULL);
-    x = mix64(x ^ stream);
-    x = mix64(x ^ counter);
-    return static_cast<double>(x >> 11) * 0x1.0p-53;
+    return counter_uniform(seed, 0xd1b54a32d192ed03ULL, stream, counter);
 }
 
 /// Fills w with U(-bound, bound) draws: element k gets counter first_counter + k of the stream.

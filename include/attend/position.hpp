@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "detail/random.hpp"
 #include "error.hpp"
 #include "tensor.hpp"
 
@@ -19,29 +20,11 @@ namespace attend {
 namespace detail {
 namespace position_init {
 
-/// splitmix64's finaliser over counter `counter` of the stream `seed`: a pure function of both, so the table
-/// a seed gives is the same on every compiler and standard library (std::normal_distribution is not).
-inline std::uint64_t splitmix64(std::uint64_t seed, std::uint64_t counter) {
-    std::uint64_t z = seed + (counter + 1) * 0x9E3779B97F4A7C15ULL;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
-
-/// Element `k` of a standard-normal stream (Box-Muller over counters 2k and 2k+1), in double.
-inline double standard_normal(std::uint64_t seed, std::uint64_t k) {
-    constexpr double two_pi = 6.283185307179586476925286766559;
-    constexpr double unit = 1.0 / 9007199254740992.0;  // 2^-53
-    const double u1 = static_cast<double>((splitmix64(seed, 2 * k) >> 11) + 1) * unit;  // (0, 1]: log is finite
-    const double u2 = static_cast<double>(splitmix64(seed, 2 * k + 1) >> 11) * unit;     // [0, 1)
-    return std::sqrt(-2.0 * std::log(u1)) * std::cos(two_pi * u2);
-}
-
 template <class T>
 void fill_standard_normal(tensor<T, 2>& table, std::uint64_t seed) {
     const index n = table.size();
     T* data = table.data();
-    for (index k = 0; k < n; ++k) data[k] = static_cast<T>(standard_normal(seed, static_cast<std::uint64_t>(k)));
+    for (index k = 0; k < n; ++k) data[k] = static_cast<T>(counter_normal(seed, static_cast<std::uint64_t>(k)));
 }
 
 }  // namespace position_init
