@@ -12,6 +12,11 @@ and the explicit math expression ("math") are timed; the script prints which ent
 of `--repeats` runs after a warm-up, each run timed with time.perf_counter around one call, fp32 unless noted,
 torch.set_num_threads(1 or 2), inference mode. A case whose first call takes over 5 s is timed by that call alone.
 
+Backward ("backward/L"): autograd through the math path, the only differentiable attention of 1.13 on CPU:
+out = softmax(q k^T * scale) v with q, k, v requiring grad, timed around out.backward(d_out) (the forward runs
+outside the timed region, as attend_bench's backward cases get out and lse from setup). Its `gflops` counts
+2.5 x the forward's 4 B H L S D, the convention of attend_bench's backward cases.
+
 Debian's torch 1.13 links the reference (netlib) libblas.so.3 unless another BLAS is installed as the alternative
 (`update-alternatives --display libblas.so.3-x86_64-linux-gnu`), so its matmuls, and with them its attention,
 run at well under 1 GFLOP/s: the script prints the BLAS it finds so that the ratios are read with that in mind.
@@ -97,6 +102,28 @@ def case(name, b, h, l, s, d, threads, dtype=torch.float32, causal=False, kv_hea
     return results
 
 
+def backward_case(name, b, h, l, s, d, threads, repeats=3):
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, d_out = (torch.rand(b, h, n, d, generator=g) * 2 - 1 for n in (l, s, s, l))
+    scale = 1.0 / math.sqrt(d)
+    times = []
+    for _ in range(repeats + 1):  # the first run is the warm-up
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = torch.softmax((qq @ kk.transpose(-2, -1)) * scale, dim=-1) @ vv
+        t0 = time.perf_counter()
+        out.backward(d_out)
+        times.append(time.perf_counter() - t0)
+        if times[0] > 5.0:  # seconds per call: one timed call is enough
+            break
+    t = min(times[1:]) if len(times) > 1 else times[0]
+    result = {"name": name, "path": "autograd_math", "batch": b, "heads": h, "kv_heads": h, "query_len": l,
+              "key_len": s, "head_dim": d, "threads": threads, "blas": blas(), "dtype": "float32", "causal": False,
+              "seconds": t, "gflops": 2.5 * flops(b, h, l, s, d) / t / 1e9}
+    print(f"{name:28s} autograd threads {threads}  {t * 1e3:10.3f} ms  {result['gflops']:7.2f} GFLOP/s", flush=True)
+    return [result]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results here")
@@ -104,6 +131,10 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--no-math", action="store_true", help="time the sdpa entry point only")
+    parser.add_argument("--backward-lengths", type=int, nargs="*", default=[1024, 2048],
+                        help="L = S of the autograd backward cases (none: skip them)")
+    parser.add_argument("--forward", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the forward cases (--no-forward: backward only)")
     args = parser.parse_args()
     global TIME_MATH
     TIME_MATH = not args.no_math
@@ -112,6 +143,10 @@ def main():
           f"BLAS: {blas()}")
     out = []
     for threads in args.threads:
+        for length in args.backward_lengths:
+            out += backward_case(f"backward/{length}", 1, 8, length, length, 64, threads)
+        if not args.forward:
+            continue
         for length in args.lengths:
             out += case(f"noncausal/{length}", 1, 8, length, length, 64, threads, repeats=args.repeats)
             out += case(f"causal/{length}", 1, 8, length, length, 64, threads, causal=True, repeats=args.repeats)
