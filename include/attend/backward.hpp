@@ -248,7 +248,8 @@ struct backward_workspace {
     row_matrix<T> keys;         ///< [block_k, head_dim]: scale * K of the key tile
     row_matrix<T> dk;           ///< [block_k, head_dim]: dK of the key tile, unscaled
     row_matrix<T> dv;           ///< [block_k, value_dim]: dV of the key tile
-    std::vector<T> lse;         ///< [block_q]: lse of the tile's rows, +inf for zero-gradient rows
+    std::vector<T> lse;         ///< [block_q]: what P = exp(s - lse) * inv_sum shifts by, +inf for zero rows
+    std::vector<T> inv_sum;     ///< [block_q]: 1, or 1 / sum for rows with exact statistics
     std::vector<T> delta;       ///< [block_q]: rowsum(d_out * out)
 
     backward_workspace(const backward_tiling& t, const attention_shape& s, bool dropout)
@@ -260,6 +261,7 @@ struct backward_workspace {
           dk(t.block_k, s.head_dim),
           dv(t.block_k, s.value_dim),
           lse(static_cast<std::size_t>(t.block_q)),
+          inv_sum(static_cast<std::size_t>(t.block_q)),
           delta(static_cast<std::size_t>(t.block_q)) {}
 };
 
@@ -282,9 +284,11 @@ inline index backward_key_chunks(const attention_shape& s, index key_tiles, std:
 }
 
 /// The tiled backward (FlashAttention-2's backward on Eigen GEMM tiles); P is recomputed tile by tile from lse,
-/// never stored. Memory beyond inputs and outputs: O(threads x tile) of workspace, the dQ partials of a key split
-/// (at most 16 MiB, see backward_key_chunks) and, only with a score_bias and a score_bias_gradient output, one
-/// `[group, query_len + key_len - 1]` row of partial sums per unit; never O(query_len x key_len).
+/// never stored (from an exact max and sum instead for the rare rows whose |lse| is too large for that, see
+/// imprecise_lse). Memory beyond inputs and outputs: O(threads x tile) of workspace, the dQ partials of a key split
+/// (at most 16 MiB, see backward_key_chunks), only with a score_bias and a score_bias_gradient output one
+/// `[group, query_len + key_len - 1]` row of partial sums per unit, and only when some |lse| is huge two
+/// `[batch, heads, query_len]` vectors of row statistics; never O(query_len x key_len).
 ///
 /// Parallel decomposition. A work unit is (batch, kv head, key chunk), a chunk being a run of consecutive key
 /// tiles. For each key tile of its chunk a unit loops over the query heads of the group (ascending) and, inside,
@@ -320,8 +324,14 @@ public:
         const bool bias_grad = bias_ && o_.score_bias_gradient;
         const int workers = static_cast<int>(std::min<index>(std::max(threads, 1), units));
         std::vector<backward_workspace<T>> ws;
+        const index rows = s_.batch * s_.heads * s_.query_len;
+        const bool exact = std::any_of(in_.lse, in_.lse + rows, [](T l) { return imprecise_lse(l); });
         allocating(
             [&] {
+                if (exact) {
+                    row_shift_.assign(in_.lse, in_.lse + rows);
+                    row_inv_sum_.assign(static_cast<std::size_t>(rows), T(1));
+                }
                 partials_.assign(static_cast<std::size_t>((chunks_ - 1) * dq_size), T(0));
                 if (bias_grad) bias_partials_.assign(static_cast<std::size_t>(units * group_ * diagonals_), T(0));
                 ws.reserve(static_cast<std::size_t>(workers));
@@ -337,6 +347,7 @@ public:
                                        sizeof(T));
             },
             "Fewer threads need less scratch");
+        exact_statistics(ws, threads);
         parallel_for(units, threads, [&](index unit, int worker) { run_unit(ws[static_cast<std::size_t>(worker)], unit); });
         if (chunks_ > 1 && s_.query_len > 0)
             parallel_for(s_.batch * s_.heads, threads, [&](index bh, int) { add_partials(bh / s_.heads, bh % s_.heads); });
@@ -387,11 +398,16 @@ private:
                   index k1, tile_class cls, T* bias_grad) {
         const index nq = q1 - q0, nk = k1 - k0, ld = t_.block_k, dv = s_.value_dim;
         const T* lse = in_.lse + (b * s_.heads + h) * s_.query_len;
-        bool any = false;
+        const index row0 = (b * s_.heads + h) * s_.query_len + q0;
+        bool any = false, normalize = false;
         for (index r = 0; r < nq; ++r) {  // lse -inf: the forward's zero row, whose gradients are zero
             const T l = lse[q0 + r];
+            const auto u = static_cast<std::size_t>(r), row = static_cast<std::size_t>(row0 + r);
             any = any || l != minus_infinity<T>();
-            w.lse[static_cast<std::size_t>(r)] = l == minus_infinity<T>() ? std::numeric_limits<T>::infinity() : l;
+            w.lse[u] = l == minus_infinity<T>() ? std::numeric_limits<T>::infinity()
+                                                : (row_shift_.empty() ? l : row_shift_[row]);
+            w.inv_sum[u] = row_inv_sum_.empty() ? T(1) : row_inv_sum_[row];
+            normalize = normalize || w.inv_sum[u] != T(1);
         }
         if (!any) return;
         for (index r = 0; r < nq; ++r) {
@@ -406,11 +422,12 @@ private:
         const_tile_map<T> values(in_.v.row(b, kvh, k0), nk, dv, Eigen::OuterStride<>(in_.v.strides[2]));
         auto probs = w.probs.topLeftCorner(nq, nk);
         auto grad = w.grad.topLeftCorner(nq, nk);
-        // P = exp(scale q k^T + bias + mask - lse), the forward's probabilities, recomputed.
-        probs.noalias() = queries * w.keys.topRows(nk).transpose();
-        if (bias_) bias_->add_tile(h, q0, k0, nq, nk, s_.query_len, s_.key_len, w.probs.data(), ld);
-        if (cls == tile_class::mixed) mask_.apply(tile{b, h, q0, q1, k0, k1}, w.probs.data(), ld);
+        // P = exp(scale q k^T + bias + mask - lse), the forward's probabilities, recomputed (exp(s - max) / sum
+        // for the rows of exact_statistics).
+        tile_scores(w, b, h, q0, q1, k0, k1, cls);
         for (index r = 0; r < nq; ++r) exp_shifted(w.probs.data() + r * ld, nk, w.lse[static_cast<std::size_t>(r)]);
+        if (normalize)
+            for (index r = 0; r < nq; ++r) probs.row(r) *= w.inv_sum[static_cast<std::size_t>(r)];
         // dV += P'^T dO; dP = dO V^T (then masked and rescaled by dropout).
         const bool drop = p_.dropout.active();
         if (drop) {
@@ -447,6 +464,67 @@ private:
         w.dk.topRows(nk).noalias() += grad.transpose() * queries;
     }
 
+    /// Scores of queries [q0, q1) of head h against the key tile [k0, k1) whose scaled keys are in w.keys, with
+    /// bias and mask, into w.probs. One function for both passes, so both see the same bits.
+    void tile_scores(backward_workspace<T>& w, index b, index h, index q0, index q1, index k0, index k1,
+                     tile_class cls) const {
+        const index nq = q1 - q0, nk = k1 - k0, ld = t_.block_k;
+        const_tile_map<T> queries(in_.q.row(b, h, q0), nq, s_.head_dim, Eigen::OuterStride<>(in_.q.strides[2]));
+        w.probs.topLeftCorner(nq, nk).noalias() = queries * w.keys.topRows(nk).transpose();
+        if (bias_) bias_->add_tile(h, q0, k0, nq, nk, s_.query_len, s_.key_len, w.probs.data(), ld);
+        if (cls == tile_class::mixed) mask_.apply(tile{b, h, q0, q1, k0, k1}, w.probs.data(), ld);
+    }
+
+    /// exp(s - lse) gives P only to about |lse| ulps: lse = max + log(sum) rounded to T keeps none of log(sum)
+    /// when |max| is huge (scores of 1e30 with a tied maximum, a row filled with a finite -1e30), and P would not
+    /// sum to 1. Beyond this size of |lse| (P off by 1e-5 in float, 5e-10 in double) a row's max and sum are
+    /// recomputed exactly, in a pass over its keys, and P = exp(s - max) / sum as in the forward.
+    static bool imprecise_lse(T lse) {
+        const T limit = T(1) / (16 * std::sqrt(std::numeric_limits<T>::epsilon()));
+        return std::isfinite(lse) && std::abs(lse) > limit;
+    }
+
+    /// row_shift_ and row_inv_sum_ of the rows whose lse is imprecise: their max and 1 / sum over all keys, from
+    /// the scores run_tile computes (same tiles, same function). A no-op when no row needs it.
+    void exact_statistics(std::vector<backward_workspace<T>>& ws, int threads) {
+        if (row_shift_.empty()) return;
+        const index units = s_.batch * s_.heads * query_tiles_;
+        parallel_for(units, threads, [&](index unit, int worker) {
+            auto& w = ws[static_cast<std::size_t>(worker)];
+            const index qt = unit % query_tiles_, bh = unit / query_tiles_, b = bh / s_.heads, h = bh % s_.heads;
+            const index q0 = qt * t_.block_q, q1 = std::min(s_.query_len, q0 + t_.block_q), nq = q1 - q0;
+            const index row0 = bh * s_.query_len + q0, ld = t_.block_k;
+            if (std::none_of(in_.lse + row0, in_.lse + row0 + nq, [](T l) { return imprecise_lse(l); })) return;
+            std::fill(w.lse.begin(), w.lse.begin() + nq, minus_infinity<T>());  // running max
+            std::fill(w.delta.begin(), w.delta.begin() + nq, T(0));               // running sum
+            for (index k0 = 0; k0 < s_.key_len; k0 += t_.block_k) {
+                const index k1 = std::min(s_.key_len, k0 + t_.block_k), nk = k1 - k0;
+                const tile_class cls = mask_.classify(tile{b, h, q0, q1, k0, k1});
+                if (cls == tile_class::empty) continue;
+                const_tile_map<T> keys(in_.k.row(b, h / group_, k0), nk, s_.head_dim,
+                                       Eigen::OuterStride<>(in_.k.strides[2]));
+                w.keys.topRows(nk) = p_.scale * keys;
+                tile_scores(w, b, h, q0, q1, k0, k1, cls);
+                for (index r = 0; r < nq; ++r) {
+                    const T* x = w.probs.data() + r * ld;
+                    T& max = w.lse[static_cast<std::size_t>(r)];
+                    T& sum = w.delta[static_cast<std::size_t>(r)];
+                    const T m = std::max(max, *std::max_element(x, x + nk));
+                    if (m == minus_infinity<T>()) continue;
+                    sum *= std::exp(max - m);  // exp(-inf) = 0 while the row had no allowed key
+                    for (index j = 0; j < nk; ++j) sum += std::exp(x[j] - m);
+                    max = m;
+                }
+            }
+            for (index r = 0; r < nq; ++r) {
+                const auto row = static_cast<std::size_t>(row0 + r), u = static_cast<std::size_t>(r);
+                if (!imprecise_lse(in_.lse[row]) || !(w.delta[u] > 0)) continue;
+                row_shift_[row] = w.lse[u];
+                row_inv_sum_[row] = T(1) / w.delta[u];
+            }
+        });
+    }
+
     void add_partials(index b, index h) {
         auto dq = dq_rows(b, h, 0, 0, s_.query_len);
         for (index c = 1; c < chunks_; ++c) dq += dq_rows(b, h, c, 0, s_.query_len);
@@ -474,6 +552,8 @@ private:
     backward_tiling t_;
     const score_bias* bias_ = nullptr;
     index group_ = 1, diagonals_ = 0, key_tiles_ = 0, query_tiles_ = 0, chunks_ = 1, tiles_per_chunk_ = 1;
+    std::vector<T> row_shift_;      ///< [batch, heads, query_len]: lse, or the row max (exact_statistics); or empty
+    std::vector<T> row_inv_sum_;    ///< [batch, heads, query_len]: 1, or 1 / the row sum (exact_statistics); or empty
     std::vector<T> partials_;       ///< (chunks - 1) dq-sized buffers [batch, heads, query_len, head_dim]
     std::vector<T> bias_partials_;  ///< per unit [group, diagonals]
 };

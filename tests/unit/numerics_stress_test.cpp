@@ -1,0 +1,294 @@
+// Numerics at the edges, for kernel::reference and kernel::tiled, forward and backward, in float and double:
+// scores of +-1e30 (with ties at the maximum), all-equal scores, a single allowed key per row, and finite
+// "large negative" additive fills (float lowest(), -1e9, -1e30) that must neither overflow to -inf nor turn into
+// NaN. Every result is compared with an oracle written out here in long double loops: softmax with the maximum
+// subtracted, and the textbook backward.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include <attend/attend.hpp>
+
+#include "support/random.hpp"
+
+namespace {
+
+using attend::index;
+using real = long double;
+
+/// One head: q [L, D], k [S, D], v [S, Dv] as rank-3 tensors with batch 1.
+template <class T>
+struct problem {
+    attend::tensor<T, 3> q, k, v, d_out;
+    std::vector<real> bias;  ///< [L, S] added to the scaled scores (-inf forbids), as the mask does
+    double scale = 1;
+
+    problem(index L, index S, index D, std::uint64_t seed)
+        : q(1, L, D), k(1, S, D), v(1, S, D), d_out(1, L, D), bias(static_cast<std::size_t>(L * S), 0) {
+        attend_test::fill_uniform(q, seed);
+        attend_test::fill_uniform(k, seed + 1);
+        attend_test::fill_uniform(v, seed + 2);
+        attend_test::fill_uniform(d_out, seed + 3);
+        scale = 1.0 / std::sqrt(static_cast<double>(D));
+    }
+    index L() const { return q.dimension(1); }
+    index S() const { return k.dimension(1); }
+    index D() const { return q.dimension(2); }
+    real& at(index i, index j) { return bias[static_cast<std::size_t>(i * S() + j)]; }
+};
+
+/// The oracle's forward and backward of one head, in long double.
+struct oracle {
+    std::vector<real> p, out, dq, dk, dv;  ///< P [L, S]; out, dq [L, D]; dk, dv [S, D]
+};
+
+template <class T>
+oracle solve(const problem<T>& x) {
+    const index L = x.L(), S = x.S(), D = x.D();
+    const auto q = [&](index i, index d) { return static_cast<real>(x.q(0, i, d)); };
+    const auto k = [&](index j, index d) { return static_cast<real>(x.k(0, j, d)); };
+    const auto v = [&](index j, index d) { return static_cast<real>(x.v(0, j, d)); };
+    const auto g = [&](index i, index d) { return static_cast<real>(x.d_out(0, i, d)); };
+    const auto n = [](index a, index b, index cols) { return static_cast<std::size_t>(a * cols + b); };
+    oracle o;
+    o.p.assign(static_cast<std::size_t>(L * S), 0);
+    o.out.assign(static_cast<std::size_t>(L * D), 0);
+    o.dq.assign(static_cast<std::size_t>(L * D), 0);
+    o.dk.assign(static_cast<std::size_t>(S * D), 0);
+    o.dv.assign(static_cast<std::size_t>(S * D), 0);
+    for (index i = 0; i < L; ++i) {
+        std::vector<real> s(static_cast<std::size_t>(S));
+        real max = -std::numeric_limits<real>::infinity();
+        for (index j = 0; j < S; ++j) {
+            real dot = 0;
+            for (index d = 0; d < D; ++d) dot += q(i, d) * k(j, d);
+            s[static_cast<std::size_t>(j)] = static_cast<real>(x.scale) * dot + x.bias[n(i, j, S)];
+            max = std::max(max, s[static_cast<std::size_t>(j)]);
+        }
+        real sum = 0;
+        for (index j = 0; j < S; ++j) sum += std::exp(s[static_cast<std::size_t>(j)] - max);
+        for (index j = 0; j < S; ++j) o.p[n(i, j, S)] = std::exp(s[static_cast<std::size_t>(j)] - max) / sum;
+        std::vector<real> dp(static_cast<std::size_t>(S));
+        real delta = 0;
+        for (index j = 0; j < S; ++j) {
+            for (index d = 0; d < D; ++d) {
+                o.out[n(i, d, D)] += o.p[n(i, j, S)] * v(j, d);
+                dp[static_cast<std::size_t>(j)] += g(i, d) * v(j, d);
+            }
+            delta += o.p[n(i, j, S)] * dp[static_cast<std::size_t>(j)];
+        }
+        for (index j = 0; j < S; ++j) {
+            const real ds = o.p[n(i, j, S)] * (dp[static_cast<std::size_t>(j)] - delta);
+            for (index d = 0; d < D; ++d) {
+                o.dv[n(j, d, D)] += o.p[n(i, j, S)] * g(i, d);
+                o.dq[n(i, d, D)] += static_cast<real>(x.scale) * ds * k(j, d);
+                o.dk[n(j, d, D)] += static_cast<real>(x.scale) * ds * q(i, d);
+            }
+        }
+    }
+    return o;
+}
+
+/// The largest |element| of a tensor, at least 1: the scale rounding errors of products with it grow with.
+template <class Tensor>
+real magnitude(const Tensor& t) {
+    real largest = 1;
+    for (index n = 0; n < t.size(); ++n) largest = std::max(largest, static_cast<real>(std::fabs(t.data()[n])));
+    return largest;
+}
+
+/// Every element finite and within tol * max(1, largest |expected|, scale) of the oracle; `scale` is the size of
+/// the factors a result is a sum of products with (k for dq, q for dk), whose rounding a zero result inherits.
+template <class Tensor>
+void expect_near(const Tensor& got, const std::vector<real>& want, double tol, const std::string& what,
+                 real scale = 1) {
+    ASSERT_EQ(static_cast<std::size_t>(got.size()), want.size()) << what;
+    real largest = scale;
+    for (real w : want) largest = std::max(largest, std::fabs(w));
+    for (index n = 0; n < got.size(); ++n) {
+        const auto x = got.data()[n];
+        ASSERT_TRUE(std::isfinite(x)) << what << "[" << n << "] = " << x;
+        ASSERT_LE(std::fabs(static_cast<real>(x) - want[static_cast<std::size_t>(n)]), tol * largest)
+            << what << "[" << n << "] = " << x << ", oracle " << static_cast<double>(want[static_cast<std::size_t>(n)]);
+    }
+}
+
+template <class T>
+double tolerance() {
+    return std::is_same_v<T, float> ? 2e-5 : 1e-12;
+}
+
+/// Forward (out, weights) and backward (dq, dk, dv) of attend under `mask` against the oracle, for one kernel.
+template <class T, class Mask>
+void expect_matches_oracle(const problem<T>& x, const Mask& mask, attend::kernel kernel) {
+    SCOPED_TRACE(kernel == attend::kernel::reference ? "kernel::reference" : "kernel::tiled");
+    attend::sdpa_options o;
+    o.kernel = kernel;
+    o.scale = x.scale;
+    o.need_weights = true;
+    o.need_lse = true;
+    o.threads = 2;
+    const auto r = attend::scaled_dot_product_attention(x.q, x.k, x.v, mask, o);
+    const oracle want = solve(x);
+    const double tol = tolerance<T>();
+    expect_near(r.out, want.out, tol, "out");
+    expect_near(r.weights, want.p, tol, "weights");
+    const auto g = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, r.out, r.lse, x.d_out, mask, o);
+    expect_near(g.dq, want.dq, 10 * tol, "dq", magnitude(x.k));
+    expect_near(g.dk, want.dk, 10 * tol, "dk", magnitude(x.q));
+    expect_near(g.dv, want.dv, 10 * tol, "dv");
+}
+
+template <class T, class Mask>
+void expect_both_kernels_match_oracle(const problem<T>& x, const Mask& mask) {
+    for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) expect_matches_oracle(x, mask, kernel);
+}
+
+template <class T>
+class NumericsStress : public ::testing::Test {};
+using scalar_types = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(NumericsStress, scalar_types);
+
+/// q, k whose dot products reach +-1e30 before scaling: only the first feature is non-zero in q, so every score
+/// is one exact product, and keys come in identical pairs, so the maximum of a row is attained twice.
+template <class T>
+problem<T> huge_scores(index L, index S, std::uint64_t seed) {
+    problem<T> x(L, S, 4, seed);
+    attend_test::rng g(seed);
+    for (index i = 0; i < L; ++i) {
+        for (index d = 0; d < 4; ++d) x.q(0, i, d) = T(0);
+        x.q(0, i, 0) = static_cast<T>((g.bernoulli(0.5) ? 1e15 : -1e15) * g.uniform(0.5, 1));
+    }
+    for (index j = 0; j + 1 < S; j += 2) {
+        x.k(0, j, 0) = static_cast<T>((g.bernoulli(0.5) ? 1e15 : -1e15) * g.uniform(0.5, 1));
+        for (index d = 0; d < 4; ++d) x.k(0, j + 1, d) = x.k(0, j, d);
+    }
+    return x;
+}
+
+TYPED_TEST(NumericsStress, ScoresOfPlusMinusTenToTheThirtyWithTiedMaximaMatchTheOracle) {
+    for (const index S : {6, 130, 600}) {
+        SCOPED_TRACE("key_len " + std::to_string(S));
+        const problem<TypeParam> x = huge_scores<TypeParam>(9, S, 10 + static_cast<std::uint64_t>(S));
+        expect_both_kernels_match_oracle(x, attend::no_mask{});
+    }
+}
+
+TYPED_TEST(NumericsStress, AllEqualScoresGiveExactlyUniformWeights) {
+    for (const index S : {1, 3, 7, 300, 1000}) {
+        SCOPED_TRACE("key_len " + std::to_string(S));
+        problem<TypeParam> x(5, S, 8, 20);
+        x.q.setZero();  // every score exactly 0
+        expect_both_kernels_match_oracle(x, attend::no_mask{});
+        for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
+            attend::sdpa_options o;
+            o.kernel = kernel;
+            o.need_weights = true;
+            const auto r = attend::scaled_dot_product_attention(x.q, x.k, x.v, o);
+            for (index n = 0; n < r.weights.size(); ++n)
+                ASSERT_EQ(r.weights.data()[n], TypeParam(1) / static_cast<TypeParam>(S)) << n;
+        }
+    }
+}
+
+TYPED_TEST(NumericsStress, ASingleAllowedKeyPerRowGivesWeightOneAndExactlyThatValueRow) {
+    const index L = 40, S = 700;
+    problem<TypeParam> x(L, S, 8, 30);
+    attend::tensor<bool, 2> allowed(L, S);
+    allowed.setConstant(false);
+    std::vector<index> only(static_cast<std::size_t>(L));
+    attend_test::rng g(31);
+    for (index i = 0; i < L; ++i) {
+        only[static_cast<std::size_t>(i)] = g.uniform_int(0, S - 1);
+        allowed(i, only[static_cast<std::size_t>(i)]) = true;
+        for (index j = 0; j < S; ++j)
+            if (j != only[static_cast<std::size_t>(i)]) x.at(i, j) = -std::numeric_limits<real>::infinity();
+    }
+    const auto mask = attend::allowed_mask::from_torch_sdpa(allowed);
+    expect_both_kernels_match_oracle(x, mask);
+    for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
+        attend::sdpa_options o;
+        o.kernel = kernel;
+        o.need_weights = true;
+        const auto r = attend::scaled_dot_product_attention(x.q, x.k, x.v, mask, o);
+        for (index i = 0; i < L; ++i) {
+            const index j = only[static_cast<std::size_t>(i)];
+            ASSERT_EQ(r.weights(0, i, j), TypeParam(1));
+            for (index d = 0; d < 8; ++d) ASSERT_EQ(r.out(0, i, d), x.v(0, j, d)) << "query " << i;
+        }
+    }
+}
+
+/// An additive mask filling about half of each row with `fill` and leaving at least one key of each row at 0.
+template <class T>
+attend::tensor<T, 2> partly_filled(problem<T>& x, T fill, std::uint64_t seed) {
+    attend::tensor<T, 2> m(x.L(), x.S());
+    attend_test::rng g(seed);
+    for (index i = 0; i < x.L(); ++i) {
+        const index kept = g.uniform_int(0, x.S() - 1);
+        for (index j = 0; j < x.S(); ++j) {
+            const bool filled = j != kept && g.bernoulli(0.5);
+            m(i, j) = filled ? fill : T(0);
+            x.at(i, j) = filled ? static_cast<real>(fill) : 0;
+        }
+    }
+    return m;
+}
+
+TYPED_TEST(NumericsStress, FiniteLargeNegativeFillsMatchTheOracleWithoutOverflow) {
+    using T = TypeParam;
+    for (const T fill : {std::numeric_limits<T>::lowest(), T(-1e9), T(-1e30)}) {
+        SCOPED_TRACE("fill " + std::to_string(static_cast<double>(fill)));
+        for (const index S : {9, 700}) {
+            problem<T> x(11, S, 8, 40);
+            const auto m = partly_filled(x, fill, 41);
+            expect_both_kernels_match_oracle(x, attend::additive_mask<T>::from_values(m));
+            // Added twice the fill saturates at lowest() instead of reaching -inf: the same keys stay at weight 0
+            // and no row empties.
+            expect_both_kernels_match_oracle(
+                x, attend::additive_mask<T>::from_values(m) + attend::additive_mask<T>::from_values(m));
+        }
+    }
+}
+
+TYPED_TEST(NumericsStress, RowsFilledEntirelyWithAFiniteFillAreUniformNotNaN) {
+    // In T, every score plus the fill rounds to the fill (or saturates at lowest()): the row is allowed, and its
+    // softmax is uniform. The oracle, which keeps the scores' differences in long double, does not apply; the
+    // backward of both kernels is compared with the same uniform probabilities.
+    using T = TypeParam;
+    for (const T fill : {std::numeric_limits<T>::lowest(), T(-1e30)}) {
+        SCOPED_TRACE("fill " + std::to_string(static_cast<double>(fill)));
+        for (const index S : {9, 700}) {
+            problem<T> x(6, S, 8, 50);
+            attend::tensor<T, 2> m(x.L(), S);
+            m.setConstant(fill);
+            const auto mask = attend::additive_mask<T>::from_values(m);
+            problem<T> uniform = x;  // the same problem with every score equal and no bias
+            uniform.q.setZero();
+            const oracle want = solve(uniform);
+            for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
+                SCOPED_TRACE(kernel == attend::kernel::reference ? "kernel::reference" : "kernel::tiled");
+                attend::sdpa_options o;
+                o.kernel = kernel;
+                o.need_weights = true;
+                o.need_lse = true;
+                const auto r = attend::scaled_dot_product_attention(x.q, x.k, x.v, mask, o);
+                expect_near(r.weights, want.p, tolerance<T>(), "weights");
+                expect_near(r.out, want.out, tolerance<T>(), "out");
+                const auto g = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, r.out, r.lse, x.d_out,
+                                                                             mask, o);
+                expect_near(g.dv, want.dv, 10 * tolerance<T>(), "dv");
+                expect_near(g.dq, want.dq, 10 * tolerance<T>(), "dq");  // dq = scale dS k: P and k only
+                for (index n = 0; n < g.dk.size(); ++n) ASSERT_TRUE(std::isfinite(g.dk.data()[n])) << n;
+            }
+        }
+    }
+}
+
+}  // namespace
