@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <type_traits>
 
@@ -100,6 +101,12 @@ kernel_params<T> checked_params(const attention_shape& s, const sdpa_options& o)
     const double scale = o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim));
     if (!std::isfinite(scale) || scale <= 0)
         throw value_error("attend.value.scale", concat("scale ", scale, " must be finite and > 0"));
+    // Also in the inputs' scalar type: 1e300 is inf as a float and 1e-50 is 0, and either turns every score into
+    // inf, NaN or 0 although the check in double passed.
+    if (scale > static_cast<double>(std::numeric_limits<T>::max()) || static_cast<T>(scale) <= T(0))
+        throw value_error("attend.value.scale", concat("scale ", scale, " must be finite and > 0, also as ",
+                                                       sizeof(T) == 4 ? "float" : "double",
+                                                       ", the scalar type of the inputs"));
     p.scale = static_cast<T>(scale);
     const double pd = o.dropout.probability;
     if (!(pd >= 0 && pd < 1))

@@ -244,12 +244,13 @@ struct bound_dense_additive {
             }
         return all_forbidden ? tile_class::empty : tile_class::full;
     }
-    /// -inf stays -inf; a finite bias saturates at the lowest finite T, so a finite fill (say -1e300 on float
-    /// scores, or two float lowest() added) never turns into -inf and silently empties a row that the empty-row
-    /// check saw as allowed.
+    /// -inf stays -inf; a finite bias saturates at the finite range of T, on both ends. At the low end a finite
+    /// fill (say -1e300 on float scores, or two float lowest() added) never turns into -inf and silently empties a
+    /// row that the empty-row check saw as allowed; at the high end a large bias (1e300 on float scores, two float
+    /// max() added) never turns into +inf, whose softmax is NaN.
     template <class T>
     void apply(const tile& t, T* scores, index ld) const {
-        constexpr T lowest = std::numeric_limits<T>::lowest();
+        constexpr T lowest = std::numeric_limits<T>::lowest(), highest = std::numeric_limits<T>::max();
         for (index i = t.query_begin; i < t.query_end; ++i) {
             T* row = scores + (i - t.query_begin) * ld;
             for (index j = t.key_begin; j < t.key_end; ++j) {
@@ -258,8 +259,10 @@ struct bound_dense_additive {
                 if (x == minus_infinity<V>()) {
                     s = minus_infinity<T>();
                 } else if (s != minus_infinity<T>()) {
-                    const T bias = static_cast<double>(x) < static_cast<double>(lowest) ? lowest : static_cast<T>(x);
-                    s = std::max(s + bias, lowest);
+                    // Clamped in double before the conversion: a double outside T's range has no T value.
+                    const T bias = static_cast<T>(
+                        std::clamp(static_cast<double>(x), static_cast<double>(lowest), static_cast<double>(highest)));
+                    s = std::clamp(s + bias, lowest, highest);
                 }
             }
         }
