@@ -318,7 +318,11 @@ public:
     }
 
     void run(int threads) {
-        if (s_.batch == 0) return;
+        if (s_.batch == 0) {  // nothing to attend; the bias gradient is still an output, and it is zero
+            if (bias_ && o_.score_bias_gradient)
+                std::fill(o_.score_bias_gradient, o_.score_bias_gradient + s_.heads * diagonals_, T(0));
+            return;
+        }
         const index units = s_.batch * s_.kv_heads * chunks_;
         const index dq_size = s_.batch * s_.heads * s_.query_len * s_.head_dim;
         const bool bias_grad = bias_ && o_.score_bias_gradient;
@@ -347,8 +351,10 @@ public:
                                        sizeof(T));
             },
             "Fewer threads need less scratch");
-        exact_statistics(ws, threads);
-        parallel_for(units, threads, [&](index unit, int worker) { run_unit(ws[static_cast<std::size_t>(worker)], unit); });
+        // Both passes index ws by worker, so neither may run more workers than ws has (exact_statistics has more
+        // units than run_unit when the query tiles outnumber the key chunks).
+        exact_statistics(ws, workers);
+        parallel_for(units, workers, [&](index unit, int worker) { run_unit(ws[static_cast<std::size_t>(worker)], unit); });
         if (chunks_ > 1 && s_.query_len > 0)
             parallel_for(s_.batch * s_.heads, threads, [&](index bh, int) { add_partials(bh / s_.heads, bh % s_.heads); });
         if (bias_grad) reduce_bias_gradient();

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -83,7 +84,10 @@ public:
     alignment bias_alignment() const { return align_; }
 
     /// Checks the bias fits scores `[batch, heads, query_len, key_len]`; kernels call it before writing output.
-    /// Throws shape_error `attend.shape.score_bias_heads` if the ALiBi slopes or the table's heads != heads.
+    /// Throws shape_error `attend.shape.score_bias_heads` if the ALiBi slopes or the table's heads != heads;
+    /// value_error `attend.value.alibi_slopes` / `attend.value.score_bias_table` if a slope times the largest
+    /// distance, or a table value, is beyond the range of T (the scores' scalar type).
+    template <class T = double>
     void validate(index heads, index query_len, index key_len) const {
         const auto shape = [&] { return detail::concat(" (scores [batch,", heads, ',', query_len, ',', key_len, "])"); };
         if (kind_ == kind::alibi && static_cast<index>(slopes_.size()) != heads)
@@ -95,6 +99,28 @@ public:
                               detail::concat("relative position bias table has ", table_->heads(),
                                              " heads but attention has ", heads, " heads (table ",
                                              detail::format_shape(table_->table().dimensions()), ')', shape()));
+        // The bias must be finite in the scores' type T: a slope or table value beyond T's range becomes +-inf
+        // there, and inf * 0 (the diagonal) or inf - inf is NaN.
+        const double largest = static_cast<double>(std::numeric_limits<T>::max());
+        const char* type = sizeof(T) == sizeof(float) ? "float" : "double";
+        if (kind_ == kind::alibi) {
+            const double reach = static_cast<double>(query_len) + static_cast<double>(key_len);  // > |key - query|
+            for (std::size_t h = 0; h < slopes_.size(); ++h)
+                if (std::abs(slopes_[h]) * reach > largest)
+                    throw value_error("attend.value.alibi_slopes",
+                                      detail::concat("ALiBi slope of head ", h, " is ", slopes_[h], ": times distances up to ",
+                                                     reach, " it leaves the range of ", type,
+                                                     ", the scalar type of the scores", shape()));
+        }
+        if (kind_ == kind::relative) {
+            const auto& t = table_->table();
+            for (index n = 0; n < t.size(); ++n)
+                if (std::abs(t.data()[n]) > largest)
+                    throw value_error("attend.value.score_bias_table",
+                                      detail::concat("relative position bias table holds ", t.data()[n],
+                                                     ", beyond the range of ", type,
+                                                     ", the scalar type of the scores", shape()));
+        }
     }
 
     /// The bias of query i, key j of head `head` for scores with query_len queries and key_len keys, in T.

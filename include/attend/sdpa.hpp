@@ -118,7 +118,7 @@ kernel_params<T> checked_params(const attention_shape& s, const sdpa_options& o)
     }
     if (o.threads < 0) throw value_error("attend.value.threads", concat("threads ", o.threads, " must be >= 0"));
     if (!o.score_bias.empty()) {
-        o.score_bias.validate(s.heads, s.query_len, s.key_len);
+        o.score_bias.template validate<T>(s.heads, s.query_len, s.key_len);
         p.bias = &o.score_bias;
     }
     p.weights_after_dropout = o.weights_after_dropout;

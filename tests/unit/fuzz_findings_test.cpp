@@ -82,4 +82,66 @@ TEST(FuzzFindings, ScaleOutsideTheInputScalarTypeIsAnError) {
     EXPECT_EQ(r.out(0, 0, 0, 0), 1.0);
 }
 
+// With batch 0 the tiled backward returned before zeroing score_bias_gradient: the caller got whatever the
+// buffer held. It is an output of the call, and with no query at all it is zero, as the reference kernel says.
+TEST(FuzzFindings, BackwardWithBatchZeroZeroesTheScoreBiasGradient) {
+    attend::tensor<float, 4> q(0, 2, 3, 4), k(0, 2, 5, 4), v(0, 2, 5, 4), d_out(0, 2, 3, 4);
+    attend::sdpa_options o;
+    o.score_bias = attend::score_bias::alibi(attend::alibi_slopes(2));
+    o.need_lse = true;
+    const auto f = attend::scaled_dot_product_attention(q, k, v, o);
+    for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
+        o.kernel = kernel;
+        attend::tensor<float, 4> dq(q.dimensions()), dk(k.dimensions()), dv(v.dimensions());
+        attend::tensor<float, 2> bias_gradient(2, 3 + 5 - 1);
+        bias_gradient.setConstant(7.0f);  // a sentinel the call must overwrite
+        attend::scaled_dot_product_attention_backward_into(q, k, v, f.out, f.lse, d_out, attend::no_mask{}, dq, dk,
+                                                           dv, o, bias_gradient);
+        for (index n = 0; n < bias_gradient.size(); ++n) EXPECT_EQ(bias_gradient.data()[n], 0.0f) << n;
+    }
+}
+
+// Rows whose lse is too large for P = exp(s - lse) to be exact get their statistics recomputed per query tile;
+// that pass indexed one scratch per thread although scratch exists only for as many threads as there are
+// (batch, kv head, key chunk) units: 2 threads, 3 query tiles and 1 key chunk read past the scratch (ASan).
+TEST(FuzzFindings, BackwardWithLargeLseAndMoreQueryTilesThanUnitsStaysInBounds) {
+    const index L = 300, S = 7, D = 4;
+    attend::tensor<float, 4> q(1, 1, L, D), k(1, 1, S, D), v(1, 1, S, D), d_out(1, 1, L, D);
+    q.setConstant(10.0f);  // q . k * scale = 400 * 0.5 = 200: lse ~ 202, beyond the exact range of float
+    k.setConstant(10.0f);
+    for (index n = 0; n < v.size(); ++n) v.data()[n] = static_cast<float>(n % 5) - 2.0f;
+    for (index n = 0; n < d_out.size(); ++n) d_out.data()[n] = static_cast<float>(n % 3) - 1.0f;
+    attend::sdpa_options o;
+    o.need_lse = true;
+    const auto f = attend::scaled_dot_product_attention(q, k, v, o);
+    ASSERT_GT(f.lse(0, 0, 0), 200.0f);
+    o.kernel = attend::kernel::reference;
+    const auto reference = attend::scaled_dot_product_attention_backward(q, k, v, f.out, f.lse, d_out, o);
+    o.kernel = attend::kernel::tiled;
+    o.threads = 2;
+    const auto tiled = attend::scaled_dot_product_attention_backward(q, k, v, f.out, f.lse, d_out, o);
+    for (index n = 0; n < reference.dv.size(); ++n)
+        EXPECT_NEAR(tiled.dv.data()[n], reference.dv.data()[n], 1e-3f * (1.0f + std::abs(reference.dv.data()[n])));
+    for (index n = 0; n < reference.dq.size(); ++n) EXPECT_NEAR(tiled.dq.data()[n], reference.dq.data()[n], 1e-3f);
+}
+
+// An ALiBi slope finite in double but beyond float's range (times the distances) became inf in a float call, and
+// inf * 0 on the diagonal NaN; a double relative-position table value beyond float's range likewise. Both are
+// now errors of the call whose scalar type cannot hold them, and accepted where it can.
+TEST(FuzzFindings, ScoreBiasBeyondTheScoresScalarTypeIsAnError) {
+    constant_inputs<float> x;
+    attend::sdpa_options o;
+    o.score_bias = attend::score_bias::alibi({1e300});
+    attend_test::expect_error<attend::value_error>(
+        [&] { (void)attend::scaled_dot_product_attention(x.q, x.k, x.v, o); }, "attend.value.alibi_slopes");
+    attend::relative_position_bias<double> table(1, true, 4, 8);
+    table.table().setConstant(1e300);
+    o.score_bias = attend::score_bias::relative(table);
+    attend_test::expect_error<attend::value_error>(
+        [&] { (void)attend::scaled_dot_product_attention(x.q, x.k, x.v, o); }, "attend.value.score_bias_table");
+    constant_inputs<double> y;
+    const auto r = attend::scaled_dot_product_attention(y.q, y.k, y.v, o);  // 1e300 fits in double
+    EXPECT_EQ(r.out(0, 0, 0, 0), 1.0);
+}
+
 }  // namespace
