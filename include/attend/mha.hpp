@@ -24,6 +24,7 @@
 
 #include "cache.hpp"
 #include "detail/dropout.hpp"
+#include "detail/memory.hpp"
 #include "detail/random.hpp"
 #include "error.hpp"
 #include "mask.hpp"
@@ -292,6 +293,17 @@ torch_mha_parameters<T> torch_layout(bool packed, const tensor<T, 2>& wq, const 
     }
     p.out_proj_weight = wo;
     return p;
+}
+
+/// An uninitialised buffer of multi-head attention whose allocation failure is resource_error
+/// attend.resource.allocation naming `what`, never a std::bad_alloc from inside.
+template <class T, int R>
+tensor<T, R> mha_buffer(const std::array<index, static_cast<std::size_t>(R)>& dims, const char* what) {
+    tensor<T, R> t;
+    resize_guarded(t, dims, what,
+                   "Use a smaller batch or shorter sequences; need_weights materializes [batch, heads, query_len, "
+                   "key_len]");
+    return t;
 }
 
 /// y `[rows, w.rows]` = x `[rows, w.cols]` w^T + b, one Eigen GEMM.
@@ -570,8 +582,9 @@ public:
         const index past = cache.length(), S = past + L;
         detail::check_positions(config_, options, options.position_offset + past);
         if (options.check_finite) detail::check_finite_input(x.data(), xd, "x");
-        std::vector<T> q(static_cast<std::size_t>(B * L * H * D)), k(static_cast<std::size_t>(B * L * G * D)),
-            v(static_cast<std::size_t>(B * L * G * D));
+        auto q = detail::mha_buffer<T, 3>({B, L, H * D}, "projected query [batch, new tokens, heads * head_dim]");
+        auto k = detail::mha_buffer<T, 3>({B, L, G * D}, "projected key [batch, new tokens, kv_heads * head_dim]");
+        auto v = detail::mha_buffer<T, 3>({B, L, G * D}, "projected value [batch, new tokens, kv_heads * head_dim]");
         detail::project(x.data(), B * L, wq_, bq_, q.data());
         detail::project(x.data(), B * L, wk_, bk_, k.data());
         detail::project(x.data(), B * L, wv_, bv_, v.data());
@@ -594,7 +607,7 @@ public:
         detail::with_key_padding(causal_mask, options.key_padding, B, S, [&](const auto& full_mask) {
             const auto call = detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options));
             cache.append(k_new, v_new);  // checked above: cannot throw
-            tensor<T, 3> o(B, L, H * D);
+            auto o = detail::mha_buffer<T, 3>({B, L, H * D}, "attention output [batch, new tokens, heads * head_dim]");
             attend_and_project(qv, kv, vv, s, call, options, o, nullptr, r);
         });
         return r;
@@ -756,7 +769,9 @@ private:
         const index B = qd[0], L = qd[1], S = kd[1];
         const index H = config_.heads, G = config_.kv_heads, D = head_dim();
         // Projections `[batch, len, heads * head_dim]`: the heads side by side, read through split_heads views.
-        tensor<T, 3> q(B, L, H * D), k(B, S, G * D), v(B, S, G * D);
+        auto q = detail::mha_buffer<T, 3>({B, L, H * D}, "projected query [batch, query_len, heads * head_dim]");
+        auto k = detail::mha_buffer<T, 3>({B, S, G * D}, "projected key [batch, key_len, kv_heads * head_dim]");
+        auto v = detail::mha_buffer<T, 3>({B, S, G * D}, "projected value [batch, key_len, kv_heads * head_dim]");
         detail::project(query.data(), B * L, wq_, bq_, q.data());
         detail::project(key.data(), B * S, wk_, bk_, k.data());
         detail::project(value.data(), B * S, wv_, bv_, v.data());
@@ -770,8 +785,8 @@ private:
         if (options.check_finite) detail::check_finite_projections(qv, kv, vv);
         const attention_shape s = detail::check_views(qv, kv, vv);
         mha_result<T> r;
-        tensor<T, 3> o(B, L, H * D);
-        tensor<T, 3> lse(saved ? B : 0, H, L);
+        auto o = detail::mha_buffer<T, 3>({B, L, H * D}, "attention output [batch, query_len, heads * head_dim]");
+        auto lse = detail::mha_buffer<T, 3>({saved ? B : 0, H, L}, "saved lse [batch, heads, query_len]");
         detail::with_key_padding(mask, options.key_padding, B, S, [&](const auto& full_mask) {
             const auto call = detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options));
             attend_and_project(qv, kv, vv, s, call, options, o, saved ? lse.data() : nullptr, r);
@@ -793,13 +808,14 @@ private:
                             const strided_view<const T>& v, const attention_shape& s, const Call& call,
                             const mha_options& options, tensor<T, 3>& o, T* lse, mha_result<T>& r) const {
         const index B = s.batch, L = s.query_len, S = s.key_len, H = s.heads, D = head_dim();
-        std::vector<T> w(options.need_weights ? static_cast<std::size_t>(B * H * L * S) : 0);
+        auto w = detail::mha_buffer<T, 4>({options.need_weights ? B : 0, H, L, S},
+                                          "per-head weights [batch, heads, query_len, key_len]");
         detail::attention_outputs<T> outputs;
         outputs.out = split_heads(o.data(), B, L, H, D);
         outputs.weights = options.need_weights ? w.data() : nullptr;
         outputs.lse = lse;
         if (B * L > 0) detail::run_checked(q, k, v, s, call, outputs);  // nothing to attend for zero queries
-        r.out = tensor<T, 3>(B, L, config_.model_dim);
+        r.out = detail::mha_buffer<T, 3>({B, L, config_.model_dim}, "out [batch, query_len, model_dim]");
         detail::project(o.data(), B * L, wo_, bo_, r.out.data());
         for (index b = 0; b < B; ++b)
             for (index i = 0; i < L; ++i)
@@ -809,11 +825,10 @@ private:
                 }
         if (!options.need_weights) return;
         if (!options.average_weights) {
-            r.head_weights = tensor<T, 4>(B, H, L, S);
-            std::copy(w.begin(), w.end(), r.head_weights.data());
+            r.head_weights = std::move(w);
             return;
         }
-        r.weights = tensor<T, 3>(B, L, S);
+        r.weights = detail::mha_buffer<T, 3>({B, L, S}, "averaged weights [batch, query_len, key_len]");
         r.weights.setZero();
         for (index b = 0; b < B; ++b)
             for (index h = 0; h < H; ++h)

@@ -10,6 +10,7 @@
 /// Padded queries (query_padding in the mask) have a constant zero output row: their d_out rows are ignored.
 /// Self-attention called as forward(x, x, x) has d x = d_query + d_key + d_value.
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <vector>
@@ -138,7 +139,10 @@ mha_gradients<T> multi_head_attention_backward(const multi_head_attention<T>& mo
     }
 
     // Gradient buffers `[batch, len, heads * head_dim]`, seen per head through split_heads like the forward's.
-    tensor<T, 3> d_attention(B, L, H * D), dq(B, L, H * D), dk(B, S, G * D), dv(B, S, G * D);
+    auto d_attention = detail::mha_buffer<T, 3>({B, L, H * D}, "d attention [batch, query_len, heads * head_dim]");
+    auto dq = detail::mha_buffer<T, 3>({B, L, H * D}, "d projected query [batch, query_len, heads * head_dim]");
+    auto dk = detail::mha_buffer<T, 3>({B, S, G * D}, "d projected key [batch, key_len, kv_heads * head_dim]");
+    auto dv = detail::mha_buffer<T, 3>({B, S, G * D}, "d projected value [batch, key_len, kv_heads * head_dim]");
     detail::backward_inputs<T> in;
     in.q = split_heads(saved.q.data(), B, L, H, D);
     in.k = split_heads(saved.k.data(), B, S, G, D);
@@ -157,7 +161,8 @@ mha_gradients<T> multi_head_attention_backward(const multi_head_attention<T>& mo
         const auto checked = detail::check_backward(in, &grads, full_mask, detail::sdpa_options_for(c, options));
         // Everything is checked: from here on nothing throws but allocation.
         // A padded query's output row is the constant 0, so its d_out row reaches nothing.
-        tensor<T, 3> d_y = d_out;
+        auto d_y = detail::mha_buffer<T, 3>({B, L, E}, "d out [batch, query_len, model_dim]");
+        std::copy(d_out.data(), d_out.data() + d_y.size(), d_y.data());
         for (index b = 0; b < B; ++b)
             for (index i = 0; i < L; ++i)
                 if (checked.call.mask.query_padded(b, i)) {
@@ -178,9 +183,9 @@ mha_gradients<T> multi_head_attention_backward(const multi_head_attention<T>& mo
         options.rotary->apply_inverse(split_heads(dq.data(), B, L, H, D), options.position_offset);
         options.rotary->apply_inverse(split_heads(dk.data(), B, S, G, D), options.position_offset);
     }
-    g.d_query = tensor<T, 3>(B, L, E);
-    g.d_key = tensor<T, 3>(kd[0], kd[1], kd[2]);
-    g.d_value = tensor<T, 3>(vd[0], vd[1], vd[2]);
+    g.d_query = detail::mha_buffer<T, 3>({B, L, E}, "d_query [batch, query_len, model_dim]");
+    g.d_key = detail::mha_buffer<T, 3>(kd, "d_key [batch, key_len, key_dim]");
+    g.d_value = detail::mha_buffer<T, 3>(vd, "d_value [batch, key_len, value_dim]");
     g.d_q_bias = tensor<T, 1>(module.q_bias().size());
     g.d_k_bias = tensor<T, 1>(module.k_bias().size());
     g.d_v_bias = tensor<T, 1>(module.v_bias().size());

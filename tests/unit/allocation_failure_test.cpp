@@ -123,4 +123,20 @@ TEST(AllocationFailure, AKvCacheLargerThanAVectorCanHoldIsAResourceError) {
     EXPECT_NE(message.find("std::length_error"), std::string::npos) << message;
 }
 
+TEST(AllocationFailure, MultiHeadWeightsOfTwoToTheFortyElementsAreAResourceError) {
+    ATTEND_SKIP_IF_ALWAYS_OVERCOMMITTING();
+    // model_dim 1, one head: x `[1, 2^20, 1]` is 4 MiB; the per-head weights `[1, 1, 2^20, 2^20]` 4 TiB.
+    const attend::multi_head_attention<float> m(attend::mha_config{1, 1});
+    attend::tensor<float, 3> x(1, huge_len, 1);
+    x.setConstant(0.5f);
+    attend::mha_options o;
+    o.need_weights = true;
+    o.threads = 1;
+    const std::string message = attend_test::expect_error<attend::resource_error>(
+        [&] { (void)m.forward(x, x, x, o); }, "attend.resource.allocation");
+    EXPECT_NE(message.find("per-head weights [batch, heads, query_len, key_len] [1,1,1048576,1048576]"),
+              std::string::npos)
+        << message;
+}
+
 }  // namespace
