@@ -582,19 +582,11 @@ public:
         const index past = cache.length(), S = past + L;
         detail::check_positions(config_, options, options.position_offset + past);
         if (options.check_finite) detail::check_finite_input(x.data(), xd, "x");
-        auto q = detail::mha_buffer<T, 3>({B, L, H * D}, "projected query [batch, new tokens, heads * head_dim]");
-        auto k = detail::mha_buffer<T, 3>({B, L, G * D}, "projected key [batch, new tokens, kv_heads * head_dim]");
-        auto v = detail::mha_buffer<T, 3>({B, L, G * D}, "projected value [batch, new tokens, kv_heads * head_dim]");
-        detail::project(x.data(), B * L, wq_, bq_, q.data());
-        detail::project(x.data(), B * L, wk_, bk_, k.data());
-        detail::project(x.data(), B * L, wv_, bv_, v.data());
-        if (options.rotary) {
-            options.rotary->apply(split_heads(q.data(), B, L, H, D), options.position_offset + past);
-            options.rotary->apply(split_heads(k.data(), B, L, G, D), options.position_offset + past);
-        }
-        const auto qv = split_heads(static_cast<const T*>(q.data()), B, L, H, D);
-        const auto k_new = split_heads(static_cast<const T*>(k.data()), B, L, G, D);
-        const auto v_new = split_heads(static_cast<const T*>(v.data()), B, L, G, D);
+        const projected_heads p =
+            project_heads(x.data(), x.data(), x.data(), B, L, L, options, options.position_offset + past);
+        const auto qv = split_heads(p.q.data(), B, L, H, D);
+        const auto k_new = split_heads(p.k.data(), B, L, G, D);
+        const auto v_new = split_heads(p.v.data(), B, L, G, D);
         if (options.check_finite) detail::check_finite_projections(qv, k_new, v_new);
         cache.check_append(k_new, v_new);
         // Views of the cache as it will be after the append: the storage exists, only the length grows.
@@ -751,6 +743,29 @@ private:
         }
     }
 
+    /// Projections of query `[batch, query_len, model_dim]`, key and value `[batch, key_len, *]`: q
+    /// `[batch, query_len, heads * head_dim]`, k and v `[batch, key_len, kv_heads * head_dim]`, the heads side by
+    /// side (read through split_heads views); q and k rotated (options.rotary) from position first_position.
+    struct projected_heads {
+        tensor<T, 3> q, k, v;
+    };
+    projected_heads project_heads(const T* query, const T* key, const T* value, index B, index L, index S,
+                                  const mha_options& options, index first_position) const {
+        const index H = config_.heads, G = config_.kv_heads, D = head_dim();
+        projected_heads p{
+            detail::mha_buffer<T, 3>({B, L, H * D}, "projected query [batch, query_len, heads * head_dim]"),
+            detail::mha_buffer<T, 3>({B, S, G * D}, "projected key [batch, key_len, kv_heads * head_dim]"),
+            detail::mha_buffer<T, 3>({B, S, G * D}, "projected value [batch, key_len, kv_heads * head_dim]")};
+        detail::project(query, B * L, wq_, bq_, p.q.data());
+        detail::project(key, B * S, wk_, bk_, p.k.data());
+        detail::project(value, B * S, wv_, bv_, p.v.data());
+        if (options.rotary) {
+            options.rotary->apply(split_heads(p.q.data(), B, L, H, D), first_position);
+            options.rotary->apply(split_heads(p.k.data(), B, S, G, D), first_position);
+        }
+        return p;
+    }
+
     template <class Q, class K, class V, class Mask>
     mha_result<T> forward_impl(const Q& query, const K& key, const V& value, const Mask& mask,
                                const mha_options& options, mha_saved<T>* saved) const {
@@ -768,20 +783,11 @@ private:
         }
         const index B = qd[0], L = qd[1], S = kd[1];
         const index H = config_.heads, G = config_.kv_heads, D = head_dim();
-        // Projections `[batch, len, heads * head_dim]`: the heads side by side, read through split_heads views.
-        auto q = detail::mha_buffer<T, 3>({B, L, H * D}, "projected query [batch, query_len, heads * head_dim]");
-        auto k = detail::mha_buffer<T, 3>({B, S, G * D}, "projected key [batch, key_len, kv_heads * head_dim]");
-        auto v = detail::mha_buffer<T, 3>({B, S, G * D}, "projected value [batch, key_len, kv_heads * head_dim]");
-        detail::project(query.data(), B * L, wq_, bq_, q.data());
-        detail::project(key.data(), B * S, wk_, bk_, k.data());
-        detail::project(value.data(), B * S, wv_, bv_, v.data());
-        if (options.rotary) {
-            options.rotary->apply(split_heads(q.data(), B, L, H, D), options.position_offset);
-            options.rotary->apply(split_heads(k.data(), B, S, G, D), options.position_offset);
-        }
-        const auto qv = split_heads(static_cast<const T*>(q.data()), B, L, H, D);
-        const auto kv = split_heads(static_cast<const T*>(k.data()), B, S, G, D);
-        const auto vv = split_heads(static_cast<const T*>(v.data()), B, S, G, D);
+        projected_heads p = project_heads(query.data(), key.data(), value.data(), B, L, S, options,
+                                          options.position_offset);
+        const auto qv = split_heads(static_cast<const T*>(p.q.data()), B, L, H, D);
+        const auto kv = split_heads(static_cast<const T*>(p.k.data()), B, S, G, D);
+        const auto vv = split_heads(static_cast<const T*>(p.v.data()), B, S, G, D);
         if (options.check_finite) detail::check_finite_projections(qv, kv, vv);
         const attention_shape s = detail::check_views(qv, kv, vv);
         mha_result<T> r;
@@ -792,9 +798,9 @@ private:
             attend_and_project(qv, kv, vv, s, call, options, o, saved ? lse.data() : nullptr, r);
         });
         if (saved) {
-            saved->q = std::move(q);
-            saved->k = std::move(k);
-            saved->v = std::move(v);
+            saved->q = std::move(p.q);
+            saved->k = std::move(p.k);
+            saved->v = std::move(p.v);
             saved->attention = std::move(o);
             saved->lse = std::move(lse);
         }
