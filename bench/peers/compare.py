@@ -307,9 +307,10 @@ def run_case(case, args):
         # attend computes in float and double only: other dtypes show attend's fp32 time for the same shape.
         variants = [("attend", False)] + ([("attend check_finite", True)] if case.kind == "decode" else [])
         for label, check in variants:
+            label += "" if case.dtype == "fp32" else " (fp32)"
             try:
                 t, n = attend_time(args.attend_bench, attend_name(case, check), args.min_runs, args.min_time)
-                results[label if case.dtype == "fp32" else label + " (fp32)"] = {"seconds": t, "runs": n}
+                results[label] = {"seconds": t, "runs": n}
             except (subprocess.CalledProcessError, RuntimeError) as e:
                 results[label] = {"error": first_line(e)}
     q, k, v = make_inputs(case)
@@ -410,7 +411,7 @@ def main():
     p.add_argument("--json", metavar="FILE", help="write every timing and the environment here")
     p.add_argument("--verify", action="store_true",
                    help="print the numerical check of the peer models and exit (it also runs, silently, before timing)")
-    p.add_argument("--min-runs", type=int, default=5)
+    p.add_argument("--min-runs", type=int, default=5, help="timed calls (attend: repetitions) per measurement, at least")
     p.add_argument("--min-time", type=float, default=1.0, help="seconds of timed calls per measurement")
     p.add_argument("--list", action="store_true", help="print the case names and exit")
     args = p.parse_args()
