@@ -101,9 +101,8 @@ def all_cases(quick):
 def make_inputs(case, seed=0):
     """q [B, N, L, H], k and v [B, KV, S, H], float32 uniform in [-1, 1)."""
     rng = np.random.default_rng(seed)
-    shape = lambda n, s: (1, n, s, case.dim)
-    return tuple(rng.uniform(-1, 1, shape(n, s)).astype(np.float32)
-                 for n, s in ((case.heads, case.query_len), (case.kv_heads, case.key_len), (case.kv_heads, case.key_len)))
+    heads_and_lengths = ((case.heads, case.query_len), (case.kv_heads, case.key_len), (case.kv_heads, case.key_len))
+    return tuple(rng.uniform(-1, 1, (1, n, s, case.dim)).astype(np.float32) for n, s in heads_and_lengths)
 
 
 def reference(q, k, v, causal):
@@ -411,7 +410,7 @@ def main():
     p.add_argument("--json", metavar="FILE", help="write every timing and the environment here")
     p.add_argument("--verify", action="store_true",
                    help="print the numerical check of the peer models and exit (it also runs, silently, before timing)")
-    p.add_argument("--min-runs", type=int, default=5, help="timed calls (attend: repetitions) per measurement, at least")
+    p.add_argument("--min-runs", type=int, default=5, help="timed calls (attend: repetitions) per measurement")
     p.add_argument("--min-time", type=float, default=1.0, help="seconds of timed calls per measurement")
     p.add_argument("--list", action="store_true", help="print the case names and exit")
     args = p.parse_args()
