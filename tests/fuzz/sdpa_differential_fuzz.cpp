@@ -4,7 +4,8 @@
 /// expression (fuzz_masks.hpp), options and values (sometimes huge, tiny, subnormal or non-finite). The call runs
 /// through kernel::reference, kernel::tiled with the default tiles, and the tiled kernel with small random tiles
 /// on 1 and 2 threads, and the fuzzer checks:
-///   - every path throws the same attend::error id, or none does; empty_row errors agree with the mask's meaning;
+///   - every path throws the same attend::error id, or none does; empty_row errors agree with the mask's meaning,
+///     score_overflow errors with the documented score-range rule (thrown exactly when it is broken);
 ///   - with finite inputs whose scores fit the scalar type: outputs are finite, forbidden and dropped weights are
 ///     exactly 0, padded and (under empty_rows::zero) empty rows are zero with lse -inf;
 ///   - on well-conditioned rows every kernel matches a long double evaluation of the definition within a bound
@@ -188,6 +189,32 @@ struct call_case {
 template <class T>
 const T* row_of(const std::vector<T>& x, index heads, index len, index dim, index b, index h, index i) {
     return x.data() + ((b * heads + h) * len + i) * dim;
+}
+
+/// attend's rule for scores that overflow (detail/input_scan.hpp), written out from its documentation: true when
+/// some element has |scale q_d| > max(T) / 2, or some query and key (masked or not) have
+/// max(1, scale) sum_d |q_d k_d| > max(T) / 2, with the scale as the kernels hold it (rounded to T).
+template <class T>
+bool breaks_score_range(const call_case<T>& c) {
+    const attention_shape& s = c.s;
+    const ld limit = static_cast<ld>(std::numeric_limits<T>::max()) / 2;
+    const ld scale = static_cast<ld>(static_cast<T>(
+        c.options.scale ? *c.options.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim))));
+    for (index b = 0; b < s.batch; ++b)
+        for (index h = 0; h < s.heads; ++h)
+            for (index i = 0; i < s.query_len; ++i) {
+                const T* q = row_of(c.q, s.heads, s.query_len, s.head_dim, b, h, i);
+                for (index d = 0; d < s.head_dim; ++d)
+                    if (scale * std::abs(static_cast<ld>(q[d])) > limit) return true;
+                for (index j = 0; j < s.key_len; ++j) {
+                    const T* k = row_of(c.k, s.kv_heads, s.key_len, s.head_dim, b, s.kv_head(h), j);
+                    ld sum = 0;
+                    for (index d = 0; d < s.head_dim; ++d)
+                        sum += std::abs(static_cast<ld>(q[d]) * static_cast<ld>(k[d]));
+                    if (std::max<ld>(1, scale) * sum > limit) return true;
+                }
+            }
+    return false;
 }
 
 template <class T>
@@ -467,8 +494,13 @@ void run_call(fuzz_input& in, call_case<T>& c, const attend::tensor<T, Rank>& q,
                     }
             require(empty, "attend.mask.empty_row thrown, but every row has an allowed key");
         }
+        if (*id_ref == "attend.value.score_overflow")
+            require(c.options.check_finite && breaks_score_range(c),
+                    "attend.value.score_overflow thrown, but every score keeps within the rule");
         return;
     }
+    if (c.options.check_finite)
+        require(!breaks_score_range(c), "no attend.value.score_overflow, but some score breaks the rule");
     if (threads == 2) {
         small2.emplace(tiled_with(qv, kv, vv, mask, c.options, tiles, 2));
         require(identical(small1->out, small2->out) && identical(small1->weights, small2->weights) &&
