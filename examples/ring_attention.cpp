@@ -40,7 +40,8 @@ int main(int argc, char** argv) {
     const auto q = make(0.0), k = make(1.0), v = make(2.0), d_out = make(3.0);
     const auto causal = attend::causal(attend::alignment::top_left);
     // Zig-zag: 2 * ranks chunks, rank r holds chunks r and 2 * ranks - 1 - r, so causal work is even.
-    const ad::shard_layout layout(ad::sharding::zigzag, ad::shard_layout::balanced_lengths(ad::sharding::zigzag, 16, ranks));
+    const ad::shard_layout layout(ad::sharding::zigzag,
+                                  ad::shard_layout::balanced_lengths(ad::sharding::zigzag, 16, ranks));
     ad::ring_options options;
     options.layout = ad::sharding::zigzag;
     const auto shard = [&](const auto& x) { return ad::take_shard(x, layout, rank); };
@@ -55,9 +56,10 @@ int main(int argc, char** argv) {
     const auto whole = attend::scaled_dot_product_attention(q, k, v, causal, one);
     const auto whole_grads =
         attend::scaled_dot_product_attention_backward(q, k, v, whole.out, whole.lse, d_out, causal, one);
-    double mine = std::max({max_difference(ring.out, shard(whole.out)), max_difference(ring.lse, shard(whole.lse)),
-                            max_difference(grads.dq, shard(whole_grads.dq)), max_difference(grads.dk, shard(whole_grads.dk)),
-                            max_difference(grads.dv, shard(whole_grads.dv))});
+    double mine =
+        std::max({max_difference(ring.out, shard(whole.out)), max_difference(ring.lse, shard(whole.lse)),
+                  max_difference(grads.dq, shard(whole_grads.dq)), max_difference(grads.dk, shard(whole_grads.dk)),
+                  max_difference(grads.dv, shard(whole_grads.dv))});
     double worst = 0;
     MPI_Reduce(&mine, &worst, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
 

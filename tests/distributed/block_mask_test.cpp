@@ -94,8 +94,8 @@ TEST(BlockMask, QueryRowsComputedBlockByBlockAndMergedByLseEqualOneCallOverTheWh
         attend_test::fill_uniform(q, g.next());
         attend_test::fill_uniform(k, g.next());
         attend_test::fill_uniform(v, g.next());
-        const auto mask = attend::sliding_window(g.uniform_int(0, total), 0) &&
-                          attend::key_padding({total, g.uniform_int(1, total)});
+        const auto mask =
+            attend::sliding_window(g.uniform_int(0, total), 0) && attend::key_padding({total, g.uniform_int(1, total)});
         attend::sdpa_options o;
         o.dropout = {0.3, g.next(), true};
         o.need_lse = true;
@@ -106,8 +106,8 @@ TEST(BlockMask, QueryRowsComputedBlockByBlockAndMergedByLseEqualOneCallOverTheWh
         const auto bound = mask.bind(global);
         const index q0 = g.uniform_int(0, total - 1), q1 = g.uniform_int(q0 + 1, total);
         const index cut = g.uniform_int(1, total);  // key runs [0, cut) and [cut, total)
-        const attend::tensor<double, 4> rows = q.slice(std::array<index, 4>{0, 0, q0, 0},
-                                                       std::array<index, 4>{batch, heads, q1 - q0, dim});
+        const attend::tensor<double, 4> rows =
+            q.slice(std::array<index, 4>{0, 0, q0, 0}, std::array<index, 4>{batch, heads, q1 - q0, dim});
         std::vector<attend::partial_attention<double, 4>> parts;
         for (auto [k0, k1] : {std::pair<index, index>{0, cut}, std::pair<index, index>{cut, total}}) {
             if (k0 == k1) continue;
@@ -116,16 +116,17 @@ TEST(BlockMask, QueryRowsComputedBlockByBlockAndMergedByLseEqualOneCallOverTheWh
             attend::sdpa_options bo = o;
             bo.dropout.query_offset = q0;
             bo.dropout.key_offset = k0;
-            auto r = attend::scaled_dot_product_attention(rows, kb, vb, dd::block_of<decltype(mask)>(bound, q0, k0), bo);
+            auto r =
+                attend::scaled_dot_product_attention(rows, kb, vb, dd::block_of<decltype(mask)>(bound, q0, k0), bo);
             parts.push_back({std::move(r.out), std::move(r.lse)});
         }
         auto merged = parts[0];
         for (std::size_t p = 1; p < parts.size(); ++p)
             merged = attend::merge_partials(merged.out, merged.lse, parts[p].out, parts[p].lse);
-        const attend::tensor<double, 4> expected = whole.out.slice(std::array<index, 4>{0, 0, q0, 0},
-                                                                   std::array<index, 4>{batch, heads, q1 - q0, dim});
-        EXPECT_LE(relative_difference(merged.out, expected), 1e-12) << "total " << total << ", rows [" << q0 << ','
-                                                                    << q1 << "), cut " << cut;
+        const attend::tensor<double, 4> expected =
+            whole.out.slice(std::array<index, 4>{0, 0, q0, 0}, std::array<index, 4>{batch, heads, q1 - q0, dim});
+        EXPECT_LE(relative_difference(merged.out, expected), 1e-12)
+            << "total " << total << ", rows [" << q0 << ',' << q1 << "), cut " << cut;
     }
 }
 

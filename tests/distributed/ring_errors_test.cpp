@@ -3,6 +3,8 @@
 // rank is left waiting (ctest's timeout catches a hang), and the communicator is clean afterwards: a valid call
 // right after each error gives the right answer.
 
+#include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -40,7 +42,8 @@ void expect_same_error_everywhere(F&& f, const std::string& id) {
     const index total = 5 * mpi_size();
     attend::tensor<double, 4> q(1, 2, total, 4);
     attend_test::fill_uniform(q, 99);
-    const ad::shard_layout layout(ad::sharding::contiguous, std::vector<index>(static_cast<std::size_t>(mpi_size()), 5));
+    const ad::shard_layout layout(ad::sharding::contiguous,
+                                  std::vector<index>(static_cast<std::size_t>(mpi_size()), 5));
     const auto qs = ad::take_shard(q, layout, mpi_rank());
     const auto causal = attend::causal(attend::alignment::top_left);
     const auto ring = ad::ring_attention(qs, qs, qs, causal, MPI_COMM_WORLD);
@@ -53,55 +56,55 @@ void expect_same_error_everywhere(F&& f, const std::string& id) {
 TEST(RingErrors, DifferentHeadDimsOnDifferentRanksAreRingHeadDimOnEveryRank) {
     const index dim = mpi_rank() == 1 ? 6 : 8;
     const auto q = filled(1, 2, 4, dim, 1), k = filled(1, 2, 4, dim, 2), v = filled(1, 2, 4, 8, 3);
-    expect_same_error_everywhere<attend::shape_error>(
-        [&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); }, "attend.shape.ring_head_dim");
+    expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
+                                                      "attend.shape.ring_head_dim");
 }
 
 TEST(RingErrors, DifferentValueDimsOnDifferentRanksAreRingHeadDimOnEveryRank) {
     const index value_dim = mpi_rank() == mpi_size() - 1 ? 5 : 8;
     const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, value_dim, 3);
-    expect_same_error_everywhere<attend::shape_error>(
-        [&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); }, "attend.shape.ring_head_dim");
+    expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
+                                                      "attend.shape.ring_head_dim");
 }
 
 TEST(RingErrors, DifferentHeadsOrBatchOnDifferentRanksAreRingHeadsOnEveryRank) {
     const index heads = mpi_rank() == 1 ? 4 : 2;
     const auto q = filled(1, heads, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, 8, 3);
-    expect_same_error_everywhere<attend::shape_error>(
-        [&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); }, "attend.shape.ring_heads");
+    expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
+                                                      "attend.shape.ring_heads");
     const index batch = mpi_rank() == 0 ? 2 : 1;
     const auto qb = filled(batch, 2, 4, 8, 1), kb = filled(batch, 2, 4, 8, 2), vb = filled(batch, 2, 4, 8, 3);
-    expect_same_error_everywhere<attend::shape_error>(
-        [&] { ad::ring_attention(qb, kb, vb, MPI_COMM_WORLD); }, "attend.shape.ring_heads");
+    expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(qb, kb, vb, MPI_COMM_WORLD); },
+                                                      "attend.shape.ring_heads");
 }
 
 TEST(RingErrors, QueryAndKeyShardsOfDifferentTotalsAreRingTotalOnEveryRank) {
     const index key_len = mpi_rank() == 0 ? 5 : 4;
     const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, key_len, 8, 2), v = filled(1, 2, key_len, 8, 3);
-    expect_same_error_everywhere<attend::shape_error>(
-        [&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); }, "attend.shape.ring_total");
+    expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
+                                                      "attend.shape.ring_total");
 }
 
 TEST(RingErrors, NoKeyOnAnyRankIsEmptyKeysOnEveryRank) {
     const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 0, 8, 2), v = filled(1, 2, 0, 8, 3);
-    expect_same_error_everywhere<attend::shape_error>(
-        [&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); }, "attend.shape.empty_keys");
+    expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
+                                                      "attend.shape.empty_keys");
 }
 
 TEST(RingErrors, OptionsThatDifferBetweenRanksAreRingOptionsOnEveryRank) {
     const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, 8, 3);
     ad::ring_options o;
     o.dropout = {0.1, mpi_rank() == 1 ? 5u : 6u, true};
-    expect_same_error_everywhere<attend::value_error>(
-        [&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD, o); }, "attend.value.ring_options");
+    expect_same_error_everywhere<attend::value_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD, o); },
+                                                      "attend.value.ring_options");
 }
 
 TEST(RingErrors, AShapeErrorOnOneRankIsThrownOnEveryRank) {
     const index value_len = mpi_rank() == 1 ? 3 : 4;
     const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, value_len, 8, 3);
     const auto message = [&] {
-        expect_same_error_everywhere<attend::shape_error>(
-            [&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); }, "attend.shape.key_len");
+        expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
+                                                          "attend.shape.key_len");
     };
     message();
 }
@@ -118,14 +121,16 @@ TEST(RingErrors, AnInvalidScaleIsAValueErrorOnEveryRank) {
     const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, 8, 3);
     ad::ring_options o;
     o.scale = -1.0;
-    expect_same_error_everywhere<attend::value_error>(
-        [&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD, o); }, "attend.value.scale");
+    expect_same_error_everywhere<attend::value_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD, o); },
+                                                      "attend.value.scale");
 }
 
 TEST(RingErrors, AMaskThatDoesNotFitTheWholeSequenceIsThrownOnEveryRankBeforeAnythingIsSent) {
     const auto q = filled(2, 2, 4, 8, 1), k = filled(2, 2, 4, 8, 2), v = filled(2, 2, 4, 8, 3);
     expect_same_error_everywhere<attend::mask_error>(
-        [&] { ad::ring_attention(q, k, v, attend::key_padding({1, 2, 3}), MPI_COMM_WORLD); },
+        [&] {
+            ad::ring_attention(q, k, v, attend::key_padding({1, 2, 3}), MPI_COMM_WORLD);
+        },
         "attend.mask.lengths_batch");
 }
 

@@ -9,6 +9,8 @@
 // ring changes only the order of the lse merges and of the dK / dV sums: sequences stay <= 64 keys and values in
 // [-1, 1), so reordering moves a result by a few tens of ulps.
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <thread>
@@ -34,13 +36,20 @@ enum class mask_kind { none, causal, sliding_window, key_padding, causal_and_key
 
 const char* name_of(mask_kind m) {
     switch (m) {
-        case mask_kind::none: return "none";
-        case mask_kind::causal: return "causal";
-        case mask_kind::sliding_window: return "sliding_window";
-        case mask_kind::key_padding: return "key_padding";
-        case mask_kind::causal_and_key_padding: return "causal && key_padding";
-        case mask_kind::windowed_causal: return "sliding_window(w, 0)";
-        case mask_kind::dense: return "dense";
+        case mask_kind::none:
+            return "none";
+        case mask_kind::causal:
+            return "causal";
+        case mask_kind::sliding_window:
+            return "sliding_window";
+        case mask_kind::key_padding:
+            return "key_padding";
+        case mask_kind::causal_and_key_padding:
+            return "causal && key_padding";
+        case mask_kind::windowed_causal:
+            return "sliding_window(w, 0)";
+        case mask_kind::dense:
+            return "dense";
     }
     return "?";
 }
@@ -64,8 +73,8 @@ std::string describe(const problem_config& c, const std::vector<index>& lengths)
 /// Runs one configuration: single-process forward and backward on every rank, the ring on the shards, and the
 /// comparison of this rank's rows.
 template <class T, class Mask>
-void expect_ring_equals_single_process(const problem_config& c, const Mask& mask, index total, index batch,
-                                       index heads, index kv_heads, index head_dim, index value_dim,
+void expect_ring_equals_single_process(const problem_config& c, const Mask& mask, index total, index batch, index heads,
+                                       index kv_heads, index head_dim, index value_dim,
                                        const std::vector<index>& lengths, double tolerance) {
     attend_test::rng g(c.seed);
     attend::tensor<T, 4> q(batch, heads, total, head_dim), k(batch, kv_heads, total, head_dim),
@@ -133,8 +142,8 @@ void run_all_mask_kinds(double tolerance) {
                                                                  kv_heads, head_dim, value_dim, lengths, tolerance);
                             break;
                         case mask_kind::sliding_window:
-                            expect_ring_equals_single_process<T>(c, attend::sliding_window(window, right), total,
-                                                                 batch, heads, kv_heads, head_dim, value_dim, lengths,
+                            expect_ring_equals_single_process<T>(c, attend::sliding_window(window, right), total, batch,
+                                                                 heads, kv_heads, head_dim, value_dim, lengths,
                                                                  tolerance);
                             break;
                         case mask_kind::key_padding:
@@ -142,10 +151,9 @@ void run_all_mask_kinds(double tolerance) {
                                                                  kv_heads, head_dim, value_dim, lengths, tolerance);
                             break;
                         case mask_kind::causal_and_key_padding:
-                            expect_ring_equals_single_process<T>(c,
-                                                                 attend::causal(top_left) && attend::key_padding(padding),
-                                                                 total, batch, heads, kv_heads, head_dim, value_dim,
-                                                                 lengths, tolerance);
+                            expect_ring_equals_single_process<T>(
+                                c, attend::causal(top_left) && attend::key_padding(padding), total, batch, heads,
+                                kv_heads, head_dim, value_dim, lengths, tolerance);
                             break;
                         case mask_kind::windowed_causal:
                             expect_ring_equals_single_process<T>(c, attend::sliding_window(window, 0), total, batch,
@@ -201,7 +209,8 @@ TEST(RingAttention, AShardTheMaskHidesFromEveryLaterRankIsNeitherSentNorComputed
     const index shard_len = 10, total = shard_len * ranks;
     attend::tensor<float, 4> q(1, 1, total, 4);
     attend_test::fill_uniform(q, 51);
-    const ad::shard_layout layout(ad::sharding::contiguous, std::vector<index>(static_cast<std::size_t>(ranks), shard_len));
+    const ad::shard_layout layout(ad::sharding::contiguous,
+                                  std::vector<index>(static_cast<std::size_t>(ranks), shard_len));
     const auto qs = ad::take_shard(q, layout, rank);
     // A window of 3 keys back: rank r needs only its own shard and the end of rank r - 1's.
     const auto windowed = ad::ring_attention(qs, qs, qs, attend::sliding_window(3, 0), MPI_COMM_WORLD);

@@ -93,12 +93,14 @@ TEST(ShardLayout, BalancedZigzagKeepsCausalWorkOfEveryRankWithinTwoPercentOfTheM
                 const shard_layout layout(kind, shard_layout::balanced_lengths(kind, total, ranks));
                 std::vector<std::int64_t> work;
                 for (int r = 0; r < ranks; ++r) work.push_back(causal_pairs(layout, r));
-                const double mean = static_cast<double>(std::accumulate(work.begin(), work.end(), std::int64_t(0))) /
-                                    ranks;
+                const double mean =
+                    static_cast<double>(std::accumulate(work.begin(), work.end(), std::int64_t(0))) / ranks;
                 double worst = 0;
                 for (auto w : work) worst = std::max(worst, std::abs(static_cast<double>(w) - mean) / mean);
-                if (kind == sharding::zigzag) EXPECT_LE(worst, 0.02) << ranks << " ranks, total " << total;
-                else EXPECT_GE(worst, 0.4) << ranks << " ranks, total " << total;
+                if (kind == sharding::zigzag)
+                    EXPECT_LE(worst, 0.02) << ranks << " ranks, total " << total;
+                else
+                    EXPECT_GE(worst, 0.4) << ranks << " ranks, total " << total;
             }
         }
 }
@@ -115,12 +117,15 @@ TEST(ShardLayout, BalancedLengthsDifferByAtMostOneChunkAndSumToTheTotal) {
 }
 
 TEST(ShardLayoutErrors, NegativeLengthsAndNoRanksAreValueErrors) {
-    attend_test::expect_error<attend::value_error>([] { shard_layout(sharding::contiguous, {3, -1}); },
-                                                   "attend.value.shard_lengths");
+    attend_test::expect_error<attend::value_error>(
+        [] {
+            shard_layout(sharding::contiguous, {3, -1});
+        },
+        "attend.value.shard_lengths");
     attend_test::expect_error<attend::value_error>([] { shard_layout(sharding::zigzag, {}); },
                                                    "attend.value.shard_lengths");
-    attend_test::expect_error<attend::value_error>(
-        [] { shard_layout::balanced_lengths(sharding::zigzag, 10, 0); }, "attend.value.shard_lengths");
+    attend_test::expect_error<attend::value_error>([] { shard_layout::balanced_lengths(sharding::zigzag, 10, 0); },
+                                                   "attend.value.shard_lengths");
 }
 
 TEST(ShardLayoutErrors, ATensorOfAnotherTotalOrShardsOfOtherLengthsAreShapeErrors) {

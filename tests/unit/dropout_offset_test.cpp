@@ -59,7 +59,8 @@ TEST(DropoutOffset, AKeyOffsetDropsTheWeightsTheWholeCallDropsAtThoseKeys) {
     for (index h = 0; h < 2; ++h)
         for (index i = 0; i < total; ++i)
             for (index j = k0; j < total; ++j) {
-                ASSERT_EQ(part.weights(0, h, i, j - k0) == 0, whole.weights(0, h, i, j) == 0) << h << ',' << i << ',' << j;
+                ASSERT_EQ(part.weights(0, h, i, j - k0) == 0, whole.weights(0, h, i, j) == 0)
+                    << h << ',' << i << ',' << j;
                 dropped += whole.weights(0, h, i, j) == 0;
             }
     EXPECT_GT(dropped, 0);
@@ -83,7 +84,8 @@ TEST(DropoutOffset, TheBackwardOfACallWithOffsetsEqualsTheRowsOfTheWholeBackward
     const std::array<index, 4> from{0, 0, q0, 0}, extent{1, 2, total - q0, dim};
     const attend::tensor<double, 4> qb = q.slice(from, extent), ob = fwd.out.slice(from, extent),
                                     db = d_out.slice(from, extent);
-    const attend::tensor<double, 3> lb = fwd.lse.slice(std::array<index, 3>{0, 0, q0}, std::array<index, 3>{1, 2, total - q0});
+    const attend::tensor<double, 3> lb =
+        fwd.lse.slice(std::array<index, 3>{0, 0, q0}, std::array<index, 3>{1, 2, total - q0});
     o.dropout.query_offset = q0;
     const auto part = attend::scaled_dot_product_attention_backward(qb, k, v, ob, lb, db,
                                                                     attend::causal(attend::alignment::bottom_right), o);

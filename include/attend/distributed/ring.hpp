@@ -16,11 +16,15 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <future>
+#include <initializer_list>
 #include <limits>
 #include <optional>
+#include <system_error>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -39,22 +43,25 @@ namespace attend::distributed {
 /// Options of ring_attention and ring_attention_backward; the same on every rank (checked:
 /// attend.value.ring_options).
 struct ring_options {
-    std::optional<double> scale;  ///< default 1 / sqrt(head_dim)
+    std::optional<double> scale;                                ///< default 1 / sqrt(head_dim)
     attend::empty_rows empty_rows = attend::empty_rows::error;  ///< judged on the full sequence, not per block
     dropout_options dropout;  ///< offsets, if any, are added to the global positions of the shards
-    int threads = 1;  ///< threads of each rank's kernel calls; 1 suits one rank per core
+    int threads = 1;          ///< threads of each rank's kernel calls; 1 suits one rank per core
     attend::kernel kernel = attend::kernel::automatic;
     bool check_finite = true;
     sharding layout = sharding::contiguous;  ///< how the shard lengths of the ranks map onto the sequence
 };
 
-/// What one rank did in one call; deterministic (a function of shapes, mask and layout only).
+/// What one rank did in one call. Everything but compute_seconds is deterministic (a function of shapes, mask and
+/// layout only).
 struct ring_statistics {
-    index blocks_computed = 0;  ///< (query run, key run) blocks computed on this rank
-    index blocks_skipped = 0;   ///< blocks the mask leaves empty, neither computed nor (when no later rank needs
-                                ///< the shard) received
-    index shards_sent = 0;      ///< K / V shards (with their gradients, backward) sent to the next rank
+    index blocks_computed = 0;    ///< (query run, key run) blocks computed on this rank
+    index blocks_skipped = 0;     ///< blocks the mask leaves empty, neither computed nor (when no later rank needs
+                                  ///< the shard) received
+    index shards_sent = 0;        ///< K / V shards (with their gradients, backward) sent to the next rank
     std::int64_t bytes_sent = 0;  ///< every byte this rank sent
+    double compute_seconds = 0;   ///< wall time in this rank's block computations and merges (not in waits):
+                                  ///< the work balance of a sharding, as time
 };
 
 /// This rank's share of ring attention: out `[batch, heads, shard_len, value_dim]` and lse `[batch, heads,
@@ -87,6 +94,19 @@ MPI_Datatype mpi_type() {
     return std::is_same_v<T, float> ? MPI_FLOAT : MPI_DOUBLE;
 }
 
+/// Adds the wall time of its scope to `seconds`.
+class stopwatch {
+public:
+    explicit stopwatch(double& seconds) : seconds_(seconds), start_(std::chrono::steady_clock::now()) {}
+    ~stopwatch() { seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+    stopwatch(const stopwatch&) = delete;
+    stopwatch& operator=(const stopwatch&) = delete;
+
+private:
+    double& seconds_;
+    std::chrono::steady_clock::time_point start_;
+};
+
 /// Message tags: K / V shards, gradient accumulators on their way along the ring, and finished gradients going
 /// home to the shard's owner.
 enum ring_tag : int { tag_kv = 7101, tag_accumulator = 7102, tag_home = 7103 };
@@ -109,9 +129,15 @@ public:
         });
     }
     void wait() {
-        if (!requests_.empty())
-            MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
+        if (!requests_.empty()) MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
         requests_.clear();
+    }
+    /// Lets MPI move data of pending requests; true when all are complete.
+    bool test() {
+        int done = 1;
+        if (!requests_.empty())
+            MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done, MPI_STATUSES_IGNORE);
+        return done != 0;
     }
     ~request_set() { wait(); }  // never leave a request pending on the way out of an exception
 
@@ -123,6 +149,34 @@ private:
     }
     std::vector<MPI_Request> requests_;
 };
+
+/// Runs `compute` (which must not throw) on a worker thread while this thread keeps the transfers moving.
+/// Many MPI transports (TCP, shared-memory copy-in / copy-out) move a large message only while the MPI library
+/// is called; without these calls a transfer posted before the compute would happen inside the final wait, after
+/// it, and nothing would overlap. Only the calling thread calls MPI (MPI_THREAD_FUNNELED is enough). The results
+/// do not depend on when the polls happen.
+template <class F>
+void compute_while_progressing(F& compute, std::initializer_list<request_set*> transfers) {
+    const auto all_done = [&] {
+        bool done = true;
+        for (request_set* r : transfers) done = r->test() && done;
+        return done;
+    };
+    if (all_done()) {
+        compute();
+        return;
+    }
+    std::future<void> running;
+    try {
+        running = std::async(std::launch::async, [&compute] { compute(); });
+    } catch (const std::system_error&) {  // no thread to be had: compute here, the transfers finish in the wait
+        compute();
+        return;
+    }
+    while (running.wait_for(std::chrono::milliseconds(1)) != std::future_status::ready)
+        if (all_done()) break;
+    running.get();
+}
 
 /// The shapes every rank agreed on, the layouts of the query and key shards over the sequence, and the score
 /// shape of the full sequence that masks are bound to.
@@ -216,19 +270,18 @@ ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm com
     const rank_summary& first = all[0];
     for (const rank_summary& s : all)
         if (s.batch != first.batch || s.heads != first.heads || s.kv_heads != first.kv_heads)
-            throw shape_error("attend.shape.ring_heads",
-                              concat("batch, heads and kv_heads must be the same on every rank: ",
-                                     spell([](const rank_summary& x) {
-                                         return concat("[batch ", x.batch, ", heads ", x.heads, ", kv_heads ",
-                                                       x.kv_heads, ']');
-                                     })));
+            throw shape_error(
+                "attend.shape.ring_heads",
+                concat("batch, heads and kv_heads must be the same on every rank: ", spell([](const rank_summary& x) {
+                           return concat("[batch ", x.batch, ", heads ", x.heads, ", kv_heads ", x.kv_heads, ']');
+                       })));
     for (const rank_summary& s : all)
         if (s.head_dim != first.head_dim || s.value_dim != first.value_dim)
-            throw shape_error("attend.shape.ring_head_dim",
-                              concat("head_dim and value_dim must be the same on every rank: ",
-                                     spell([](const rank_summary& x) {
-                                         return concat("head_dim ", x.head_dim, " value_dim ", x.value_dim);
-                                     })));
+            throw shape_error(
+                "attend.shape.ring_head_dim",
+                concat("head_dim and value_dim must be the same on every rank: ", spell([](const rank_summary& x) {
+                           return concat("head_dim ", x.head_dim, " value_dim ", x.value_dim);
+                       })));
     std::vector<index> query_lengths, key_lengths;
     for (const rank_summary& s : all) {
         query_lengths.push_back(s.query_len);
@@ -406,9 +459,8 @@ void require_rank4() {
 /// ring_head_dim / ring_total, value_error attend.value.ring_options and mask_error attend.mask.empty_row
 /// (judged on the whole sequence).
 template <class Q, class K, class V, class Mask>
-ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, const K& k, const V& v,
-                                                                   const Mask& mask, MPI_Comm comm,
-                                                                   const ring_options& options = {}) {
+ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, const K& k, const V& v, const Mask& mask,
+                                                                   MPI_Comm comm, const ring_options& options = {}) {
     attend::detail::require_mask<Mask>();
     detail::require_rank4<Q>();
     using T = attend::detail::scalar_of<Q>;
@@ -459,27 +511,33 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
         const std::array<index, 4> k_dims{g.batch, g.kv_heads, key_len, g.head_dim},
             v_dims{g.batch, g.kv_heads, key_len, g.value_dim};
         const T* values = current.data() + g.batch * g.kv_heads * key_len * g.head_dim;
-        for (std::size_t qi = 0; holding && qi < query_runs.size(); ++qi)
-            for (const shard_segment& key_run : g.keys.segments(shard)) {
-                const shard_segment& query_run = query_runs[qi];
-                if (error || detail::block_is_empty(*bound, g.batch, g.heads, query_run.global_begin,
-                                                    query_run.global_begin + query_run.length,
-                                                    key_run.global_begin, key_run.global_begin + key_run.length)) {
-                    ++result.statistics.blocks_skipped;
-                    continue;
+        const auto compute = [&] {
+            for (std::size_t qi = 0; holding && qi < query_runs.size(); ++qi)
+                for (const shard_segment& key_run : g.keys.segments(shard)) {
+                    const shard_segment& query_run = query_runs[qi];
+                    if (error || detail::block_is_empty(*bound, g.batch, g.heads, query_run.global_begin,
+                                                        query_run.global_begin + query_run.length, key_run.global_begin,
+                                                        key_run.global_begin + key_run.length)) {
+                        ++result.statistics.blocks_skipped;
+                        continue;
+                    }
+                    ++result.statistics.blocks_computed;
+                    const detail::stopwatch watch(result.statistics.compute_seconds);
+                    error = detail::capture_errors([&] {
+                        const detail::run_of<T> keys(current.data(), k_dims, key_run), vals(values, v_dims, key_run);
+                        auto block = scaled_dot_product_attention(
+                            *query_of_run[qi], *keys, *vals,
+                            detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin),
+                            detail::block_options(options, query_run, key_run, true));
+                        auto& acc = partial[qi];
+                        if (!acc)
+                            acc = partial_attention<T, 4>{std::move(block.out), std::move(block.lse)};
+                        else
+                            acc = merge_partials(acc->out, acc->lse, block.out, block.lse);
+                    });
                 }
-                ++result.statistics.blocks_computed;
-                error = detail::capture_errors([&] {
-                    const detail::run_of<T> keys(current.data(), k_dims, key_run), vals(values, v_dims, key_run);
-                    auto block = scaled_dot_product_attention(
-                        *query_of_run[qi], *keys, *vals,
-                        detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin),
-                        detail::block_options(options, query_run, key_run, true));
-                    auto& acc = partial[qi];
-                    if (!acc) acc = partial_attention<T, 4>{std::move(block.out), std::move(block.lse)};
-                    else acc = merge_partials(acc->out, acc->lse, block.out, block.lse);
-                });
-            }
+        };
+        detail::compute_while_progressing(compute, {&transfers});
         transfers.wait();
         if (t + 1 < g.ranks && plan.holds(t + 1, arriving)) std::swap(current, incoming);
     }
@@ -518,10 +576,10 @@ auto ring_attention(const Q& q, const K& k, const V& v, MPI_Comm comm, const rin
 /// replayed at global positions. Collective; throws like ring_attention and, for out / lse / d_out of the wrong
 /// shape, shape_error attend.shape.backward_out / backward_lse / backward_d_out, on every rank alike.
 template <class Q, class K, class V, class Out, class Lse, class DOut, class Mask>
-ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q, const K& k, const V& v,
-                                                                     const Out& out, const Lse& lse,
-                                                                     const DOut& d_out, const Mask& mask,
-                                                                     MPI_Comm comm, const ring_options& options = {}) {
+ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q, const K& k, const V& v, const Out& out,
+                                                                     const Lse& lse, const DOut& d_out,
+                                                                     const Mask& mask, MPI_Comm comm,
+                                                                     const ring_options& options = {}) {
     attend::detail::require_mask<Mask>();
     detail::require_rank4<Q>();
     detail::require_rank4<Out>();
@@ -584,8 +642,7 @@ ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q,
     detail::request_set home;
     const int own_travel = plan.travel[static_cast<std::size_t>(g.rank)];
     if (own_travel > 0)
-        home.receive(own_gradient.data(), own_gradient.size(), (g.rank + own_travel) % g.ranks, detail::tag_home,
-                     comm);
+        home.receive(own_gradient.data(), own_gradient.size(), (g.rank + own_travel) % g.ranks, detail::tag_home, comm);
 
     std::vector<T> current(g.kv_elements(g.rank)), incoming, accumulator, accumulator_in;
     std::copy(k.data(), k.data() + k.size(), current.begin());
@@ -625,34 +682,39 @@ ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q,
         const T* values = current.data() + k_elements;
         accumulator.assign(grad_elements(shard), T(0));
         bool contributed = false;
-        for (std::size_t qi = 0; qi < query_runs.size(); ++qi)
-            for (const shard_segment& key_run : g.keys.segments(shard)) {
-                const shard_segment& query_run = query_runs[qi];
-                if (error || detail::block_is_empty(*bound, g.batch, g.heads, query_run.global_begin,
-                                                    query_run.global_begin + query_run.length,
-                                                    key_run.global_begin, key_run.global_begin + key_run.length)) {
-                    ++result.statistics.blocks_skipped;
-                    continue;
+        const auto compute = [&] {
+            for (std::size_t qi = 0; qi < query_runs.size(); ++qi)
+                for (const shard_segment& key_run : g.keys.segments(shard)) {
+                    const shard_segment& query_run = query_runs[qi];
+                    if (error || detail::block_is_empty(*bound, g.batch, g.heads, query_run.global_begin,
+                                                        query_run.global_begin + query_run.length, key_run.global_begin,
+                                                        key_run.global_begin + key_run.length)) {
+                        ++result.statistics.blocks_skipped;
+                        continue;
+                    }
+                    ++result.statistics.blocks_computed;
+                    contributed = true;
+                    const detail::stopwatch watch(result.statistics.compute_seconds);
+                    error = detail::capture_errors([&] {
+                        const detail::run_of<T> keys(current.data(), k_dims, key_run), vals(values, v_dims, key_run);
+                        const query_rows& r = rows[qi];
+                        const auto block = scaled_dot_product_attention_backward(
+                            *r.q, *keys, *vals, *r.out, r.lse, *r.d_out,
+                            detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin),
+                            detail::block_options(options, query_run, key_run, false));
+                        detail::add_run(block.dq, result.dq.data(), query_len, query_run);
+                        detail::add_run(block.dk, accumulator.data(), key_len, key_run);
+                        detail::add_run(block.dv, accumulator.data() + k_elements, key_len, key_run);
+                    });
                 }
-                ++result.statistics.blocks_computed;
-                contributed = true;
-                error = detail::capture_errors([&] {
-                    const detail::run_of<T> keys(current.data(), k_dims, key_run), vals(values, v_dims, key_run);
-                    const query_rows& r = rows[qi];
-                    const auto block = scaled_dot_product_attention_backward(
-                        *r.q, *keys, *vals, *r.out, r.lse, *r.d_out,
-                        detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin),
-                        detail::block_options(options, query_run, key_run, false));
-                    detail::add_run(block.dq, result.dq.data(), query_len, query_run);
-                    detail::add_run(block.dk, accumulator.data(), key_len, key_run);
-                    detail::add_run(block.dv, accumulator.data() + k_elements, key_len, key_run);
-                });
-            }
+        };
+        detail::compute_while_progressing(compute, {&transfers, &accumulator_receive, &gradient_sends});
         // Fixed order: what the ranks before added, then this rank's part.
         accumulator_receive.wait();
         if (t > 0) {
             if (contributed)
-                for (std::size_t n = 0; n < accumulator.size(); ++n) accumulator[n] = accumulator_in[n] + accumulator[n];
+                for (std::size_t n = 0; n < accumulator.size(); ++n)
+                    accumulator[n] = accumulator_in[n] + accumulator[n];
             else
                 std::swap(accumulator, accumulator_in);
         }

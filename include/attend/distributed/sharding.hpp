@@ -38,8 +38,7 @@ public:
     /// attend.value.shard_lengths when the list is empty or a length is negative.
     shard_layout(sharding kind, std::vector<index> shard_lengths)
         : kind_(kind), lengths_(std::move(shard_lengths)), segments_(lengths_.size()) {
-        if (lengths_.empty())
-            throw value_error("attend.value.shard_lengths", "a shard layout needs at least one rank");
+        if (lengths_.empty()) throw value_error("attend.value.shard_lengths", "a shard layout needs at least one rank");
         for (std::size_t r = 0; r < lengths_.size(); ++r)
             if (lengths_[r] < 0)
                 throw value_error("attend.value.shard_lengths",
@@ -96,11 +95,13 @@ private:
 /// `[batch, heads, len]`). Throws shape_error attend.shape.shard_total when axis 2 is not layout.total().
 template <class T, int Rank>
 tensor<T, Rank> take_shard(const tensor<T, Rank>& full, const shard_layout& layout, int rank) {
-    static_assert(Rank == 3 || Rank == 4, "attend: shards are cut from [batch, heads, len, dim] or [batch, heads, len]");
+    static_assert(Rank == 3 || Rank == 4,
+                  "attend: shards are cut from [batch, heads, len, dim] or [batch, heads, len]");
     if (full.dimension(2) != layout.total())
-        throw shape_error("attend.shape.shard_total",
-                          attend::detail::concat("tensor ", attend::detail::format_shape(full.dimensions()), " has ",
-                                         full.dimension(2), " positions on axis 2, the layout ", layout.total()));
+        throw shape_error(
+            "attend.shape.shard_total",
+            attend::detail::concat("tensor ", attend::detail::format_shape(full.dimensions()), " has ",
+                                   full.dimension(2), " positions on axis 2, the layout ", layout.total()));
     auto dims = full.dimensions();
     dims[2] = layout.shard_length(rank);
     tensor<T, Rank> shard(dims);
@@ -120,8 +121,8 @@ template <class T, int Rank>
 tensor<T, Rank> join_shards(const std::vector<tensor<T, Rank>>& shards, const shard_layout& layout) {
     static_assert(Rank == 3 || Rank == 4, "attend: shards are joined along axis 2");
     if (shards.size() != static_cast<std::size_t>(layout.ranks()))
-        throw shape_error("attend.shape.shard_total", attend::detail::concat(shards.size(), " shards for a layout of ",
-                                                                     layout.ranks(), " ranks"));
+        throw shape_error("attend.shape.shard_total",
+                          attend::detail::concat(shards.size(), " shards for a layout of ", layout.ranks(), " ranks"));
     auto dims = shards[0].dimensions();
     dims[2] = layout.total();
     tensor<T, Rank> full(dims);
@@ -130,9 +131,10 @@ tensor<T, Rank> join_shards(const std::vector<tensor<T, Rank>>& shards, const sh
         auto expected = dims;
         expected[2] = layout.shard_length(r);
         if (shard.dimensions() != expected)
-            throw shape_error("attend.shape.shard_total",
-                              attend::detail::concat("shard of rank ", r, ' ', attend::detail::format_shape(shard.dimensions()),
-                                             " != expected ", attend::detail::format_shape(expected)));
+            throw shape_error(
+                "attend.shape.shard_total",
+                attend::detail::concat("shard of rank ", r, ' ', attend::detail::format_shape(shard.dimensions()),
+                                       " != expected ", attend::detail::format_shape(expected)));
         for (const shard_segment& s : layout.segments(r)) {
             std::array<index, Rank> from{}, to{}, extent = dims;
             from[2] = s.local_begin;

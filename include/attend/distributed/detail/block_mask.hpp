@@ -20,7 +20,11 @@ struct bound_block {
     index key_begin = 0;
 
     tile to_global(const tile& t) const {
-        return tile{t.batch, t.head, t.query_begin + query_begin, t.query_end + query_begin, t.key_begin + key_begin,
+        return tile{t.batch,
+                    t.head,
+                    t.query_begin + query_begin,
+                    t.query_end + query_begin,
+                    t.key_begin + key_begin,
                     t.key_end + key_begin};
     }
     bool allowed(index b, index h, index i, index j) const {

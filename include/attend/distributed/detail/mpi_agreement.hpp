@@ -28,11 +28,16 @@ struct captured_error {
 
 inline captured_error capture(const attend::error& e) {
     captured_error c;
-    if (dynamic_cast<const shape_error*>(&e)) c.kind = error_kind::shape;
-    else if (dynamic_cast<const mask_error*>(&e)) c.kind = error_kind::mask;
-    else if (dynamic_cast<const value_error*>(&e)) c.kind = error_kind::value;
-    else if (dynamic_cast<const position_error*>(&e)) c.kind = error_kind::position;
-    else if (dynamic_cast<const resource_error*>(&e)) c.kind = error_kind::resource;
+    if (dynamic_cast<const shape_error*>(&e))
+        c.kind = error_kind::shape;
+    else if (dynamic_cast<const mask_error*>(&e))
+        c.kind = error_kind::mask;
+    else if (dynamic_cast<const value_error*>(&e))
+        c.kind = error_kind::value;
+    else if (dynamic_cast<const position_error*>(&e))
+        c.kind = error_kind::position;
+    else if (dynamic_cast<const resource_error*>(&e))
+        c.kind = error_kind::resource;
     c.id = e.id();
     const std::string what = e.what(), prefix = "[" + e.id() + "] ";
     c.message = what.compare(0, prefix.size(), prefix) == 0 ? what.substr(prefix.size()) : what;
@@ -56,12 +61,18 @@ std::optional<captured_error> capture_errors(F&& f) {
 
 [[noreturn]] inline void throw_captured(const captured_error& c) {
     switch (c.kind) {
-        case error_kind::shape: throw shape_error(c.id, c.message);
-        case error_kind::mask: throw mask_error(c.id, c.message);
-        case error_kind::value: throw value_error(c.id, c.message);
-        case error_kind::position: throw position_error(c.id, c.message);
-        case error_kind::resource: throw resource_error(c.id, c.message);
-        case error_kind::other: break;
+        case error_kind::shape:
+            throw shape_error(c.id, c.message);
+        case error_kind::mask:
+            throw mask_error(c.id, c.message);
+        case error_kind::value:
+            throw value_error(c.id, c.message);
+        case error_kind::position:
+            throw position_error(c.id, c.message);
+        case error_kind::resource:
+            throw resource_error(c.id, c.message);
+        case error_kind::other:
+            break;
     }
     throw attend::error(c.id, c.message);
 }
@@ -85,7 +96,8 @@ std::optional<captured_error> capture_errors(F&& f) {
     captured_error c;
     c.kind = static_cast<error_kind>(header[0]);
     c.id = text.substr(0, static_cast<std::size_t>(header[1]));
-    c.message = attend::detail::concat(text.substr(static_cast<std::size_t>(header[1])), " (rank ", root, " of ", size, ')');
+    c.message =
+        attend::detail::concat(text.substr(static_cast<std::size_t>(header[1])), " (rank ", root, " of ", size, ')');
     throw_captured(c);
 }
 
