@@ -180,6 +180,40 @@ TEST(RingAttention, ForwardAndBackwardEqualSingleProcessAttentionInFloatForEvery
     run_all_mask_kinds<float>(1e-5);
 }
 
+TEST(RingAttention, ShardsLargeEnoughToComputeWhileTransfersProgressEqualSingleProcessAttention) {
+    // 512 positions per rank, 2 heads, head_dim 16: each step is above the size at which the ring computes on a
+    // worker thread while the calling thread polls MPI (the small problems above compute inline).
+    const int rank = mpi_rank(), ranks = mpi_size();
+    const index total = 512 * ranks;
+    attend::tensor<double, 4> q(1, 2, total, 16), k(1, 2, total, 16), v(1, 2, total, 16), d_out(1, 2, total, 16);
+    attend_test::fill_uniform(q, 61);
+    attend_test::fill_uniform(k, 62);
+    attend_test::fill_uniform(v, 63);
+    attend_test::fill_uniform(d_out, 64);
+    const auto mask = attend::causal(attend::alignment::top_left);
+    ad::ring_options ro;
+    ro.layout = ad::sharding::zigzag;
+    ro.dropout = {0.1, 65, true};
+    attend::sdpa_options so;
+    so.need_lse = true;
+    so.threads = 1;
+    so.dropout = ro.dropout;
+    const auto whole = attend::scaled_dot_product_attention(q, k, v, mask, so);
+    const auto whole_grad =
+        attend::scaled_dot_product_attention_backward(q, k, v, whole.out, whole.lse, d_out, mask, so);
+    const ad::shard_layout layout(ad::sharding::zigzag,
+                                  ad::shard_layout::balanced_lengths(ad::sharding::zigzag, total, ranks));
+    const auto shard = [&](const auto& x) { return ad::take_shard(x, layout, rank); };
+    const auto ring = ad::ring_attention(shard(q), shard(k), shard(v), mask, MPI_COMM_WORLD, ro);
+    const auto grads = ad::ring_attention_backward(shard(q), shard(k), shard(v), ring.out, ring.lse, shard(d_out), mask,
+                                                   MPI_COMM_WORLD, ro);
+    EXPECT_LE(relative_error(ring.out, shard(whole.out)), 1e-12);
+    EXPECT_LE(relative_error(ring.lse, shard(whole.lse)), 1e-12);
+    EXPECT_LE(relative_error(grads.dq, shard(whole_grad.dq)), 1e-12);
+    EXPECT_LE(relative_error(grads.dk, shard(whole_grad.dk)), 1e-12);
+    EXPECT_LE(relative_error(grads.dv, shard(whole_grad.dv)), 1e-12);
+}
+
 TEST(RingAttention, ResultsAreBitIdenticalWhateverTheTimingOfTheRanks) {
     const int rank = mpi_rank();
     const index total = 12 * mpi_size();

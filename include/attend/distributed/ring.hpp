@@ -107,6 +107,21 @@ private:
     std::chrono::steady_clock::time_point start_;
 };
 
+/// A duplicate of the caller's communicator for the duration of one call, so the ring's messages can never match
+/// messages the caller has in flight on the same communicator. Creating and freeing it are collective, like the
+/// call itself.
+class private_communicator {
+public:
+    explicit private_communicator(MPI_Comm comm) { MPI_Comm_dup(comm, &comm_); }
+    ~private_communicator() { MPI_Comm_free(&comm_); }
+    private_communicator(const private_communicator&) = delete;
+    private_communicator& operator=(const private_communicator&) = delete;
+    MPI_Comm get() const { return comm_; }
+
+private:
+    MPI_Comm comm_ = MPI_COMM_NULL;
+};
+
 /// Message tags: K / V shards, gradient accumulators on their way along the ring, and finished gradients going
 /// home to the shard's owner.
 enum ring_tag : int { tag_kv = 7101, tag_accumulator = 7102, tag_home = 7103 };
@@ -156,13 +171,15 @@ private:
 /// it, and nothing would overlap. Only the calling thread calls MPI (MPI_THREAD_FUNNELED is enough). The results
 /// do not depend on when the polls happen.
 template <class F>
-void compute_while_progressing(F& compute, std::initializer_list<request_set*> transfers) {
+void compute_while_progressing(F& compute, std::initializer_list<request_set*> transfers, double multiply_adds) {
     const auto all_done = [&] {
         bool done = true;
         for (request_set* r : transfers) done = r->test() && done;
         return done;
     };
-    if (all_done()) {
+    // A step too small to hide anything behind (below about a millisecond of compute) runs here: a thread would
+    // cost more than the transfer it could hide.
+    if (multiply_adds < 1 << 24 || all_done()) {
         compute();
         return;
     }
@@ -196,7 +213,19 @@ struct ring_geometry {
     std::size_t kv_elements(int s) const {
         return static_cast<std::size_t>(batch * kv_heads * keys.shard_length(s) * (head_dim + value_dim));
     }
+    std::size_t largest_kv_elements() const {
+        std::size_t largest = 0;
+        for (int s = 0; s < ranks; ++s) largest = std::max(largest, kv_elements(s));
+        return largest;
+    }
 };
+
+/// Multiply-adds of one step's attention without a mask (an upper bound: masked tiles are skipped).
+inline double step_work(const ring_geometry& g, index query_len, index key_len, bool computing) {
+    return computing
+               ? double(g.batch * g.heads) * double(query_len) * double(key_len) * double(g.head_dim + g.value_dim)
+               : 0;
+}
 
 /// What every rank reports about its call before anything is sent: its error (if a local check failed), its
 /// shapes and its options, gathered from all ranks so every rank takes the same decision.
@@ -454,28 +483,22 @@ void require_rank4() {
 /// sequence each shard holds: see shard_layout). `mask` is written for the whole sequence, e.g.
 /// causal(alignment::top_left), sliding_window(l, r), key_padding(lengths), or a dense mask broadcastable to
 /// `[batch, heads, total, total]`; it must be the same on every rank. GQA as in scaled_dot_product_attention.
-/// Returns this rank's rows of out and lse. Collective over `comm`: every rank must call it. Throws, on every
-/// rank alike, everything scaled_dot_product_attention throws, shape_error attend.shape.ring_heads /
-/// ring_head_dim / ring_total, value_error attend.value.ring_options and mask_error attend.mask.empty_row
-/// (judged on the whole sequence).
+/// Returns this rank's rows of out and lse. Collective over the communicator (used through a private duplicate): every
+/// rank must call it. Throws, on every rank alike, everything scaled_dot_product_attention throws, shape_error
+/// attend.shape.ring_heads / ring_head_dim / ring_total, value_error attend.value.ring_options and mask_error
+/// attend.mask.empty_row (judged on the whole sequence).
 template <class Q, class K, class V, class Mask>
 ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, const K& k, const V& v, const Mask& mask,
-                                                                   MPI_Comm comm, const ring_options& options = {}) {
+                                                                   MPI_Comm user_comm,
+                                                                   const ring_options& options = {}) {
     attend::detail::require_mask<Mask>();
     detail::require_rank4<Q>();
     using T = attend::detail::scalar_of<Q>;
     (void)detail::mpi_type<T>();
+    const detail::private_communicator own(user_comm);
+    const MPI_Comm comm = own.get();
     const auto noop = [](const attention_shape&) {};
     const detail::ring_geometry g = detail::agree_on_geometry(q, k, v, comm, options, noop);
-
-    // Bind the mask to the whole sequence and plan the ring; an error here (a mask that does not fit the full
-    // shape) is agreed before anything is sent.
-    std::optional<decltype(mask.bind(g.global))> bound;
-    detail::ring_plan plan;
-    detail::agree_on_errors(comm, detail::capture_errors([&] {
-                                bound.emplace(mask.bind(g.global));
-                                plan = detail::ring_plan::make(g, *bound);
-                            }));
 
     ring_attention_result<T> result;
     const index query_len = g.queries.shard_length(g.rank);
@@ -483,11 +506,22 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
     const auto& query_runs = g.queries.segments(g.rank);
     std::vector<std::optional<partial_attention<T, 4>>> partial(query_runs.size());
     std::vector<detail::run_of<T>> query_of_run;
-    query_of_run.reserve(query_runs.size());
-    for (const shard_segment& run : query_runs) query_of_run.emplace_back(q.data(), q_dims, run);
+    std::vector<T> current, incoming;  // K / V packed [k | v]: the shard in hand (first this rank's), the next one
 
-    // Own K / V packed [k | v]: what this rank computes on first and sends on.
-    std::vector<T> current(g.kv_elements(g.rank)), incoming;
+    // Bind the mask to the whole sequence, plan the ring and allocate every buffer: an error here (a mask that
+    // does not fit the full shape, memory) is agreed before anything is sent.
+    std::optional<decltype(mask.bind(g.global))> bound;
+    detail::ring_plan plan;
+    const auto prepare = [&] {
+        bound.emplace(mask.bind(g.global));
+        plan = detail::ring_plan::make(g, *bound);
+        query_of_run.reserve(query_runs.size());
+        for (const shard_segment& run : query_runs) query_of_run.emplace_back(q.data(), q_dims, run);
+        current.reserve(g.largest_kv_elements());  // later resizes never allocate
+        incoming.reserve(g.largest_kv_elements());
+        current.resize(g.kv_elements(g.rank));
+    };
+    detail::agree_on_errors(comm, detail::capture_errors(prepare));
     std::copy(k.data(), k.data() + k.size(), current.begin());
     std::copy(v.data(), v.data() + v.size(), current.begin() + k.size());
 
@@ -537,7 +571,7 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
                     });
                 }
         };
-        detail::compute_while_progressing(compute, {&transfers});
+        detail::compute_while_progressing(compute, {&transfers}, detail::step_work(g, query_len, key_len, holding));
         transfers.wait();
         if (t + 1 < g.ranks && plan.holds(t + 1, arriving)) std::swap(current, incoming);
     }
@@ -578,7 +612,7 @@ auto ring_attention(const Q& q, const K& k, const V& v, MPI_Comm comm, const rin
 template <class Q, class K, class V, class Out, class Lse, class DOut, class Mask>
 ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q, const K& k, const V& v, const Out& out,
                                                                      const Lse& lse, const DOut& d_out,
-                                                                     const Mask& mask, MPI_Comm comm,
+                                                                     const Mask& mask, MPI_Comm user_comm,
                                                                      const ring_options& options = {}) {
     attend::detail::require_mask<Mask>();
     detail::require_rank4<Q>();
@@ -608,13 +642,9 @@ ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q,
                               detail::concat("lse ", detail::format_shape(lse_got), " != expected ",
                                              detail::format_shape(lse_expected)));
     };
+    const detail::private_communicator own(user_comm);
+    const MPI_Comm comm = own.get();
     const detail::ring_geometry g = detail::agree_on_geometry(q, k, v, comm, options, local_checks);
-    std::optional<decltype(mask.bind(g.global))> bound;
-    detail::ring_plan plan;
-    detail::agree_on_errors(comm, detail::capture_errors([&] {
-                                bound.emplace(mask.bind(g.global));
-                                plan = detail::ring_plan::make(g, *bound);
-                            }));
 
     ring_gradients<T> result;
     const index query_len = g.queries.shard_length(g.rank), own_keys = g.keys.shard_length(g.rank);
@@ -627,28 +657,42 @@ ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q,
         tensor<T, 3> lse;
     };
     std::vector<query_rows> rows;
-    rows.reserve(query_runs.size());
-    for (const shard_segment& run : query_runs)
-        rows.push_back(query_rows{detail::run_of<T>(q.data(), q_dims, run), detail::run_of<T>(out.data(), o_dims, run),
-                                  detail::run_of<T>(d_out.data(), o_dims, run),
-                                  detail::lse_run<T>(lse.data(), lse_dims, run)});
-    result.dq.resize(q_dims);
-    result.dq.setZero();
-
-    // Finished dK / dV of this rank's own shard, packed [dk | dv]: kept when no other rank needs the shard,
-    // otherwise received from the last rank that does.
+    // K / V packed [k | v] (the shard in hand, the next one), dK / dV packed [dk | dv] (this rank's part, the
+    // accumulator arriving, the one sent last step) and, finished, this rank's own shard's.
+    std::vector<T> current, incoming, accumulator, accumulator_in, accumulator_sent, own_gradient;
     const auto grad_elements = [&](int s) { return g.kv_elements(s); };  // [dk | dv] has the size of [k | v]
-    std::vector<T> own_gradient(grad_elements(g.rank));
+
+    // Bind the mask to the whole sequence, plan the ring and allocate every buffer: an error here is agreed
+    // before anything is sent.
+    std::optional<decltype(mask.bind(g.global))> bound;
+    detail::ring_plan plan;
+    const auto prepare = [&] {
+        bound.emplace(mask.bind(g.global));
+        plan = detail::ring_plan::make(g, *bound);
+        rows.reserve(query_runs.size());
+        for (const shard_segment& run : query_runs)
+            rows.push_back(query_rows{
+                detail::run_of<T>(q.data(), q_dims, run), detail::run_of<T>(out.data(), o_dims, run),
+                detail::run_of<T>(d_out.data(), o_dims, run), detail::lse_run<T>(lse.data(), lse_dims, run)});
+        result.dq.resize(q_dims);
+        result.dq.setZero();
+        for (auto* buffer : {&current, &incoming, &accumulator, &accumulator_in, &accumulator_sent})
+            buffer->reserve(g.largest_kv_elements());  // later resizes never allocate
+        current.resize(g.kv_elements(g.rank));
+        own_gradient.resize(grad_elements(g.rank));
+    };
+    detail::agree_on_errors(comm, detail::capture_errors(prepare));
+
+    // The finished dK / dV of this rank's own shard: kept when no other rank needs the shard, otherwise received
+    // from the last rank that does.
     detail::request_set home;
     const int own_travel = plan.travel[static_cast<std::size_t>(g.rank)];
     if (own_travel > 0)
         home.receive(own_gradient.data(), own_gradient.size(), (g.rank + own_travel) % g.ranks, detail::tag_home, comm);
 
-    std::vector<T> current(g.kv_elements(g.rank)), incoming, accumulator, accumulator_in;
     std::copy(k.data(), k.data() + k.size(), current.begin());
     std::copy(v.data(), v.data() + v.size(), current.begin() + k.size());
     detail::request_set gradient_sends;  // accumulators sent at step t - 1, still in flight during step t
-    std::vector<T> accumulator_sent;
 
     std::optional<detail::captured_error> error;
     for (int t = 0; t < g.ranks; ++t) {
@@ -708,7 +752,8 @@ ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q,
                     });
                 }
         };
-        detail::compute_while_progressing(compute, {&transfers, &accumulator_receive, &gradient_sends});
+        detail::compute_while_progressing(compute, {&transfers, &accumulator_receive, &gradient_sends},
+                                          2.5 * detail::step_work(g, query_len, key_len, true));
         // Fixed order: what the ranks before added, then this rank's part.
         accumulator_receive.wait();
         if (t > 0) {
