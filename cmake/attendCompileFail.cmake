@@ -1,8 +1,9 @@
-# cmake -DBUILD_DIR=... -DTARGET=... -DCONFIG=... -DEXPECT=ok|ko -DSOURCE=<file> -P attendCompileFail.cmake
-# Builds TARGET. ok: the build must succeed. ko: the build must fail, and every `// expect-error: <text>`
-# line of SOURCE must appear in the compiler output, so a ko file fails for the reason it claims.
-execute_process(
-  COMMAND ${CMAKE_COMMAND} -E env LC_ALL=C ${CMAKE_COMMAND} --build ${BUILD_DIR} --target ${TARGET} --config ${CONFIG}
+# cmake "-DCOMMAND=<compiler>|<flags>|...|<file>" -DEXPECT=ok|ko -DSOURCE=<file> -P attendCompileFail.cmake
+# Runs COMMAND (the compiler checking SOURCE; `|` separates arguments). ok: it must succeed. ko: it must fail,
+# and every `// expect-error: <text>` line of SOURCE must appear in the compiler output, so a ko file fails for
+# the reason it claims.
+string(REPLACE "|" ";" command "${COMMAND}")
+execute_process(COMMAND ${CMAKE_COMMAND} -E env LC_ALL=C ${command}
   RESULT_VARIABLE result OUTPUT_VARIABLE output ERROR_VARIABLE output)
 
 if(EXPECT STREQUAL "ok")

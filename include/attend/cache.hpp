@@ -68,7 +68,8 @@ public:
     /// Appends L positions: k_new `[batch, kv_heads, L, head_dim]`, v_new `[batch, kv_heads, L, value_dim]`
     /// (attend::tensor, a TensorMap of one, or a strided_view such as split_heads of a projected buffer).
     /// Throws shape_error `attend.shape.cache` if a shape does not fit the cache, position_error
-    /// `attend.position.cache_full` if length() + L > capacity(), shape_error `attend.shape.aliasing` if k_new or
+    /// `attend.position.cache_full` if length() + L > capacity(), shape_error `attend.shape.negative` if a size of
+    /// k_new or v_new is negative, shape_error `attend.shape.aliasing` if k_new or
     /// v_new lies in the cache's own storage (appending writes there while reading them); nothing is appended then.
     template <class K, class V>
     void append(const K& k_new, const V& v_new) {
@@ -89,6 +90,8 @@ public:
 
     /// Throws what append(k_new, v_new) would throw for views of these shapes, and changes nothing.
     void check_append(const strided_view<const T>& k, const strided_view<const T>& v) const {
+        detail::check_view_sizes(k, "new keys");
+        detail::check_view_sizes(v, "new values");
         const auto cache_shape = [&] {
             return detail::concat(" (cache [batch ", batch_, ", kv_heads ", kv_heads_, ", capacity ", capacity_,
                                   ", head_dim ", head_dim_, ", value_dim ", value_dim_, "])");
@@ -114,12 +117,16 @@ public:
                                    detail::named("cache values", values_.data(), values_dims)});
     }
 
-    /// Throws position_error `attend.position.cache_full` if `new_tokens` more positions do not fit.
+    /// Throws position_error `attend.position.cache_full` if `new_tokens` more positions do not fit, shape_error
+    /// `attend.shape.negative` if new_tokens < 0.
     void check_fits(index new_tokens) const {
+        if (new_tokens < 0)
+            throw shape_error("attend.shape.negative",
+                              detail::concat("new tokens ", new_tokens, " is negative; appending needs >= 0 tokens"));
         if (new_tokens > capacity_ - length_)
             throw position_error("attend.position.cache_full",
                                  detail::concat("cache is full: length ", length_, " + ", new_tokens,
-                                                " new tokens = ", length_ + new_tokens, " > capacity ", capacity_,
+                                                " new tokens > capacity ", capacity_,
                                                 " (the capacity is fixed at construction; nothing was appended)"));
     }
 
@@ -131,6 +138,17 @@ public:
 
     /// Forgets every position (length() becomes 0); the storage and capacity stay.
     void clear() { length_ = 0; }
+
+    /// Keeps the first `length` positions and forgets the rest (rolling back rejected tokens); the storage and
+    /// capacity stay. Throws position_error `attend.position.truncate` unless 0 <= length <= length(); the cache is
+    /// unchanged then.
+    void truncate(index length) {
+        if (length < 0 || length > length_)
+            throw position_error("attend.position.truncate",
+                                 detail::concat("cannot truncate a cache of length ", length_, " to length ", length,
+                                                " (a truncation keeps 0 .. length() positions)"));
+        length_ = length;
+    }
 
 private:
     strided_view<const T> view(const T* data, index dim, index len) const {

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -19,7 +20,9 @@
 #include <vector>
 
 #include "alignment.hpp"
+#include "detail/checked_arithmetic.hpp"
 #include "detail/mask_nodes.hpp"
+#include "detail/memory.hpp"
 #include "error.hpp"
 #include "shape.hpp"
 #include "tensor.hpp"
@@ -90,7 +93,22 @@ struct dense_dims {
     }
 };
 
-/// Reads a Boolean or numeric rank 2-4 row-major tensor (or TensorMap) into a flat vector plus its dims.
+/// A number of another floating-point type as V: finite values beyond V's range saturate at V's lowest() / max()
+/// (what the kernels do with finite biases, so -1e300 from a double mask stays a finite fill in a float one and
+/// never empties a row); infinities and NaN keep their meaning.
+template <class V, class X>
+V saturating_cast(X x) {
+    if constexpr (std::is_floating_point_v<X> && std::is_floating_point_v<V> && (sizeof(X) > sizeof(V))) {
+        if (std::isfinite(x)) {
+            if (x > static_cast<X>(std::numeric_limits<V>::max())) return std::numeric_limits<V>::max();
+            if (x < static_cast<X>(std::numeric_limits<V>::lowest())) return std::numeric_limits<V>::lowest();
+        }
+    }
+    return static_cast<V>(x);
+}
+
+/// Reads a Boolean or numeric rank 2-4 row-major tensor (or TensorMap) into a flat vector plus its dims; numbers
+/// convert with saturating_cast.
 template <class V, class X>
 std::pair<std::vector<V>, dense_dims> read_dense(const X& x, const char* what) {
     using traits = tensor_traits<std::decay_t<X>>;
@@ -102,7 +120,7 @@ std::pair<std::vector<V>, dense_dims> read_dense(const X& x, const char* what) {
     dense_dims d;
     for (int a = 0; a < traits::rank; ++a) d.dims.push_back(x.dimensions()[static_cast<std::size_t>(a)]);
     std::vector<V> values(static_cast<std::size_t>(x.size()));
-    for (index n = 0; n < x.size(); ++n) values[static_cast<std::size_t>(n)] = static_cast<V>(x.data()[n]);
+    for (index n = 0; n < x.size(); ++n) values[static_cast<std::size_t>(n)] = saturating_cast<V>(x.data()[n]);
     (void)what;
     return {std::move(values), std::move(d)};
 }
@@ -381,6 +399,11 @@ struct block_diagonal_rule : detail::boolean_term {
             if (n < 0)
                 throw mask_error("attend.mask.block_lengths",
                                  detail::concat("block_diagonal sequence length ", n, " is negative"));
+            if (detail::sum_overflows(starts.back(), n) || starts.back() + n > s.query_len)
+                throw mask_error("attend.mask.block_lengths",
+                                 detail::concat("block_diagonal sequence lengths sum past query_len ", s.query_len,
+                                                " at sequence ", starts.size() - 1, " (packed sequences need the "
+                                                "lengths to sum to query_len == key_len)"));
             starts.push_back(starts.back() + n);
         }
         if (starts.back() != s.query_len || starts.back() != s.key_len)
@@ -519,7 +542,10 @@ constexpr void require_mask() {
                   "additive_mask<T>::from_values, or use a rule such as causal(alignment::top_left)");
 }
 
+/// The score shape as an attention shape with one-element heads. Throws shape_error attend.shape.negative or
+/// attend.shape.overflow for a size below 0 or sizes whose product overflows Eigen::Index.
 inline attention_shape scores_only(const score_shape& s) {
+    require_valid_sizes(std::array<index, 4>{s.batch, s.heads, s.query_len, s.key_len}, "score shape");
     attention_shape a;
     a.batch = s.batch;
     a.heads = s.heads;
@@ -535,12 +561,16 @@ inline attention_shape scores_only(const score_shape& s) {
 }  // namespace detail
 
 /// The allowed set of a mask expression as a dense allowed_mask `[batch, heads, query_len, key_len]`, for
-/// inspection and tests. Additive expressions give their support (entries other than -inf).
+/// inspection and tests. Additive expressions give their support (entries other than -inf). Throws shape_error
+/// attend.shape.negative / attend.shape.overflow for a bad shape, resource_error attend.resource.allocation when
+/// the dense mask cannot be allocated, and the mask's own binding errors.
 template <class Mask>
 allowed_mask materialize(const Mask& mask, const score_shape& shape) {
     detail::require_mask<Mask>();
     const auto bound = mask.bind(detail::scores_only(shape));
-    tensor<bool, 4> dense(shape.batch, shape.heads, shape.query_len, shape.key_len);
+    tensor<bool, 4> dense;
+    const std::array<index, 4> dims{shape.batch, shape.heads, shape.query_len, shape.key_len};
+    detail::resize_guarded(dense, dims, "materialized mask", "Materialize a smaller score shape");
     for (index b = 0; b < shape.batch; ++b)
         for (index h = 0; h < shape.heads; ++h)
             for (index i = 0; i < shape.query_len; ++i)
@@ -548,11 +578,22 @@ allowed_mask materialize(const Mask& mask, const score_shape& shape) {
     return allowed_mask::true_means_allowed(dense);
 }
 
-/// Tile classification of a mask expression for one shape, as the kernels see it.
+/// Tile classification of a mask expression for one shape, as the kernels see it. Throws shape_error
+/// attend.shape.tile if the tile is not inside the shape, and what materialize throws for the shape.
 template <class Mask>
 tile_class classify(const Mask& mask, const score_shape& shape, const tile& t) {
     detail::require_mask<Mask>();
-    return mask.bind(detail::scores_only(shape)).classify(t);
+    const auto bound = mask.bind(detail::scores_only(shape));
+    const bool inside = t.batch >= 0 && t.batch < shape.batch && t.head >= 0 && t.head < shape.heads &&
+                        t.query_begin >= 0 && t.query_begin <= t.query_end && t.query_end <= shape.query_len &&
+                        t.key_begin >= 0 && t.key_begin <= t.key_end && t.key_end <= shape.key_len;
+    if (!inside)
+        throw shape_error("attend.shape.tile",
+                          detail::concat("tile {batch ", t.batch, ", head ", t.head, ", queries [", t.query_begin, ", ",
+                                         t.query_end, "), keys [", t.key_begin, ", ", t.key_end,
+                                         ")} is not inside the score shape [", shape.batch, ',', shape.heads, ',',
+                                         shape.query_len, ',', shape.key_len, ']'));
+    return bound.classify(t);
 }
 
 /// Draws the allowed grid, one line per query (`q0: k0`, `q1: k0 k1`, ...); padded queries read `(padded)`,

@@ -580,10 +580,13 @@ public:
                                              ", head_dim ", D, ", value_dim ", D, "] (see make_cache)"));
         cache.check_fits(L);
         const index past = cache.length(), S = past + L;
-        detail::check_positions(config_, options, options.position_offset + past);
+        const index first_position =
+            detail::checked_position_sum(options.position_offset, past, "position_offset + cache length");
+        detail::checked_position_sum(first_position, L, "the position after the last new token");
+        detail::check_positions(config_, options, first_position);
         if (options.check_finite) detail::check_finite_input(x.data(), xd, "x");
         const projected_heads p =
-            project_heads(x.data(), x.data(), x.data(), B, L, L, options, options.position_offset + past);
+            project_heads(x.data(), x.data(), x.data(), B, L, L, options, first_position);
         const auto qv = split_heads(p.q.data(), B, L, H, D);
         const auto k_new = split_heads(p.k.data(), B, L, G, D);
         const auto v_new = split_heads(p.v.data(), B, L, G, D);
@@ -598,9 +601,16 @@ public:
         const auto causal_mask = detail::combine_masks(mask, causal(alignment::bottom_right));
         detail::with_key_padding(causal_mask, options.key_padding, B, S, [&](const auto& full_mask) {
             const auto call = detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options));
-            cache.append(k_new, v_new);  // checked above: cannot throw
             auto o = detail::mha_buffer<T, 3>({B, L, H * D}, "attention output [batch, new tokens, heads * head_dim]");
-            attend_and_project(qv, kv, vv, s, call, options, o, nullptr, r);
+            // The append is the call's only mutation: it runs after every buffer is allocated and cannot throw
+            // (checked above), so a failure anywhere leaves the cache as it was.
+            // A throw after it (the kernel's scratch) takes the new positions back out.
+            try {
+                attend_and_project(qv, kv, vv, s, call, options, o, nullptr, r, [&] { cache.append(k_new, v_new); });
+            } catch (...) {
+                cache.truncate(past);
+                throw;
+            }
         });
         return r;
     }
@@ -808,20 +818,27 @@ private:
     }
 
     /// Runs a checked call: heads written straight into their slices of o `[batch, query_len, heads*head_dim]`,
-    /// then the output projection, padded query rows zeroed, weights averaged or kept per head.
-    template <class Call>
+    /// then the output projection, padded query rows zeroed, weights averaged or kept per head. Every buffer is
+    /// allocated first; then before_run() (a caller's mutation that must not happen if an allocation fails), then
+    /// the kernel.
+    template <class Call, class BeforeRun = void (*)()>
     void attend_and_project(const strided_view<const T>& q, const strided_view<const T>& k,
                             const strided_view<const T>& v, const attention_shape& s, const Call& call,
-                            const mha_options& options, tensor<T, 3>& o, T* lse, mha_result<T>& r) const {
+                            const mha_options& options, tensor<T, 3>& o, T* lse, mha_result<T>& r,
+                            BeforeRun before_run = [] {}) const {
         const index B = s.batch, L = s.query_len, S = s.key_len, H = s.heads, D = head_dim();
         auto w = detail::mha_buffer<T, 4>({options.need_weights ? B : 0, H, L, S},
                                           "per-head weights [batch, heads, query_len, key_len]");
+        auto out = detail::mha_buffer<T, 3>({B, L, config_.model_dim}, "out [batch, query_len, model_dim]");
+        auto averaged = detail::mha_buffer<T, 3>({options.need_weights && options.average_weights ? B : 0, L, S},
+                                                 "averaged weights [batch, query_len, key_len]");
+        before_run();
         detail::attention_outputs<T> outputs;
         outputs.out = split_heads(o.data(), B, L, H, D);
         outputs.weights = options.need_weights ? w.data() : nullptr;
         outputs.lse = lse;
         if (B * L > 0) detail::run_checked(q, k, v, s, call, outputs);  // nothing to attend for zero queries
-        r.out = detail::mha_buffer<T, 3>({B, L, config_.model_dim}, "out [batch, query_len, model_dim]");
+        r.out = std::move(out);
         detail::project(o.data(), B * L, wo_, bo_, r.out.data());
         for (index b = 0; b < B; ++b)
             for (index i = 0; i < L; ++i)
@@ -834,7 +851,7 @@ private:
             r.head_weights = std::move(w);
             return;
         }
-        r.weights = detail::mha_buffer<T, 3>({B, L, S}, "averaged weights [batch, query_len, key_len]");
+        r.weights = std::move(averaged);
         r.weights.setZero();
         for (index b = 0; b < B; ++b)
             for (index h = 0; h < H; ++h)

@@ -11,6 +11,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "detail/checked_arithmetic.hpp"
+#include "detail/memory.hpp"
 #include "detail/random.hpp"
 #include "error.hpp"
 #include "tensor.hpp"
@@ -40,7 +42,9 @@ constexpr void require_position_scalar() {
 /// The Transformer paper's sinusoidal table `[length, dim]`: PE[p, 2i] = sin(p / 10000^(2i/dim)),
 /// PE[p, 2i+1] = cos(p / 10000^(2i/dim)) (sin and cos interleaved). Angles are computed in double and rounded
 /// once to T. An odd dim is allowed; its last column is a sin. length may be 0 (empty table).
-/// Throws value_error `attend.value.position_dim` if dim < 1 and `attend.value.position_length` if length < 0.
+/// Throws value_error `attend.value.position_dim` if dim < 1 and `attend.value.position_length` if length < 0,
+/// shape_error `attend.shape.overflow` if length x dim overflows Eigen::Index and resource_error
+/// `attend.resource.allocation` if the table cannot be allocated.
 template <class T = double>
 tensor<T, 2> sinusoidal_positions(index length, index dim) {
     detail::require_position_scalar<T>();
@@ -51,7 +55,11 @@ tensor<T, 2> sinusoidal_positions(index length, index dim) {
         throw value_error("attend.value.position_length",
                           detail::concat("sinusoidal positions need length >= 0, got length ", length, " (dim ", dim,
                                          ')'));
-    tensor<T, 2> table(length, dim);
+    detail::require_valid_sizes(std::array<index, 2>{length, dim}, "sinusoidal table [length, dim]");
+    tensor<T, 2> table;
+    detail::resize_guarded(table, std::array<index, 2>{length, dim}, "sinusoidal table [length, dim]",
+                           "Ask for a shorter table");
+    if (length == 0) return table;
     std::vector<double> inv_freq(static_cast<std::size_t>((dim + 1) / 2));
     for (index i = 0; 2 * i < dim; ++i)
         inv_freq[static_cast<std::size_t>(i)] =
@@ -87,7 +95,9 @@ public:
             throw value_error("attend.value.position_dim",
                               detail::concat("learned positions need dim >= 1, got dim ", dim, " (max_len ", max_len,
                                              ')'));
-        table_ = tensor<T, 2>(max_len, dim);
+        detail::require_valid_sizes(std::array<index, 2>{max_len, dim}, "learned position table [max_len, dim]");
+        detail::resize_guarded(table_, std::array<index, 2>{max_len, dim}, "learned position table [max_len, dim]",
+                               "Choose a smaller max_len");
         detail::position_init::fill_standard_normal(table_, seed);
     }
 
@@ -139,7 +149,8 @@ private:
     // check only runs for positions inside the table.
     void check_range(index offset, index length) const {
         if (length < 0) throw_negative_length(offset, length);
-        if (offset < 0 || (length > 0 && offset > max_len() - length)) throw_past_table(offset, length);
+        // offset > max_len - length, not offset + length > max_len: the sum may overflow, the difference cannot.
+        if (offset < 0 || offset > max_len() - length) throw_past_table(offset, length);
     }
 
     [[noreturn]] static void throw_negative_length(index offset, index length) {
@@ -335,7 +346,10 @@ public:
             throw value_error("attend.value.bias_heads",
                               detail::concat("relative position bias needs heads >= 1, got ", heads));
         relative_position_bucket(0, bidirectional, num_buckets, max_distance);  // validates the configuration
-        table_ = tensor<T, 2>(num_buckets, heads);
+        detail::require_valid_sizes(std::array<index, 2>{num_buckets, heads},
+                                    "relative position bias table [num_buckets, heads]");
+        detail::resize_guarded(table_, std::array<index, 2>{num_buckets, heads},
+                               "relative position bias table [num_buckets, heads]", "Use fewer heads or buckets");
         detail::position_init::fill_standard_normal(table_, seed);
     }
 
@@ -355,7 +369,8 @@ public:
 
     /// The bucket of key_position - query_position under this table's configuration.
     index bucket(index query_position, index key_position) const {
-        return relative_position_bucket(key_position - query_position, bidirectional_, num_buckets(), max_distance_);
+        return relative_position_bucket(detail::saturating_difference(key_position, query_position), bidirectional_,
+                                        num_buckets(), max_distance_);
     }
 
     /// The bias head `head` adds to the score of (query_position, key_position): table(bucket, head).
@@ -378,23 +393,26 @@ private:
 /// ALiBi's per-head slopes (Press et al., `get_slopes`): for a power of two n, the geometric sequence
 /// 2^(-8/n), 2^(-16/n), ..., 2^(-8); otherwise the n' = largest power of two below n slopes, then every other
 /// slope of the 2n' sequence until there are n. Head h adds -slope[h] * distance to its scores.
-/// Throws value_error `attend.value.alibi_heads` if heads < 1.
+/// Throws value_error `attend.value.alibi_heads` if heads < 1, resource_error `attend.resource.allocation` if the
+/// slopes cannot be allocated.
 inline std::vector<double> alibi_slopes(index heads) {
     if (heads < 1)
         throw value_error("attend.value.alibi_heads", detail::concat("ALiBi needs heads >= 1, got ", heads));
-    // Same arithmetic as the reference: start = 2^(-2^-(log2(n) - 3)), slope_i = start * start^i.
-    const auto power_of_2 = [](index n) {
-        const double start = std::pow(2.0, -std::pow(2.0, -(std::log2(static_cast<double>(n)) - 3.0)));
-        std::vector<double> slopes(static_cast<std::size_t>(n));
-        for (index i = 0; i < n; ++i) slopes[static_cast<std::size_t>(i)] = start * std::pow(start, static_cast<double>(i));
-        return slopes;
-    };
+    // Same arithmetic as the reference: start = 2^(-2^-(log2(n) - 3)), slope_i = start * start^i. n is a double:
+    // 2 x the largest power of two below heads may not fit Eigen::Index.
+    const auto start_of = [](double n) { return std::pow(2.0, -std::pow(2.0, -(std::log2(n) - 3.0))); };
     index closest = 1;
     while (closest <= heads / 2) closest *= 2;
-    std::vector<double> slopes = power_of_2(closest);
-    if (closest == heads) return slopes;
-    const std::vector<double> extra = power_of_2(2 * closest);
-    for (index i = 0; i < heads - closest; ++i) slopes.push_back(extra[static_cast<std::size_t>(2 * i)]);
+    std::vector<double> slopes = detail::allocating(
+        [&] { return std::vector<double>(static_cast<std::size_t>(heads)); },
+        [&] { return detail::allocation_text("ALiBi slopes", std::array<index, 1>{heads}, sizeof(double)); },
+        "ALiBi needs one slope per head");
+    const double start = start_of(static_cast<double>(closest));
+    for (index i = 0; i < closest; ++i) slopes[static_cast<std::size_t>(i)] = start * std::pow(start, static_cast<double>(i));
+    // Then every other slope of the sequence for 2 x closest heads.
+    const double extra = start_of(2.0 * static_cast<double>(closest));
+    for (index i = 0; i < heads - closest; ++i)
+        slopes[static_cast<std::size_t>(closest + i)] = extra * std::pow(extra, 2.0 * static_cast<double>(i));
     return slopes;
 }
 

@@ -11,6 +11,7 @@
 #include <optional>
 #include <type_traits>
 
+#include "detail/input_scan.hpp"
 #include "detail/memory.hpp"
 #include "detail/reference_kernel.hpp"
 #include "detail/rows.hpp"
@@ -61,7 +62,9 @@ struct sdpa_options {
     bool need_weights = false;           ///< fill result.weights `[batch, heads, query_len, key_len]`
     bool need_lse = false;               ///< fill result.lse `[batch, heads, query_len]`
     bool weights_after_dropout = false;  ///< weights as used (dropped and rescaled) instead of probabilities
-    bool check_finite = true;            ///< reject NaN / Inf in q, k, v (value_error attend.value.non_finite)
+    bool check_finite = true;            ///< reject NaN / Inf in q, k, v (value_error attend.value.non_finite) and
+                                         ///< scores beyond half of T's range (attend.value.score_overflow,
+                                         ///< detail/input_scan.hpp); off: the caller promises both
 };
 
 /// The result of scaled_dot_product_attention; Rank is the rank of the inputs (3 or 4).
@@ -77,27 +80,6 @@ namespace detail {
 template <class X>
 constexpr int rank_of() {
     return tensor_traits<std::decay_t<X>>::rank;
-}
-
-template <class T>
-void check_finite(const strided_view<const T>& x, const char* name) {
-    for (index b = 0; b < x.dims[0]; ++b)
-        for (index h = 0; h < x.dims[1]; ++h)
-            for (index i = 0; i < x.dims[2]; ++i) {
-                const T* row = x.row(b, h, i);
-                // x * 0 is 0 for every finite x and NaN for NaN and +-inf: one vectorized sum per row finds out
-                // (a scalar isfinite scan cost as much as the tiled kernel itself when decoding).
-                if (!std::isnan((Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, x.dims[3]) * T(0)).sum()))
-                    continue;
-                for (index d = 0; d < x.dims[3]; ++d)
-                    if (!std::isfinite(row[d])) {
-                        const auto where = x.rank == 4 ? format_shape(std::array<index, 4>{b, h, i, d})
-                                                       : format_shape(std::array<index, 3>{b, i, d});
-                        throw value_error("attend.value.non_finite",
-                                          concat(name, ' ', spell_view(x), " holds ", row[d], " at ", where,
-                                                 " (turn check_finite off to skip this scan)"));
-                    }
-            }
 }
 
 template <class T>
@@ -152,8 +134,7 @@ auto check_call(const strided_view<const T>& q, const strided_view<const T>& k, 
     checked_call<T, decltype(mask.bind(s))> call{checked_params<T>(s, o), mask.bind(s), o.kernel,
                                                  resolve_threads(o.threads)};
     if (o.check_finite) {
-        check_finite(q, "query");
-        check_finite(k, "key");
+        check_scores_fit(q, k, s, call.params.scale);
         check_finite(v, "value");
     }
     if (o.empty_rows == empty_rows::error)
@@ -261,11 +242,19 @@ void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const
     detail::attention_outputs<T> o;
     o.out = detail::as_mutable_view(out);
     if constexpr (!std::is_same_v<std::decay_t<Weights>, std::nullptr_t>) {
+        static_assert(std::is_same_v<T, detail::scalar_of<Weights>> && detail::rank_of<Weights>() == rank &&
+                          detail::tensor_traits<std::decay_t<Weights>>::row_major,
+                      "attend: weights must be row-major with the scalar type and rank of the query ([batch, heads, query_len, "
+                      "key_len], or [batch, query_len, key_len] for rank-3 inputs)");
         detail::check_output_dims(weights, detail::rank_dims<rank>(s, s.key_len), "attend.shape.weights_output",
                                   "weights");
         o.weights = weights.data();
     }
     if constexpr (!std::is_same_v<std::decay_t<Lse>, std::nullptr_t>) {
+        static_assert(std::is_same_v<T, detail::scalar_of<Lse>> && detail::rank_of<Lse>() == rank - 1 &&
+                          detail::tensor_traits<std::decay_t<Lse>>::row_major,
+                      "attend: lse must be row-major with the scalar type of the query and one rank less ([batch, heads, "
+                      "query_len], or [batch, query_len] for rank-3 inputs)");
         detail::check_output_dims(lse, detail::lse_dims<rank>(s), "attend.shape.lse_output", "lse");
         o.lse = lse.data();
     }

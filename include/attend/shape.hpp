@@ -5,6 +5,7 @@
 #include <limits>
 #include <string>
 
+#include "detail/checked_arithmetic.hpp"
 #include "error.hpp"
 #include "tensor.hpp"
 
@@ -37,21 +38,22 @@ std::string spell_view(const strided_view<T>& v) {
     return format_shape(v.dims);
 }
 
-/// True when the product of the sizes overflows Eigen::Index.
-template <class... Sizes>
-bool product_overflows(Sizes... sizes) {
-    index product = 1;
-    for (index s : {static_cast<index>(sizes)...}) {
-        if (s != 0 && product > std::numeric_limits<index>::max() / s) return true;
-        product *= s;
-    }
-    return false;
+/// Throws shape_error attend.shape.negative when a view has a negative size (a hand-made strided_view, or
+/// split_heads with a negative length): every later size product and row offset assumes sizes >= 0.
+template <class T>
+void check_view_sizes(const strided_view<T>& x, const char* name) {
+    if (any_negative(x.dims))
+        throw shape_error("attend.shape.negative",
+                          concat(name, ' ', spell_view(x), " has a negative size; sizes must be >= 0"));
 }
 
 template <class T>
 attention_shape check_views(const strided_view<const T>& q, const strided_view<const T>& k,
                             const strided_view<const T>& v) {
     const auto qs = spell_view(q), ks = spell_view(k), vs = spell_view(v);
+    check_view_sizes(q, "query");
+    check_view_sizes(k, "key");
+    check_view_sizes(v, "value");
     const auto both = [](const char* a, const std::string& as, const char* b, const std::string& bs) {
         return concat(" (", a, ' ', as, ", ", b, ' ', bs, ')');
     };
@@ -111,7 +113,7 @@ attention_shape check_views(const strided_view<const T>& q, const strided_view<c
 /// Checks q `[batch, heads, query_len, head_dim]`, k `[batch, kv_heads, key_len, head_dim]` and
 /// v `[batch, kv_heads, key_len, value_dim]` (or their rank-3 forms) and returns their sizes.
 /// Throws shape_error: attend.shape.{rank, batch, kv_heads, key_len, key_dim, empty_heads, gqa, empty_keys,
-/// empty_head_dim, overflow}. Zero batch or query_len is valid and gives an empty result.
+/// empty_head_dim, overflow, negative}. Zero batch or query_len is valid and gives an empty result.
 template <class Q, class K, class V>
 attention_shape check_shapes(const Q& q, const K& k, const V& v) {
     static_assert(std::is_same_v<detail::scalar_of<Q>, detail::scalar_of<K>> &&

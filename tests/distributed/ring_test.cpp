@@ -120,6 +120,10 @@ void run_all_mask_kinds(double tolerance) {
         for (ad::sharding layout : {ad::sharding::contiguous, ad::sharding::zigzag})
             for (bool ragged : {false, true})
                 for (bool dropout : {false, true}) {
+                    // Dropout on in half of the (layout, shard lengths) pairs of each mask kind, off in the other
+                    // half: every mask kind and layout meets both, at half the run time of every combination.
+                    if (dropout != ((static_cast<int>(m) + static_cast<int>(layout) + (ragged ? 1 : 0)) % 2 == 1))
+                        continue;
                     const problem_config c{++seed, m, layout, ragged, dropout};
                     attend_test::rng g(c.seed);  // same draws on every rank
                     const index batch = 2, heads = 4, kv_heads = g.bernoulli(0.5) ? 2 : 4;
@@ -181,10 +185,11 @@ TEST(RingAttention, ForwardAndBackwardEqualSingleProcessAttentionInFloatForEvery
 }
 
 TEST(RingAttention, ShardsLargeEnoughToComputeWhileTransfersProgressEqualSingleProcessAttention) {
-    // 512 positions per rank, 2 heads, head_dim 16: each step is above the size at which the ring computes on a
-    // worker thread while the calling thread polls MPI (the small problems above compute inline).
+    // 256 positions per rank, 2 heads, head_dim 16: each step (256 * 256 * 2 * 32 multiply-adds) reaches the size
+    // at which the ring computes on a worker thread while the calling thread polls MPI (the small problems above
+    // compute inline).
     const int rank = mpi_rank(), ranks = mpi_size();
-    const index total = 512 * ranks;
+    const index total = 256 * ranks;
     attend::tensor<double, 4> q(1, 2, total, 16), k(1, 2, total, 16), v(1, 2, total, 16), d_out(1, 2, total, 16);
     attend_test::fill_uniform(q, 61);
     attend_test::fill_uniform(k, 62);

@@ -139,4 +139,31 @@ TEST(AllocationFailure, MultiHeadWeightsOfTwoToTheFortyElementsAreAResourceError
         << message;
 }
 
+TEST(AllocationFailure, ForwardCachedThatCannotAllocateLeavesTheCacheUnchanged) {
+    ATTEND_SKIP_IF_ALWAYS_OVERCOMMITTING();
+    // 2^20 new tokens of model_dim 1 into an empty cache: the per-head weights [1, 1, 2^20, 2^20] are 4 TiB. The
+    // failure must come before the append, so the cache keeps its length and its positions.
+    const attend::multi_head_attention<float> m(attend::mha_config{1, 1});
+    auto cache = m.make_cache(1, huge_len + 1);
+    attend::tensor<float, 3> first(1, 1, 1);
+    first.setConstant(0.25f);
+    (void)m.forward_cached(first, cache);
+    ASSERT_EQ(cache.length(), 1);
+    const float key0 = cache.keys().row(0, 0, 0)[0];
+    attend::tensor<float, 3> x(1, huge_len, 1);
+    x.setConstant(0.5f);
+    attend::mha_options o;
+    o.need_weights = true;
+    o.average_weights = false;
+    o.threads = 1;
+    const std::string message = attend_test::expect_error<attend::resource_error>(
+        [&] { (void)m.forward_cached(x, cache, o); }, "attend.resource.allocation");
+    EXPECT_NE(message.find("per-head weights"), std::string::npos) << message;
+    EXPECT_EQ(cache.length(), 1);
+    EXPECT_EQ(cache.keys().row(0, 0, 0)[0], key0);
+    // And the cache still decodes: the next token lands at position 1.
+    (void)m.forward_cached(first, cache);
+    EXPECT_EQ(cache.length(), 2);
+}
+
 }  // namespace

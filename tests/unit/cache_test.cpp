@@ -145,6 +145,24 @@ TEST(KvCache, ShapeErrorsAppendNothing) {
     EXPECT_EQ(snapshot(c), before);
 }
 
+TEST(KvCache, TruncateForgetsTrailingPositionsAndRejectsGrowth) {
+    attend::kv_cache<float> cache(1, 1, 6, 2, 2);
+    attend::tensor<float, 4> kv(1, 1, 4, 2);
+    for (index n = 0; n < kv.size(); ++n) kv.data()[n] = static_cast<float>(n);
+    cache.append(kv, kv);
+    cache.truncate(2);
+    EXPECT_EQ(cache.length(), 2);
+    EXPECT_EQ(cache.keys().row(0, 0, 1)[1], 3.0f);
+    for (const index bad : {index(-1), index(3), std::numeric_limits<index>::max()}) {
+        attend_test::expect_error<attend::position_error>([&] { cache.truncate(bad); }, "attend.position.truncate");
+        EXPECT_EQ(cache.length(), 2);
+    }
+    // Appending after a rollback overwrites the forgotten positions.
+    cache.append(kv, kv);
+    EXPECT_EQ(cache.length(), 6);
+    EXPECT_EQ(cache.keys().row(0, 0, 2)[0], 0.0f);
+}
+
 TEST(KvCache, SizesMustBePositive) {
     expect_error<attend::value_error>([] { attend::kv_cache<float>(0, 1, 1, 1, 1); }, "attend.value.size");
     expect_error<attend::value_error>([] { attend::kv_cache<float>(1, 1, 0, 1, 1); }, "attend.value.size");

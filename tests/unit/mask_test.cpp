@@ -1,6 +1,7 @@
 // Tests of mask.hpp: each rule equals its definition, tile classification agrees with materialization, the
 // algebra is set algebra, the two Boolean conventions convert exactly, dense masks broadcast like NumPy.
 #include <functional>
+#include <limits>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -277,6 +278,21 @@ TEST(mask, dense_masks_align_from_the_right_like_numpy) {
     EXPECT_FALSE(bound.allowed(0, 0, 0, 1));
     EXPECT_FALSE(bound.allowed(1, 0, 0, 0));
     EXPECT_TRUE(bound.allowed(1, 0, 0, 1));
+}
+
+TEST(mask, additive_values_of_a_wider_type_saturate_at_the_narrower_range) {
+    // -1e300 in a double tensor is a finite fill: as a float mask it must stay finite (lowest()), not become -inf
+    // and empty the row; 1e300 saturates at max(); -inf keeps forbidding.
+    attend::tensor<double, 2> values(1, 3);
+    values(0, 0) = -1e300;
+    values(0, 1) = 1e300;
+    values(0, 2) = -std::numeric_limits<double>::infinity();
+    const auto m = attend::additive_mask<float>::from_values(values);
+    EXPECT_EQ(attend::to_string(m, {1, 1, 1, 3}), "q0: k0 k1\n");
+    const auto bound = m.bind(attend::attention_shape{1, 1, 1, 1, 3, 1, 1, 4});
+    EXPECT_EQ(bound.value(0, 0, 0, 0), std::numeric_limits<float>::lowest());
+    EXPECT_EQ(bound.value(0, 0, 0, 1), std::numeric_limits<float>::max());
+    EXPECT_EQ(bound.value(0, 0, 0, 2), -std::numeric_limits<float>::infinity());
 }
 
 TEST(mask, additive_terms_add_and_boolean_terms_contribute_zero_or_minus_infinity) {

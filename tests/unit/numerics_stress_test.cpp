@@ -16,6 +16,7 @@
 
 #include <attend/attend.hpp>
 
+#include "support/errors.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -297,6 +298,88 @@ TYPED_TEST(NumericsStress, RowsFilledEntirelyWithAFiniteFillAreUniformNotNaN) {
             }
         }
     }
+}
+
+// ---- scores that overflow the scores' type -----------------------------------------------------------------------
+// One rule for both kernels and the backward (detail/input_scan.hpp): with check_finite on, a call whose scores
+// could leave half of T's range is attend.value.score_overflow before anything is written; a call whose per-row
+// magnitudes look dangerous but whose every pair stays in range is computed.
+
+namespace score_range {
+
+/// q, k `[1, 1, 2, 2]` filled with `magnitude`, v with 1: every score is 2 magnitude^2 (before the scale 1/sqrt 2).
+template <class T>
+problem<T> uniform_magnitude(T magnitude) {
+    problem<T> x(2, 2, 2, 40);
+    x.q.setConstant(magnitude);
+    x.k.setConstant(magnitude);
+    return x;
+}
+
+}  // namespace score_range
+
+TYPED_TEST(NumericsStress, FiniteInputsWhoseScoresOverflowAreAScoreOverflowErrorInEveryKernel) {
+    using T = TypeParam;
+    // sqrt(max): q.k = 2 max, beyond the type, for finite q and k.
+    const T magnitude = std::sqrt(std::numeric_limits<T>::max());
+    const problem<T> x = score_range::uniform_magnitude(magnitude);
+    for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
+        attend::sdpa_options o;
+        o.kernel = kernel;
+        attend::tensor<T, 3> out(1, 2, 2);
+        out.setConstant(T(-7));
+        attend_test::expect_error<attend::value_error>(
+            [&] { attend::scaled_dot_product_attention_into(x.q, x.k, x.v, attend::no_mask{}, out, o); },
+            "attend.value.score_overflow");
+        for (index n = 0; n < out.size(); ++n) EXPECT_EQ(out.data()[n], T(-7));  // nothing written
+        attend::tensor<T, 2> lse(1, 2);
+        lse.setZero();
+        attend::tensor<T, 3> fake_out(1, 2, 2);
+        fake_out.setZero();
+        attend_test::expect_error<attend::value_error>(
+            [&] {
+                (void)attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, fake_out, lse, x.d_out,
+                                                                    attend::no_mask{}, o);
+            },
+            "attend.value.score_overflow");
+    }
+    // A scale that pushes scale * q past half the range, with k tiny.
+    problem<T> y = score_range::uniform_magnitude(std::numeric_limits<T>::max() / 4);
+    y.k.setConstant(std::numeric_limits<T>::min());
+    attend::sdpa_options big;
+    big.scale = 4.0;
+    attend_test::expect_error<attend::value_error>(
+        [&] { (void)attend::scaled_dot_product_attention(y.q, y.k, y.v, big); }, "attend.value.score_overflow");
+}
+
+TYPED_TEST(NumericsStress, LargeRowsThatNeverMeetAreComputedExactlyByBothKernels) {
+    using T = TypeParam;
+    // q row 0 is large in feature 0 only, k row 0 large in feature 1 only: the per-row bound ||q||_1 max|k| is
+    // far beyond the range, but every actual product q_d k_d is small, so the pairs are checked and accepted.
+    const T large = std::sqrt(std::numeric_limits<T>::max());
+    problem<T> x(3, 4, 2, 41);
+    x.q(0, 0, 0) = large;
+    x.q(0, 0, 1) = T(0);
+    x.k(0, 0, 0) = T(0);
+    x.k(0, 0, 1) = large;
+    expect_both_kernels_match_oracle(x, attend::no_mask{});
+    // Just inside the limit: scores of exactly a quarter of the range are computed, and finite.
+    problem<T> y(1, 2, 1, 42);
+    y.q(0, 0, 0) = std::sqrt(std::numeric_limits<T>::max() / 4);
+    y.k(0, 0, 0) = y.q(0, 0, 0);
+    y.k(0, 1, 0) = -y.q(0, 0, 0);
+    y.scale = 1;
+    expect_both_kernels_match_oracle(y, attend::no_mask{});
+}
+
+TYPED_TEST(NumericsStress, CheckFiniteOffSkipsTheScoreRangeScan) {
+    using T = TypeParam;
+    const problem<T> x = score_range::uniform_magnitude(std::sqrt(std::numeric_limits<T>::max()));
+    attend::sdpa_options o;
+    o.check_finite = false;  // the caller's promise: no scan, whatever the kernels make of it
+    o.empty_rows = attend::empty_rows::zero;
+    o.kernel = attend::kernel::tiled;
+    EXPECT_NO_THROW((void)attend::scaled_dot_product_attention(x.q, x.k, x.v, o));
 }
 
 }  // namespace

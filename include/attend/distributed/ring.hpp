@@ -177,9 +177,9 @@ void compute_while_progressing(F& compute, std::initializer_list<request_set*> t
         for (request_set* r : transfers) done = r->test() && done;
         return done;
     };
-    // A step too small to hide anything behind (below about a millisecond of compute) runs here: a thread would
-    // cost more than the transfer it could hide.
-    if (multiply_adds < 1 << 24 || all_done()) {
+    // A step too small to hide anything behind (4 M multiply-adds, a fraction of a millisecond) runs here: a thread
+    // would cost about as much as the transfer it could hide.
+    if (multiply_adds < 1 << 22 || all_done()) {
         compute();
         return;
     }

@@ -1,0 +1,450 @@
+"""Times attend next to ONNX Runtime and PyTorch 2.x attention on CPU, in one process and one sitting.
+
+Run with the interpreter of the environment that bench/peers/setup makes:
+
+    "${ATTEND_PEERS_VENV:-$HOME/.cache/attend-peers-venv}/bin/python" bench/peers/compare.py \
+        --attend-bench build/bench/bench/attend_bench [--quick] [--filter REGEX] [--json out.json] [--verify]
+
+Implementations (all take q, k, v already in their preferred layout; layout changes are not timed):
+  attend        attend_bench's `prefill<float>/...` and `decode/...` cases (scaled_dot_product_attention_into),
+                run as a subprocess per case; the median of its repetitions
+  ort-mha       ONNX Runtime com.microsoft MultiHeadAttention, q/k/v [B, S, N*H] (BSNH), causal = unidirectional=1
+  ort-attn23    ONNX Runtime opset-23 Attention, q/k/v [B, N, S, H] (BNSH), is_causal; GQA by kv heads < q heads
+  ort-gqa       ONNX Runtime com.microsoft GroupQueryAttention (decode): the new token's k/v plus past_key/past_value
+                [B, kv_heads, max_seq, H], seqlens_k = total - 1; present_* bound to the past buffers (no copy)
+  torch-sdpa    torch.nn.functional.scaled_dot_product_attention, [B, N, S, H], is_causal, enable_gqa for decode;
+                restricted to the CPU flash kernel, the default dispatch if flash rejects the case (noted)
+  torch-sdpa-fold  decode only: the same call with q reshaped to [B, kv_heads, group, H], the 4 query heads of a kv
+                head as 4 query rows (no enable_gqa; exact for L = 1), much faster than enable_gqa on CPU
+Every ONNX Runtime case is a one-node model run through IO binding (inputs and outputs bound once), with
+intra_op_num_threads = threads and inter_op_num_threads = 1; torch runs under torch.set_num_threads(threads).
+Each peer timing: warm-up calls, then the median of single calls, at least --min-runs and --min-time seconds.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+import torch.nn.functional as F
+from onnx import TensorProto, helper
+
+ONNX_TYPES = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
+NUMPY_TYPES = {"fp32": np.float32, "fp16": np.float16}
+TORCH_TYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Which peer runs which kind of case.
+PEERS = {"ort-mha": ("prefill",), "ort-attn23": ("prefill", "decode"), "ort-gqa": ("decode",),
+         "torch-sdpa": ("prefill", "decode"), "torch-sdpa-fold": ("decode",)}
+
+
+class Unsupported(Exception):
+    """The peer rejects this case (operator, dtype or attribute); the message says why."""
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str  # "prefill" or "decode"
+    dtype: str
+    query_len: int
+    key_len: int
+    dim: int
+    threads: int
+    causal: bool = False
+    heads: int = 8
+    kv_heads: int = 8
+
+    @property
+    def name(self):
+        if self.kind == "decode":
+            return f"decode/{self.dtype}/S{self.key_len}/D{self.dim}/H{self.heads}-{self.kv_heads}/t{self.threads}"
+        mask = "causal" if self.causal else "full"
+        return f"prefill/{self.dtype}/L{self.query_len}/D{self.dim}/{mask}/t{self.threads}"
+
+    @property
+    def group(self):
+        if self.kind == "decode":
+            return f"decode {self.dtype}"
+        return f"prefill {self.dtype} {'causal' if self.causal else 'non-causal'}"
+
+
+def prefill(dtype, length, dim, threads, causal):
+    return Case("prefill", dtype, length, length, dim, threads, causal)
+
+
+def decode(dtype, threads):
+    return Case("decode", dtype, 1, 8192, 128, threads, heads=32, kv_heads=8)
+
+
+def all_cases(quick):
+    if quick:
+        return [prefill("fp32", 1024, 64, t, c) for c in (False, True) for t in (1, 2)] + [
+            decode("fp32", 1), prefill("fp16", 1024, 64, 1, False), prefill("bf16", 1024, 64, 1, False),
+            decode("bf16", 1)]
+    cases = [prefill("fp32", n, d, t, c) for c in (False, True) for n in (1024, 2048, 4096) for d in (64, 128)
+             for t in (1, 2)]
+    cases += [decode("fp32", t) for t in (1, 2)]
+    for dtype in ("fp16", "bf16"):
+        cases += [prefill(dtype, 2048, 64, t, c) for c in (False, True) for t in (1, 2)]
+        cases += [decode(dtype, t) for t in (1, 2)]
+    return cases
+
+
+def make_inputs(case, seed=0):
+    """q [B, N, L, H], k and v [B, KV, S, H], float32 uniform in [-1, 1)."""
+    rng = np.random.default_rng(seed)
+    heads_and_lengths = ((case.heads, case.query_len), (case.kv_heads, case.key_len), (case.kv_heads, case.key_len))
+    return tuple(rng.uniform(-1, 1, (1, n, s, case.dim)).astype(np.float32) for n, s in heads_and_lengths)
+
+
+def reference(q, k, v, causal):
+    """Attention in float64 numpy, bottom-right aligned causal mask (top-left when L = S)."""
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = q @ k.swapaxes(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        L, S = s.shape[-2:]
+        s = np.where(np.arange(S)[None, :] <= np.arange(L)[:, None] + (S - L), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+# ---------------------------------------------------------------- ONNX Runtime
+
+def ort_session(node, inputs, outputs, threads, opset=None):
+    opsets = [helper.make_opsetid("", opset or 21), helper.make_opsetid("com.microsoft", 1)]
+    graph = helper.make_graph([node], "attention", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = helper.find_min_ir_version_for(opsets[:1])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # NOT_IMPLEMENTED (no kernel for the type), INVALID_GRAPH (attribute), ...
+        raise Unsupported(first_line(e)) from None
+
+
+def ort_runner(session, feeds, outputs, shared=()):
+    """Binds numpy feeds and preallocated numpy outputs once; `shared` maps output names to input names."""
+    binding, keep = session.io_binding(), {}
+    for name, array in feeds.items():
+        keep[name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
+        binding.bind_ortvalue_input(name, keep[name])
+    for name, array in outputs.items():
+        value = keep[dict(shared)[name]] if name in dict(shared) else ort.OrtValue.ortvalue_from_numpy(array)
+        keep["out:" + name] = value
+        binding.bind_ortvalue_output(name, value)
+    return (lambda: session.run_with_iobinding(binding)), (lambda: keep["out:" + next(iter(outputs))].numpy())
+
+
+def tensor_info(name, dtype, shape):
+    return helper.make_tensor_value_info(name, ONNX_TYPES[dtype], list(shape))
+
+
+def numpy_of(x, dtype):
+    if dtype not in NUMPY_TYPES:
+        raise Unsupported(f"{dtype} has no numpy type to feed ONNX Runtime")
+    return x.astype(NUMPY_TYPES[dtype])
+
+
+def ort_mha(case, q, k, v):
+    bsnh = lambda x: x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
+    q3, k3, v3 = (bsnh(x) for x in (q, k, v))
+    node = helper.make_node("MultiHeadAttention", ["query", "key", "value"], ["output"], domain="com.microsoft",
+                            num_heads=case.heads, unidirectional=int(case.causal))
+    ins = [tensor_info(n, case.dtype, x.shape) for n, x in (("query", q3), ("key", k3), ("value", v3))]
+    session = ort_session(node, ins, [tensor_info("output", case.dtype, q3.shape)], case.threads)
+    feeds = {"query": numpy_of(q3, case.dtype), "key": numpy_of(k3, case.dtype), "value": numpy_of(v3, case.dtype)}
+    run, fetch = ort_runner(session, feeds, {"output": np.empty(q3.shape, feeds["query"].dtype)})
+    B, N, L, H = q.shape
+    return run, lambda: fetch().reshape(B, L, N, H).transpose(0, 2, 1, 3)
+
+
+def ort_attention23(case, q, k, v):
+    node = helper.make_node("Attention", ["Q", "K", "V"], ["Y"], is_causal=int(case.causal))
+    ins = [tensor_info(n, case.dtype, x.shape) for n, x in (("Q", q), ("K", k), ("V", v))]
+    session = ort_session(node, ins, [tensor_info("Y", case.dtype, q.shape)], case.threads, opset=23)
+    feeds = {n: numpy_of(x, case.dtype) for n, x in (("Q", q), ("K", k), ("V", v))}
+    return ort_runner(session, feeds, {"Y": np.empty(q.shape, feeds["Q"].dtype)})
+
+
+def ort_gqa(case, q, k, v):
+    """Decoding: the last key/value position is the new token, the others are the cache."""
+    B, N, L, H = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    last = lambda x: x[:, :, S - L:].transpose(0, 2, 1, 3).reshape(B, L, KV * H)
+    past_k, past_v = k.copy(), v.copy()  # [B, KV, max_seq = S, H], positions >= S - L are overwritten
+    node = helper.make_node("GroupQueryAttention",
+                            ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
+                            ["output", "present_key", "present_value"], domain="com.microsoft",
+                            num_heads=N, kv_num_heads=KV)
+    ins = [tensor_info("query", case.dtype, (B, L, N * H)), tensor_info("key", case.dtype, (B, L, KV * H)),
+           tensor_info("value", case.dtype, (B, L, KV * H)), tensor_info("past_key", case.dtype, k.shape),
+           tensor_info("past_value", case.dtype, v.shape),
+           helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [B]),
+           helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+    outs = [tensor_info("output", case.dtype, (B, L, N * H)), tensor_info("present_key", case.dtype, k.shape),
+            tensor_info("present_value", case.dtype, v.shape)]
+    session = ort_session(node, ins, outs, case.threads)
+    feeds = {"query": numpy_of(q.transpose(0, 2, 1, 3).reshape(B, L, N * H), case.dtype),
+             "key": numpy_of(last(k), case.dtype), "value": numpy_of(last(v), case.dtype),
+             "past_key": numpy_of(past_k, case.dtype), "past_value": numpy_of(past_v, case.dtype),
+             "seqlens_k": np.full(B, S - 1, np.int32), "total_sequence_length": np.array(S, np.int32)}
+    run, fetch = ort_runner(session, feeds, {"output": np.empty((B, L, N * H), feeds["query"].dtype),
+                                             "present_key": None, "present_value": None},
+                            shared=(("present_key", "past_key"), ("present_value", "past_value")))
+    return run, lambda: fetch().reshape(B, L, N, H).transpose(0, 2, 1, 3)
+
+
+# ---------------------------------------------------------------- PyTorch
+
+TORCH_NOTES = {}
+
+
+def torch_sdpa(case, q, k, v, fold=False):
+    """fold: the query heads of one kv head become rows of one query, q [B, KV, group * L, H]: no enable_gqa,
+    exact when the L queries see the same keys (decoding, L = 1)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    torch.set_num_threads(case.threads)
+    B, N, L, H = q.shape
+    if fold:
+        q = q.reshape(B, k.shape[1], -1, H)
+    qt, kt, vt = (torch.from_numpy(x).to(TORCH_TYPES[case.dtype]) for x in (q, k, v))
+    kwargs = {"is_causal": case.causal and not fold}
+    if qt.shape[1] != kt.shape[1]:
+        kwargs["enable_gqa"] = True
+    result = {}
+
+    def call():
+        with torch.inference_mode():
+            result["out"] = F.scaled_dot_product_attention(qt, kt, vt, **kwargs)
+
+    def flash():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            call()
+
+    try:
+        flash()
+        TORCH_NOTES[case.name] = "flash"
+        run = flash
+    except TypeError:  # no enable_gqa (torch < 2.5): expand the kv heads
+        group = case.heads // case.kv_heads
+        kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
+        del kwargs["enable_gqa"]
+        flash()
+        TORCH_NOTES[case.name] = "flash, kv heads expanded by repeat_interleave (no enable_gqa)"
+        run = flash
+    except RuntimeError as e:
+        try:
+            call()
+        except RuntimeError as e2:
+            raise Unsupported(first_line(e2)) from None
+        TORCH_NOTES[case.name] = f"default dispatch (flash rejected: {first_line(e)})"
+        run = call
+    return run, lambda: result["out"].float().numpy().reshape(B, N, L, H)
+
+
+BUILDERS = {"ort-mha": ort_mha, "ort-attn23": ort_attention23, "ort-gqa": ort_gqa, "torch-sdpa": torch_sdpa,
+            "torch-sdpa-fold": lambda case, q, k, v: torch_sdpa(case, q, k, v, fold=True)}
+
+
+# ---------------------------------------------------------------- timing
+
+def first_line(error):
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:200]
+
+
+def median_time(fn, min_runs, min_time):
+    start = time.perf_counter()
+    fn()
+    first = time.perf_counter() - start
+    if first < 0.5:  # a second warm-up call unless one call is long
+        fn()
+    times, begin = [], time.perf_counter()
+    while len(times) < min_runs or time.perf_counter() - begin < min_time:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), len(times)
+
+
+def attend_name(case, check_finite=False):
+    if case.kind == "decode":
+        return f"decode/threads:{case.threads}/check_finite:{int(check_finite)}/"
+    return f"prefill<float>/L:{case.query_len}/D:{case.dim}/threads:{case.threads}/causal:{int(case.causal)}/"
+
+
+def attend_time(binary, name, min_runs, min_time):
+    """Median over min_runs Google Benchmark repetitions of at least min_time / min_runs seconds each."""
+    cmd = [binary, "--benchmark_filter=^" + re.escape(name), "--benchmark_format=json",
+           f"--benchmark_repetitions={min_runs}", f"--benchmark_min_time={max(min_time / min_runs, 0.05):g}",
+           "--benchmark_min_warmup_time=0.1", "--benchmark_report_aggregates_only=true"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+    for b in json.loads(out)["benchmarks"]:
+        if b.get("aggregate_name") == "median":
+            return b["real_time"] * scale[b["time_unit"]], b.get("repetitions", min_runs)
+    raise RuntimeError(f"attend_bench has no case matching {name!r} (is the binary from this branch?)")
+
+
+def run_case(case, args):
+    results = {}
+    if args.attend_bench:
+        # attend computes in float and double only: other dtypes show attend's fp32 time for the same shape.
+        variants = [("attend", False)] + ([("attend check_finite", True)] if case.kind == "decode" else [])
+        for label, check in variants:
+            label += "" if case.dtype == "fp32" else " (fp32)"
+            try:
+                t, n = attend_time(args.attend_bench, attend_name(case, check), args.min_runs, args.min_time)
+                results[label] = {"seconds": t, "runs": n}
+            except (subprocess.CalledProcessError, RuntimeError) as e:
+                results[label] = {"error": first_line(e)}
+    q, k, v = make_inputs(case)
+    for peer in (p for p, kinds in PEERS.items() if case.kind in kinds):
+        if not args.correct.get((peer, case.kind, case.causal, case.dtype), True):
+            results[peer] = {"error": "skipped: wrong result in the numerical check"}
+            continue
+        try:
+            run, _ = BUILDERS[peer](case, q, k, v)
+            t, n = median_time(run, args.min_runs, args.min_time)
+            results[peer] = {"seconds": t, "runs": n}
+            if peer.startswith("torch"):
+                results[peer]["kernel"] = TORCH_NOTES.get(case.name)
+        except Unsupported as e:
+            results[peer] = {"unsupported": str(e)}
+        except Exception as e:  # a peer that fails at run time is reported, never stops the sitting
+            results[peer] = {"error": first_line(e)}
+    return results
+
+
+# ---------------------------------------------------------------- numerical check
+
+def verify(print_report=True):
+    """Small cases against the float64 numpy reference; returns {(peer, kind, causal, dtype): passed}."""
+    shapes = [("prefill", 48, 48, False, 4, 4), ("prefill", 48, 48, True, 4, 4), ("decode", 1, 40, False, 8, 2)]
+    tolerance = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 5e-2}
+    passed, lines = {}, []
+    for dtype, tol in tolerance.items():
+        for kind, L, S, causal, heads, kv_heads in shapes:
+            case = Case(kind, dtype, L, S, 16, 1, causal, heads, kv_heads)
+            q, k, v = make_inputs(case, seed=1)
+            want = reference(q, k, v, case.causal)
+            for peer in (p for p, kinds in PEERS.items() if kind in kinds):
+                try:
+                    run, fetch = BUILDERS[peer](case, q, k, v)
+                    run()
+                    err = float(np.abs(fetch() - want).max())
+                    passed[(peer, kind, causal, dtype)] = ok = err < tol
+                    result = f"{'PASS' if ok else 'FAIL'}  max |diff| = {err:.2e} (tolerance {tol:g})"
+                except Unsupported as e:
+                    result = f"n/a   {e}"
+                lines.append(f"{peer:15s} {case.name:34s} {result}")
+    if print_report:
+        print("Numerical check against a float64 numpy reference:\n")
+        print("\n".join("    " + line for line in lines) + "\n")
+    return passed
+
+
+# ---------------------------------------------------------------- report
+
+def cell(result, unit):
+    if result is None:
+        return "-"
+    if "seconds" in result:
+        value = result["seconds"] / unit
+        return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+    return "unsupported" if "unsupported" in result else "error"
+
+
+def markdown(cases, results, loads):
+    out, notes = [], {}
+    for group in dict.fromkeys(c.group for c in cases):
+        members = [c for c in cases if c.group == group]
+        impls = list(dict.fromkeys(i for c in members for i in results[c.name]))
+        unit, unit_name = (1e-6, "µs") if members[0].kind == "decode" else (1e-3, "ms")
+        shape = "B = 1, H = 32 q / 8 kv heads, L = 1" if members[0].kind == "decode" else "B = 1, H = 8, L = S"
+        out += [f"### {group} ({shape}), median {unit_name}", "",
+                f"load average at start / end: {loads[group][0]:.2f} / {loads[group][1]:.2f}", "",
+                "| case | " + " | ".join(impls) + " | best peer | attend / best peer |",
+                "|---" * (len(impls) + 3) + "|"]
+        for c in members:
+            r = results[c.name]
+            peers = {i: x["seconds"] for i, x in r.items() if not i.startswith("attend") and "seconds" in x}
+            mine = next((x.get("seconds") for i, x in r.items() if i.startswith("attend")), None)
+            best = min(peers, key=peers.get) if peers else None
+            ratio = f"{mine / peers[best]:.2f}" if best and mine else "-"
+            label = f"S {c.key_len} D {c.dim}" if c.kind == "decode" else f"L {c.query_len} D {c.dim}"
+            out.append(f"| {label} t{c.threads} | " + " | ".join(cell(r.get(i), unit) for i in impls) +
+                       f" | {best or '-'} | {ratio} |")
+            for i, x in r.items():
+                message = x.get("unsupported") or x.get("error") or (
+                    x.get("kernel") if x.get("kernel") not in (None, "flash") else None)
+                if message:
+                    notes.setdefault(f"{i}, {c.dtype}: {message}", []).append(c.name)
+        out.append("")
+    if notes:
+        out += ["Notes:", ""] + [f"* {n} ({len(names)} case{'s' if len(names) > 1 else ''})"
+                                 for n, names in notes.items()] + [""]
+    out.append(f"load average at start / end of the sitting: {loads['all'][0]:.2f} / {loads['all'][1]:.2f}")
+    return "\n".join(out)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--attend-bench", metavar="PATH", help="attend_bench binary (omit to time the peers only)")
+    p.add_argument("--quick", action="store_true", help="a few small cases")
+    p.add_argument("--filter", metavar="REGEX", help="cases whose name matches, e.g. 'prefill/fp32/L2048/.*/t1'")
+    p.add_argument("--json", metavar="FILE", help="write every timing and the environment here")
+    p.add_argument("--verify", action="store_true",
+                   help="print the numerical check of the peer models and exit (it also runs, silently, before timing)")
+    p.add_argument("--min-runs", type=int, default=5, help="timed calls (attend: repetitions) per measurement")
+    p.add_argument("--min-time", type=float, default=1.0, help="seconds of timed calls per measurement")
+    p.add_argument("--list", action="store_true", help="print the case names and exit")
+    args = p.parse_args()
+
+    cases = [c for c in all_cases(args.quick) if not args.filter or re.search(args.filter, c.name)]
+    if args.list:
+        print("\n".join(c.name for c in cases))
+        return
+    torch.set_num_interop_threads(1)
+    env = {"torch": torch.__version__, "onnxruntime": ort.__version__, "onnx": onnx.__version__,
+           "numpy": np.__version__, "python": sys.version.split()[0], "cpus": os.cpu_count()}
+    print("# attend vs ONNX Runtime and PyTorch, CPU\n")
+    print(", ".join(f"{k} {v}" for k, v in env.items()) + "\n")
+    args.correct = verify(print_report=args.verify)
+    if args.verify:
+        return
+    if not all(args.correct.values()):
+        print("Some peer models failed the numerical check; their cases are skipped (see --verify).\n")
+
+    results, loads = {}, {"all": [os.getloadavg()[0]]}
+    for case in cases:
+        loads.setdefault(case.group, [os.getloadavg()[0]])
+        print(f"  {case.name} ...", file=sys.stderr, flush=True)
+        results[case.name] = run_case(case, args)
+        loads[case.group][1:] = [os.getloadavg()[0]]
+    loads["all"].append(os.getloadavg()[0])
+    if cases:
+        print(markdown(cases, results, loads))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "load_average": loads, "verify": {"/".join(map(str, k)): v for k, v in
+                                                                              args.correct.items()},
+                       "cases": [dict(asdict(c), name=c.name, results=results[c.name]) for c in cases]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+#pragma once
+/// The scans of a call's inputs before anything is written: finite values, and scores that fit their type.
+///
+/// The one rule for scores that overflow the accumulation type. Finite inputs can still give infinite scores
+/// (q.k = 1e40 in float), and then the kernels would disagree (NaN in one, a zero row in another) or turn an allowed
+/// row into zeros. So with check_finite on, a call whose scores could leave half of T's range is rejected before
+/// anything is written (value_error attend.value.score_overflow), and both kernels see only inputs for which every
+/// intermediate they form (scale * q_d, the products q_d k_d, their partial sums in any order, scale * q.k) is
+/// finite, with room for a bias or an additive mask, which saturate.
+///
+/// The rule, exactly: for every element, |scale * q_d| <= max(T) / 2, and for every pair of a query and a key
+/// (masked or not: the kernels compute a whole tile before masking it), max(1, scale) * sum_d |q_d| |k_d| <= max(T) / 2. A cheap bound from per-row magnitudes
+/// decides almost every call in one pass over q and k; only when the bound fails are the pairs checked one by one
+/// (in long double), so a call is rejected only when some pair really breaks the rule.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "../error.hpp"
+#include "memory.hpp"
+#include "../shape.hpp"
+#include "../tensor.hpp"
+
+namespace attend::detail {
+
+[[noreturn]] inline void throw_non_finite_at(const std::string& tensor, double value, const std::string& where) {
+    throw value_error("attend.value.non_finite", concat(tensor, " holds ", value, " at ", where,
+                                                        " (turn check_finite off to skip this scan)"));
+}
+
+template <class T>
+[[noreturn]] void throw_non_finite(const strided_view<const T>& x, index b, index h, index i, index d,
+                                   const char* name) {
+    const auto where = x.rank == 4 ? format_shape(std::array<index, 4>{b, h, i, d})
+                                   : format_shape(std::array<index, 3>{b, i, d});
+    throw_non_finite_at(concat(name, ' ', spell_view(x)), static_cast<double>(x.row(b, h, i)[d]), where);
+}
+
+/// Throws value_error attend.value.non_finite naming the first NaN or +-inf of x and where it is.
+template <class T>
+void check_finite(const strided_view<const T>& x, const char* name) {
+    for (index b = 0; b < x.dims[0]; ++b)
+        for (index h = 0; h < x.dims[1]; ++h)
+            for (index i = 0; i < x.dims[2]; ++i) {
+                const T* row = x.row(b, h, i);
+                // x * 0 is 0 for every finite x and NaN for NaN and +-inf: one vectorized sum per row finds out
+                // (a scalar isfinite scan cost as much as the tiled kernel itself when decoding).
+                if (!std::isnan((Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, x.dims[3]) * T(0)).sum()))
+                    continue;
+                for (index d = 0; d < x.dims[3]; ++d)
+                    if (!std::isfinite(row[d])) throw_non_finite(x, b, h, i, d, name);
+            }
+}
+
+/// The largest |x_d| and an upper bound of the largest row sum of |x_d| of one (batch, head) of a view. The same
+/// pass is check_finite's for q and k: a non-finite element throws attend.value.non_finite naming it.
+struct row_magnitudes {
+    long double max_abs = 0;
+    long double max_l1 = 0;
+};
+
+template <class T>
+row_magnitudes scan_magnitudes(const strided_view<const T>& x, index b, index h, const char* name) {
+    row_magnitudes m;
+    // A sum of n non-negative terms rounded in T is at least (1 - n eps) times the exact one.
+    const long double rounding = 1 + 2 * static_cast<long double>(x.dims[3]) * std::numeric_limits<T>::epsilon();
+    for (index i = 0; i < x.dims[2]; ++i) {
+        const T* row = x.row(b, h, i);
+        const auto a = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, x.dims[3]).abs();
+        const T l1 = a.sum();
+        if (!(l1 <= std::numeric_limits<T>::max())) {  // NaN, inf, or finite terms whose sum overflows T
+            for (index d = 0; d < x.dims[3]; ++d)
+                if (!std::isfinite(row[d])) throw_non_finite(x, b, h, i, d, name);
+            m.max_abs = std::max(m.max_abs, static_cast<long double>(a.maxCoeff()));
+            m.max_l1 = std::numeric_limits<long double>::infinity();
+            continue;
+        }
+        m.max_abs = std::max(m.max_abs, static_cast<long double>(a.maxCoeff()));
+        m.max_l1 = std::max(m.max_l1, static_cast<long double>(l1) * rounding);
+    }
+    return m;
+}
+
+/// check_finite of q and k and the rule of the file comment in the same pass: throws value_error
+/// attend.value.non_finite or attend.value.score_overflow. q, k are checked views of a call of shape s.
+template <class T>
+void check_scores_fit(const strided_view<const T>& q, const strided_view<const T>& k, const attention_shape& s,
+                      T scale) {
+    const long double limit = static_cast<long double>(std::numeric_limits<T>::max()) / 2;
+    const long double sc = static_cast<long double>(scale), grow = std::max<long double>(1, sc);
+    std::vector<row_magnitudes> queries, keys;
+    allocating(
+        [&] {
+            queries.resize(static_cast<std::size_t>(s.batch * s.heads));
+            keys.resize(static_cast<std::size_t>(s.batch * s.kv_heads));
+        },
+        [&] {
+            return allocation_text("the input scan's per-head magnitudes", std::array<index, 2>{s.batch, s.heads},
+                                   2 * sizeof(row_magnitudes));
+        },
+        "Split the call over the batch");
+    for (index b = 0; b < s.batch; ++b)
+        for (index h = 0; h < s.heads; ++h)
+            queries[static_cast<std::size_t>(b * s.heads + h)] = scan_magnitudes(q, b, h, "query");
+    for (index b = 0; b < s.batch; ++b)
+        for (index h = 0; h < s.kv_heads; ++h)
+            keys[static_cast<std::size_t>(b * s.kv_heads + h)] = scan_magnitudes(k, b, h, "key");
+    for (index b = 0; b < s.batch; ++b)
+        for (index h = 0; h < s.heads; ++h) {
+            const index kvh = s.kv_head(h);
+            const row_magnitudes qm = queries[static_cast<std::size_t>(b * s.heads + h)];
+            const row_magnitudes km = keys[static_cast<std::size_t>(b * s.kv_heads + kvh)];
+            if (sc * qm.max_abs > limit)
+                throw value_error("attend.value.score_overflow",
+                                  concat("scale ", static_cast<double>(scale), " x a query element of magnitude ",
+                                         static_cast<double>(qm.max_abs), " (batch ", b, ", head ", h,
+                                         ") leaves half the range of the scores' type (", static_cast<double>(limit),
+                                         "); rescale the inputs"));
+            // |q.k| <= sum_d |q_d| |k_d| <= ||q||_1 max_d |k_d|: one product bounds every pair of this head.
+            if (grow * qm.max_l1 * km.max_abs <= limit) continue;
+            for (index i = 0; i < s.query_len; ++i)
+                for (index j = 0; j < s.key_len; ++j) {
+                    const T* qi = q.row(b, h, i);
+                    const T* kj = k.row(b, kvh, j);
+                    long double sum = 0;
+                    for (index d = 0; d < s.head_dim; ++d)
+                        sum += std::fabs(static_cast<long double>(qi[d]) * static_cast<long double>(kj[d]));
+                    if (grow * sum > limit)
+                        throw value_error("attend.value.score_overflow",
+                                          concat("the score of query ", i, " and key ", j, " (batch ", b, ", head ", h,
+                                                 ") can reach ", static_cast<double>(grow * sum),
+                                                 ", beyond half the range of the scores' type (",
+                                                 static_cast<double>(limit),
+                                                 "): it would overflow to inf; rescale q or k (or lower the scale)"));
+                }
+        }
+}
+
+}  // namespace attend::detail
