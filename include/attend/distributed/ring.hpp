@@ -10,6 +10,9 @@
 /// no later rank needs is not sent. Dropout uses global positions, so it drops what one process would.
 /// Not included by attend.hpp: link attend::distributed (attend plus MPI::MPI_CXX).
 ///
+/// A step's blocks are computed on a worker thread while the calling thread keeps the transfers moving; only the
+/// calling thread calls MPI, so initialize MPI with at least MPI_THREAD_FUNNELED (MPI_Init_thread).
+///
 /// Every rank must call with the same mask and options. Errors: any check that fails on one rank (shapes,
 /// options, non-finite inputs, empty rows) is thrown on every rank with the same id and message, and no rank
 /// is left waiting. Rank-3 inputs are not supported: give them a heads axis of 1.
