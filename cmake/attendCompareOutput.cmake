@@ -1,7 +1,9 @@
-# cmake -DPROGRAM=<exe> -DEXPECTED=<file> -DACTUAL=<file> -P attendCompareOutput.cmake
-# Runs PROGRAM and requires exit code 0 and stdout byte-for-byte equal to EXPECTED. The output is kept in
-# ACTUAL; on a mismatch it is shown as a diff (after reading it, refresh with: cp ACTUAL EXPECTED).
-execute_process(COMMAND ${PROGRAM} RESULT_VARIABLE result OUTPUT_VARIABLE actual)
+# cmake -DPROGRAM=<exe> -DEXPECTED=<file> -DACTUAL=<file> [-DLAUNCHER="mpiexec -n 2"] -P attendCompareOutput.cmake
+# Runs PROGRAM (through LAUNCHER, a space-separated command line, when given) and requires exit code 0 and stdout
+# byte-for-byte equal to EXPECTED. The output is kept in ACTUAL; on a mismatch it is shown as a diff (after
+# reading it, refresh with: cp ACTUAL EXPECTED).
+separate_arguments(launcher UNIX_COMMAND "${LAUNCHER}")
+execute_process(COMMAND ${launcher} ${PROGRAM} RESULT_VARIABLE result OUTPUT_VARIABLE actual)
 file(WRITE ${ACTUAL} "${actual}")
 if(NOT result EQUAL 0)
   message("${actual}")

@@ -43,6 +43,11 @@ struct dropout_options {
     double probability = 0;  ///< in [0, 1)
     std::uint64_t seed = 0;  ///< with (batch, head, query, key) it fully determines which weights are dropped
     bool training = false;
+    /// Where this call's queries and keys sit in a longer sequence (>= 0): the decisions are those of query
+    /// i + query_offset and key j + key_offset, so attention computed block by block (ring attention over shards)
+    /// drops exactly what one call over the whole sequence drops. 0 for an ordinary call.
+    index query_offset = 0;
+    index key_offset = 0;  ///< see query_offset
 };
 
 /// Options of scaled_dot_product_attention.
@@ -93,7 +98,12 @@ kernel_params<T> checked_params(const attention_shape& s, const sdpa_options& o)
     const double pd = o.dropout.probability;
     if (!(pd >= 0 && pd < 1))
         throw value_error("attend.value.dropout", concat("dropout probability ", pd, " must be in [0, 1)"));
+    if (o.dropout.query_offset < 0 || o.dropout.key_offset < 0)
+        throw value_error("attend.value.dropout", concat("dropout query_offset ", o.dropout.query_offset,
+                                                         " and key_offset ", o.dropout.key_offset, " must be >= 0"));
     if (o.dropout.training && pd > 0) {
+        p.dropout.query_offset = o.dropout.query_offset;
+        p.dropout.key_offset = o.dropout.key_offset;
         p.dropout.seed = o.dropout.seed;
         p.dropout.probability = pd;
         p.dropout.keep_scale = 1.0 / (1.0 - pd);

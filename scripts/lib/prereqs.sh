@@ -3,7 +3,7 @@
 # with apt-get when running as root; otherwise the exact install line is printed and the script exits 1.
 # Test hook: ATTEND_PREREQ_FAKE_MISSING="cmake libgtest-dev" treats the listed commands/packages as missing.
 
-attend_prereq_packages=(libeigen3-dev libgtest-dev libbenchmark-dev nlohmann-json3-dev)
+attend_prereq_packages=(libeigen3-dev libgtest-dev libbenchmark-dev nlohmann-json3-dev openmpi-bin libopenmpi-dev)
 
 attend_fake_missing() {
     [[ " ${ATTEND_PREREQ_FAKE_MISSING:-} " == *" $1 "* ]]

@@ -14,15 +14,18 @@ inline double dropout_uniform(std::uint64_t seed, index b, index h, index i, ind
     return counter_uniform(seed, 0x9e3779b97f4a7c15ULL, b, h, i, j);
 }
 
-/// Keeps a weight with probability 1 - p.
+/// Keeps a weight with probability 1 - p. The offsets place a call's queries and keys in a longer sequence
+/// (a shard of ring attention), so a block of that sequence drops exactly what the whole would drop there.
 struct dropout_rule {
     std::uint64_t seed = 0;
     double probability = 0;
     double keep_scale = 1;  ///< 1 / (1 - p), applied to kept weights
+    index query_offset = 0;  ///< position of the call's query 0 in the sequence the decisions are drawn for
+    index key_offset = 0;    ///< position of the call's key 0 in that sequence
 
     bool active() const { return probability > 0; }
     bool keep(index b, index h, index i, index j) const {
-        return dropout_uniform(seed, b, h, i, j) >= probability;
+        return dropout_uniform(seed, b, h, i + query_offset, j + key_offset) >= probability;
     }
 };
 

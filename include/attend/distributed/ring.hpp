@@ -1,0 +1,799 @@
+#pragma once
+/// Ring attention over MPI: exact scaled-dot-product attention of a sequence sharded over the ranks of a
+/// communicator (Ring Attention, Liu et al. 2023; context parallelism). Each rank holds a shard of the queries,
+/// keys and values, `[batch, heads, shard_len, head_dim]` / `[batch, kv_heads, shard_len, head_dim | value_dim]`;
+/// K / V shards travel around the ring with non-blocking sends and receives posted before the computation on
+/// the shard in hand, and each rank merges its partial results by their log-sum-exp (merge_partials) in ring
+/// order, a fixed order, so results do not depend on timing. Masks are written for the full sequence (causal,
+/// sliding_window, key_padding, dense masks of the full `[.., total, total]` shape, and their combinations)
+/// and every block is evaluated in global coordinates; a block the mask leaves empty is not computed and a shard
+/// no later rank needs is not sent. Dropout uses global positions, so it drops what one process would.
+/// Not included by attend.hpp: link attend::distributed (attend plus MPI::MPI_CXX).
+///
+/// A step's blocks are computed on a worker thread while the calling thread keeps the transfers moving; only the
+/// calling thread calls MPI, so initialize MPI with at least MPI_THREAD_FUNNELED (MPI_Init_thread).
+///
+/// Every rank must call with the same mask and options. Errors: any check that fails on one rank (shapes,
+/// options, non-finite inputs, empty rows) is thrown on every rank with the same id and message, and no rank
+/// is left waiting. Rank-3 inputs are not supported: give them a heads axis of 1.
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <future>
+#include <initializer_list>
+#include <limits>
+#include <optional>
+#include <system_error>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <mpi.h>
+
+#include "../backward.hpp"
+#include "../merge.hpp"
+#include "../sdpa.hpp"
+#include "detail/block_mask.hpp"
+#include "detail/mpi_agreement.hpp"
+#include "sharding.hpp"
+
+namespace attend::distributed {
+
+/// Options of ring_attention and ring_attention_backward; the same on every rank (checked:
+/// attend.value.ring_options).
+struct ring_options {
+    std::optional<double> scale;                                ///< default 1 / sqrt(head_dim)
+    attend::empty_rows empty_rows = attend::empty_rows::error;  ///< judged on the full sequence, not per block
+    dropout_options dropout;  ///< offsets, if any, are added to the global positions of the shards
+    int threads = 1;          ///< threads of each rank's kernel calls; 1 suits one rank per core
+    attend::kernel kernel = attend::kernel::automatic;
+    bool check_finite = true;
+    sharding layout = sharding::contiguous;  ///< how the shard lengths of the ranks map onto the sequence
+};
+
+/// What one rank did in one call. Everything but compute_seconds is deterministic (a function of shapes, mask and
+/// layout only).
+struct ring_statistics {
+    index blocks_computed = 0;    ///< (query run, key run) blocks computed on this rank
+    index blocks_skipped = 0;     ///< blocks the mask leaves empty, neither computed nor (when no later rank needs
+                                  ///< the shard) received
+    index shards_sent = 0;        ///< K / V shards (with their gradients, backward) sent to the next rank
+    std::int64_t bytes_sent = 0;  ///< every byte this rank sent
+    double compute_seconds = 0;   ///< wall time in this rank's block computations and merges (not in waits):
+                                  ///< the work balance of a sharding, as time
+};
+
+/// This rank's share of ring attention: out `[batch, heads, shard_len, value_dim]` and lse `[batch, heads,
+/// shard_len]` of its queries over the whole sequence, as one process would compute for those rows.
+template <class T>
+struct ring_attention_result {
+    tensor<T, 4> out;
+    tensor<T, 3> lse;
+    ring_statistics statistics;
+};
+
+/// This rank's gradients: dq like its q, dk / dv like its k / v, each over the whole sequence's loss.
+template <class T>
+struct ring_gradients {
+    tensor<T, 4> dq;
+    tensor<T, 4> dk;
+    tensor<T, 4> dv;
+    ring_statistics statistics;
+};
+
+namespace detail {
+
+using attend::detail::concat;
+using attend::detail::format_shape;
+
+template <class T>
+MPI_Datatype mpi_type() {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                  "attend: ring attention runs on float or double tensors");
+    return std::is_same_v<T, float> ? MPI_FLOAT : MPI_DOUBLE;
+}
+
+/// Adds the wall time of its scope to `seconds`.
+class stopwatch {
+public:
+    explicit stopwatch(double& seconds) : seconds_(seconds), start_(std::chrono::steady_clock::now()) {}
+    ~stopwatch() { seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+    stopwatch(const stopwatch&) = delete;
+    stopwatch& operator=(const stopwatch&) = delete;
+
+private:
+    double& seconds_;
+    std::chrono::steady_clock::time_point start_;
+};
+
+/// A duplicate of the caller's communicator for the duration of one call, so the ring's messages can never match
+/// messages the caller has in flight on the same communicator. Creating and freeing it are collective, like the
+/// call itself.
+class private_communicator {
+public:
+    explicit private_communicator(MPI_Comm comm) { MPI_Comm_dup(comm, &comm_); }
+    ~private_communicator() { MPI_Comm_free(&comm_); }
+    private_communicator(const private_communicator&) = delete;
+    private_communicator& operator=(const private_communicator&) = delete;
+    MPI_Comm get() const { return comm_; }
+
+private:
+    MPI_Comm comm_ = MPI_COMM_NULL;
+};
+
+/// Message tags: K / V shards, gradient accumulators on their way along the ring, and finished gradients going
+/// home to the shard's owner.
+enum ring_tag : int { tag_kv = 7101, tag_accumulator = 7102, tag_home = 7103 };
+
+/// Non-blocking sends and receives of a buffer of any length (MPI counts are int: long buffers go in pieces).
+class request_set {
+public:
+    template <class T>
+    void send(const T* data, std::size_t count, int peer, int tag, MPI_Comm comm) {
+        for_pieces(count, [&](std::size_t at, int n) {
+            requests_.emplace_back();
+            MPI_Isend(data + at, n, mpi_type<T>(), peer, tag, comm, &requests_.back());
+        });
+    }
+    template <class T>
+    void receive(T* data, std::size_t count, int peer, int tag, MPI_Comm comm) {
+        for_pieces(count, [&](std::size_t at, int n) {
+            requests_.emplace_back();
+            MPI_Irecv(data + at, n, mpi_type<T>(), peer, tag, comm, &requests_.back());
+        });
+    }
+    void wait() {
+        if (!requests_.empty()) MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
+        requests_.clear();
+    }
+    /// Lets MPI move data of pending requests; true when all are complete.
+    bool test() {
+        int done = 1;
+        if (!requests_.empty())
+            MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done, MPI_STATUSES_IGNORE);
+        return done != 0;
+    }
+    ~request_set() { wait(); }  // never leave a request pending on the way out of an exception
+
+private:
+    template <class F>
+    static void for_pieces(std::size_t count, F&& f) {
+        constexpr std::size_t piece = std::size_t(1) << 30;
+        for (std::size_t at = 0; at < count; at += piece) f(at, static_cast<int>(std::min(piece, count - at)));
+    }
+    std::vector<MPI_Request> requests_;
+};
+
+/// Runs `compute` (which must not throw) on a worker thread while this thread keeps the transfers moving.
+/// Many MPI transports (TCP, shared-memory copy-in / copy-out) move a large message only while the MPI library
+/// is called; without these calls a transfer posted before the compute would happen inside the final wait, after
+/// it, and nothing would overlap. Only the calling thread calls MPI (MPI_THREAD_FUNNELED is enough). The results
+/// do not depend on when the polls happen.
+template <class F>
+void compute_while_progressing(F& compute, std::initializer_list<request_set*> transfers, double multiply_adds) {
+    const auto all_done = [&] {
+        bool done = true;
+        for (request_set* r : transfers) done = r->test() && done;
+        return done;
+    };
+    // A step too small to hide anything behind (4 M multiply-adds, a fraction of a millisecond) runs here: a thread
+    // would cost about as much as the transfer it could hide.
+    if (multiply_adds < 1 << 22 || all_done()) {
+        compute();
+        return;
+    }
+    std::future<void> running;
+    try {
+        running = std::async(std::launch::async, [&compute] { compute(); });
+    } catch (const std::system_error&) {  // no thread to be had: compute here, the transfers finish in the wait
+        compute();
+        return;
+    }
+    while (running.wait_for(std::chrono::milliseconds(1)) != std::future_status::ready)
+        if (all_done()) break;
+    running.get();
+}
+
+/// The shapes every rank agreed on, the layouts of the query and key shards over the sequence, and the score
+/// shape of the full sequence that masks are bound to.
+struct ring_geometry {
+    int rank = 0;
+    int ranks = 1;
+    index batch = 0, heads = 0, kv_heads = 0, head_dim = 0, value_dim = 0;
+    shard_layout queries{sharding::contiguous, {0}};
+    shard_layout keys{sharding::contiguous, {0}};
+    attention_shape global;
+
+    int next() const { return (rank + 1) % ranks; }
+    int previous() const { return (rank + ranks - 1) % ranks; }
+    /// The shard rank `r` holds at step t: the ring moves shards forward by one rank per step.
+    int shard_at(int r, int t) const { return ((r - t) % ranks + ranks) % ranks; }
+    /// Elements of shard s's keys and values, packed [k | v] in one buffer.
+    std::size_t kv_elements(int s) const {
+        return static_cast<std::size_t>(batch * kv_heads * keys.shard_length(s) * (head_dim + value_dim));
+    }
+    std::size_t largest_kv_elements() const {
+        std::size_t largest = 0;
+        for (int s = 0; s < ranks; ++s) largest = std::max(largest, kv_elements(s));
+        return largest;
+    }
+};
+
+/// Multiply-adds of one step's attention without a mask (an upper bound: masked tiles are skipped).
+inline double step_work(const ring_geometry& g, index query_len, index key_len, bool computing) {
+    return computing
+               ? double(g.batch * g.heads) * double(query_len) * double(key_len) * double(g.head_dim + g.value_dim)
+               : 0;
+}
+
+/// What every rank reports about its call before anything is sent: its error (if a local check failed), its
+/// shapes and its options, gathered from all ranks so every rank takes the same decision.
+struct rank_summary {
+    std::int64_t failed = 0, batch = 0, heads = 0, kv_heads = 0, query_len = 0, key_len = 0, head_dim = 0,
+                 value_dim = 0;
+    std::int64_t options[9] = {};
+};
+
+inline std::int64_t bits_of(double x) {
+    std::int64_t b = 0;
+    std::memcpy(&b, &x, sizeof b);
+    return b;
+}
+
+inline void describe_options(const ring_options& o, std::int64_t (&out)[9]) {
+    out[0] = o.scale ? 1 : 0;
+    out[1] = o.scale ? bits_of(*o.scale) : 0;
+    out[2] = static_cast<std::int64_t>(o.empty_rows);
+    out[3] = bits_of(o.dropout.probability);
+    out[4] = static_cast<std::int64_t>(o.dropout.seed);
+    out[5] = o.dropout.training ? 1 : 0;
+    out[6] = o.dropout.query_offset;
+    out[7] = o.dropout.key_offset;
+    out[8] = static_cast<std::int64_t>(o.layout);
+}
+
+/// Collective. Checks q, k, v on this rank (plus `local_checks`, e.g. the backward's out / lse / d_out), gathers
+/// every rank's shapes and options, and throws the same error on every rank when one rank's check failed
+/// (that rank's error), when batch, heads or kv_heads differ (attend.shape.ring_heads), head_dim or value_dim
+/// differ (attend.shape.ring_head_dim), the query shards and key shards cover different totals
+/// (attend.shape.ring_total) or the options differ (attend.value.ring_options).
+template <class Q, class K, class V, class LocalChecks>
+ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm comm, const ring_options& options,
+                                LocalChecks&& local_checks) {
+    ring_geometry g;
+    MPI_Comm_rank(comm, &g.rank);
+    MPI_Comm_size(comm, &g.ranks);
+    rank_summary mine;
+    const auto error = capture_errors([&] {
+        // A rank may hold no keys (ragged shards); check_shapes would reject key_len 0, which only the whole
+        // sequence must not have, so such a shard is checked as if it had one key.
+        auto qv = attend::detail::as_view(q), kv = attend::detail::as_view(k), vv = attend::detail::as_view(v);
+        const bool no_keys = kv.dims[2] == 0 && vv.dims[2] == 0;
+        if (no_keys) kv.dims[2] = vv.dims[2] = 1;
+        attention_shape s = attend::detail::check_views(qv, kv, vv);
+        if (no_keys) s.key_len = 0;
+        mine.batch = s.batch;
+        mine.heads = s.heads;
+        mine.kv_heads = s.kv_heads;
+        mine.query_len = s.query_len;
+        mine.key_len = s.key_len;
+        mine.head_dim = s.head_dim;
+        mine.value_dim = s.value_dim;
+        local_checks(s);
+    });
+    mine.failed = error ? 1 : 0;
+    describe_options(options, mine.options);
+    constexpr int fields = static_cast<int>(sizeof(rank_summary) / sizeof(std::int64_t));
+    std::vector<rank_summary> all(static_cast<std::size_t>(g.ranks));
+    MPI_Allgather(&mine, fields, MPI_INT64_T, all.data(), fields, MPI_INT64_T, comm);
+
+    for (int r = 0; r < g.ranks; ++r)
+        if (all[static_cast<std::size_t>(r)].failed) throw_from(comm, r, error);
+    const auto spell = [&](auto field) {
+        std::string text;
+        for (int r = 0; r < g.ranks; ++r)
+            text += concat(r ? ", " : "", "rank ", r, ' ', field(all[static_cast<std::size_t>(r)]));
+        return text;
+    };
+    const rank_summary& first = all[0];
+    for (const rank_summary& s : all)
+        if (s.batch != first.batch || s.heads != first.heads || s.kv_heads != first.kv_heads)
+            throw shape_error(
+                "attend.shape.ring_heads",
+                concat("batch, heads and kv_heads must be the same on every rank: ", spell([](const rank_summary& x) {
+                           return concat("[batch ", x.batch, ", heads ", x.heads, ", kv_heads ", x.kv_heads, ']');
+                       })));
+    for (const rank_summary& s : all)
+        if (s.head_dim != first.head_dim || s.value_dim != first.value_dim)
+            throw shape_error(
+                "attend.shape.ring_head_dim",
+                concat("head_dim and value_dim must be the same on every rank: ", spell([](const rank_summary& x) {
+                           return concat("head_dim ", x.head_dim, " value_dim ", x.value_dim);
+                       })));
+    std::vector<index> query_lengths, key_lengths;
+    for (const rank_summary& s : all) {
+        query_lengths.push_back(s.query_len);
+        key_lengths.push_back(s.key_len);
+    }
+    g.queries = shard_layout(options.layout, query_lengths);
+    g.keys = shard_layout(options.layout, key_lengths);
+    if (g.keys.total() == 0)
+        throw shape_error("attend.shape.empty_keys",
+                          concat("every key shard is empty: no query has a key to attend (",
+                                 spell([](const rank_summary& x) { return concat("key_len ", x.key_len); }), ')'));
+    if (g.queries.total() != g.keys.total())
+        throw shape_error("attend.shape.ring_total",
+                          concat("the query shards hold ", g.queries.total(), " positions but the key shards ",
+                                 g.keys.total(), " (", spell([](const rank_summary& x) {
+                                     return concat("query_len ", x.query_len, " key_len ", x.key_len);
+                                 }),
+                                 "); ring attention shards one sequence, so the totals must match"));
+    for (const rank_summary& s : all)
+        if (!std::equal(std::begin(s.options), std::end(s.options), std::begin(first.options)))
+            throw value_error("attend.value.ring_options",
+                              concat("ring_options differ between rank 0 and rank ", &s - all.data(),
+                                     " (scale, empty_rows, dropout and layout must be the same on every rank)"));
+    g.batch = first.batch;
+    g.heads = first.heads;
+    g.kv_heads = first.kv_heads;
+    g.head_dim = first.head_dim;
+    g.value_dim = first.value_dim;
+    g.global.batch = g.batch;
+    g.global.heads = g.heads;
+    g.global.kv_heads = g.kv_heads;
+    g.global.query_len = g.queries.total();
+    g.global.key_len = g.keys.total();
+    g.global.head_dim = g.head_dim;
+    g.global.value_dim = g.value_dim;
+    g.global.rank = 4;
+    return g;
+}
+
+/// Which blocks each rank computes and how far each shard travels. needs(r, s): some block of rank r's queries
+/// x shard s's keys is not empty. travel(s): the last step at which a rank needs shard s (0: only its owner, or
+/// nobody); the shard is sent from step 0 to travel(s) - 1 and not beyond.
+struct ring_plan {
+    std::vector<char> needed;  ///< [rank * ranks + shard]
+    std::vector<int> travel;   ///< [shard]
+    int ranks = 1;
+
+    bool needs(int r, int s) const { return needed[static_cast<std::size_t>(r * ranks + s)] != 0; }
+    bool holds(int t, int s) const { return t <= travel[static_cast<std::size_t>(s)]; }
+
+    template <class Bound>
+    static ring_plan make(const ring_geometry& g, const Bound& mask) {
+        ring_plan p;
+        p.ranks = g.ranks;
+        p.needed.assign(static_cast<std::size_t>(g.ranks * g.ranks), 0);
+        p.travel.assign(static_cast<std::size_t>(g.ranks), 0);
+        for (int r = 0; r < g.ranks; ++r)
+            for (int s = 0; s < g.ranks; ++s)
+                for (const shard_segment& qs : g.queries.segments(r))
+                    for (const shard_segment& ks : g.keys.segments(s))
+                        if (!block_is_empty(mask, g.batch, g.heads, qs.global_begin, qs.global_begin + qs.length,
+                                            ks.global_begin, ks.global_begin + ks.length))
+                            p.needed[static_cast<std::size_t>(r * g.ranks + s)] = 1;
+        for (int s = 0; s < g.ranks; ++s)
+            for (int t = 0; t < g.ranks; ++t)
+                if (p.needs((s + t) % g.ranks, s)) p.travel[static_cast<std::size_t>(s)] = t;
+        return p;
+    }
+};
+
+/// Rows [local_begin, local_begin + length) of axis 2 of a `[batch, heads, len, dim]` buffer, copied out, or the
+/// buffer itself (no copy) when the run covers it.
+template <class T>
+class run_of {
+public:
+    run_of(const T* data, std::array<index, 4> dims, const shard_segment& run) : source_(data), dims_(dims) {
+        dims_[2] = run.length;
+        if (run.local_begin == 0 && run.length == dims[2]) return;
+        copy_ = const_tensor_view<T, 4>(data, dims).slice(std::array<index, 4>{0, 0, run.local_begin, 0}, dims_);
+    }
+    const_tensor_view<T, 4> operator*() const { return {copy_.size() ? copy_.data() : source_, dims_}; }
+
+private:
+    const T* source_;
+    std::array<index, 4> dims_;
+    tensor<T, 4> copy_;
+};
+
+/// Lse (`[batch, heads, len]`) rows of one run.
+template <class T>
+tensor<T, 3> lse_run(const T* data, std::array<index, 3> dims, const shard_segment& run) {
+    const const_tensor_view<T, 3> whole(data, dims);
+    std::array<index, 3> extent = dims;
+    extent[2] = run.length;
+    return whole.slice(std::array<index, 3>{0, 0, run.local_begin}, extent);
+}
+
+/// dest rows [run.local_begin, ..) of a `[batch, heads, len, dim]` buffer += part `[batch, heads, run.length,
+/// dim]`.
+template <class T>
+void add_run(const tensor<T, 4>& part, T* dest, index len, const shard_segment& run) {
+    const index batch = part.dimension(0), heads = part.dimension(1), dim = part.dimension(3);
+    for (index b = 0; b < batch; ++b)
+        for (index h = 0; h < heads; ++h)
+            for (index i = 0; i < run.length; ++i) {
+                const T* from = part.data() + ((b * heads + h) * run.length + i) * dim;
+                T* to = dest + ((b * heads + h) * len + run.local_begin + i) * dim;
+                for (index d = 0; d < dim; ++d) to[d] += from[d];
+            }
+}
+
+/// The options of one block call: the ring's, evaluated with empty rows allowed (a row empty in one block may
+/// have keys in another; the ring judges empty rows on the whole sequence) and dropout at global positions.
+inline sdpa_options block_options(const ring_options& o, const shard_segment& queries, const shard_segment& keys,
+                                  bool need_lse) {
+    sdpa_options s;
+    s.scale = o.scale;
+    s.empty_rows = attend::empty_rows::zero;
+    s.dropout = o.dropout;
+    s.dropout.query_offset += queries.global_begin;
+    s.dropout.key_offset += keys.global_begin;
+    s.threads = o.threads;
+    s.kernel = o.kernel;
+    s.check_finite = o.check_finite;
+    s.need_lse = need_lse;
+    return s;
+}
+
+/// Collective, the last step of every call: agrees on the first error any rank met while computing; then, under
+/// empty_rows::error, on the first query of the whole sequence (in batch, head, position order) with no allowed
+/// key, and throws the same mask_error attend.mask.empty_row on every rank, worded as one process words it.
+template <class T, class Bound>
+void finish_agreement(MPI_Comm comm, const std::optional<captured_error>& error, const ring_geometry& g,
+                      const Bound& mask, const tensor<T, 3>* lse, const ring_options& o) {
+    agree_on_errors(comm, error);
+    if (o.empty_rows != attend::empty_rows::error) return;
+    const index total = g.global.query_len;
+    std::int64_t first = std::numeric_limits<std::int64_t>::max();
+    for (const shard_segment& run : g.queries.segments(g.rank))
+        for (index b = 0; b < g.batch; ++b)
+            for (index h = 0; h < g.heads; ++h)
+                for (index i = 0; i < run.length; ++i) {
+                    const index position = run.global_begin + i;
+                    if ((*lse)(b, h, run.local_begin + i) == -std::numeric_limits<T>::infinity() &&
+                        !mask.query_padded(b, position))
+                        first = std::min<std::int64_t>(first, (b * g.heads + h) * total + position);
+                }
+    std::int64_t lowest = first;
+    MPI_Allreduce(&first, &lowest, 1, MPI_INT64_T, MPI_MIN, comm);
+    if (lowest == std::numeric_limits<std::int64_t>::max()) return;
+    const index position = lowest % total, bh = lowest / total;
+    throw mask_error("attend.mask.empty_row",
+                     concat("query ", position, " of batch ", bh / g.heads, ", head ", bh % g.heads,
+                            " has no allowed key, so softmax is undefined; fix the mask, mark padded "
+                            "queries with query_padding, or pass empty_rows::zero"));
+}
+
+template <class X>
+void require_rank4() {
+    static_assert(attend::detail::tensor_traits<std::decay_t<X>>::rank == 4,
+                  "attend: ring attention takes [batch, heads, len, dim] tensors; give rank-3 inputs a heads axis "
+                  "of 1");
+}
+
+}  // namespace detail
+
+/// Ring attention forward. Every rank passes its shard: q `[batch, heads, query_shard_len, head_dim]`, k
+/// `[batch, kv_heads, key_shard_len, head_dim]`, v `[batch, kv_heads, key_shard_len, value_dim]` (tensors or
+/// TensorMaps, row-major; shard lengths may differ between ranks, and options.layout says which positions of the
+/// sequence each shard holds: see shard_layout). `mask` is written for the whole sequence, e.g.
+/// causal(alignment::top_left), sliding_window(l, r), key_padding(lengths), or a dense mask broadcastable to
+/// `[batch, heads, total, total]`; it must be the same on every rank. GQA as in scaled_dot_product_attention.
+/// Returns this rank's rows of out and lse. Collective over the communicator (used through a private duplicate): every
+/// rank must call it. Throws, on every rank alike, everything scaled_dot_product_attention throws, shape_error
+/// attend.shape.ring_heads / ring_head_dim / ring_total, value_error attend.value.ring_options and mask_error
+/// attend.mask.empty_row (judged on the whole sequence).
+template <class Q, class K, class V, class Mask>
+ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, const K& k, const V& v, const Mask& mask,
+                                                                   MPI_Comm user_comm,
+                                                                   const ring_options& options = {}) {
+    attend::detail::require_mask<Mask>();
+    detail::require_rank4<Q>();
+    using T = attend::detail::scalar_of<Q>;
+    (void)detail::mpi_type<T>();
+    const detail::private_communicator own(user_comm);
+    const MPI_Comm comm = own.get();
+    const auto noop = [](const attention_shape&) {};
+    const detail::ring_geometry g = detail::agree_on_geometry(q, k, v, comm, options, noop);
+
+    ring_attention_result<T> result;
+    const index query_len = g.queries.shard_length(g.rank);
+    const std::array<index, 4> q_dims{g.batch, g.heads, query_len, g.head_dim};
+    const auto& query_runs = g.queries.segments(g.rank);
+    std::vector<std::optional<partial_attention<T, 4>>> partial(query_runs.size());
+    std::vector<detail::run_of<T>> query_of_run;
+    std::vector<T> current, incoming;  // K / V packed [k | v]: the shard in hand (first this rank's), the next one
+
+    // Bind the mask to the whole sequence, plan the ring and allocate every buffer: an error here (a mask that
+    // does not fit the full shape, memory) is agreed before anything is sent.
+    std::optional<decltype(mask.bind(g.global))> bound;
+    detail::ring_plan plan;
+    const auto prepare = [&] {
+        bound.emplace(mask.bind(g.global));
+        plan = detail::ring_plan::make(g, *bound);
+        query_of_run.reserve(query_runs.size());
+        for (const shard_segment& run : query_runs) query_of_run.emplace_back(q.data(), q_dims, run);
+        current.reserve(g.largest_kv_elements());  // later resizes never allocate
+        incoming.reserve(g.largest_kv_elements());
+        current.resize(g.kv_elements(g.rank));
+    };
+    detail::agree_on_errors(comm, detail::capture_errors(prepare));
+    std::copy(k.data(), k.data() + k.size(), current.begin());
+    std::copy(v.data(), v.data() + v.size(), current.begin() + k.size());
+
+    std::optional<detail::captured_error> error;
+    for (int t = 0; t < g.ranks; ++t) {
+        const int shard = g.shard_at(g.rank, t), arriving = g.shard_at(g.rank, t + 1);
+        // A shard no rank from here on needs went no further: nothing to compute on or send, though the next
+        // one may still arrive.
+        const bool holding = plan.holds(t, shard);
+        detail::request_set transfers;
+        if (t + 1 < g.ranks && plan.holds(t + 1, arriving)) {
+            incoming.resize(g.kv_elements(arriving));
+            transfers.receive(incoming.data(), incoming.size(), g.previous(), detail::tag_kv, comm);
+        }
+        if (holding && t + 1 < g.ranks && plan.holds(t + 1, shard)) {
+            transfers.send(current.data(), current.size(), g.next(), detail::tag_kv, comm);
+            ++result.statistics.shards_sent;
+            result.statistics.bytes_sent += static_cast<std::int64_t>(current.size() * sizeof(T));
+        }
+        const index key_len = g.keys.shard_length(shard);
+        const std::array<index, 4> k_dims{g.batch, g.kv_heads, key_len, g.head_dim},
+            v_dims{g.batch, g.kv_heads, key_len, g.value_dim};
+        const T* values = current.data() + g.batch * g.kv_heads * key_len * g.head_dim;
+        const auto compute = [&] {
+            for (std::size_t qi = 0; holding && qi < query_runs.size(); ++qi)
+                for (const shard_segment& key_run : g.keys.segments(shard)) {
+                    const shard_segment& query_run = query_runs[qi];
+                    if (error || detail::block_is_empty(*bound, g.batch, g.heads, query_run.global_begin,
+                                                        query_run.global_begin + query_run.length, key_run.global_begin,
+                                                        key_run.global_begin + key_run.length)) {
+                        ++result.statistics.blocks_skipped;
+                        continue;
+                    }
+                    ++result.statistics.blocks_computed;
+                    const detail::stopwatch watch(result.statistics.compute_seconds);
+                    error = detail::capture_errors([&] {
+                        const detail::run_of<T> keys(current.data(), k_dims, key_run), vals(values, v_dims, key_run);
+                        auto block = scaled_dot_product_attention(
+                            *query_of_run[qi], *keys, *vals,
+                            detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin),
+                            detail::block_options(options, query_run, key_run, true));
+                        auto& acc = partial[qi];
+                        if (!acc)
+                            acc = partial_attention<T, 4>{std::move(block.out), std::move(block.lse)};
+                        else
+                            acc = merge_partials(acc->out, acc->lse, block.out, block.lse);
+                    });
+                }
+        };
+        detail::compute_while_progressing(compute, {&transfers}, detail::step_work(g, query_len, key_len, holding));
+        transfers.wait();
+        if (t + 1 < g.ranks && plan.holds(t + 1, arriving)) std::swap(current, incoming);
+    }
+
+    // Assemble this rank's rows; a run no block reached has no allowed key: zero rows, lse -inf.
+    if (!error)
+        error = detail::capture_errors([&] {
+            result.out.resize(g.batch, g.heads, query_len, g.value_dim);
+            result.lse.resize(g.batch, g.heads, query_len);
+            result.out.setZero();
+            result.lse.setConstant(-std::numeric_limits<T>::infinity());
+            for (std::size_t qi = 0; qi < query_runs.size(); ++qi) {
+                if (!partial[qi]) continue;
+                const shard_segment& run = query_runs[qi];
+                result.out.slice(std::array<index, 4>{0, 0, run.local_begin, 0},
+                                 std::array<index, 4>{g.batch, g.heads, run.length, g.value_dim}) = partial[qi]->out;
+                result.lse.slice(std::array<index, 3>{0, 0, run.local_begin},
+                                 std::array<index, 3>{g.batch, g.heads, run.length}) = partial[qi]->lse;
+            }
+        });
+    detail::finish_agreement(comm, error, g, *bound, &result.lse, options);
+    return result;
+}
+
+/// Ring attention forward without a mask.
+template <class Q, class K, class V>
+auto ring_attention(const Q& q, const K& k, const V& v, MPI_Comm comm, const ring_options& options = {}) {
+    return ring_attention(q, k, v, no_mask{}, comm, options);
+}
+
+/// Ring attention backward: this rank's dq, dk, dv of a loss given d_out = d loss / d out, for the shards and
+/// out / lse of ring_attention (out, d_out `[batch, heads, query_shard_len, value_dim]`, lse `[batch, heads,
+/// query_shard_len]`), with the same mask and options. K / V shards travel the ring again; each shard's dK / dV
+/// accumulator travels behind it, each rank adding its contribution in ring order (a fixed order), and the
+/// finished gradient goes straight home to the shard's owner from the last rank that needs the shard. Dropout is
+/// replayed at global positions. Collective; throws like ring_attention and, for out / lse / d_out of the wrong
+/// shape, shape_error attend.shape.backward_out / backward_lse / backward_d_out, on every rank alike.
+template <class Q, class K, class V, class Out, class Lse, class DOut, class Mask>
+ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q, const K& k, const V& v, const Out& out,
+                                                                     const Lse& lse, const DOut& d_out,
+                                                                     const Mask& mask, MPI_Comm user_comm,
+                                                                     const ring_options& options = {}) {
+    attend::detail::require_mask<Mask>();
+    detail::require_rank4<Q>();
+    detail::require_rank4<Out>();
+    detail::require_rank4<DOut>();
+    using T = attend::detail::scalar_of<Q>;
+    static_assert(std::is_same_v<T, attend::detail::scalar_of<Out>> &&
+                      std::is_same_v<T, attend::detail::scalar_of<Lse>> &&
+                      std::is_same_v<T, attend::detail::scalar_of<DOut>> &&
+                      attend::detail::tensor_traits<std::decay_t<Lse>>::rank == 3,
+                  "attend: out, lse and d_out have the query's scalar type; lse is [batch, heads, len]");
+    const auto local_checks = [&](const attention_shape& s) {
+        const std::array<index, 4> expected{s.batch, s.heads, s.query_len, s.value_dim};
+        const auto check = [&](const auto& x, const char* id, const char* what) {
+            std::array<index, 4> got{};
+            for (std::size_t a = 0; a < 4; ++a) got[a] = x.dimensions()[a];
+            if (got != expected)
+                throw shape_error(id, detail::concat(what, ' ', detail::format_shape(got), " != expected ",
+                                                     detail::format_shape(expected)));
+        };
+        check(out, "attend.shape.backward_out", "out");
+        check(d_out, "attend.shape.backward_d_out", "d_out");
+        const std::array<index, 3> lse_expected{s.batch, s.heads, s.query_len},
+            lse_got{lse.dimensions()[0], lse.dimensions()[1], lse.dimensions()[2]};
+        if (lse_got != lse_expected)
+            throw shape_error("attend.shape.backward_lse",
+                              detail::concat("lse ", detail::format_shape(lse_got), " != expected ",
+                                             detail::format_shape(lse_expected)));
+    };
+    const detail::private_communicator own(user_comm);
+    const MPI_Comm comm = own.get();
+    const detail::ring_geometry g = detail::agree_on_geometry(q, k, v, comm, options, local_checks);
+
+    ring_gradients<T> result;
+    const index query_len = g.queries.shard_length(g.rank), own_keys = g.keys.shard_length(g.rank);
+    const std::array<index, 4> q_dims{g.batch, g.heads, query_len, g.head_dim},
+        o_dims{g.batch, g.heads, query_len, g.value_dim};
+    const std::array<index, 3> lse_dims{g.batch, g.heads, query_len};
+    const auto& query_runs = g.queries.segments(g.rank);
+    struct query_rows {
+        detail::run_of<T> q, out, d_out;
+        tensor<T, 3> lse;
+    };
+    std::vector<query_rows> rows;
+    // K / V packed [k | v] (the shard in hand, the next one), dK / dV packed [dk | dv] (this rank's part, the
+    // accumulator arriving, the one sent last step) and, finished, this rank's own shard's.
+    std::vector<T> current, incoming, accumulator, accumulator_in, accumulator_sent, own_gradient;
+    const auto grad_elements = [&](int s) { return g.kv_elements(s); };  // [dk | dv] has the size of [k | v]
+
+    // Bind the mask to the whole sequence, plan the ring and allocate every buffer: an error here is agreed
+    // before anything is sent.
+    std::optional<decltype(mask.bind(g.global))> bound;
+    detail::ring_plan plan;
+    const auto prepare = [&] {
+        bound.emplace(mask.bind(g.global));
+        plan = detail::ring_plan::make(g, *bound);
+        rows.reserve(query_runs.size());
+        for (const shard_segment& run : query_runs)
+            rows.push_back(query_rows{
+                detail::run_of<T>(q.data(), q_dims, run), detail::run_of<T>(out.data(), o_dims, run),
+                detail::run_of<T>(d_out.data(), o_dims, run), detail::lse_run<T>(lse.data(), lse_dims, run)});
+        result.dq.resize(q_dims);
+        result.dq.setZero();
+        for (auto* buffer : {&current, &incoming, &accumulator, &accumulator_in, &accumulator_sent})
+            buffer->reserve(g.largest_kv_elements());  // later resizes never allocate
+        current.resize(g.kv_elements(g.rank));
+        own_gradient.resize(grad_elements(g.rank));
+    };
+    detail::agree_on_errors(comm, detail::capture_errors(prepare));
+
+    // The finished dK / dV of this rank's own shard: kept when no other rank needs the shard, otherwise received
+    // from the last rank that does.
+    detail::request_set home;
+    const int own_travel = plan.travel[static_cast<std::size_t>(g.rank)];
+    if (own_travel > 0)
+        home.receive(own_gradient.data(), own_gradient.size(), (g.rank + own_travel) % g.ranks, detail::tag_home, comm);
+
+    std::copy(k.data(), k.data() + k.size(), current.begin());
+    std::copy(v.data(), v.data() + v.size(), current.begin() + k.size());
+    detail::request_set gradient_sends;  // accumulators sent at step t - 1, still in flight during step t
+
+    std::optional<detail::captured_error> error;
+    for (int t = 0; t < g.ranks; ++t) {
+        const int shard = g.shard_at(g.rank, t), arriving = g.shard_at(g.rank, t + 1);
+        const int travel = plan.travel[static_cast<std::size_t>(shard)];
+        detail::request_set transfers, accumulator_receive;
+        if (t + 1 < g.ranks && plan.holds(t + 1, arriving)) {
+            incoming.resize(g.kv_elements(arriving));
+            transfers.receive(incoming.data(), incoming.size(), g.previous(), detail::tag_kv, comm);
+        }
+        if (!plan.holds(t, shard)) {  // the shard went no further; the next one may still arrive
+            transfers.wait();
+            if (t + 1 < g.ranks && plan.holds(t + 1, arriving)) std::swap(current, incoming);
+            continue;
+        }
+        if (t + 1 < g.ranks && plan.holds(t + 1, shard)) {
+            transfers.send(current.data(), current.size(), g.next(), detail::tag_kv, comm);
+            ++result.statistics.shards_sent;
+            result.statistics.bytes_sent += static_cast<std::int64_t>(current.size() * sizeof(T));
+        }
+        if (t > 0) {  // the accumulator of this shard, from the rank that held it one step ago
+            accumulator_in.resize(grad_elements(shard));
+            accumulator_receive.receive(accumulator_in.data(), accumulator_in.size(), g.previous(),
+                                        detail::tag_accumulator, comm);
+        }
+
+        const index key_len = g.keys.shard_length(shard);
+        const std::array<index, 4> k_dims{g.batch, g.kv_heads, key_len, g.head_dim},
+            v_dims{g.batch, g.kv_heads, key_len, g.value_dim};
+        const index k_elements = g.batch * g.kv_heads * key_len * g.head_dim;
+        const T* values = current.data() + k_elements;
+        accumulator.assign(grad_elements(shard), T(0));
+        bool contributed = false;
+        const auto compute = [&] {
+            for (std::size_t qi = 0; qi < query_runs.size(); ++qi)
+                for (const shard_segment& key_run : g.keys.segments(shard)) {
+                    const shard_segment& query_run = query_runs[qi];
+                    if (error || detail::block_is_empty(*bound, g.batch, g.heads, query_run.global_begin,
+                                                        query_run.global_begin + query_run.length, key_run.global_begin,
+                                                        key_run.global_begin + key_run.length)) {
+                        ++result.statistics.blocks_skipped;
+                        continue;
+                    }
+                    ++result.statistics.blocks_computed;
+                    contributed = true;
+                    const detail::stopwatch watch(result.statistics.compute_seconds);
+                    error = detail::capture_errors([&] {
+                        const detail::run_of<T> keys(current.data(), k_dims, key_run), vals(values, v_dims, key_run);
+                        const query_rows& r = rows[qi];
+                        const auto block = scaled_dot_product_attention_backward(
+                            *r.q, *keys, *vals, *r.out, r.lse, *r.d_out,
+                            detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin),
+                            detail::block_options(options, query_run, key_run, false));
+                        detail::add_run(block.dq, result.dq.data(), query_len, query_run);
+                        detail::add_run(block.dk, accumulator.data(), key_len, key_run);
+                        detail::add_run(block.dv, accumulator.data() + k_elements, key_len, key_run);
+                    });
+                }
+        };
+        detail::compute_while_progressing(compute, {&transfers, &accumulator_receive, &gradient_sends},
+                                          2.5 * detail::step_work(g, query_len, key_len, true));
+        // Fixed order: what the ranks before added, then this rank's part.
+        accumulator_receive.wait();
+        if (t > 0) {
+            if (contributed)
+                for (std::size_t n = 0; n < accumulator.size(); ++n)
+                    accumulator[n] = accumulator_in[n] + accumulator[n];
+            else
+                std::swap(accumulator, accumulator_in);
+        }
+        gradient_sends.wait();  // the accumulator sent last step has arrived; its buffer is free
+        if (t < travel) {
+            std::swap(accumulator_sent, accumulator);
+            gradient_sends.send(accumulator_sent.data(), accumulator_sent.size(), g.next(), detail::tag_accumulator,
+                                comm);
+            result.statistics.bytes_sent += static_cast<std::int64_t>(accumulator_sent.size() * sizeof(T));
+        } else if (t > 0) {
+            std::swap(accumulator_sent, accumulator);
+            gradient_sends.send(accumulator_sent.data(), accumulator_sent.size(), shard, detail::tag_home, comm);
+            result.statistics.bytes_sent += static_cast<std::int64_t>(accumulator_sent.size() * sizeof(T));
+        } else {
+            own_gradient = accumulator;
+        }
+        transfers.wait();
+        if (t + 1 < g.ranks && plan.holds(t + 1, arriving)) std::swap(current, incoming);
+    }
+    gradient_sends.wait();
+    home.wait();
+    if (!error)
+        error = detail::capture_errors([&] {
+            const index k_elements = g.batch * g.kv_heads * own_keys * g.head_dim;
+            result.dk = const_tensor_view<T, 4>(own_gradient.data(), g.batch, g.kv_heads, own_keys, g.head_dim);
+            result.dv =
+                const_tensor_view<T, 4>(own_gradient.data() + k_elements, g.batch, g.kv_heads, own_keys, g.value_dim);
+        });
+    const tensor<T, 3> lse_copy = const_tensor_view<T, 3>(lse.data(), lse_dims);
+    detail::finish_agreement(comm, error, g, *bound, &lse_copy, options);
+    return result;
+}
+
+}  // namespace attend::distributed

@@ -1,0 +1,182 @@
+// Bad input to ring attention (distributed/ring.hpp) under mpirun (2 and 4 ranks): whether the problem is on one
+// rank or in how the ranks disagree, every rank throws the same typed error with the same id and message, no
+// rank is left waiting (ctest's timeout catches a hang), and the communicator is clean afterwards: a valid call
+// right after each error gives the right answer.
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include <attend/attend.hpp>
+#include <attend/distributed/ring.hpp>
+
+#include "distributed/ring_support.hpp"
+#include "support/errors.hpp"
+#include "support/random.hpp"
+
+namespace {
+
+using attend::index;
+namespace ad = attend::distributed;
+using attend_test::mpi_rank;
+using attend_test::mpi_size;
+
+using tensor4 = attend::tensor<double, 4>;
+
+tensor4 filled(index b, index h, index len, index dim, std::uint64_t seed) {
+    tensor4 t(b, h, len, dim);
+    attend_test::fill_uniform(t, seed + static_cast<std::uint64_t>(mpi_rank()));
+    return t;
+}
+
+/// f throws E with `id` on this rank, and the message is the same on every rank. Then a valid causal ring call
+/// still equals single-process attention (nothing was left in flight by the failed call).
+template <class E, class F>
+void expect_same_error_everywhere(F&& f, const std::string& id) {
+    const std::string message = attend_test::expect_error<E>(f, id);
+    EXPECT_TRUE(attend_test::same_on_every_rank(message)) << "rank " << mpi_rank() << ": " << message;
+
+    const index total = 5 * mpi_size();
+    attend::tensor<double, 4> q(1, 2, total, 4);
+    attend_test::fill_uniform(q, 99);
+    const ad::shard_layout layout(ad::sharding::contiguous,
+                                  std::vector<index>(static_cast<std::size_t>(mpi_size()), 5));
+    const auto qs = ad::take_shard(q, layout, mpi_rank());
+    const auto causal = attend::causal(attend::alignment::top_left);
+    const auto ring = ad::ring_attention(qs, qs, qs, causal, MPI_COMM_WORLD);
+    attend::sdpa_options o;
+    o.threads = 1;
+    const auto whole = attend::scaled_dot_product_attention(q, q, q, causal, o);
+    EXPECT_LE(attend_test::relative_error(ring.out, ad::take_shard(whole.out, layout, mpi_rank())), 1e-12);
+}
+
+TEST(RingErrors, DifferentHeadDimsOnDifferentRanksAreRingHeadDimOnEveryRank) {
+    const index dim = mpi_rank() == 1 ? 6 : 8;
+    const auto q = filled(1, 2, 4, dim, 1), k = filled(1, 2, 4, dim, 2), v = filled(1, 2, 4, 8, 3);
+    expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
+                                                      "attend.shape.ring_head_dim");
+}
+
+TEST(RingErrors, DifferentValueDimsOnDifferentRanksAreRingHeadDimOnEveryRank) {
+    const index value_dim = mpi_rank() == mpi_size() - 1 ? 5 : 8;
+    const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, value_dim, 3);
+    expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
+                                                      "attend.shape.ring_head_dim");
+}
+
+TEST(RingErrors, DifferentHeadsOrBatchOnDifferentRanksAreRingHeadsOnEveryRank) {
+    const index heads = mpi_rank() == 1 ? 4 : 2;
+    const auto q = filled(1, heads, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, 8, 3);
+    expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
+                                                      "attend.shape.ring_heads");
+    const index batch = mpi_rank() == 0 ? 2 : 1;
+    const auto qb = filled(batch, 2, 4, 8, 1), kb = filled(batch, 2, 4, 8, 2), vb = filled(batch, 2, 4, 8, 3);
+    expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(qb, kb, vb, MPI_COMM_WORLD); },
+                                                      "attend.shape.ring_heads");
+}
+
+TEST(RingErrors, QueryAndKeyShardsOfDifferentTotalsAreRingTotalOnEveryRank) {
+    const index key_len = mpi_rank() == 0 ? 5 : 4;
+    const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, key_len, 8, 2), v = filled(1, 2, key_len, 8, 3);
+    expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
+                                                      "attend.shape.ring_total");
+}
+
+TEST(RingErrors, NoKeyOnAnyRankIsEmptyKeysOnEveryRank) {
+    const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 0, 8, 2), v = filled(1, 2, 0, 8, 3);
+    expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
+                                                      "attend.shape.empty_keys");
+}
+
+TEST(RingErrors, OptionsThatDifferBetweenRanksAreRingOptionsOnEveryRank) {
+    const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, 8, 3);
+    ad::ring_options o;
+    o.dropout = {0.1, mpi_rank() == 1 ? 5u : 6u, true};
+    expect_same_error_everywhere<attend::value_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD, o); },
+                                                      "attend.value.ring_options");
+}
+
+TEST(RingErrors, AShapeErrorOnOneRankIsThrownOnEveryRank) {
+    const index value_len = mpi_rank() == 1 ? 3 : 4;
+    const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, value_len, 8, 3);
+    const auto message = [&] {
+        expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
+                                                          "attend.shape.key_len");
+    };
+    message();
+}
+
+TEST(RingErrors, ANonFiniteValueInOneShardIsThrownOnEveryRankAfterTheRingCompletes) {
+    auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, 8, 3);
+    if (mpi_rank() == mpi_size() - 1) k(0, 1, 2, 3) = std::numeric_limits<double>::quiet_NaN();
+    expect_same_error_everywhere<attend::value_error>(
+        [&] { ad::ring_attention(q, k, v, attend::causal(attend::alignment::top_left), MPI_COMM_WORLD); },
+        "attend.value.non_finite");
+}
+
+TEST(RingErrors, AnInvalidScaleIsAValueErrorOnEveryRank) {
+    const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, 8, 3);
+    ad::ring_options o;
+    o.scale = -1.0;
+    expect_same_error_everywhere<attend::value_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD, o); },
+                                                      "attend.value.scale");
+}
+
+TEST(RingErrors, AMaskThatDoesNotFitTheWholeSequenceIsThrownOnEveryRankBeforeAnythingIsSent) {
+    const auto q = filled(2, 2, 4, 8, 1), k = filled(2, 2, 4, 8, 2), v = filled(2, 2, 4, 8, 3);
+    expect_same_error_everywhere<attend::mask_error>(
+        [&] {
+            ad::ring_attention(q, k, v, attend::key_padding({1, 2, 3}), MPI_COMM_WORLD);
+        },
+        "attend.mask.lengths_batch");
+}
+
+TEST(RingErrors, AQueryWithNoKeyInTheWholeSequenceIsTheSingleProcessEmptyRowErrorOnEveryRank) {
+    const index ranks = mpi_size(), total = 4 * ranks;
+    attend::tensor<double, 4> q(2, 2, total, 8);
+    attend_test::fill_uniform(q, 7);
+    const auto mask = attend::key_padding({total, 0});  // sequence 1 has no key
+    const std::string single = attend_test::expect_error<attend::mask_error>(
+        [&] { attend::scaled_dot_product_attention(q, q, q, mask); }, "attend.mask.empty_row");
+    const ad::shard_layout layout(ad::sharding::zigzag,
+                                  ad::shard_layout::balanced_lengths(ad::sharding::zigzag, total, mpi_size()));
+    const auto qs = ad::take_shard(q, layout, mpi_rank());
+    ad::ring_options o;
+    o.layout = ad::sharding::zigzag;
+    const std::string ring = attend_test::expect_error<attend::mask_error>(
+        [&] { ad::ring_attention(qs, qs, qs, mask, MPI_COMM_WORLD, o); }, "attend.mask.empty_row");
+    EXPECT_EQ(ring, single);
+}
+
+TEST(RingErrors, BackwardInputsOfTheWrongShapeOnOneRankAreThrownOnEveryRank) {
+    const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, 8, 3);
+    const auto fwd = ad::ring_attention(q, k, v, MPI_COMM_WORLD);
+    const auto d_out = filled(1, 2, 4, 8, 4);
+    const auto bad = filled(1, 2, mpi_rank() == 1 ? 3 : 4, 8, 5);
+    attend::tensor<double, 3> bad_lse(1, 2, mpi_rank() == 0 ? 5 : 4);
+    bad_lse.setZero();
+    expect_same_error_everywhere<attend::shape_error>(
+        [&] { ad::ring_attention_backward(q, k, v, bad, fwd.lse, d_out, attend::no_mask{}, MPI_COMM_WORLD); },
+        "attend.shape.backward_out");
+    expect_same_error_everywhere<attend::shape_error>(
+        [&] { ad::ring_attention_backward(q, k, v, fwd.out, fwd.lse, bad, attend::no_mask{}, MPI_COMM_WORLD); },
+        "attend.shape.backward_d_out");
+    expect_same_error_everywhere<attend::shape_error>(
+        [&] { ad::ring_attention_backward(q, k, v, fwd.out, bad_lse, d_out, attend::no_mask{}, MPI_COMM_WORLD); },
+        "attend.shape.backward_lse");
+}
+
+TEST(RingErrors, ANonFiniteGradientInputOnOneRankIsThrownOnEveryRank) {
+    const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, 8, 3);
+    const auto fwd = ad::ring_attention(q, k, v, MPI_COMM_WORLD);
+    auto d_out = filled(1, 2, 4, 8, 4);
+    if (mpi_rank() == 0) d_out(0, 0, 1, 1) = std::numeric_limits<double>::infinity();
+    expect_same_error_everywhere<attend::value_error>(
+        [&] { ad::ring_attention_backward(q, k, v, fwd.out, fwd.lse, d_out, attend::no_mask{}, MPI_COMM_WORLD); },
+        "attend.value.non_finite");
+}
+
+}  // namespace

@@ -1,0 +1,5 @@
+// attend/distributed/ring.hpp compiles with nothing included before it, and a second include is harmless.
+#include <attend/distributed/ring.hpp>
+#include <attend/distributed/ring.hpp>
+
+int main() { return attend::distributed::ring_options{}.threads == 1 ? 0 : 1; }

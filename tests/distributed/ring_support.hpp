@@ -1,0 +1,62 @@
+#pragma once
+/// Helpers of the MPI tests: the communicator, the same random problem on every rank, and comparisons that every
+/// rank checks (a failure on any rank fails mpirun).
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <attend/tensor.hpp>
+
+namespace attend_test {
+
+inline int mpi_rank() {
+    int r = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    return r;
+}
+
+inline int mpi_size() {
+    int n = 0;
+    MPI_Comm_size(MPI_COMM_WORLD, &n);
+    return n;
+}
+
+/// max |a - b| / max(max |b|, 0.1): the relative error of a result against the single-process one. The floor
+/// matters only for tensors that are zero up to rounding: a query that sees a single key has dq = 0 as the
+/// difference of two terms of size |d_out . v| ~ 1 (inputs are in [-1, 1)), exactly 0 in one summation order and
+/// a few ulps of those terms in another, so its error is relative to them, not to the zero result.
+template <class T, int R>
+double relative_error(const attend::tensor<T, R>& a, const attend::tensor<T, R>& b) {
+    EXPECT_EQ(a.dimensions(), b.dimensions());
+    if (a.dimensions() != b.dimensions()) return INFINITY;
+    double diff = 0, scale = 0;
+    for (attend::index n = 0; n < a.size(); ++n) {
+        const double x = static_cast<double>(a.data()[n]), y = static_cast<double>(b.data()[n]);
+        if (x == y) {  // also -inf lse of empty rows
+            scale = std::isfinite(y) ? std::max(scale, std::abs(y)) : scale;
+            continue;
+        }
+        diff = std::max(diff, std::isfinite(x) && std::isfinite(y) ? std::abs(x - y) : INFINITY);
+        scale = std::max(scale, std::abs(y));
+    }
+    return diff == 0 ? 0 : diff / std::max(scale, 0.1);
+}
+
+/// True on every rank when `text` is the same string on every rank.
+inline bool same_on_every_rank(const std::string& text) {
+    int length = static_cast<int>(text.size());
+    MPI_Bcast(&length, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    std::string root(static_cast<std::size_t>(length), '\0');
+    if (mpi_rank() == 0) root = text;
+    MPI_Bcast(root.data(), length, MPI_CHAR, 0, MPI_COMM_WORLD);
+    int mine = root == text ? 1 : 0, all = 0;
+    MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    return all == 1;
+}
+
+}  // namespace attend_test

@@ -1,0 +1,270 @@
+// ring_attention and ring_attention_backward (distributed/ring.hpp) under mpirun (2 and 4 ranks): every rank's
+// out, lse, dq, dk and dv equal its rows of single-process attention over the whole sequence, for every mask kind
+// (none, causal, sliding window, key padding, their combinations, a dense mask), both layouts (contiguous,
+// zigzag), ragged shard lengths (including empty shards), grouped-query attention, dropout, float and double.
+// Every rank builds the same random problem from one seed, so each can compute the single-process reference.
+//
+// Tolerances: relative to the largest reference magnitude (at least 0.1, see relative_error), double 1e-12, float
+// 1e-5 (the targets). The
+// ring changes only the order of the lse merges and of the dK / dV sums: sequences stay <= 64 keys and values in
+// [-1, 1), so reordering moves a result by a few tens of ulps.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include <attend/attend.hpp>
+#include <attend/distributed/ring.hpp>
+
+#include "distributed/ring_support.hpp"
+#include "support/random.hpp"
+
+namespace {
+
+using attend::index;
+namespace ad = attend::distributed;
+using attend_test::mpi_rank;
+using attend_test::mpi_size;
+using attend_test::relative_error;
+
+enum class mask_kind { none, causal, sliding_window, key_padding, causal_and_key_padding, windowed_causal, dense };
+
+const char* name_of(mask_kind m) {
+    switch (m) {
+        case mask_kind::none:
+            return "none";
+        case mask_kind::causal:
+            return "causal";
+        case mask_kind::sliding_window:
+            return "sliding_window";
+        case mask_kind::key_padding:
+            return "key_padding";
+        case mask_kind::causal_and_key_padding:
+            return "causal && key_padding";
+        case mask_kind::windowed_causal:
+            return "sliding_window(w, 0)";
+        case mask_kind::dense:
+            return "dense";
+    }
+    return "?";
+}
+
+struct problem_config {
+    std::uint64_t seed;
+    mask_kind mask;
+    ad::sharding layout;
+    bool ragged;
+    bool dropout;
+};
+
+std::string describe(const problem_config& c, const std::vector<index>& lengths) {
+    std::string text = std::string("mask ") + name_of(c.mask) + ", layout " +
+                       (c.layout == ad::sharding::zigzag ? "zigzag" : "contiguous") + ", dropout " +
+                       (c.dropout ? "on" : "off") + ", seed " + std::to_string(c.seed) + ", shard lengths";
+    for (index n : lengths) text += ' ' + std::to_string(n);
+    return text;
+}
+
+/// Runs one configuration: single-process forward and backward on every rank, the ring on the shards, and the
+/// comparison of this rank's rows.
+template <class T, class Mask>
+void expect_ring_equals_single_process(const problem_config& c, const Mask& mask, index total, index batch, index heads,
+                                       index kv_heads, index head_dim, index value_dim,
+                                       const std::vector<index>& lengths, double tolerance) {
+    attend_test::rng g(c.seed);
+    attend::tensor<T, 4> q(batch, heads, total, head_dim), k(batch, kv_heads, total, head_dim),
+        v(batch, kv_heads, total, value_dim), d_out(batch, heads, total, value_dim);
+    attend_test::fill_uniform(q, g.next());
+    attend_test::fill_uniform(k, g.next());
+    attend_test::fill_uniform(v, g.next());
+    attend_test::fill_uniform(d_out, g.next());
+
+    ad::ring_options ro;
+    ro.layout = c.layout;
+    ro.empty_rows = attend::empty_rows::zero;  // key padding may leave a sequence with no key at all
+    if (c.dropout) ro.dropout = {0.25, c.seed * 7 + 1, true};
+    attend::sdpa_options so;
+    so.need_lse = true;
+    so.empty_rows = ro.empty_rows;
+    so.dropout = ro.dropout;
+    so.threads = 1;
+    const auto whole = attend::scaled_dot_product_attention(q, k, v, mask, so);
+    const auto whole_grad =
+        attend::scaled_dot_product_attention_backward(q, k, v, whole.out, whole.lse, d_out, mask, so);
+
+    const ad::shard_layout layout(c.layout, lengths);
+    const int rank = mpi_rank();
+    const auto shard = [&](const auto& x) { return ad::take_shard(x, layout, rank); };
+    const auto qs = shard(q), ks = shard(k), vs = shard(v), ds = shard(d_out);
+    const auto ring = ad::ring_attention(qs, ks, vs, mask, MPI_COMM_WORLD, ro);
+    const std::string where = describe(c, lengths) + ", rank " + std::to_string(rank);
+    EXPECT_LE(relative_error(ring.out, shard(whole.out)), tolerance) << "out, " << where;
+    EXPECT_LE(relative_error(ring.lse, shard(whole.lse)), tolerance) << "lse, " << where;
+    const auto grads = ad::ring_attention_backward(qs, ks, vs, ring.out, ring.lse, ds, mask, MPI_COMM_WORLD, ro);
+    EXPECT_LE(relative_error(grads.dq, shard(whole_grad.dq)), tolerance) << "dq, " << where;
+    EXPECT_LE(relative_error(grads.dk, shard(whole_grad.dk)), tolerance) << "dk, " << where;
+    EXPECT_LE(relative_error(grads.dv, shard(whole_grad.dv)), tolerance) << "dv, " << where;
+}
+
+template <class T>
+void run_all_mask_kinds(double tolerance) {
+    const int ranks = mpi_size();
+    std::uint64_t seed = 1000;
+    for (mask_kind m : {mask_kind::none, mask_kind::causal, mask_kind::sliding_window, mask_kind::key_padding,
+                        mask_kind::causal_and_key_padding, mask_kind::windowed_causal, mask_kind::dense})
+        for (ad::sharding layout : {ad::sharding::contiguous, ad::sharding::zigzag})
+            for (bool ragged : {false, true})
+                for (bool dropout : {false, true}) {
+                    // Dropout on in half of the (layout, shard lengths) pairs of each mask kind, off in the other
+                    // half: every mask kind and layout meets both, at half the run time of every combination.
+                    if (dropout != ((static_cast<int>(m) + static_cast<int>(layout) + (ragged ? 1 : 0)) % 2 == 1))
+                        continue;
+                    const problem_config c{++seed, m, layout, ragged, dropout};
+                    attend_test::rng g(c.seed);  // same draws on every rank
+                    const index batch = 2, heads = 4, kv_heads = g.bernoulli(0.5) ? 2 : 4;
+                    const index head_dim = g.uniform_int(3, 8), value_dim = g.uniform_int(2, 7);
+                    std::vector<index> lengths;
+                    for (int r = 0; r < ranks; ++r) lengths.push_back(ragged ? g.uniform_int(0, 13) : 9);
+                    if (ragged) lengths[static_cast<std::size_t>(g.uniform_int(0, ranks - 1))] += 1;  // total >= 1
+                    index total = 0;
+                    for (index n : lengths) total += n;
+                    const auto top_left = attend::alignment::top_left;
+                    const index window = g.uniform_int(0, 8), right = g.uniform_int(0, 5);
+                    const std::vector<index> padding{g.uniform_int(0, total), g.uniform_int(1, total)};
+                    switch (m) {
+                        case mask_kind::none:
+                            expect_ring_equals_single_process<T>(c, attend::no_mask{}, total, batch, heads, kv_heads,
+                                                                 head_dim, value_dim, lengths, tolerance);
+                            break;
+                        case mask_kind::causal:
+                            expect_ring_equals_single_process<T>(c, attend::causal(top_left), total, batch, heads,
+                                                                 kv_heads, head_dim, value_dim, lengths, tolerance);
+                            break;
+                        case mask_kind::sliding_window:
+                            expect_ring_equals_single_process<T>(c, attend::sliding_window(window, right), total, batch,
+                                                                 heads, kv_heads, head_dim, value_dim, lengths,
+                                                                 tolerance);
+                            break;
+                        case mask_kind::key_padding:
+                            expect_ring_equals_single_process<T>(c, attend::key_padding(padding), total, batch, heads,
+                                                                 kv_heads, head_dim, value_dim, lengths, tolerance);
+                            break;
+                        case mask_kind::causal_and_key_padding:
+                            expect_ring_equals_single_process<T>(
+                                c, attend::causal(top_left) && attend::key_padding(padding), total, batch, heads,
+                                kv_heads, head_dim, value_dim, lengths, tolerance);
+                            break;
+                        case mask_kind::windowed_causal:
+                            expect_ring_equals_single_process<T>(c, attend::sliding_window(window, 0), total, batch,
+                                                                 heads, kv_heads, head_dim, value_dim, lengths,
+                                                                 tolerance);
+                            break;
+                        case mask_kind::dense: {
+                            attend::tensor<bool, 4> allowed(batch, 1, total, total);
+                            for (index e = 0; e < allowed.size(); ++e) allowed.data()[e] = g.bernoulli(0.7);
+                            expect_ring_equals_single_process<T>(c, attend::allowed_mask::true_means_allowed(allowed),
+                                                                 total, batch, heads, kv_heads, head_dim, value_dim,
+                                                                 lengths, tolerance);
+                            break;
+                        }
+                    }
+                }
+}
+
+TEST(RingAttention, ForwardAndBackwardEqualSingleProcessAttentionInDoubleForEveryMaskLayoutAndShardLengths) {
+    run_all_mask_kinds<double>(1e-12);
+}
+
+TEST(RingAttention, ForwardAndBackwardEqualSingleProcessAttentionInFloatForEveryMaskLayoutAndShardLengths) {
+    run_all_mask_kinds<float>(1e-5);
+}
+
+TEST(RingAttention, ShardsLargeEnoughToComputeWhileTransfersProgressEqualSingleProcessAttention) {
+    // 256 positions per rank, 2 heads, head_dim 16: each step (256 * 256 * 2 * 32 multiply-adds) reaches the size
+    // at which the ring computes on a worker thread while the calling thread polls MPI (the small problems above
+    // compute inline).
+    const int rank = mpi_rank(), ranks = mpi_size();
+    const index total = 256 * ranks;
+    attend::tensor<double, 4> q(1, 2, total, 16), k(1, 2, total, 16), v(1, 2, total, 16), d_out(1, 2, total, 16);
+    attend_test::fill_uniform(q, 61);
+    attend_test::fill_uniform(k, 62);
+    attend_test::fill_uniform(v, 63);
+    attend_test::fill_uniform(d_out, 64);
+    const auto mask = attend::causal(attend::alignment::top_left);
+    ad::ring_options ro;
+    ro.layout = ad::sharding::zigzag;
+    ro.dropout = {0.1, 65, true};
+    attend::sdpa_options so;
+    so.need_lse = true;
+    so.threads = 1;
+    so.dropout = ro.dropout;
+    const auto whole = attend::scaled_dot_product_attention(q, k, v, mask, so);
+    const auto whole_grad =
+        attend::scaled_dot_product_attention_backward(q, k, v, whole.out, whole.lse, d_out, mask, so);
+    const ad::shard_layout layout(ad::sharding::zigzag,
+                                  ad::shard_layout::balanced_lengths(ad::sharding::zigzag, total, ranks));
+    const auto shard = [&](const auto& x) { return ad::take_shard(x, layout, rank); };
+    const auto ring = ad::ring_attention(shard(q), shard(k), shard(v), mask, MPI_COMM_WORLD, ro);
+    const auto grads = ad::ring_attention_backward(shard(q), shard(k), shard(v), ring.out, ring.lse, shard(d_out), mask,
+                                                   MPI_COMM_WORLD, ro);
+    EXPECT_LE(relative_error(ring.out, shard(whole.out)), 1e-12);
+    EXPECT_LE(relative_error(ring.lse, shard(whole.lse)), 1e-12);
+    EXPECT_LE(relative_error(grads.dq, shard(whole_grad.dq)), 1e-12);
+    EXPECT_LE(relative_error(grads.dk, shard(whole_grad.dk)), 1e-12);
+    EXPECT_LE(relative_error(grads.dv, shard(whole_grad.dv)), 1e-12);
+}
+
+TEST(RingAttention, ResultsAreBitIdenticalWhateverTheTimingOfTheRanks) {
+    const int rank = mpi_rank();
+    const index total = 12 * mpi_size();
+    attend::tensor<double, 4> q(1, 2, total, 8), k(1, 2, total, 8), v(1, 2, total, 8);
+    attend_test::fill_uniform(q, 41);
+    attend_test::fill_uniform(k, 42);
+    attend_test::fill_uniform(v, 43);
+    const ad::shard_layout layout(ad::sharding::zigzag,
+                                  ad::shard_layout::balanced_lengths(ad::sharding::zigzag, total, mpi_size()));
+    ad::ring_options o;
+    o.layout = ad::sharding::zigzag;
+    const auto qs = ad::take_shard(q, layout, rank), ks = ad::take_shard(k, layout, rank),
+               vs = ad::take_shard(v, layout, rank);
+    const auto mask = attend::causal(attend::alignment::top_left);
+    const auto first = ad::ring_attention(qs, ks, vs, mask, MPI_COMM_WORLD, o);
+    // Delay a different rank each time so messages arrive in another order relative to the computation.
+    for (int slow = 0; slow < mpi_size(); ++slow) {
+        if (rank == slow) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+        const auto again = ad::ring_attention(qs, ks, vs, mask, MPI_COMM_WORLD, o);
+        EXPECT_TRUE(std::equal(first.out.data(), first.out.data() + first.out.size(), again.out.data()));
+        EXPECT_TRUE(std::equal(first.lse.data(), first.lse.data() + first.lse.size(), again.lse.data()));
+    }
+}
+
+TEST(RingAttention, AShardTheMaskHidesFromEveryLaterRankIsNeitherSentNorComputed) {
+    const int rank = mpi_rank(), ranks = mpi_size();
+    const index shard_len = 10, total = shard_len * ranks;
+    attend::tensor<float, 4> q(1, 1, total, 4);
+    attend_test::fill_uniform(q, 51);
+    const ad::shard_layout layout(ad::sharding::contiguous,
+                                  std::vector<index>(static_cast<std::size_t>(ranks), shard_len));
+    const auto qs = ad::take_shard(q, layout, rank);
+    // A window of 3 keys back: rank r needs only its own shard and the end of rank r - 1's.
+    const auto windowed = ad::ring_attention(qs, qs, qs, attend::sliding_window(3, 0), MPI_COMM_WORLD);
+    EXPECT_EQ(windowed.statistics.shards_sent, rank + 1 < ranks ? 1 : 0);
+    EXPECT_EQ(windowed.statistics.blocks_computed, rank > 0 ? 2 : 1);
+    EXPECT_EQ(windowed.statistics.bytes_sent, rank + 1 < ranks ? 2 * shard_len * 4 * index(sizeof(float)) : 0);
+    // Causal: shard s goes only to ranks s + 1 .. N - 1, so rank r < N - 1 passes on shards 0 .. r and the last
+    // rank sends nothing (without the mask every rank would send N - 1 shards).
+    const auto causal = ad::ring_attention(qs, qs, qs, attend::causal(attend::alignment::top_left), MPI_COMM_WORLD);
+    EXPECT_EQ(causal.statistics.shards_sent, rank + 1 < ranks ? rank + 1 : 0);
+    EXPECT_EQ(causal.statistics.blocks_computed, rank + 1);
+    // Without a mask every shard visits every rank.
+    const auto full = ad::ring_attention(qs, qs, qs, MPI_COMM_WORLD);
+    EXPECT_EQ(full.statistics.shards_sent, ranks - 1);
+    EXPECT_EQ(full.statistics.blocks_computed, ranks);
+}
+
+}  // namespace
