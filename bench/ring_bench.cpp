@@ -25,22 +25,16 @@
 #include <attend/attend.hpp>
 #include <attend/distributed/ring.hpp>
 
+#include "bench_common.hpp"
+
 namespace {
 
 namespace ad = attend::distributed;
 using attend::index;
 
+/// q, k or v `[b, h, l, d]`, uniform in [-1, 1): bench_common.hpp's generator.
 attend::tensor<float, 4> random_tensor(std::uint64_t seed, index b, index h, index l, index d) {
-    attend::tensor<float, 4> t(b, h, l, d);
-    std::uint64_t s = seed;
-    for (index n = 0; n < t.size(); ++n) {
-        std::uint64_t z = (s += 0x9E3779B97F4A7C15ULL);
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-        z ^= z >> 31;
-        t.data()[n] = static_cast<float>(static_cast<double>(z >> 11) * 0x1.0p-52 - 1.0);
-    }
-    return t;
+    return attend_bench::random_tensor<float, 4>(seed, {b, h, l, d});
 }
 
 /// Seconds of f on the slowest rank (barrier, f, max over ranks).
