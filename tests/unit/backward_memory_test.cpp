@@ -1,5 +1,5 @@
-// Memory of the tiled backward (attend/backward.hpp): at query_len = key_len = 16384 (one head, head_dim 64,
-// float) a query x key buffer would take 1 GiB; the backward must stay within 64 MiB beyond its inputs and
+// Memory of the tiled backward (attend/detail/tiled_backward.hpp): at query_len = key_len = 16384 (one head,
+// head_dim 64, float) a query x key buffer would take 1 GiB; the backward must stay within 64 MiB beyond its inputs and
 // outputs.
 //
 // This binary counts every heap byte: it replaces the global operator new / delete (std::vector, std::string,

@@ -27,6 +27,24 @@ struct dropout_rule {
     bool keep(index b, index h, index i, index j) const {
         return dropout_uniform(seed, b, h, i + query_offset, j + key_offset) >= probability;
     }
+
+    /// The one application of dropout in the tiled kernels: probabilities p[0, n) of query i against keys
+    /// [j0, j0 + n) of (b, h) become p / (1 - probability) where kept and 0 where dropped. Zeros stay zeros
+    /// without drawing (forbidden keys cost nothing).
+    template <class Acc>
+    void apply(Acc* p, index n, index b, index h, index i, index j0) const {
+        const Acc scale = static_cast<Acc>(keep_scale);
+        for (index j = 0; j < n; ++j)
+            if (p[j] != Acc(0)) p[j] = keep(b, h, i, j0 + j) ? p[j] * scale : Acc(0);
+    }
+
+    /// The factors apply multiplies by, 1 / (1 - probability) or 0, for every key of the run (the backward
+    /// multiplies dP by the same factors).
+    template <class Acc>
+    void factors(Acc* f, index n, index b, index h, index i, index j0) const {
+        const Acc scale = static_cast<Acc>(keep_scale);
+        for (index j = 0; j < n; ++j) f[j] = keep(b, h, i, j0 + j) ? scale : Acc(0);
+    }
 };
 
 }  // namespace attend::detail

@@ -5,50 +5,24 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include <Eigen/Core>
 
 #include "../score_bias.hpp"
 #include "../shape.hpp"
 #include "dropout.hpp"
+#include "kernel_interface.hpp"
 #include "mask_nodes.hpp"
 #include "memory.hpp"
 
 namespace attend::detail {
 
+/// The oracle on a type-erased mask, one instance per scalar type.
 template <class T>
-using row_matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-
-/// A `[len, dim]` slice of a strided view as a row-major matrix with the view's row stride.
-template <class T>
-auto matrix_of(const strided_view<T>& x, index b, index h) {
-    using plain = row_matrix<std::remove_const_t<T>>;
-    using map = Eigen::Map<std::conditional_t<std::is_const_v<T>, const plain, plain>, 0, Eigen::OuterStride<>>;
-    return map(x.row(b, h, 0), x.dims[2], x.dims[3], Eigen::OuterStride<>(x.strides[2]));
-}
-
-/// Where the results go: out `[batch, heads, query_len, value_dim]` (strided), and when not null the contiguous
-/// weights `[batch, heads, query_len, key_len]` and lse `[batch, heads, query_len]`.
-template <class T>
-struct attention_outputs {
-    strided_view<T> out;
-    T* weights = nullptr;
-    T* lse = nullptr;
-};
-
-/// Everything a kernel needs besides tensors and mask, already validated.
-template <class T>
-struct kernel_params {
-    T scale = 1;
-    dropout_rule dropout;
-    const score_bias* bias = nullptr;
-    bool weights_after_dropout = false;
-};
-
-template <class T, class Bound>
-void reference_attention(const strided_view<const T>& q, const strided_view<const T>& k,
-                         const strided_view<const T>& v, const attention_shape& s, const Bound& mask,
-                         const kernel_params<T>& p, const attention_outputs<T>& o) {
+void reference_forward(const strided_view<const T>& q, const strided_view<const T>& k,
+                       const strided_view<const T>& v, const attention_shape& s, const mask_tiles& mask,
+                       const kernel_params<T>& p, const attention_outputs<T>& o) {
     const index L = s.query_len, S = s.key_len;
     row_matrix<T> scores = allocating([&] { return row_matrix<T>(L, S); },
                                       [&] {
@@ -92,5 +66,28 @@ void reference_attention(const strided_view<const T>& q, const strided_view<cons
             out.noalias() = scores * matrix_of(v, b, kvh);
         }
 }
+
+/// The reference kernel for any bound mask: through the one type-erased instance, as the public API's calls go.
+template <class T, class Bound>
+void reference_attention(const strided_view<const T>& q, const strided_view<const T>& k,
+                         const strided_view<const T>& v, const attention_shape& s, const Bound& mask,
+                         const kernel_params<T>& p, const attention_outputs<T>& o) {
+    if constexpr (std::is_base_of_v<mask_tiles, Bound>) {
+        reference_forward(q, k, v, s, mask, p, o);
+    } else {
+        const erased_mask<Bound> erased(mask);
+        reference_forward<T>(q, k, v, s, erased, p, o);
+    }
+}
+
+#if defined(ATTEND_KERNEL_INSTANCE)
+#define ATTEND_REFERENCE_FORWARD_INSTANCE(T)                                                                         \
+    ATTEND_KERNEL_INSTANCE void reference_forward<T>(                                                                \
+        const strided_view<const T>&, const strided_view<const T>&, const strided_view<const T>&,                  \
+        const attention_shape&, const mask_tiles&, const kernel_params<T>&, const attention_outputs<T>&);
+ATTEND_REFERENCE_FORWARD_INSTANCE(float)
+ATTEND_REFERENCE_FORWARD_INSTANCE(double)
+#undef ATTEND_REFERENCE_FORWARD_INSTANCE
+#endif
 
 }  // namespace attend::detail

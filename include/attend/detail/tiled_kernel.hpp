@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <Eigen/Core>
@@ -37,8 +38,9 @@
 #include "dropout.hpp"
 #include "mask_nodes.hpp"
 #include "memory.hpp"
+#include "kernel_interface.hpp"
 #include "merge_rows.hpp"
-#include "reference_kernel.hpp"
+#include "score_pipeline.hpp"
 #include "thread_pool.hpp"
 
 namespace attend::detail {
@@ -75,66 +77,58 @@ tile_config default_tile_config(const attention_shape& s) {
     return c;
 }
 
-template <class T>
-using tile_map = Eigen::Map<row_matrix<T>, 0, Eigen::OuterStride<>>;
-template <class T>
-using const_tile_map = Eigen::Map<const row_matrix<T>, 0, Eigen::OuterStride<>>;
-
-/// A contiguous run of scores as an Eigen array, for Eigen's vectorized reductions.
-template <class T>
-Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> row_array(T* x, index n) {
-    return Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>(x, n);
-}
-
-/// x[j] = exp(x[j] - shift) on a contiguous run, exactly 0 where x[j] is -inf (a forbidden key) and where the
-/// result would be subnormal (below 1e-38 in float next to a row maximum of 1: no effect on any sum, and it keeps
-/// subnormals, which are slow on many cores, out of the GEMM). Eigen's vectorized exp does the work; on its own it
-/// returns a tiny positive number, not 0, for -inf in double.
-template <class T>
-void exp_shifted(T* x, index n, T shift) {
-    auto a = row_array(x, n);
-    a = (a - shift).exp();
-    constexpr T tiny = std::numeric_limits<T>::min();
-    for (index j = 0; j < n; ++j) x[j] = x[j] < tiny ? T(0) : x[j];
+/// `rows` rows of `cols` values of a storage-type matrix (row stride `stride`) as a matrix of the accumulation
+/// type: the rows themselves when the two types agree, otherwise a converted copy in `stage` (one conversion per
+/// tile, shared by every query row of the block).
+template <class Acc, class Storage>
+const_tile_map<Acc> as_accumulator(const Storage* rows_begin, index rows, index cols, index stride,
+                                   std::vector<Acc>& stage) {
+    if constexpr (std::is_same_v<Acc, Storage>) {
+        (void)stage;
+        return const_tile_map<Acc>(rows_begin, rows, cols, Eigen::OuterStride<>(stride));
+    } else {
+        for (index r = 0; r < rows; ++r)
+            for (index c = 0; c < cols; ++c)
+                stage[static_cast<std::size_t>(r * cols + c)] = static_cast<Acc>(rows_begin[r * stride + c]);
+        return const_tile_map<Acc>(stage.data(), rows, cols, Eigen::OuterStride<>(cols));
+    }
 }
 
 /// One worker's scratch memory, allocated once per call before the workers start (never inside the tile loop).
-template <class T>
+/// All in the accumulation type.
+template <class Acc>
 struct tiled_workspace {
-    std::vector<T> queries;   ///< [rows, head_dim], scaled
-    std::vector<T> scores;    ///< [rows, key_tile], scores then probabilities
-    std::vector<T> acc;       ///< [rows, value_dim]
-    std::vector<T> row_max;   ///< [rows]
-    std::vector<T> row_sum;   ///< [rows]
-    std::vector<T> row_new_max;  ///< [rows], the running max after the current tile
-    std::vector<T> row_scale;    ///< [rows], exp(old max - new max): what the accumulator is rescaled by
+    std::vector<Acc> queries;   ///< [rows, head_dim], scaled
+    std::vector<Acc> scores;    ///< [rows, key_tile], scores then probabilities
+    std::vector<Acc> acc;       ///< [rows, value_dim]
+    online_softmax<Acc> softmax;      ///< [rows] running max and sum
     std::vector<tile_class> classes;  ///< [group]
+    std::vector<Acc> key_stage;       ///< [key_tile, head_dim] converted keys, when storage is not Acc
+    std::vector<Acc> value_stage;     ///< [key_tile, value_dim] converted values, when storage is not Acc
 
-    tiled_workspace(index rows, index head_dim, index key_tile, index value_dim, index group)
+    tiled_workspace(index rows, index head_dim, index key_tile, index value_dim, index group, bool stage)
         : queries(static_cast<std::size_t>(rows * head_dim)),
           scores(static_cast<std::size_t>(rows * key_tile)),
           acc(static_cast<std::size_t>(rows * value_dim)),
-          row_max(static_cast<std::size_t>(rows)),
-          row_sum(static_cast<std::size_t>(rows)),
-          row_new_max(static_cast<std::size_t>(rows)),
-          row_scale(static_cast<std::size_t>(rows)),
-          classes(static_cast<std::size_t>(group)) {}
+          softmax(rows),
+          classes(static_cast<std::size_t>(group)),
+          key_stage(stage ? static_cast<std::size_t>(key_tile * head_dim) : 0),
+          value_stage(stage ? static_cast<std::size_t>(key_tile * value_dim) : 0) {}
 };
 
-/// The tiled forward pass of one call; see the file comment.
-template <class T, class Bound>
+/// The tiled forward pass of one call; see the file comment. Reads Storage, computes in Acc.
+template <class Storage, class Acc>
 class tiled_runner {
 public:
-    tiled_runner(const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
-                 const attention_shape& s, const Bound& mask, const kernel_params<T>& p,
-                 const attention_outputs<T>& o, const tile_config& c)
-        : q_(q), k_(k), v_(v), s_(s), mask_(mask), p_(p), o_(o), c_(c) {
+    tiled_runner(const strided_view<const Storage>& q, const strided_view<const Storage>& k,
+                 const strided_view<const Storage>& v, const attention_shape& s, const mask_tiles& mask,
+                 const kernel_params<Acc>& p, const attention_outputs<Storage>& o, const tile_config& c)
+        : q_(q), k_(k), v_(v), s_(s), mask_(mask), pipe_(s, mask, p.bias, p.scale), p_(p), o_(o), c_(c) {
         group_ = s.group_size();
         // At least 1 even for query_len == 0, where query_blocks_ becomes 0 and there is no work.
         block_queries_ = std::max<index>(1, std::min(s.query_len, (c.query_rows + group_ - 1) / group_));
         query_blocks_ = (s.query_len + block_queries_ - 1) / block_queries_;
         rows_ = group_ * block_queries_;
-        bias_ = p.bias && !p.bias->empty() ? p.bias : nullptr;
     }
 
     void run(int threads) {
@@ -145,6 +139,8 @@ public:
     }
 
 private:
+    static constexpr bool staged = !std::is_same_v<Storage, Acc>;
+
     // ---- work units -------------------------------------------------------------------------------------------
     struct block {
         index batch, kv_head, query_begin, queries;
@@ -155,20 +151,25 @@ private:
         return {bg / s_.kv_heads, bg % s_.kv_heads, q0, std::min(block_queries_, s_.query_len - q0)};
     }
     index block_count() const { return s_.batch * s_.kv_heads * query_blocks_; }
+    /// Query head and query position of row r of a block (its rows are stacked head after head).
+    index head_of(const block& blk, index r) const { return blk.kv_head * group_ + r / blk.queries; }
+    index query_of(const block& blk, index r) const { return blk.query_begin + r % blk.queries; }
 
-    std::vector<tiled_workspace<T>> workspaces(index units, int threads) const {
+    std::vector<tiled_workspace<Acc>> workspaces(index units, int threads) const {
         const int workers = static_cast<int>(std::min<index>(std::max(threads, 1), units));
         return allocating(
             [&] {
-                std::vector<tiled_workspace<T>> w;
+                std::vector<tiled_workspace<Acc>> w;
                 w.reserve(static_cast<std::size_t>(workers));
-                for (int n = 0; n < workers; ++n) w.emplace_back(rows_, s_.head_dim, c_.key_tile, s_.value_dim, group_);
+                for (int n = 0; n < workers; ++n)
+                    w.emplace_back(rows_, s_.head_dim, c_.key_tile, s_.value_dim, group_, staged);
                 return w;
             },
             [&] {
-                const index per_worker = rows_ * (s_.head_dim + c_.key_tile + s_.value_dim + 4);
+                const index per_worker = rows_ * (s_.head_dim + c_.key_tile + s_.value_dim + 4) +
+                                         (staged ? c_.key_tile * (s_.head_dim + s_.value_dim) : 0);
                 return allocation_text("the tiled kernel's scratch (workers x elements)",
-                                       std::array<index, 2>{workers, per_worker}, sizeof(T));
+                                       std::array<index, 2>{workers, per_worker}, sizeof(Acc));
             },
             "Fewer threads need less scratch");
     }
@@ -191,7 +192,7 @@ private:
         const index blocks = block_count(), units = blocks * chunks;
         const index dv = s_.value_dim;
         // Partial results of every (block, chunk), normalized: out = acc / sum, lse = max + log(sum).
-        std::vector<T> part_out, part_lse;
+        std::vector<Acc> part_out, part_lse;
         allocating(
             [&] {
                 part_out.resize(static_cast<std::size_t>(units * rows_ * dv));
@@ -199,7 +200,7 @@ private:
             },
             [&] {
                 return allocation_text("the decode path's partial outputs (units x rows x (value_dim + 1))",
-                                       std::array<index, 3>{units, rows_, dv + 1}, sizeof(T));
+                                       std::array<index, 3>{units, rows_, dv + 1}, sizeof(Acc));
             },
             "Split the call over the batch");
         auto ws = workspaces(units, threads);
@@ -211,55 +212,52 @@ private:
             load_queries(w, blk);
             stream_keys(w, blk, k0, k1);
             const index rows = group_ * blk.queries;
-            for (index r = 0; r < rows; ++r) {
-                T* out = part_out.data() + (unit * rows_ + r) * dv;
-                T& lse = part_lse[static_cast<std::size_t>(unit * rows_ + r)];
-                const T m = w.row_max[static_cast<std::size_t>(r)], l = w.row_sum[static_cast<std::size_t>(r)];
-                const T* acc = w.acc.data() + r * dv;
-                if (m == minus_infinity<T>() || !(l > 0)) {
-                    std::fill(out, out + dv, T(0));
-                    lse = minus_infinity<T>();
-                } else {
-                    for (index d = 0; d < dv; ++d) out[d] = acc[d] / l;
-                    lse = m + std::log(l);
-                }
-            }
+            for (index r = 0; r < rows; ++r)
+                part_lse[static_cast<std::size_t>(unit * rows_ + r)] =
+                    w.softmax.normalize_into(r, w.acc.data() + r * dv, dv, part_out.data() + (unit * rows_ + r) * dv);
         });
         // Combine the chunks of each block in chunk order, one block per unit.
         parallel_for(blocks, threads, [&](index n, int) {
             const block blk = block_of(n);
             const index rows = group_ * blk.queries;
             for (index r = 0; r < rows; ++r) {
-                T* first = part_out.data() + (n * chunks * rows_ + r) * dv;
-                T lse = part_lse[static_cast<std::size_t>(n * chunks * rows_ + r)];
+                Acc* first = part_out.data() + (n * chunks * rows_ + r) * dv;
+                Acc lse = part_lse[static_cast<std::size_t>(n * chunks * rows_ + r)];
                 for (index c = 1; c < chunks; ++c) {
                     const index at = (n * chunks + c) * rows_ + r;
                     lse = merge_row(first, lse, part_out.data() + at * dv, part_lse[static_cast<std::size_t>(at)],
                                     first, dv);
                 }
-                const index h = blk.kv_head * group_ + r / blk.queries, i = blk.query_begin + r % blk.queries;
-                T* out = o_.out.row(blk.batch, h, i);
-                T* lse_out = o_.lse ? o_.lse + (blk.batch * s_.heads + h) * s_.query_len + i : nullptr;
-                if (mask_.query_padded(blk.batch, i) || lse == minus_infinity<T>()) {
-                    std::fill(out, out + dv, T(0));
-                    if (lse_out) *lse_out = minus_infinity<T>();
-                } else {
-                    std::copy(first, first + dv, out);
-                    if (lse_out) *lse_out = lse;
-                }
+                const index h = head_of(blk, r), i = query_of(blk, r);
+                if (mask_.query_padded(blk.batch, i)) lse = minus_infinity<Acc>();
+                write_merged_row(blk.batch, h, i, lse == minus_infinity<Acc>() ? nullptr : first, lse);
             }
         });
     }
 
+    /// Row (b, h, i) of out from a merged, normalized row (Acc, value_dim long; nullptr for a zero row), rounded
+    /// to the storage type once, and its lse.
+    void write_merged_row(index b, index h, index i, const Acc* row, Acc lse) const {
+        Storage* out = o_.out.row(b, h, i);
+        if (row) std::transform(row, row + s_.value_dim, out, [](Acc x) { return static_cast<Storage>(x); });
+        else std::fill(out, out + s_.value_dim, Storage(0));
+        write_lse(b, h, i, row ? lse : minus_infinity<Acc>());
+    }
+
+    void write_lse(index b, index h, index i, Acc lse) const {
+        if (o_.lse) o_.lse[(b * s_.heads + h) * s_.query_len + i] = static_cast<Storage>(lse);
+    }
+
     // ---- one block --------------------------------------------------------------------------------------------
     /// The block's query rows, head after head, times the scale (folded in once instead of per score).
-    void load_queries(tiled_workspace<T>& w, const block& blk) const {
+    void load_queries(tiled_workspace<Acc>& w, const block& blk) const {
         const index d = s_.head_dim;
+        const Acc scale = pipe_.scale();
         for (index hh = 0; hh < group_; ++hh)
             for (index r = 0; r < blk.queries; ++r) {
-                const T* src = q_.row(blk.batch, blk.kv_head * group_ + hh, blk.query_begin + r);
-                T* dst = w.queries.data() + (hh * blk.queries + r) * d;
-                for (index x = 0; x < d; ++x) dst[x] = p_.scale * src[x];
+                const Storage* src = q_.row(blk.batch, blk.kv_head * group_ + hh, blk.query_begin + r);
+                Acc* dst = w.queries.data() + (hh * blk.queries + r) * d;
+                for (index x = 0; x < d; ++x) dst[x] = scale * static_cast<Acc>(src[x]);
             }
     }
 
@@ -282,7 +280,7 @@ private:
 
     /// Classifies the slab's per-head tiles over keys [k0, k1) into w.classes; returns empty when all are empty,
     /// full when all are full, mixed otherwise.
-    tile_class classify(tiled_workspace<T>& w, const block& blk, const slab& sl, index k0, index k1) const {
+    tile_class classify(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index k0, index k1) const {
         bool any_empty = false, any_full = false, any_mixed = false;
         for (index hh = sl.head_begin; hh < sl.head_end; ++hh) {
             const tile_class c = mask_.classify(query_tile(blk, sl, hh, k0, k1));
@@ -304,15 +302,14 @@ private:
 
     /// Scores of the slab against keys [k0, k1) into its rows of w.scores: one GEMM on the stacked rows (one GEMV
     /// per row for a few rows, which reads K straight from its rows where a GEMM would first copy it into
-    /// packed panels), then per head the bias and the mask (nothing per element on a full tile without bias;
-    /// -inf rows for a head whose tile is empty). Needs w.classes from classify on the same slab and keys.
-    void compute_scores(tiled_workspace<T>& w, const block& blk, const slab& sl, index k0, index k1) const {
+    /// packed panels), then the score pipeline per head. Needs w.classes from classify on the same slab and keys.
+    void compute_scores(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index k0, index k1) const {
         const index r0 = sl.first_row(blk), rows = sl.rows(blk), nk = k1 - k0, ld = c_.key_tile;
-        const_tile_map<T> queries(w.queries.data() + r0 * s_.head_dim, rows, s_.head_dim,
-                                  Eigen::OuterStride<>(s_.head_dim));
-        const_tile_map<T> keys(k_.row(blk.batch, blk.kv_head, k0), nk, s_.head_dim,
-                               Eigen::OuterStride<>(k_.strides[2]));
-        tile_map<T> scores(w.scores.data() + r0 * ld, rows, nk, Eigen::OuterStride<>(ld));
+        const_tile_map<Acc> queries(w.queries.data() + r0 * s_.head_dim, rows, s_.head_dim,
+                                    Eigen::OuterStride<>(s_.head_dim));
+        const auto keys = as_accumulator<Acc>(k_.row(blk.batch, blk.kv_head, k0), nk, s_.head_dim, k_.strides[2],
+                                              w.key_stage);
+        tile_map<Acc> scores(w.scores.data() + r0 * ld, rows, nk, Eigen::OuterStride<>(ld));
         if (rows <= c_.gemv_rows) {
             // Key slices small enough for L1, so every row after the first reads them from there.
             const index step = gemv_keys(s_.head_dim);
@@ -324,33 +321,20 @@ private:
         } else {
             scores.noalias() = queries * keys.transpose();
         }
-        const index queries_per_head = sl.query_end - sl.query_begin;
-        for (index hh = sl.head_begin; hh < sl.head_end; ++hh) {
-            T* sub = w.scores.data() + (hh * blk.queries + sl.query_begin) * ld;
-            const tile_class c = w.classes[static_cast<std::size_t>(hh)];
-            if (c == tile_class::empty) {
-                for (index r = 0; r < queries_per_head; ++r)
-                    std::fill(sub + r * ld, sub + r * ld + nk, minus_infinity<T>());
-                continue;
-            }
-            const index h = blk.kv_head * group_ + hh;
-            if (bias_)
-                bias_->add_tile(h, blk.query_begin + sl.query_begin, k0, queries_per_head, nk, s_.query_len,
-                                s_.key_len, sub, ld);
-            if (c == tile_class::mixed) mask_.apply(query_tile(blk, sl, hh, k0, k1), sub, ld);
-        }
+        for (index hh = sl.head_begin; hh < sl.head_end; ++hh)
+            pipe_.finish_tile(query_tile(blk, sl, hh, k0, k1), w.classes[static_cast<std::size_t>(hh)],
+                              w.scores.data() + (hh * blk.queries + sl.query_begin) * ld, ld);
     }
 
-    /// The online softmax over keys [key_begin, key_end): leaves w.acc (unnormalized, dropout applied),
-    /// w.row_max and w.row_sum (the undropped normalizer) for the block's rows. A mixed tile (a causal diagonal,
+    /// The online softmax over keys [key_begin, key_end): leaves w.acc (unnormalized, dropout applied) and
+    /// w.softmax (max and the undropped normalizer) for the block's rows. A mixed tile (a causal diagonal,
     /// the edge of a window) is cut into runs of key strips: runs every row of the block may fully see go through one
     /// block-wide GEMM, the rest in slabs of slab_rows queries of one head, each trimmed to the key columns it may
     /// see, so masked-out work shrinks with the slab, not with the block.
-    void stream_keys(tiled_workspace<T>& w, const block& blk, index key_begin, index key_end) const {
+    void stream_keys(tiled_workspace<Acc>& w, const block& blk, index key_begin, index key_end) const {
         const index rows = group_ * blk.queries, dv = s_.value_dim;
-        std::fill(w.acc.begin(), w.acc.begin() + rows * dv, T(0));
-        std::fill(w.row_max.begin(), w.row_max.begin() + rows, minus_infinity<T>());
-        std::fill(w.row_sum.begin(), w.row_sum.begin() + rows, T(0));
+        std::fill(w.acc.begin(), w.acc.begin() + rows * dv, Acc(0));
+        w.softmax.reset(rows);
         const slab all = whole(blk);
         for (index k0 = key_begin; k0 < key_end; k0 += c_.key_tile) {
             const index k1 = std::min(key_end, k0 + c_.key_tile);
@@ -382,7 +366,7 @@ private:
     }
 
     /// One step of the online softmax: the slab's rows against keys [k0, k1) (trimmed first when mixed).
-    void stream_tile(tiled_workspace<T>& w, const block& blk, const slab& sl, index k0, index k1, bool mixed) const {
+    void stream_tile(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index k0, index k1, bool mixed) const {
         if (mixed) {
             const tile_class c = classify(w, blk, sl, k0, k1);
             if (c == tile_class::empty) return;
@@ -396,39 +380,14 @@ private:
         classify(w, blk, sl, k0, k1);
         const index r0 = sl.first_row(blk), rows = sl.rows(blk), nk = k1 - k0, ld = c_.key_tile, dv = s_.value_dim;
         compute_scores(w, blk, sl, k0, k1);
-        // New running max per row, and the factor exp(old max - new max) for all rows in one vectorized exp.
-        for (index r = r0; r < r0 + rows; ++r) {
-            const auto u = static_cast<std::size_t>(r);
-            const T tile_max = row_array(w.scores.data() + r * ld, nk).maxCoeff();
-            const T m = w.row_max[u];
-            w.row_new_max[u] = std::max(m, tile_max);
-            // exp(-inf) = 0 when the row had no allowed key before; exp(0) = 1 when the max stays.
-            w.row_scale[u] = m == minus_infinity<T>() ? minus_infinity<T>() : m - w.row_new_max[u];
-        }
-        exp_shifted(w.row_scale.data() + r0, rows, T(0));
-        tile_map<T> acc(w.acc.data() + r0 * dv, rows, dv, Eigen::OuterStride<>(dv));
-        const T keep_scale = static_cast<T>(p_.dropout.keep_scale);
-        for (index r = r0; r < r0 + rows; ++r) {
-            const auto u = static_cast<std::size_t>(r);
-            T* row = w.scores.data() + r * ld;
-            const T m_new = w.row_new_max[u];
-            if (m_new == minus_infinity<T>()) {  // nothing allowed so far: no contribution
-                std::fill(row, row + nk, T(0));
-                continue;
-            }
-            exp_shifted(row, nk, m_new);
-            const T alpha = w.row_scale[u];
-            if (alpha != T(1)) acc.row(r - r0) *= alpha;
-            w.row_sum[u] = alpha * w.row_sum[u] + row_array(row, nk).sum();
-            w.row_max[u] = m_new;
-            if (p_.dropout.active()) {
-                const index h = blk.kv_head * group_ + r / blk.queries, i = blk.query_begin + r % blk.queries;
-                for (index j = 0; j < nk; ++j)
-                    if (row[j] != T(0)) row[j] = p_.dropout.keep(blk.batch, h, i, k0 + j) ? row[j] * keep_scale : T(0);
-            }
-        }
-        const_tile_map<T> probabilities(w.scores.data() + r0 * ld, rows, nk, Eigen::OuterStride<>(ld));
-        const_tile_map<T> values(v_.row(blk.batch, blk.kv_head, k0), nk, dv, Eigen::OuterStride<>(v_.strides[2]));
+        w.softmax.absorb(w.scores.data() + r0 * ld, ld, r0, rows, nk, w.acc.data() + r0 * dv, dv);
+        if (p_.dropout.active())
+            for (index r = r0; r < r0 + rows; ++r)
+                p_.dropout.apply(w.scores.data() + r * ld, nk, blk.batch, head_of(blk, r), query_of(blk, r), k0);
+        tile_map<Acc> acc(w.acc.data() + r0 * dv, rows, dv, Eigen::OuterStride<>(dv));
+        const_tile_map<Acc> probabilities(w.scores.data() + r0 * ld, rows, nk, Eigen::OuterStride<>(ld));
+        const auto values = as_accumulator<Acc>(v_.row(blk.batch, blk.kv_head, k0), nk, dv, v_.strides[2],
+                                                w.value_stage);
         if (rows <= c_.gemv_rows) {
             const index step = gemv_keys(dv);
             for (index j0 = 0; j0 < nk; j0 += step) {
@@ -443,97 +402,90 @@ private:
 
     /// Keys per slice of the GEMV path: 16 KiB of K or V rows, half of a 32 KiB L1.
     static index gemv_keys(index dim) {
-        return std::max<index>(8, 16384 / (static_cast<index>(sizeof(T)) * std::max<index>(dim, 1)));
+        return std::max<index>(8, 16384 / (static_cast<index>(sizeof(Acc)) * std::max<index>(dim, 1)));
     }
 
-    bool row_is_zero(const tiled_workspace<T>& w, const block& blk, index r) const {
-        return mask_.query_padded(blk.batch, blk.query_begin + r % blk.queries) ||
-               w.row_max[static_cast<std::size_t>(r)] == minus_infinity<T>() ||
-               !(w.row_sum[static_cast<std::size_t>(r)] > 0);
-    }
-
-    /// out = acc / sum, lse = max + log(sum); zero rows and lse -inf for padded queries and empty rows. Leaves
-    /// max = -inf in w.row_max for zero rows, so write_weights writes zeros there.
-    void finish_rows(tiled_workspace<T>& w, const block& blk) const {
+    /// out = acc / sum, lse = max + log(sum); zero rows and lse -inf for padded queries and empty rows. Marks
+    /// padded rows empty in w.softmax, so write_weights writes zeros there.
+    void finish_rows(tiled_workspace<Acc>& w, const block& blk) const {
         const index rows = group_ * blk.queries, dv = s_.value_dim;
         for (index r = 0; r < rows; ++r) {
-            const index h = blk.kv_head * group_ + r / blk.queries, i = blk.query_begin + r % blk.queries;
-            T* out = o_.out.row(blk.batch, h, i);
-            T& m = w.row_max[static_cast<std::size_t>(r)];
-            T lse = minus_infinity<T>();
-            if (row_is_zero(w, blk, r)) {
-                std::fill(out, out + dv, T(0));
-                m = minus_infinity<T>();
-            } else {
-                const T l = w.row_sum[static_cast<std::size_t>(r)];
-                const T* acc = w.acc.data() + r * dv;
-                for (index d = 0; d < dv; ++d) out[d] = acc[d] / l;
-                lse = m + std::log(l);
-            }
-            if (o_.lse) o_.lse[(blk.batch * s_.heads + h) * s_.query_len + i] = lse;
+            const index h = head_of(blk, r), i = query_of(blk, r);
+            if (mask_.query_padded(blk.batch, i)) w.softmax.clear(r);
+            Storage* out = o_.out.row(blk.batch, h, i);
+            write_lse(blk.batch, h, i, w.softmax.normalize_into(r, w.acc.data() + r * dv, dv, out));
         }
     }
 
     /// Second pass for the weights output: P = exp(S - max) / sum tile by tile, written straight into weights.
     /// Not exp(S - lse): lse rounded in T would cost |lse| ulps of relative accuracy when scores are large.
-    void write_weights(tiled_workspace<T>& w, const block& blk) const {
+    void write_weights(tiled_workspace<Acc>& w, const block& blk) const {
         const index rows = group_ * blk.queries, ld = c_.key_tile, S = s_.key_len;
-        const T keep_scale = static_cast<T>(p_.dropout.keep_scale);
         const bool drop = p_.weights_after_dropout && p_.dropout.active();
         const slab all = whole(blk);
         const auto weights_row = [&](index r) {
-            const index h = blk.kv_head * group_ + r / blk.queries, i = blk.query_begin + r % blk.queries;
-            return o_.weights + ((blk.batch * s_.heads + h) * s_.query_len + i) * S;
+            return o_.weights + ((blk.batch * s_.heads + head_of(blk, r)) * s_.query_len + query_of(blk, r)) * S;
         };
         for (index k0 = 0; k0 < S; k0 += c_.key_tile) {
             const index k1 = std::min(S, k0 + c_.key_tile), nk = k1 - k0;
             if (classify(w, blk, all, k0, k1) == tile_class::empty) {
-                for (index r = 0; r < rows; ++r) std::fill(weights_row(r) + k0, weights_row(r) + k1, T(0));
+                for (index r = 0; r < rows; ++r) std::fill(weights_row(r) + k0, weights_row(r) + k1, Storage(0));
                 continue;
             }
             compute_scores(w, blk, all, k0, k1);
             for (index r = 0; r < rows; ++r) {
-                T* out = weights_row(r) + k0;
-                const T m = w.row_max[static_cast<std::size_t>(r)];
-                if (m == minus_infinity<T>()) {
-                    std::fill(out, out + nk, T(0));
+                Storage* out = weights_row(r) + k0;
+                if (w.softmax.empty(r)) {
+                    std::fill(out, out + nk, Storage(0));
                     continue;
                 }
-                const T l = w.row_sum[static_cast<std::size_t>(r)];
-                std::copy(w.scores.data() + r * ld, w.scores.data() + r * ld + nk, out);
-                exp_shifted(out, nk, m);
-                for (index j = 0; j < nk; ++j) out[j] /= l;
-                if (drop) {
-                    const index h = blk.kv_head * group_ + r / blk.queries, i = blk.query_begin + r % blk.queries;
-                    for (index j = 0; j < nk; ++j)
-                        if (out[j] != T(0))
-                            out[j] = p_.dropout.keep(blk.batch, h, i, k0 + j) ? out[j] * keep_scale : T(0);
-                }
+                Acc* p = w.scores.data() + r * ld;
+                exp_shifted(p, nk, w.softmax.max(r));
+                const Acc l = w.softmax.sum(r);
+                for (index j = 0; j < nk; ++j) p[j] /= l;
+                if (drop) p_.dropout.apply(p, nk, blk.batch, head_of(blk, r), query_of(blk, r), k0);
+                std::transform(p, p + nk, out, [](Acc x) { return static_cast<Storage>(x); });
             }
         }
     }
 
-    const strided_view<const T>& q_;
-    const strided_view<const T>& k_;
-    const strided_view<const T>& v_;
+    const strided_view<const Storage>& q_;
+    const strided_view<const Storage>& k_;
+    const strided_view<const Storage>& v_;
     const attention_shape& s_;
-    const Bound& mask_;
-    const kernel_params<T>& p_;
-    const attention_outputs<T>& o_;
+    const mask_tiles& mask_;
+    score_pipeline<Acc> pipe_;
+    const kernel_params<Acc>& p_;
+    const attention_outputs<Storage>& o_;
     tile_config c_;
-    const score_bias* bias_ = nullptr;
     index group_ = 1;           ///< query heads per kv head
     index block_queries_ = 1;   ///< queries per head in a block
     index query_blocks_ = 1;    ///< blocks per (batch, kv head)
     index rows_ = 1;            ///< rows of a full block: group_ * block_queries_
 };
 
-/// The tiled kernel on `threads` threads (>= 1) with the given tile sizes; same contract as reference_attention.
+/// The tiled forward kernel: `Storage` in memory, arithmetic in `Acc`, `threads` threads (>= 1), the given tile
+/// sizes; same contract as reference_attention. One instantiation per (Storage, Acc): masks come type-erased.
+template <class Storage, class Acc>
+void tiled_forward(const strided_view<const Storage>& q, const strided_view<const Storage>& k,
+                   const strided_view<const Storage>& v, const attention_shape& s, const mask_tiles& mask,
+                   const kernel_params<Acc>& p, const attention_outputs<Storage>& o, int threads,
+                   const tile_config& config) {
+    tiled_runner<Storage, Acc>(q, k, v, s, mask, p, o, config).run(threads);
+}
+
+/// The tiled kernel on `threads` threads (>= 1) with the given tile sizes, for any bound mask; same contract as
+/// reference_attention.
 template <class T, class Bound>
 void tiled_attention(const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
                      const attention_shape& s, const Bound& mask, const kernel_params<T>& p,
                      const attention_outputs<T>& o, int threads, const tile_config& config) {
-    tiled_runner<T, Bound>(q, k, v, s, mask, p, o, config).run(threads);
+    if constexpr (std::is_base_of_v<mask_tiles, Bound>) {
+        tiled_forward<T, accumulator_t<T>>(q, k, v, s, mask, p, o, threads, config);
+    } else {
+        const erased_mask<Bound> erased(mask);
+        tiled_forward<T, accumulator_t<T>>(q, k, v, s, erased, p, o, threads, config);
+    }
 }
 
 /// The tiled kernel with the default tile sizes for this shape.
@@ -543,5 +495,17 @@ void tiled_attention(const strided_view<const T>& q, const strided_view<const T>
                      const attention_outputs<T>& o, int threads) {
     tiled_attention(q, k, v, s, mask, p, o, threads, default_tile_config<T>(s));
 }
+
+#if defined(ATTEND_KERNEL_INSTANCE)
+#define ATTEND_TILED_FORWARD_INSTANCE(S, A)                                                                          \
+    ATTEND_KERNEL_INSTANCE void tiled_forward<S, A>(                                                                 \
+        const strided_view<const S>&, const strided_view<const S>&, const strided_view<const S>&,                  \
+        const attention_shape&, const mask_tiles&, const kernel_params<A>&, const attention_outputs<S>&, int,      \
+        const tile_config&);
+ATTEND_TILED_FORWARD_INSTANCE(float, float)
+ATTEND_TILED_FORWARD_INSTANCE(double, double)
+ATTEND_TILED_FORWARD_INSTANCE(float, double)
+#undef ATTEND_TILED_FORWARD_INSTANCE
+#endif
 
 }  // namespace attend::detail

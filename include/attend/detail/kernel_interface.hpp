@@ -1,0 +1,80 @@
+#pragma once
+/// What every kernel takes and gives, forward and backward, reference and tiled: row-major matrix views of a
+/// (batch, head) slice, the validated parameters of a call, and where the results go.
+
+#include <array>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+#include "../score_bias.hpp"
+#include "../shape.hpp"
+#include "dropout.hpp"
+
+/// Compiling the kernels once. A program that includes attend in many translation units compiles the float and
+/// double kernels in each of them; it can instead define ATTEND_SEPARATE_KERNELS everywhere and compile
+/// src/kernels.cpp (which defines ATTEND_KERNELS_DEFINE) once, as the attend::kernels CMake target does: every
+/// kernel header then declares its float and double instances `extern template`, and that file defines them.
+/// Results are the same bits either way; only where the code is compiled changes.
+#if defined(ATTEND_KERNELS_DEFINE)
+#define ATTEND_KERNEL_INSTANCE template
+#elif defined(ATTEND_SEPARATE_KERNELS)
+#define ATTEND_KERNEL_INSTANCE extern template
+#endif
+
+namespace attend::detail {
+
+template <class T>
+using row_matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <class T>
+using tile_map = Eigen::Map<row_matrix<T>, 0, Eigen::OuterStride<>>;
+template <class T>
+using const_tile_map = Eigen::Map<const row_matrix<T>, 0, Eigen::OuterStride<>>;
+
+/// A `[len, dim]` slice of a strided view as a row-major matrix with the view's row stride.
+template <class T>
+auto matrix_of(const strided_view<T>& x, index b, index h) {
+    using plain = row_matrix<std::remove_const_t<T>>;
+    using map = Eigen::Map<std::conditional_t<std::is_const_v<T>, const plain, plain>, 0, Eigen::OuterStride<>>;
+    return map(x.row(b, h, 0), x.dims[2], x.dims[3], Eigen::OuterStride<>(x.strides[2]));
+}
+
+/// Where the results go: out `[batch, heads, query_len, value_dim]` (strided), and when not null the contiguous
+/// weights `[batch, heads, query_len, key_len]` and lse `[batch, heads, query_len]`.
+template <class T>
+struct attention_outputs {
+    strided_view<T> out;
+    T* weights = nullptr;
+    T* lse = nullptr;
+};
+
+/// Everything a kernel needs besides tensors and mask, already validated.
+template <class T>
+struct kernel_params {
+    T scale = 1;
+    dropout_rule dropout;
+    const score_bias* bias = nullptr;
+    bool weights_after_dropout = false;
+};
+
+/// The inputs of a backward call as strided views, so multi-head attention can pass heads of its projected
+/// `[batch, len, heads * dim]` buffers (split_heads) without copying. out and d_out are `[batch, heads,
+/// query_len, value_dim]`; lse is contiguous `[batch, heads, query_len]`.
+template <class T>
+struct backward_inputs {
+    strided_view<const T> q, k, v, out, d_out;
+    const T* lse = nullptr;
+    std::array<index, 3> lse_dims{};  ///< batch, heads, query_len (rank-2 lse `[batch, query_len]`: heads = 1)
+    int lse_rank = 3;                 ///< rank of the lse the caller passed (2 or 3), for messages
+};
+
+/// Where the gradients go. dq, dk, dv are overwritten (not accumulated into) and must not overlap each other
+/// or the inputs. score_bias_gradient, when not null, is contiguous `[heads, query_len + key_len - 1]` and is
+/// written only when the call has a score_bias.
+template <class T>
+struct gradient_outputs {
+    strided_view<T> dq, dk, dv;
+    T* score_bias_gradient = nullptr;
+};
+
+}  // namespace attend::detail

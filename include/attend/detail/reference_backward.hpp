@@ -1,0 +1,110 @@
+#pragma once
+/// The reference backward: the oracle the tiled backward is tested against (backward.hpp has the formulas). Per
+/// (batch, head) it materializes the scores `[query_len, key_len]` and recomputes the softmax from scratch,
+/// reading neither out nor lse; sequential, written for obviousness, independent of the score pipeline.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+#include "kernel_interface.hpp"
+#include "mask_nodes.hpp"
+#include "memory.hpp"
+
+namespace attend::detail {
+
+/// Gradients dq, dk, dv (and the score_bias gradient) by the textbook formulas of backward.hpp's file comment, on a
+/// type-erased mask, one instance per scalar type.
+template <class T>
+void reference_gradients(const backward_inputs<T>& in, const attention_shape& s, const mask_tiles& mask,
+                         const kernel_params<T>& p, const gradient_outputs<T>& o) {
+    const index L = s.query_len, S = s.key_len, diagonals = L + S - 1;
+    const bool bias = p.bias && !p.bias->empty();
+    row_matrix<T> probs, dropped, dp;  // allocated before the first write to an output
+    allocating(
+        [&] {
+            probs.resize(L, S);
+            dropped.resize(L, S);
+            dp.resize(L, S);
+        },
+        [&] { return allocation_text("the reference backward's score matrices (3 x query_len x key_len)",
+                                     std::array<index, 3>{3, L, S}, sizeof(T)); },
+        "kernel::reference materializes the scores of one (batch, head); the tiled backward needs O(threads x tile)");
+    for (index b = 0; b < s.batch; ++b) {
+        for (index h = 0; h < s.heads; ++h) matrix_of(o.dq, b, h).setZero();
+        for (index h = 0; h < s.kv_heads; ++h) {
+            matrix_of(o.dk, b, h).setZero();
+            matrix_of(o.dv, b, h).setZero();
+        }
+    }
+    if (o.score_bias_gradient && bias) std::fill(o.score_bias_gradient, o.score_bias_gradient + s.heads * diagonals, T(0));
+    if (L == 0) return;
+    const T keep_scale = static_cast<T>(p.dropout.keep_scale);
+    for (index b = 0; b < s.batch; ++b)
+        for (index h = 0; h < s.heads; ++h) {
+            const index kvh = s.kv_head(h);
+            const auto q = matrix_of(in.q, b, h), k = matrix_of(in.k, b, kvh), v = matrix_of(in.v, b, kvh);
+            const auto d_out = matrix_of(in.d_out, b, h);
+            probs.noalias() = q * k.transpose();
+            probs *= p.scale;
+            if (bias) p.bias->add_tile(h, 0, 0, L, S, L, S, probs.data(), S);
+            mask.apply(tile{b, h, 0, L, 0, S}, probs.data(), S);
+            for (index i = 0; i < L; ++i) {
+                auto row = probs.row(i);
+                const T max = mask.query_padded(b, i) ? minus_infinity<T>() : row.maxCoeff();
+                if (max == minus_infinity<T>()) {  // padded query or empty row: constant zero output
+                    row.setZero();
+                    continue;
+                }
+                // std::exp: forbidden probabilities must be exactly 0 (see reference_kernel.hpp).
+                for (index j = 0; j < S; ++j) row(j) = std::exp(row(j) - max);
+                row /= row.sum();
+            }
+            dropped = probs;
+            if (p.dropout.active())
+                for (index i = 0; i < L; ++i)
+                    for (index j = 0; j < S; ++j)
+                        dropped(i, j) = p.dropout.keep(b, h, i, j) ? probs(i, j) * keep_scale : T(0);
+            matrix_of(o.dv, b, kvh).noalias() += dropped.transpose() * d_out;
+            dp.noalias() = d_out * v.transpose();  // d loss / d (dropped weights)
+            if (p.dropout.active())
+                for (index i = 0; i < L; ++i)
+                    for (index j = 0; j < S; ++j) dp(i, j) = p.dropout.keep(b, h, i, j) ? dp(i, j) * keep_scale : T(0);
+            for (index i = 0; i < L; ++i) {  // dS = P * (dP - rowsum(P * dP)), in place of dP
+                const T delta = probs.row(i).dot(dp.row(i));
+                dp.row(i) = (probs.row(i).array() * (dp.row(i).array() - delta)).matrix();
+            }
+            if (o.score_bias_gradient && bias)
+                for (index i = 0; i < L; ++i)
+                    for (index j = 0; j < S; ++j) o.score_bias_gradient[h * diagonals + j - i + L - 1] += dp(i, j);
+            matrix_of(o.dq, b, h).noalias() = p.scale * (dp * k);
+            matrix_of(o.dk, b, kvh).noalias() += p.scale * (dp.transpose() * q);
+        }
+}
+
+/// The reference backward for any bound mask: through the one type-erased instance, as the public API's calls go.
+template <class T, class Bound>
+void reference_backward(const backward_inputs<T>& in, const attention_shape& s, const Bound& mask,
+                        const kernel_params<T>& p, const gradient_outputs<T>& o) {
+    if constexpr (std::is_base_of_v<mask_tiles, Bound>) {
+        reference_gradients(in, s, mask, p, o);
+    } else {
+        const erased_mask<Bound> erased(mask);
+        reference_gradients<T>(in, s, erased, p, o);
+    }
+}
+
+#if defined(ATTEND_KERNEL_INSTANCE)
+#define ATTEND_REFERENCE_BACKWARD_INSTANCE(T)                                                                        \
+    ATTEND_KERNEL_INSTANCE void reference_gradients<T>(const backward_inputs<T>&, const attention_shape&,           \
+                                                       const mask_tiles&, const kernel_params<T>&,                   \
+                                                       const gradient_outputs<T>&);
+ATTEND_REFERENCE_BACKWARD_INSTANCE(float)
+ATTEND_REFERENCE_BACKWARD_INSTANCE(double)
+#undef ATTEND_REFERENCE_BACKWARD_INSTANCE
+#endif
+
+}  // namespace attend::detail

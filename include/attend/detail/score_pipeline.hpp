@@ -1,0 +1,184 @@
+#pragma once
+/// The score pipeline of the tiled kernels, forward and backward: the one place that turns a tile of dot products
+/// into the scores the softmax sees, and the one online-softmax state that streams those scores. A new score
+/// modifier (soft-capping, a user's score function) goes into score_pipeline::finish_tile, and its derivative
+/// into the one place the backward turns dP into dS (tiled_backward.hpp, score_gradient); nothing else in the
+/// kernels needs to change.
+///
+/// The reference kernels (reference_kernel.hpp, reference_backward.hpp) do not use this file: they are the oracle
+/// the tiled kernels are tested against, so they stay written out on their own.
+///
+/// Storage and accumulation. Inputs and outputs are stored in a storage type; everything here (scores,
+/// probabilities, running max and sum, accumulators) is in the accumulation type accumulator_t<Storage>. Today
+/// both are float or both double; 16-bit storage accumulates in float.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "../score_bias.hpp"
+#include "../shape.hpp"
+#include "kernel_interface.hpp"
+#include "mask_nodes.hpp"
+
+namespace attend::detail {
+
+/// What a storage type accumulates in: scores, softmax and P·V of float storage run in float, of double in
+/// double.
+template <class Storage>
+struct accumulator_of {
+    using type = Storage;
+};
+template <class Storage>
+using accumulator_t = typename accumulator_of<Storage>::type;
+
+/// A contiguous run of scores as an Eigen array, for Eigen's vectorized reductions.
+template <class T>
+Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> row_array(T* x, index n) {
+    return Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>(x, n);
+}
+
+/// x[j] = exp(x[j] - shift) on a contiguous run, exactly 0 where x[j] is -inf (a forbidden key) and where the
+/// result would be subnormal (below 1e-38 in float next to a row maximum of 1: no effect on any sum, and it keeps
+/// subnormals, which are slow on many cores, out of the GEMM). Eigen's vectorized exp does the work; on its own it
+/// returns a tiny positive number, not 0, for -inf in double.
+template <class T>
+void exp_shifted(T* x, index n, T shift) {
+    auto a = row_array(x, n);
+    a = (a - shift).exp();
+    constexpr T tiny = std::numeric_limits<T>::min();
+    for (index j = 0; j < n; ++j) x[j] = x[j] < tiny ? T(0) : x[j];
+}
+
+/// From dot products to scores, in this order: scale (folded into one GEMM operand by the kernels, see
+/// scaled_operand), score_bias, mask. Both tiled kernels call finish_tile on every tile they compute, so forward,
+/// backward and the weights pass see the same bits.
+template <class Acc>
+class score_pipeline {
+public:
+    score_pipeline(const attention_shape& s, const mask_tiles& mask, const score_bias* bias, Acc scale)
+        : mask_(mask), bias_(bias && !bias->empty() ? bias : nullptr), scale_(scale), query_len_(s.query_len),
+          key_len_(s.key_len) {}
+
+    /// The scale, applied once to the operand the kernel packs (queries forward, keys backward), not per score.
+    Acc scale() const { return scale_; }
+    bool has_bias() const { return bias_ != nullptr; }
+    const mask_tiles& mask() const { return mask_; }
+
+    /// Scores `[t.query_end - t.query_begin, t.key_end - t.key_begin]` at `scores` (row stride ld) hold the
+    /// scaled dot products of one head's tile `t` of class `c` (from mask().classify(t)); afterwards they hold
+    /// the scores: bias added, forbidden entries -inf (all of them for an empty tile, none for a full one).
+    void finish_tile(const tile& t, tile_class c, Acc* scores, index ld) const {
+        const index rows = t.query_end - t.query_begin, cols = t.key_end - t.key_begin;
+        if (c == tile_class::empty) {
+            for (index r = 0; r < rows; ++r) std::fill(scores + r * ld, scores + r * ld + cols, minus_infinity<Acc>());
+            return;
+        }
+        if (bias_) bias_->add_tile(t.head, t.query_begin, t.key_begin, rows, cols, query_len_, key_len_, scores, ld);
+        if (c == tile_class::mixed) mask_.apply(t, scores, ld);
+    }
+
+    /// Adds the tile's score gradient `grad` (layout as finish_tile's scores) to the bias gradient of its head,
+    /// one sum per key - query diagonal: `diagonals` holds `[query_len + key_len - 1]`, entry n for
+    /// key - query = n - (query_len - 1).
+    void add_bias_gradient(const tile& t, const Acc* grad, index ld, Acc* diagonals) const {
+        const index rows = t.query_end - t.query_begin, cols = t.key_end - t.key_begin;
+        for (index r = 0; r < rows; ++r) {
+            Acc* diagonal = diagonals + (t.key_begin - t.query_begin - r + query_len_ - 1);
+            const Acc* g = grad + r * ld;
+            for (index j = 0; j < cols; ++j) diagonal[j] += g[j];
+        }
+    }
+
+private:
+    const mask_tiles& mask_;
+    const score_bias* bias_ = nullptr;
+    Acc scale_ = 1;
+    index query_len_ = 0, key_len_ = 0;
+};
+
+/// The online softmax of a block of rows (FlashAttention-2): per row a running max m, a running sum l of
+/// exp(score - m) and, kept by the caller, an accumulator of exp(score - m) V that is rescaled by exp(m_old - m)
+/// whenever m grows. Rows whose keys were all forbidden so far have m = -inf and contribute nothing.
+template <class Acc>
+class online_softmax {
+public:
+    online_softmax() = default;
+    explicit online_softmax(index rows)
+        : max_(static_cast<std::size_t>(rows)), sum_(static_cast<std::size_t>(rows)),
+          new_max_(static_cast<std::size_t>(rows)), rescale_(static_cast<std::size_t>(rows)) {}
+
+    /// Rows [0, rows): m = -inf, l = 0.
+    void reset(index rows) {
+        std::fill(max_.begin(), max_.begin() + rows, minus_infinity<Acc>());
+        std::fill(sum_.begin(), sum_.begin() + rows, Acc(0));
+    }
+
+    /// One tile of scores for rows [r0, r0 + rows) (row r at scores + (r - r0) * ld, nk keys): turns them into
+    /// exp(score - new max) in place (all 0 for a row with nothing allowed yet), rescales that row of `acc`
+    /// (contiguous rows of dv values) by exp(old max - new max) and updates m and l. The caller then multiplies the
+    /// probabilities by V into acc.
+    void absorb(Acc* scores, index ld, index r0, index rows, index nk, Acc* acc, index dv) {
+        // New running max per row, and the rescale factor exp(old max - new max) for all rows in one vectorized
+        // exp: exp(-inf) = 0 when the row had no allowed key before; exp(0) = 1 when the max stays.
+        for (index r = 0; r < rows; ++r) {
+            const auto u = static_cast<std::size_t>(r0 + r);
+            const Acc tile_max = row_array(scores + r * ld, nk).maxCoeff();
+            const Acc m = max_[u];
+            new_max_[u] = std::max(m, tile_max);
+            rescale_[u] = m == minus_infinity<Acc>() ? minus_infinity<Acc>() : m - new_max_[u];
+        }
+        exp_shifted(rescale_.data() + r0, rows, Acc(0));
+        for (index r = 0; r < rows; ++r) {
+            const auto u = static_cast<std::size_t>(r0 + r);
+            Acc* row = scores + r * ld;
+            const Acc m_new = new_max_[u];
+            if (m_new == minus_infinity<Acc>()) {  // nothing allowed so far: no contribution
+                std::fill(row, row + nk, Acc(0));
+                continue;
+            }
+            exp_shifted(row, nk, m_new);
+            const Acc alpha = rescale_[u];
+            if (alpha != Acc(1)) row_array(acc + r * dv, dv) *= alpha;
+            sum_[u] = alpha * sum_[u] + row_array(row, nk).sum();
+            max_[u] = m_new;
+        }
+    }
+
+    /// Row r has no probability mass: every key forbidden (or every weight underflowed to 0).
+    bool empty(index r) const {
+        return max_[static_cast<std::size_t>(r)] == minus_infinity<Acc>() || !(sum_[static_cast<std::size_t>(r)] > 0);
+    }
+    Acc max(index r) const { return max_[static_cast<std::size_t>(r)]; }
+    Acc sum(index r) const { return sum_[static_cast<std::size_t>(r)]; }
+    /// log sum exp of the row's scores; only for rows that are not empty.
+    Acc lse(index r) const { return max(r) + std::log(sum(r)); }
+    /// Marks row r empty (a padded query), so later passes see a zero row.
+    void clear(index r) { max_[static_cast<std::size_t>(r)] = minus_infinity<Acc>(); }
+
+    /// Writes row r's normalized result acc / l into `out` (dv values, converted to the storage type once) and
+    /// returns its lse; a zero row and -inf for an empty row.
+    template <class Storage>
+    Acc normalize_into(index r, const Acc* acc, index dv, Storage* out) const {
+        if (empty(r)) {
+            std::fill(out, out + dv, Storage(0));
+            return minus_infinity<Acc>();
+        }
+        const Acc l = sum(r);
+        for (index d = 0; d < dv; ++d) out[d] = static_cast<Storage>(acc[d] / l);
+        return lse(r);
+    }
+
+private:
+    std::vector<Acc> max_;      ///< [rows] m
+    std::vector<Acc> sum_;      ///< [rows] l
+    std::vector<Acc> new_max_;  ///< [rows] m after the current tile
+    std::vector<Acc> rescale_;  ///< [rows] exp(m_old - m_new)
+};
+
+}  // namespace attend::detail

@@ -1,0 +1,424 @@
+#pragma once
+/// The tiled backward of scaled dot-product attention (backward.hpp has the API and the formulas):
+/// FlashAttention-2's backward on Eigen GEMM tiles, through the same score pipeline as the forward
+/// (score_pipeline.hpp). Inputs and gradients in the storage type, arithmetic in the accumulation type.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "kernel_interface.hpp"
+#include "mask_nodes.hpp"
+#include "memory.hpp"
+#include "score_pipeline.hpp"
+#include "thread_pool.hpp"
+#include "tiled_kernel.hpp"
+
+namespace attend::detail {
+
+/// Tile sizes of the tiled backward: a tile is block_q queries x block_k keys of one (batch, head). They depend
+/// on the shape only, never on the thread count.
+struct backward_tiling {
+    index block_q = 64;
+    index block_k = 64;
+};
+
+/// The default tiling, by measurement (fp32, batch 1, 8 heads, head_dim 64, L = S = 1024 and 2048, one thread,
+/// rate relative to a 512^3 Eigen sgemm in the same binary): with SSE2 only, 64x64 tiles reach 73 %, 64x128 and
+/// larger 77-80 %; with -march=native (AVX-512) 64x64 reach 67 %, 128x128 74-80 %, 128x256 83 %. 128 x 128 is
+/// near the best on both while its scratch (P, dP / dS and, with dropout, two more tiles of 64 KiB each, plus
+/// the K / dK / dV tiles of the key tile) stays in L2, and it wastes less work than 256-key tiles on the diagonal
+/// of a causal mask. Double halves the query tile so the tiles take the same bytes.
+template <class T>
+backward_tiling default_backward_tiling(const attention_shape& s) {
+    backward_tiling t;
+    t.block_q = sizeof(T) == 4 ? 128 : 64;
+    t.block_k = 128;
+    if (std::max(s.head_dim, s.value_dim) > 128) t.block_k = 64;
+    return t;
+}
+
+/// One worker's scratch, allocated before the workers start: O(block_q x block_k + block_k x dim) per thread.
+/// All in the accumulation type.
+template <class Acc>
+struct backward_workspace {
+    row_matrix<Acc> probs;        ///< [block_q, block_k]: scores, then P
+    row_matrix<Acc> dropped;      ///< [block_q, block_k]: P with dropout applied (dropout only)
+    row_matrix<Acc> keep;         ///< [block_q, block_k]: 0 or 1 / (1 - p) (dropout only)
+    row_matrix<Acc> grad;         ///< [block_q, block_k]: dP, then dS
+    row_matrix<Acc> keys;         ///< [block_k, head_dim]: scale * K of the key tile
+    row_matrix<Acc> dk;           ///< [block_k, head_dim]: dK of the key tile, unscaled
+    row_matrix<Acc> dv;           ///< [block_k, value_dim]: dV of the key tile
+    std::vector<Acc> lse;         ///< [block_q]: what P = exp(s - lse) * inv_sum shifts by, +inf for zero rows
+    std::vector<Acc> inv_sum;     ///< [block_q]: 1, or 1 / sum for rows with exact statistics
+    std::vector<Acc> delta;       ///< [block_q]: rowsum(d_out * out)
+    std::vector<Acc> query_stage;  ///< [block_q, head_dim] converted queries, when storage is not Acc
+    std::vector<Acc> d_out_stage;  ///< [block_q, value_dim] converted d_out, when storage is not Acc
+    std::vector<Acc> value_stage;  ///< [block_k, value_dim] converted values, when storage is not Acc
+
+    backward_workspace(const backward_tiling& t, const attention_shape& s, bool dropout, bool stage)
+        : probs(t.block_q, t.block_k),
+          dropped(dropout ? t.block_q : 0, dropout ? t.block_k : 0),
+          keep(dropout ? t.block_q : 0, dropout ? t.block_k : 0),
+          grad(t.block_q, t.block_k),
+          keys(t.block_k, s.head_dim),
+          dk(t.block_k, s.head_dim),
+          dv(t.block_k, s.value_dim),
+          lse(static_cast<std::size_t>(t.block_q)),
+          inv_sum(static_cast<std::size_t>(t.block_q)),
+          delta(static_cast<std::size_t>(t.block_q)),
+          query_stage(stage ? static_cast<std::size_t>(t.block_q * s.head_dim) : 0),
+          d_out_stage(stage ? static_cast<std::size_t>(t.block_q * s.value_dim) : 0),
+          value_stage(stage ? static_cast<std::size_t>(t.block_k * s.value_dim) : 0) {}
+};
+
+/// How many chunks the keys of one (batch, kv head) are split into. One chunk per (batch, kv head) needs no
+/// extra memory; when there are fewer than `target_units` (batch, kv head) pairs, the keys are split so that
+/// about target_units units exist, as long as the extra dQ partials (one dq-sized buffer per chunk after the
+/// first) stay within `partial_budget` bytes. A function of the shape only: the same decomposition, hence the
+/// same bits, for any thread count.
+inline index backward_key_chunks(const attention_shape& s, index key_tiles, std::size_t scalar_bytes) {
+    constexpr index target_units = 16;
+    constexpr double partial_budget = 16.0 * 1024 * 1024;
+    const index pairs = s.batch * s.kv_heads;
+    if (pairs == 0 || pairs >= target_units || key_tiles <= 1 || s.query_len == 0) return 1;
+    const index wanted = std::min(key_tiles, (target_units + pairs - 1) / pairs);
+    const double dq_bytes = static_cast<double>(s.batch) * static_cast<double>(s.heads) *
+                            static_cast<double>(s.query_len) * static_cast<double>(s.head_dim) *
+                            static_cast<double>(scalar_bytes);
+    const double affordable = 1.0 + std::floor(partial_budget / std::max(dq_bytes, 1.0));
+    return std::max<index>(1, std::min<index>(wanted, static_cast<index>(std::min(affordable, 1e9))));
+}
+
+/// The tiled backward (FlashAttention-2's backward on Eigen GEMM tiles); P is recomputed tile by tile from lse,
+/// never stored (from an exact max and sum instead for the rare rows whose |lse| is too large for that, see
+/// imprecise_lse). Memory beyond inputs and outputs: O(threads x tile) of workspace, the dQ partials of a key split
+/// (at most 16 MiB, see backward_key_chunks), only with a score_bias and a score_bias_gradient output one
+/// `[group, query_len + key_len - 1]` row of partial sums per unit, and only when some |lse| is huge two
+/// `[batch, heads, query_len]` vectors of row statistics; never O(query_len x key_len).
+///
+/// Parallel decomposition. A work unit is (batch, kv head, key chunk), a chunk being a run of consecutive key
+/// tiles. For each key tile of its chunk a unit loops over the query heads of the group (ascending) and, inside,
+/// over the query tiles (ascending), skipping empty tiles: it accumulates that key tile's dK and dV in its
+/// scratch and writes them once at the end, so dK and dV (summed over the group, in this fixed order) need no
+/// atomics and no reduction. dQ of a query tile receives one product per key tile; the unit of chunk 0
+/// accumulates straight into the caller's dq, the unit of chunk c > 0 into a zeroed dq-sized partial buffer of
+/// its own, and after all units a second parallel pass adds the partials to dq in chunk order 1, 2, ... (when the
+/// storage type is not the accumulation type, chunk 0 has a partial buffer too, and that pass writes dq once).
+/// The score_bias gradient is accumulated per unit and reduced in unit order. The decomposition (tiles, chunks)
+/// depends on the shape only and every sum runs in a fixed order, so the result is bit-identical for any thread
+/// count. Units run round robin on the thread pool (parallel_for), which spreads the uneven units of a causal
+/// mask evenly.
+template <class Storage, class Acc>
+class tiled_backward_runner {
+public:
+    tiled_backward_runner(const backward_inputs<Storage>& in, const attention_shape& s, const mask_tiles& mask,
+                          const kernel_params<Acc>& p, const gradient_outputs<Storage>& o, const backward_tiling& t)
+        : in_(in), s_(s), mask_(mask), pipe_(s, mask, p.bias, p.scale), p_(p), o_(o), t_(t) {
+        group_ = s.group_size();
+        diagonals_ = s.query_len + s.key_len - 1;
+        key_tiles_ = (s.key_len + t.block_k - 1) / t.block_k;
+        query_tiles_ = (s.query_len + t.block_q - 1) / t.block_q;
+        chunks_ = backward_key_chunks(s, key_tiles_, sizeof(Acc));
+        tiles_per_chunk_ = (key_tiles_ + chunks_ - 1) / chunks_;
+        chunks_ = (key_tiles_ + tiles_per_chunk_ - 1) / tiles_per_chunk_;
+    }
+
+    void run(int threads) {
+        const bool bias_grad = pipe_.has_bias() && o_.score_bias_gradient;
+        if (s_.batch == 0) {  // nothing to attend; the bias gradient is still an output, and it is zero
+            if (bias_grad) std::fill(o_.score_bias_gradient, o_.score_bias_gradient + s_.heads * diagonals_, Storage(0));
+            return;
+        }
+        const index units = s_.batch * s_.kv_heads * chunks_;
+        const index dq_size = s_.batch * s_.heads * s_.query_len * s_.head_dim;
+        const index partial_buffers = staged ? chunks_ : chunks_ - 1;
+        const int workers = static_cast<int>(std::min<index>(std::max(threads, 1), units));
+        std::vector<backward_workspace<Acc>> ws;
+        const index rows = s_.batch * s_.heads * s_.query_len;
+        const bool exact = std::any_of(in_.lse, in_.lse + rows, [](Storage l) { return imprecise_lse(l); });
+        allocating(
+            [&] {
+                if (exact) {
+                    row_shift_.resize(static_cast<std::size_t>(rows));
+                    std::transform(in_.lse, in_.lse + rows, row_shift_.begin(),
+                                   [](Storage l) { return static_cast<Acc>(l); });
+                    row_inv_sum_.assign(static_cast<std::size_t>(rows), Acc(1));
+                }
+                partials_.assign(static_cast<std::size_t>(partial_buffers * dq_size), Acc(0));
+                if (bias_grad) bias_partials_.assign(static_cast<std::size_t>(units * group_ * diagonals_), Acc(0));
+                ws.reserve(static_cast<std::size_t>(workers));
+                for (int w = 0; w < workers; ++w) ws.emplace_back(t_, s_, p_.dropout.active(), staged);
+            },
+            [&] {
+                const index tile = t_.block_q * t_.block_k, dims = t_.block_k * (2 * s_.head_dim + s_.value_dim);
+                return allocation_text("the tiled backward's scratch (workers x elements)",
+                                       std::array<index, 2>{workers, 4 * tile + dims}, sizeof(Acc)) +
+                       allocation_text(" and dq partials (partial buffers x batch x heads x query_len x head_dim)",
+                                       std::array<index, 5>{partial_buffers, s_.batch, s_.heads, s_.query_len,
+                                                            s_.head_dim},
+                                       sizeof(Acc));
+            },
+            "Fewer threads need less scratch");
+        // Both passes index ws by worker, so neither may run more workers than ws has (exact_statistics has more
+        // units than run_unit when the query tiles outnumber the key chunks).
+        exact_statistics(ws, workers);
+        parallel_for(units, workers, [&](index unit, int worker) { run_unit(ws[static_cast<std::size_t>(worker)], unit); });
+        if (partial_buffers > 0 && s_.query_len > 0)
+            parallel_for(s_.batch * s_.heads, threads, [&](index bh, int) { add_partials(bh / s_.heads, bh % s_.heads); });
+        if (bias_grad) reduce_bias_gradient();
+    }
+
+private:
+    static constexpr bool staged = !std::is_same_v<Storage, Acc>;
+
+    /// dq rows of head h for chunk c, in Acc: the caller's dq for chunk 0 (when it is stored in Acc), a partial
+    /// buffer otherwise.
+    tile_map<Acc> dq_rows(index b, index h, index c, index query_begin, index rows) {
+        if constexpr (!staged)
+            if (c == 0)
+                return tile_map<Acc>(o_.dq.row(b, h, query_begin), rows, s_.head_dim,
+                                     Eigen::OuterStride<>(o_.dq.strides[2]));
+        const index buffer = staged ? c : c - 1;
+        Acc* base = partials_.data() + ((buffer * s_.batch + b) * s_.heads + h) * s_.query_len * s_.head_dim;
+        return tile_map<Acc>(base + query_begin * s_.head_dim, rows, s_.head_dim, Eigen::OuterStride<>(s_.head_dim));
+    }
+
+    void run_unit(backward_workspace<Acc>& w, index unit) {
+        const index c = unit % chunks_, pair = unit / chunks_;
+        const index b = pair / s_.kv_heads, kvh = pair % s_.kv_heads;
+        if (c == 0 && !staged)
+            for (index hh = 0; hh < group_; ++hh) dq_rows(b, kvh * group_ + hh, 0, 0, s_.query_len).setZero();
+        Acc* bias_grad = bias_partials_.empty() ? nullptr : bias_partials_.data() + unit * group_ * diagonals_;
+        const index first = c * tiles_per_chunk_, last = std::min(key_tiles_, first + tiles_per_chunk_);
+        for (index kt = first; kt < last; ++kt) {
+            const index k0 = kt * t_.block_k, k1 = std::min(s_.key_len, k0 + t_.block_k), nk = k1 - k0;
+            load_keys(w, b, kvh, k0, nk);
+            w.dk.topRows(nk).setZero();
+            w.dv.topRows(nk).setZero();
+            for (index hh = 0; hh < group_; ++hh) {
+                const index h = kvh * group_ + hh;
+                for (index qt = 0; qt < query_tiles_; ++qt) {
+                    const index q0 = qt * t_.block_q, q1 = std::min(s_.query_len, q0 + t_.block_q);
+                    const tile t{b, h, q0, q1, k0, k1};
+                    const tile_class cls = mask_.classify(t);
+                    if (cls == tile_class::empty) continue;
+                    run_tile(w, t, kvh, c, cls, bias_grad ? bias_grad + hh * diagonals_ : nullptr);
+                }
+            }
+            tile_map<Storage> dk(o_.dk.row(b, kvh, k0), nk, s_.head_dim, Eigen::OuterStride<>(o_.dk.strides[2]));
+            tile_map<Storage> dv(o_.dv.row(b, kvh, k0), nk, s_.value_dim, Eigen::OuterStride<>(o_.dv.strides[2]));
+            dk = (pipe_.scale() * w.dk.topRows(nk)).template cast<Storage>();
+            dv = w.dv.topRows(nk).template cast<Storage>();
+        }
+    }
+
+    /// scale * K of the key tile [k0, k0 + nk) into w.keys: the scale folded into the operand that both the
+    /// scores and dQ use.
+    void load_keys(backward_workspace<Acc>& w, index b, index kvh, index k0, index nk) const {
+        const_tile_map<Storage> keys(in_.k.row(b, kvh, k0), nk, s_.head_dim, Eigen::OuterStride<>(in_.k.strides[2]));
+        w.keys.topRows(nk) = pipe_.scale() * keys.template cast<Acc>();
+    }
+
+    /// One tile t (queries of head t.head against keys of kv head kvh, key chunk c); adds to w.dk, w.dv and the
+    /// dq rows.
+    void run_tile(backward_workspace<Acc>& w, const tile& t, index kvh, index c, tile_class cls, Acc* bias_grad) {
+        const index b = t.batch, h = t.head, q0 = t.query_begin, k0 = t.key_begin;
+        const index nq = t.query_end - q0, nk = t.key_end - k0, ld = t_.block_k, dv = s_.value_dim;
+        const Storage* lse = in_.lse + (b * s_.heads + h) * s_.query_len;
+        const index row0 = (b * s_.heads + h) * s_.query_len + q0;
+        bool any = false, normalize = false;
+        for (index r = 0; r < nq; ++r) {  // lse -inf: the forward's zero row, whose gradients are zero
+            const Acc l = static_cast<Acc>(lse[q0 + r]);
+            const auto u = static_cast<std::size_t>(r), row = static_cast<std::size_t>(row0 + r);
+            any = any || l != minus_infinity<Acc>();
+            w.lse[u] = l == minus_infinity<Acc>() ? std::numeric_limits<Acc>::infinity()
+                                                  : (row_shift_.empty() ? l : row_shift_[row]);
+            w.inv_sum[u] = row_inv_sum_.empty() ? Acc(1) : row_inv_sum_[row];
+            normalize = normalize || w.inv_sum[u] != Acc(1);
+        }
+        if (!any) return;
+        for (index r = 0; r < nq; ++r) {
+            const Storage* o = in_.out.row(b, h, q0 + r);
+            const Storage* g = in_.d_out.row(b, h, q0 + r);
+            Acc sum = 0;
+            for (index d = 0; d < dv; ++d) sum += static_cast<Acc>(o[d]) * static_cast<Acc>(g[d]);
+            w.delta[static_cast<std::size_t>(r)] = sum;
+        }
+        const auto queries = query_rows(w, t);
+        const auto d_out = as_accumulator<Acc>(in_.d_out.row(b, h, q0), nq, dv, in_.d_out.strides[2], w.d_out_stage);
+        const auto values = as_accumulator<Acc>(in_.v.row(b, kvh, k0), nk, dv, in_.v.strides[2], w.value_stage);
+        auto probs = w.probs.topLeftCorner(nq, nk);
+        auto grad = w.grad.topLeftCorner(nq, nk);
+        // P = exp(scale q k^T + bias + mask - lse), the forward's probabilities, recomputed (exp(s - max) / sum
+        // for the rows of exact_statistics).
+        tile_scores(w, t, cls, queries);
+        for (index r = 0; r < nq; ++r) exp_shifted(w.probs.data() + r * ld, nk, w.lse[static_cast<std::size_t>(r)]);
+        if (normalize)
+            for (index r = 0; r < nq; ++r) probs.row(r) *= w.inv_sum[static_cast<std::size_t>(r)];
+        // dV += P'^T dO; dP = dO V^T (then masked and rescaled by dropout).
+        const bool drop = p_.dropout.active();
+        if (drop) {
+            for (index r = 0; r < nq; ++r) p_.dropout.factors(w.keep.data() + r * ld, nk, b, h, q0 + r, k0);
+            w.dropped.topLeftCorner(nq, nk) = (probs.array() * w.keep.topLeftCorner(nq, nk).array()).matrix();
+            w.dv.topRows(nk).noalias() += w.dropped.topLeftCorner(nq, nk).transpose() * d_out;
+        } else {
+            w.dv.topRows(nk).noalias() += probs.transpose() * d_out;
+        }
+        grad.noalias() = d_out * values.transpose();
+        score_gradient(w, nq, nk, drop);
+        if (bias_grad) pipe_.add_bias_gradient(t, w.grad.data(), ld, bias_grad);
+        // dQ += dS (scale K); dK += dS^T Q (scaled once per key tile in run_unit).
+        dq_rows(b, h, c, q0, nq).noalias() += grad * w.keys.topRows(nk);
+        w.dk.topRows(nk).noalias() += grad.transpose() * queries;
+    }
+
+    /// dS = P * (dP - delta) row by row, in place of dP in w.grad (dP first multiplied by the dropout factors).
+    /// The one place the backward differentiates the softmax; the derivative of a score modifier joins here.
+    void score_gradient(backward_workspace<Acc>& w, index nq, index nk, bool drop) const {
+        const index ld = t_.block_k;
+        for (index r = 0; r < nq; ++r) {
+            Eigen::Map<Eigen::Array<Acc, 1, Eigen::Dynamic>> g(w.grad.data() + r * ld, nk);
+            const Eigen::Map<const Eigen::Array<Acc, 1, Eigen::Dynamic>> pr(w.probs.data() + r * ld, nk);
+            const Acc delta = w.delta[static_cast<std::size_t>(r)];
+            if (drop) {
+                const Eigen::Map<const Eigen::Array<Acc, 1, Eigen::Dynamic>> keep(w.keep.data() + r * ld, nk);
+                g = pr * (g * keep - delta);
+            } else {
+                g = pr * (g - delta);
+            }
+        }
+    }
+
+    /// The tile's query rows in Acc (converted into w.query_stage when stored in another type).
+    const_tile_map<Acc> query_rows(backward_workspace<Acc>& w, const tile& t) const {
+        return as_accumulator<Acc>(in_.q.row(t.batch, t.head, t.query_begin), t.query_end - t.query_begin,
+                                   s_.head_dim, in_.q.strides[2], w.query_stage);
+    }
+
+    /// Scores of tile t, whose scaled keys are in w.keys, through the score pipeline into w.probs. One function
+    /// for both passes, so both see the same bits.
+    void tile_scores(backward_workspace<Acc>& w, const tile& t, tile_class cls,
+                     const const_tile_map<Acc>& queries) const {
+        const index nq = t.query_end - t.query_begin, nk = t.key_end - t.key_begin;
+        w.probs.topLeftCorner(nq, nk).noalias() = queries * w.keys.topRows(nk).transpose();
+        pipe_.finish_tile(t, cls, w.probs.data(), t_.block_k);
+    }
+
+    /// exp(s - lse) gives P only to about |lse| ulps: lse = max + log(sum) rounded to the storage type keeps none
+    /// of log(sum) when |max| is huge (scores of 1e30 with a tied maximum, a row filled with a finite -1e30), and
+    /// P would not sum to 1. Beyond this size of |lse| (P off by 1e-5 in float, 5e-10 in double) a row's max and
+    /// sum are recomputed exactly, in a pass over its keys, and P = exp(s - max) / sum as in the forward.
+    static bool imprecise_lse(Storage stored) {
+        const Acc lse = static_cast<Acc>(stored);
+        const Acc limit = Acc(1) / (16 * std::sqrt(static_cast<Acc>(std::numeric_limits<Storage>::epsilon())));
+        return std::isfinite(lse) && std::abs(lse) > limit;
+    }
+
+    /// row_shift_ and row_inv_sum_ of the rows whose lse is imprecise: their max and 1 / sum over all keys, from
+    /// the scores run_tile computes (same tiles, same function). A no-op when no row needs it.
+    void exact_statistics(std::vector<backward_workspace<Acc>>& ws, int threads) {
+        if (row_shift_.empty()) return;
+        const index units = s_.batch * s_.heads * query_tiles_;
+        parallel_for(units, threads, [&](index unit, int worker) {
+            auto& w = ws[static_cast<std::size_t>(worker)];
+            const index qt = unit % query_tiles_, bh = unit / query_tiles_, b = bh / s_.heads, h = bh % s_.heads;
+            const index q0 = qt * t_.block_q, q1 = std::min(s_.query_len, q0 + t_.block_q), nq = q1 - q0;
+            const index row0 = bh * s_.query_len + q0, ld = t_.block_k;
+            if (std::none_of(in_.lse + row0, in_.lse + row0 + nq, [](Storage l) { return imprecise_lse(l); })) return;
+            std::fill(w.lse.begin(), w.lse.begin() + nq, minus_infinity<Acc>());  // running max
+            std::fill(w.delta.begin(), w.delta.begin() + nq, Acc(0));               // running sum
+            for (index k0 = 0; k0 < s_.key_len; k0 += t_.block_k) {
+                const index k1 = std::min(s_.key_len, k0 + t_.block_k), nk = k1 - k0;
+                const tile t{b, h, q0, q1, k0, k1};
+                const tile_class cls = mask_.classify(t);
+                if (cls == tile_class::empty) continue;
+                load_keys(w, b, h / group_, k0, nk);
+                tile_scores(w, t, cls, query_rows(w, t));
+                for (index r = 0; r < nq; ++r) {
+                    const Acc* x = w.probs.data() + r * ld;
+                    Acc& max = w.lse[static_cast<std::size_t>(r)];
+                    Acc& sum = w.delta[static_cast<std::size_t>(r)];
+                    const Acc m = std::max(max, *std::max_element(x, x + nk));
+                    if (m == minus_infinity<Acc>()) continue;
+                    sum *= std::exp(max - m);  // exp(-inf) = 0 while the row had no allowed key
+                    for (index j = 0; j < nk; ++j) sum += std::exp(x[j] - m);
+                    max = m;
+                }
+            }
+            for (index r = 0; r < nq; ++r) {
+                const auto row = static_cast<std::size_t>(row0 + r), u = static_cast<std::size_t>(r);
+                if (!imprecise_lse(in_.lse[row]) || !(w.delta[u] > 0)) continue;
+                row_shift_[row] = w.lse[u];
+                row_inv_sum_[row] = Acc(1) / w.delta[u];
+            }
+        });
+    }
+
+    /// dq of (b, h): its chunks added in chunk order (and rounded to the storage type once when staged).
+    void add_partials(index b, index h) {
+        auto dq = dq_rows(b, h, 0, 0, s_.query_len);
+        for (index c = 1; c < chunks_; ++c) dq += dq_rows(b, h, c, 0, s_.query_len);
+        if constexpr (staged)
+            tile_map<Storage>(o_.dq.row(b, h, 0), s_.query_len, s_.head_dim, Eigen::OuterStride<>(o_.dq.strides[2])) =
+                dq.template cast<Storage>();
+    }
+
+    /// The score_bias gradient of every head: the units' partial sums added in unit order.
+    void reduce_bias_gradient() const {
+        Storage* out = o_.score_bias_gradient;
+        for (index h = 0; h < s_.heads; ++h) {
+            const index kvh = h / group_, hh = h % group_;
+            for (index n = 0; n < diagonals_; ++n) {
+                Acc sum = 0;
+                for (index b = 0; b < s_.batch; ++b)
+                    for (index c = 0; c < chunks_; ++c) {
+                        const index unit = (b * s_.kv_heads + kvh) * chunks_ + c;
+                        sum += bias_partials_[static_cast<std::size_t>((unit * group_ + hh) * diagonals_ + n)];
+                    }
+                out[h * diagonals_ + n] = static_cast<Storage>(sum);
+            }
+        }
+    }
+
+    const backward_inputs<Storage>& in_;
+    const attention_shape& s_;
+    const mask_tiles& mask_;
+    score_pipeline<Acc> pipe_;
+    const kernel_params<Acc>& p_;
+    const gradient_outputs<Storage>& o_;
+    backward_tiling t_;
+    index group_ = 1, diagonals_ = 0, key_tiles_ = 0, query_tiles_ = 0, chunks_ = 1, tiles_per_chunk_ = 1;
+    std::vector<Acc> row_shift_;      ///< [batch, heads, query_len]: lse, or the row max (exact_statistics); or empty
+    std::vector<Acc> row_inv_sum_;    ///< [batch, heads, query_len]: 1, or 1 / the row sum (exact_statistics); or empty
+    std::vector<Acc> partials_;       ///< dq-sized buffers [batch, heads, query_len, head_dim] (see dq_rows)
+    std::vector<Acc> bias_partials_;  ///< per unit [group, diagonals]
+};
+
+/// The tiled backward: `Storage` in memory, arithmetic in `Acc`; one instantiation per (Storage, Acc), masks
+/// come type-erased.
+template <class Storage, class Acc>
+void tiled_backward(const backward_inputs<Storage>& in, const attention_shape& s, const mask_tiles& mask,
+                    const kernel_params<Acc>& p, const gradient_outputs<Storage>& o, const backward_tiling& tiling,
+                    int threads) {
+    tiled_backward_runner<Storage, Acc>(in, s, mask, p, o, tiling).run(threads);
+}
+
+#if defined(ATTEND_KERNEL_INSTANCE)
+#define ATTEND_TILED_BACKWARD_INSTANCE(S, A)                                                                         \
+    ATTEND_KERNEL_INSTANCE void tiled_backward<S, A>(const backward_inputs<S>&, const attention_shape&,              \
+                                                     const mask_tiles&, const kernel_params<A>&,                     \
+                                                     const gradient_outputs<S>&, const backward_tiling&, int);
+ATTEND_TILED_BACKWARD_INSTANCE(float, float)
+ATTEND_TILED_BACKWARD_INSTANCE(double, double)
+ATTEND_TILED_BACKWARD_INSTANCE(float, double)
+#undef ATTEND_TILED_BACKWARD_INSTANCE
+#endif
+
+}  // namespace attend::detail
