@@ -123,6 +123,7 @@ struct mha_options {
                                 ///< cache length (new token i sits at position_offset + cache.length() + i)
     attend::empty_rows empty_rows = attend::empty_rows::error;
     std::optional<double> scale;  ///< default 1 / sqrt(head_dim), as nn.MultiheadAttention
+    std::optional<double> softcap;  ///< logit soft-capping of the scaled scores, as sdpa_options::softcap
     int threads = 0;              ///< attention kernel threads, 0 = hardware concurrency
     attend::kernel kernel = attend::kernel::automatic;
     bool check_finite = true;  ///< reject NaN / Inf in the inputs and projections (value_error)
@@ -376,6 +377,7 @@ void check_finite_projections(const strided_view<const T>& q, const strided_view
 inline sdpa_options sdpa_options_for(const mha_config& c, const mha_options& o) {
     sdpa_options s;
     s.scale = o.scale;
+    s.softcap = o.softcap;
     s.empty_rows = o.empty_rows;
     s.dropout.probability = c.dropout;
     s.dropout.seed = o.dropout_seed;

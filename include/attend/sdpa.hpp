@@ -53,6 +53,10 @@ struct dropout_options {
 /// Options of scaled_dot_product_attention.
 struct sdpa_options {
     std::optional<double> scale;  ///< default 1 / sqrt(head_dim); must be finite and > 0
+    /// Logit soft-capping (Gemma 2, Grok; ONNX Attention's and FlashAttention's softcap): the scaled scores s
+    /// become softcap * tanh(s / softcap), then score_bias and the mask are added. Capping first keeps a mask's
+    /// -inf and a bias's slope out of the tanh, as ONNX defines it. Must be finite and > 0; unset: no capping.
+    std::optional<double> softcap;
     attend::empty_rows empty_rows = attend::empty_rows::error;
     dropout_options dropout;
     attend::score_bias score_bias;  ///< ALiBi or relative-position bias, applied per tile
@@ -95,6 +99,15 @@ kernel_params<T> checked_params(const attention_shape& s, const sdpa_options& o)
                                                        sizeof(T) == 4 ? "float" : "double",
                                                        ", the scalar type of the inputs"));
     p.scale = static_cast<T>(scale);
+    if (o.softcap) {
+        const double c = *o.softcap;
+        if (!std::isfinite(c) || c <= 0 || c > static_cast<double>(std::numeric_limits<T>::max()) ||
+            static_cast<T>(c) <= T(0))
+            throw value_error("attend.value.softcap",
+                              concat("softcap ", c, " must be finite and > 0, also as ",
+                                     sizeof(T) == 4 ? "float" : "double", ", the scalar type of the inputs"));
+        p.softcap = static_cast<T>(c);
+    }
     const double pd = o.dropout.probability;
     if (!(pd >= 0 && pd < 1))
         throw value_error("attend.value.dropout", concat("dropout probability ", pd, " must be in [0, 1)"));

@@ -212,6 +212,12 @@ TEST(MhaBackwardFiniteDifferences, RotaryGradientIsTheInverseRotation) {
     check_mha_by_finite_differences(gqa, attend::no_mask{}, 19);
 }
 
+TEST(MhaBackwardFiniteDifferences, SoftcapGradientGoesThroughTheTanhSlope) {
+    auto t = base_case("softcap 0.3, GQA, causal", 8, 4, 2);
+    t.options.softcap = 0.3;  // below the scores' spread, so the cap bends them
+    check_mha_by_finite_differences(t, attend::causal(alignment::bottom_right), 21);
+}
+
 TEST(MhaBackwardFiniteDifferences, DropoutIsReplayedFromItsSeed) {
     auto t = base_case("dropout", 8, 2);
     t.config.dropout = 0.3;

@@ -52,6 +52,7 @@ struct attention_outputs {
 template <class T>
 struct kernel_params {
     T scale = 1;
+    T softcap = 0;  ///< > 0: scaled scores become softcap * tanh(score / softcap) before bias and mask; 0: off
     dropout_rule dropout;
     const score_bias* bias = nullptr;
     bool weights_after_dropout = false;

@@ -23,15 +23,17 @@ void reference_gradients(const backward_inputs<T>& in, const attention_shape& s,
                          const kernel_params<T>& p, const gradient_outputs<T>& o) {
     const index L = s.query_len, S = s.key_len, diagonals = L + S - 1;
     const bool bias = p.bias && !p.bias->empty();
-    row_matrix<T> probs, dropped, dp;  // allocated before the first write to an output
+    const bool capped = p.softcap > 0;
+    row_matrix<T> probs, dropped, dp, slope;  // allocated before the first write to an output
     allocating(
         [&] {
             probs.resize(L, S);
             dropped.resize(L, S);
             dp.resize(L, S);
+            if (capped) slope.resize(L, S);
         },
-        [&] { return allocation_text("the reference backward's score matrices (3 x query_len x key_len)",
-                                     std::array<index, 3>{3, L, S}, sizeof(T)); },
+        [&] { return allocation_text("the reference backward's score matrices (3 or 4 x query_len x key_len)",
+                                     std::array<index, 3>{capped ? 4 : 3, L, S}, sizeof(T)); },
         "kernel::reference materializes the scores of one (batch, head); the tiled backward needs O(threads x tile)");
     for (index b = 0; b < s.batch; ++b) {
         for (index h = 0; h < s.heads; ++h) matrix_of(o.dq, b, h).setZero();
@@ -50,6 +52,13 @@ void reference_gradients(const backward_inputs<T>& in, const attention_shape& s,
             const auto d_out = matrix_of(in.d_out, b, h);
             probs.noalias() = q * k.transpose();
             probs *= p.scale;
+            if (capped)  // s -> c tanh(s / c), whose derivative is 1 - tanh(s / c)^2
+                for (index i = 0; i < L; ++i)
+                    for (index j = 0; j < S; ++j) {
+                        const T t = std::tanh(probs(i, j) / p.softcap);
+                        probs(i, j) = p.softcap * t;
+                        slope(i, j) = 1 - t * t;
+                    }
             if (bias) p.bias->add_tile(h, 0, 0, L, S, L, S, probs.data(), S);
             mask.apply(tile{b, h, 0, L, 0, S}, probs.data(), S);
             for (index i = 0; i < L; ++i) {
@@ -80,6 +89,7 @@ void reference_gradients(const backward_inputs<T>& in, const attention_shape& s,
             if (o.score_bias_gradient && bias)
                 for (index i = 0; i < L; ++i)
                     for (index j = 0; j < S; ++j) o.score_bias_gradient[h * diagonals + j - i + L - 1] += dp(i, j);
+            if (capped) dp = (dp.array() * slope.array()).matrix();  // d loss / d (scaled q.k)
             matrix_of(o.dq, b, h).noalias() = p.scale * (dp * k);
             matrix_of(o.dk, b, kvh).noalias() += p.scale * (dp.transpose() * q);
         }

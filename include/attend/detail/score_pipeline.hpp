@@ -42,6 +42,10 @@ template <class T>
 Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> row_array(T* x, index n) {
     return Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>(x, n);
 }
+template <class T>
+Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> row_array(const T* x, index n) {
+    return Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(x, n);
+}
 
 /// x[j] = exp(x[j] - shift) on a contiguous run, exactly 0 where x[j] is -inf (a forbidden key) and where the
 /// result would be subnormal (below 1e-38 in float next to a row maximum of 1: no effect on any sum, and it keeps
@@ -55,32 +59,51 @@ void exp_shifted(T* x, index n, T shift) {
     for (index j = 0; j < n; ++j) x[j] = x[j] < tiny ? T(0) : x[j];
 }
 
-/// From dot products to scores, in this order: scale (folded into one GEMM operand by the kernels, see
-/// scaled_operand), score_bias, mask. Both tiled kernels call finish_tile on every tile they compute, so forward,
-/// backward and the weights pass see the same bits.
+/// From dot products to scores, in this order: scale (folded into one GEMM operand by the kernels), soft-capping,
+/// score_bias, mask. Both tiled kernels call finish_tile on every tile they compute, so forward, backward and the
+/// weights pass see the same bits.
 template <class Acc>
 class score_pipeline {
 public:
-    score_pipeline(const attention_shape& s, const mask_tiles& mask, const score_bias* bias, Acc scale)
-        : mask_(mask), bias_(bias && !bias->empty() ? bias : nullptr), scale_(scale), query_len_(s.query_len),
-          key_len_(s.key_len) {}
+    score_pipeline(const attention_shape& s, const mask_tiles& mask, const score_bias* bias, Acc scale, Acc softcap)
+        : mask_(mask), bias_(bias && !bias->empty() ? bias : nullptr), scale_(scale), softcap_(softcap),
+          query_len_(s.query_len), key_len_(s.key_len) {}
 
     /// The scale, applied once to the operand the kernel packs (queries forward, keys backward), not per score.
     Acc scale() const { return scale_; }
     bool has_bias() const { return bias_ != nullptr; }
+    /// Whether the scores pass through a modifier whose derivative is not 1 (see finish_tile's `slope`).
+    bool modifies_scores() const { return softcap_ > 0; }
     const mask_tiles& mask() const { return mask_; }
 
     /// Scores `[t.query_end - t.query_begin, t.key_end - t.key_begin]` at `scores` (row stride ld) hold the
     /// scaled dot products of one head's tile `t` of class `c` (from mask().classify(t)); afterwards they hold
-    /// the scores: bias added, forbidden entries -inf (all of them for an empty tile, none for a full one).
-    void finish_tile(const tile& t, tile_class c, Acc* scores, index ld) const {
+    /// the scores: capped, bias added, forbidden entries -inf (all of them for an empty tile, none for a full
+    /// one). With `slope` (same layout), the backward also gets d score / d dot product of the modifiers there
+    /// (only when modifies_scores()).
+    void finish_tile(const tile& t, tile_class c, Acc* scores, index ld, Acc* slope = nullptr) const {
         const index rows = t.query_end - t.query_begin, cols = t.key_end - t.key_begin;
         if (c == tile_class::empty) {
             for (index r = 0; r < rows; ++r) std::fill(scores + r * ld, scores + r * ld + cols, minus_infinity<Acc>());
             return;
         }
+        if (softcap_ > 0)
+            for (index r = 0; r < rows; ++r) {
+                // c tanh(s / c); its derivative 1 - tanh^2 for the backward.
+                auto x = row_array(scores + r * ld, cols);
+                x = (x * (Acc(1) / softcap_)).tanh();
+                if (slope) row_array(slope + r * ld, cols) = Acc(1) - x.square();
+                x *= softcap_;
+            }
         if (bias_) bias_->add_tile(t.head, t.query_begin, t.key_begin, rows, cols, query_len_, key_len_, scores, ld);
         if (c == tile_class::mixed) mask_.apply(t, scores, ld);
+    }
+
+    /// d loss / d dot product from d loss / d score in place, `grad` times the `slope` finish_tile gave (layout
+    /// as finish_tile's scores); a no-op without score modifiers. Bias and mask have derivative 1.
+    void to_dot_product_gradient(index rows, index cols, Acc* grad, const Acc* slope, index ld) const {
+        if (!modifies_scores()) return;
+        for (index r = 0; r < rows; ++r) row_array(grad + r * ld, cols) *= row_array(slope + r * ld, cols);
     }
 
     /// Adds the tile's score gradient `grad` (layout as finish_tile's scores) to the bias gradient of its head,
@@ -99,6 +122,7 @@ private:
     const mask_tiles& mask_;
     const score_bias* bias_ = nullptr;
     Acc scale_ = 1;
+    Acc softcap_ = 0;
     index query_len_ = 0, key_len_ = 0;
 };
 

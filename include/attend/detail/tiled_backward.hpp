@@ -52,6 +52,7 @@ struct backward_workspace {
     row_matrix<Acc> dropped;      ///< [block_q, block_k]: P with dropout applied (dropout only)
     row_matrix<Acc> keep;         ///< [block_q, block_k]: 0 or 1 / (1 - p) (dropout only)
     row_matrix<Acc> grad;         ///< [block_q, block_k]: dP, then dS
+    row_matrix<Acc> slope;        ///< [block_q, block_k]: d score / d dot product (score modifiers only)
     row_matrix<Acc> keys;         ///< [block_k, head_dim]: scale * K of the key tile
     row_matrix<Acc> dk;           ///< [block_k, head_dim]: dK of the key tile, unscaled
     row_matrix<Acc> dv;           ///< [block_k, value_dim]: dV of the key tile
@@ -62,11 +63,12 @@ struct backward_workspace {
     std::vector<Acc> d_out_stage;  ///< [block_q, value_dim] converted d_out, when storage is not Acc
     std::vector<Acc> value_stage;  ///< [block_k, value_dim] converted values, when storage is not Acc
 
-    backward_workspace(const backward_tiling& t, const attention_shape& s, bool dropout, bool stage)
+    backward_workspace(const backward_tiling& t, const attention_shape& s, bool dropout, bool stage, bool modifiers)
         : probs(t.block_q, t.block_k),
           dropped(dropout ? t.block_q : 0, dropout ? t.block_k : 0),
           keep(dropout ? t.block_q : 0, dropout ? t.block_k : 0),
           grad(t.block_q, t.block_k),
+          slope(modifiers ? t.block_q : 0, modifiers ? t.block_k : 0),
           keys(t.block_k, s.head_dim),
           dk(t.block_k, s.head_dim),
           dv(t.block_k, s.value_dim),
@@ -120,7 +122,7 @@ class tiled_backward_runner {
 public:
     tiled_backward_runner(const backward_inputs<Storage>& in, const attention_shape& s, const mask_tiles& mask,
                           const kernel_params<Acc>& p, const gradient_outputs<Storage>& o, const backward_tiling& t)
-        : in_(in), s_(s), mask_(mask), pipe_(s, mask, p.bias, p.scale), p_(p), o_(o), t_(t) {
+        : in_(in), s_(s), mask_(mask), pipe_(s, mask, p.bias, p.scale, p.softcap), p_(p), o_(o), t_(t) {
         group_ = s.group_size();
         diagonals_ = s.query_len + s.key_len - 1;
         key_tiles_ = (s.key_len + t.block_k - 1) / t.block_k;
@@ -154,12 +156,13 @@ public:
                 partials_.assign(static_cast<std::size_t>(partial_buffers * dq_size), Acc(0));
                 if (bias_grad) bias_partials_.assign(static_cast<std::size_t>(units * group_ * diagonals_), Acc(0));
                 ws.reserve(static_cast<std::size_t>(workers));
-                for (int w = 0; w < workers; ++w) ws.emplace_back(t_, s_, p_.dropout.active(), staged);
+                for (int w = 0; w < workers; ++w) ws.emplace_back(t_, s_, p_.dropout.active(), staged, pipe_.modifies_scores());
             },
             [&] {
                 const index tile = t_.block_q * t_.block_k, dims = t_.block_k * (2 * s_.head_dim + s_.value_dim);
+                const index tiles = pipe_.modifies_scores() ? 5 : 4;
                 return allocation_text("the tiled backward's scratch (workers x elements)",
-                                       std::array<index, 2>{workers, 4 * tile + dims}, sizeof(Acc)) +
+                                       std::array<index, 2>{workers, tiles * tile + dims}, sizeof(Acc)) +
                        allocation_text(" and dq partials (partial buffers x batch x heads x query_len x head_dim)",
                                        std::array<index, 5>{partial_buffers, s_.batch, s_.heads, s_.query_len,
                                                             s_.head_dim},
@@ -258,7 +261,7 @@ private:
         auto grad = w.grad.topLeftCorner(nq, nk);
         // P = exp(scale q k^T + bias + mask - lse), the forward's probabilities, recomputed (exp(s - max) / sum
         // for the rows of exact_statistics).
-        tile_scores(w, t, cls, queries);
+        tile_scores(w, t, cls, queries, pipe_.modifies_scores() ? w.slope.data() : nullptr);
         for (index r = 0; r < nq; ++r) exp_shifted(w.probs.data() + r * ld, nk, w.lse[static_cast<std::size_t>(r)]);
         if (normalize)
             for (index r = 0; r < nq; ++r) probs.row(r) *= w.inv_sum[static_cast<std::size_t>(r)];
@@ -274,13 +277,15 @@ private:
         grad.noalias() = d_out * values.transpose();
         score_gradient(w, nq, nk, drop);
         if (bias_grad) pipe_.add_bias_gradient(t, w.grad.data(), ld, bias_grad);
+        pipe_.to_dot_product_gradient(nq, nk, w.grad.data(), w.slope.data(), ld);
         // dQ += dS (scale K); dK += dS^T Q (scaled once per key tile in run_unit).
         dq_rows(b, h, c, q0, nq).noalias() += grad * w.keys.topRows(nk);
         w.dk.topRows(nk).noalias() += grad.transpose() * queries;
     }
 
-    /// dS = P * (dP - delta) row by row, in place of dP in w.grad (dP first multiplied by the dropout factors).
-    /// The one place the backward differentiates the softmax; the derivative of a score modifier joins here.
+    /// dS = P * (dP - delta) row by row, in place of dP in w.grad (dP first multiplied by the dropout factors):
+    /// the one place the backward differentiates the softmax. (run_tile then takes dS to the bias gradient and,
+    /// through the score modifiers' slope, to the dot products.)
     void score_gradient(backward_workspace<Acc>& w, index nq, index nk, bool drop) const {
         const index ld = t_.block_k;
         for (index r = 0; r < nq; ++r) {
@@ -302,13 +307,13 @@ private:
                                    s_.head_dim, in_.q.strides[2], w.query_stage);
     }
 
-    /// Scores of tile t, whose scaled keys are in w.keys, through the score pipeline into w.probs. One function
-    /// for both passes, so both see the same bits.
-    void tile_scores(backward_workspace<Acc>& w, const tile& t, tile_class cls,
-                     const const_tile_map<Acc>& queries) const {
+    /// Scores of tile t, whose scaled keys are in w.keys, through the score pipeline into w.probs (and the
+    /// modifiers' slope into `slope` when not null). One function for both passes, so both see the same bits.
+    void tile_scores(backward_workspace<Acc>& w, const tile& t, tile_class cls, const const_tile_map<Acc>& queries,
+                     Acc* slope = nullptr) const {
         const index nq = t.query_end - t.query_begin, nk = t.key_end - t.key_begin;
         w.probs.topLeftCorner(nq, nk).noalias() = queries * w.keys.topRows(nk).transpose();
-        pipe_.finish_tile(t, cls, w.probs.data(), t_.block_k);
+        pipe_.finish_tile(t, cls, w.probs.data(), t_.block_k, slope);
     }
 
     /// exp(s - lse) gives P only to about |lse| ulps: lse = max + log(sum) rounded to the storage type keeps none

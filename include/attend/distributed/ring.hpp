@@ -47,6 +47,7 @@ namespace attend::distributed {
 /// attend.value.ring_options).
 struct ring_options {
     std::optional<double> scale;                                ///< default 1 / sqrt(head_dim)
+    std::optional<double> softcap;  ///< logit soft-capping of the scaled scores, as sdpa_options::softcap
     attend::empty_rows empty_rows = attend::empty_rows::error;  ///< judged on the full sequence, not per block
     dropout_options dropout;  ///< offsets, if any, are added to the global positions of the shards
     int threads = 1;          ///< threads of each rank's kernel calls; 1 suits one rank per core
@@ -235,7 +236,7 @@ inline double step_work(const ring_geometry& g, index query_len, index key_len, 
 struct rank_summary {
     std::int64_t failed = 0, batch = 0, heads = 0, kv_heads = 0, query_len = 0, key_len = 0, head_dim = 0,
                  value_dim = 0;
-    std::int64_t options[9] = {};
+    std::int64_t options[11] = {};
 };
 
 inline std::int64_t bits_of(double x) {
@@ -244,7 +245,7 @@ inline std::int64_t bits_of(double x) {
     return b;
 }
 
-inline void describe_options(const ring_options& o, std::int64_t (&out)[9]) {
+inline void describe_options(const ring_options& o, std::int64_t (&out)[11]) {
     out[0] = o.scale ? 1 : 0;
     out[1] = o.scale ? bits_of(*o.scale) : 0;
     out[2] = static_cast<std::int64_t>(o.empty_rows);
@@ -254,6 +255,8 @@ inline void describe_options(const ring_options& o, std::int64_t (&out)[9]) {
     out[6] = o.dropout.query_offset;
     out[7] = o.dropout.key_offset;
     out[8] = static_cast<std::int64_t>(o.layout);
+    out[9] = o.softcap ? 1 : 0;
+    out[10] = o.softcap ? bits_of(*o.softcap) : 0;
 }
 
 /// Collective. Checks q, k, v on this rank (plus `local_checks`, e.g. the backward's out / lse / d_out), gathers
@@ -431,6 +434,7 @@ inline sdpa_options block_options(const ring_options& o, const shard_segment& qu
                                   bool need_lse) {
     sdpa_options s;
     s.scale = o.scale;
+    s.softcap = o.softcap;
     s.empty_rows = attend::empty_rows::zero;
     s.dropout = o.dropout;
     s.dropout.query_offset += queries.global_begin;
