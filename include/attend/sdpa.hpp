@@ -60,7 +60,9 @@ struct sdpa_options {
                                     ///< bit for bit for any count
     attend::kernel kernel = attend::kernel::automatic;
     bool need_weights = false;           ///< fill result.weights `[batch, heads, query_len, key_len]`
-    bool need_lse = false;               ///< fill result.lse `[batch, heads, query_len]`
+    bool need_lse = true;                ///< fill result.lse `[batch, heads, query_len]`, what the backward and
+                                         ///< merge_partials need; on by default (one scalar per query row) so a
+                                         ///< training forward cannot forget it
     bool weights_after_dropout = false;  ///< weights as used (dropped and rescaled) instead of probabilities
     bool check_finite = true;            ///< reject NaN / Inf in q, k, v (value_error attend.value.non_finite) and
                                          ///< scores beyond half of T's range (attend.value.score_overflow,
