@@ -64,6 +64,13 @@ public:
     using error::error;
 };
 
+/// A file attend reads (interop/safetensors.hpp) that cannot be read or does not follow its format
+/// (`attend.format.*`). Thrown before any tensor of the file is handed out.
+class format_error : public error {
+public:
+    using error::error;
+};
+
 namespace detail {
 
 /// `[2,8,128,64]`: how every message spells a shape.
