@@ -89,7 +89,12 @@ private:
 /// may attend) does not convert: the compiler says to call to_forbidden, so the meaning cannot flip silently.
 class mha_key_padding {
 public:
-    enum class kind { none, lengths, forbidden };
+    /// What the padding holds.
+    enum class kind {
+        none,      ///< no key padding
+        lengths,   ///< one length per sequence
+        forbidden  ///< a forbidden_mask `[batch, key_len]`
+    };
 
     /// No key padding.
     mha_key_padding() = default;
@@ -122,10 +127,10 @@ public:
                       "as the mask argument of forward");
     }
 
-    kind which() const { return kind_; }
-    bool empty() const { return kind_ == kind::none; }
-    const std::vector<index>& lengths() const { return lengths_; }
-    const std::optional<forbidden_mask>& mask() const { return mask_; }
+    kind which() const { return kind_; }                                 ///< what the padding holds
+    bool empty() const { return kind_ == kind::none; }                   ///< no key padding
+    const std::vector<index>& lengths() const { return lengths_; }       ///< with kind::lengths
+    const std::optional<forbidden_mask>& mask() const { return mask_; }  ///< with kind::forbidden
 
 private:
     kind kind_ = kind::none;
@@ -147,10 +152,10 @@ struct mha_options {
     std::optional<rotary_embedding> rotary;  ///< rotates each head of the projected Q and K
     index position_offset = 0;  ///< global position of query 0 and key 0 for rotary; forward_cached adds the
                                 ///< cache length (new token i sits at position_offset + cache.length() + i)
-    attend::empty_rows empty_rows = attend::empty_rows::error;
+    attend::empty_rows empty_rows = attend::empty_rows::error;  ///< a query with no allowed key: throw or zero
     std::optional<double> scale;  ///< default 1 / sqrt(head_dim), as nn.MultiheadAttention
     int threads = 0;              ///< attention kernel threads, 0 = hardware concurrency
-    attend::kernel kernel = attend::kernel::automatic;
+    attend::kernel kernel = attend::kernel::automatic;  ///< which attention kernel runs
     bool check_finite = true;  ///< reject NaN / Inf in the inputs and projections (value_error)
 };
 
@@ -219,8 +224,8 @@ struct mha_saved {
 template <class T>
 struct parameter_span {
     const char* name;  ///< q_weight, k_weight, v_weight, out_weight, q_bias, k_bias, v_bias, out_bias
-    T* data;
-    index size;
+    T* data;     ///< the tensor's elements, row-major
+    index size;  ///< how many
 };
 
 /// nn.MultiheadAttention's parameters under their PyTorch names: defined in interop/torch.hpp, which this header

@@ -32,10 +32,11 @@ namespace attend {
 
 /// One tensor of a safetensors file as its header describes it.
 struct safetensors_entry {
-    std::string name;
+    std::string name;                  ///< as in the header, e.g. "out_proj.weight"
     std::string dtype;                 ///< "F32", "F64", "BF16", ... as written in the file
     std::vector<index> shape;          ///< row-major dims; empty for a scalar
-    std::uint64_t begin = 0, end = 0;  ///< byte range in the data section
+    std::uint64_t begin = 0;           ///< first byte in the data section
+    std::uint64_t end = 0;             ///< one past the last byte
 };
 
 namespace detail {
