@@ -11,6 +11,8 @@ It writes, next to this script:
     mha_kdim_f32.safetensors    E=6, 3 heads, kdim=5, vdim=6 (q/k/v_proj_weight); F32; the module sits under
                                 the prefix "encoder.attn." next to an unrelated tensor, with __metadata__
     mha_safetensors.json        per file: config, prefix, inputs, masks and PyTorch's out and averaged weights
+    mha_packed_io.safetensors   the inputs and PyTorch's outputs of mha_packed.safetensors as F64 tensors (query,
+                                key, value, out, weights_averaged), read by docs/porting_from_pytorch.md
 
 The files are written by hand (struct + json), as safetensors.torch.save_file lays them out: an 8-byte
 little-endian header length, the JSON header padded with spaces to a multiple of 8, then the tensors back to back,
@@ -89,7 +91,8 @@ def read_safetensors(path):
     return out
 
 
-def case(file_name, seed, E, H, B, L, S, storage, prefix="", kdim=None, vdim=None, extra=None, metadata=None):
+def case(file_name, seed, E, H, B, L, S, storage, prefix="", kdim=None, vdim=None, extra=None, metadata=None,
+         io_file=None):
     torch.manual_seed(seed)
     m = nn.MultiheadAttention(E, H, dropout=0.0, bias=True, batch_first=True, kdim=kdim, vdim=vdim,
                               dtype=torch.float64)
@@ -127,6 +130,13 @@ def case(file_name, seed, E, H, B, L, S, storage, prefix="", kdim=None, vdim=Non
     assert (formula_out - out).abs().max().item() <= TOL, file_name
     assert (formula_w.mean(dim=1) - weights).abs().max().item() <= TOL, file_name
 
+    if io_file:
+        io = [("query", query), ("key", key), ("value", value), ("out", out), ("weights_averaged", weights)]
+        write_safetensors(os.path.join(HERE, io_file), io)
+        back = read_safetensors(os.path.join(HERE, io_file))
+        for name, t in io:
+            assert torch.equal(back[name], t), name
+
     return {
         "file": file_name,
         "storage": DTYPES[storage][0],
@@ -143,7 +153,8 @@ def main():
     torch.manual_seed(0)
     norm = torch.randn(4, dtype=torch.float64).to(torch.float32)
     cases = [
-        case("mha_packed.safetensors", 31, E=8, H=2, B=2, L=3, S=5, storage=torch.float64),
+        case("mha_packed.safetensors", 31, E=8, H=2, B=2, L=3, S=5, storage=torch.float64,
+             io_file="mha_packed_io.safetensors"),
         case("mha_kdim_f32.safetensors", 32, E=6, H=3, B=2, L=4, S=4, storage=torch.float32,
              prefix="encoder.attn.", kdim=5, vdim=6, extra=[("encoder.norm.weight", norm)],
              metadata={"format": "pt"}),
