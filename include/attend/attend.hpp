@@ -6,6 +6,7 @@
 #include "backward.hpp"
 #include "cache.hpp"
 #include "error.hpp"
+#include "interop/torch.hpp"
 #include "mask.hpp"
 #include "merge.hpp"
 #include "mha.hpp"

@@ -195,8 +195,8 @@ auto backward_inputs_of(const Q& q, const K& k, const V& v, const Out& out, cons
 }  // namespace detail
 
 /// Gradients of scaled_dot_product_attention(q, k, v, mask, options) for d_out = d loss / d out, given that
-/// call's out `[batch, heads, query_len, value_dim]` and lse `[batch, heads, query_len]` (request it with
-/// need_lse). Pass the forward's options: scale, empty_rows, score_bias and dropout (replayed from its seed, so
+/// call's out `[batch, heads, query_len, value_dim]` and lse `[batch, heads, query_len]` (need_lse, on by
+/// default; or pass the forward's result whole, below). Pass the forward's options: scale, empty_rows, score_bias and dropout (replayed from its seed, so
 /// the same weights are dropped) must be the same; threads and kernel may differ (kernel::reference is the
 /// oracle, anything else the tiled path, O(threads x tile) memory). Returns dq, dk, dv (dk and dv summed over
 /// the query heads of each group) and, with a score_bias, score_bias_gradient.
@@ -242,6 +242,26 @@ template <class Q, class K, class V, class Out, class Lse, class DOut>
 auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, const Out& out, const Lse& lse,
                                            const DOut& d_out, const sdpa_options& options = {}) {
     return scaled_dot_product_attention_backward(q, k, v, out, lse, d_out, no_mask{}, options);
+}
+
+/// Gradients from the forward's result as scaled_dot_product_attention returned it: its out and lse (need_lse
+/// is on by default). Throws shape_error attend.shape.backward_lse, saying so, when the forward ran with
+/// need_lse = false, and everything the form with out and lse throws.
+template <class Q, class K, class V, class T, int Rank, class DOut, class Mask>
+auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, const attention_result<T, Rank>& forward,
+                                           const DOut& d_out, const Mask& mask, const sdpa_options& options = {}) {
+    if (forward.lse.size() == 0 && forward.out.size() != 0)
+        throw shape_error("attend.shape.backward_lse",
+                          detail::concat("the forward result holds out ", detail::format_shape(forward.out.dimensions()),
+                                         " but no lse: run the forward with need_lse = true (the default)"));
+    return scaled_dot_product_attention_backward(q, k, v, forward.out, forward.lse, d_out, mask, options);
+}
+
+/// Gradients of attention without a mask from the forward's result.
+template <class Q, class K, class V, class T, int Rank, class DOut>
+auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, const attention_result<T, Rank>& forward,
+                                           const DOut& d_out, const sdpa_options& options = {}) {
+    return scaled_dot_product_attention_backward(q, k, v, forward, d_out, no_mask{}, options);
 }
 
 /// Writes the gradients into caller-owned tensors of the inputs' rank (attend::tensor or TensorMap):

@@ -54,10 +54,10 @@ public:
             "Choose a smaller capacity");
     }
 
-    index batch() const { return batch_; }
-    index kv_heads() const { return kv_heads_; }
-    index head_dim() const { return head_dim_; }
-    index value_dim() const { return value_dim_; }
+    index batch() const { return batch_; }          ///< sequences
+    index kv_heads() const { return kv_heads_; }    ///< key/value heads
+    index head_dim() const { return head_dim_; }    ///< width of a cached key
+    index value_dim() const { return value_dim_; }  ///< width of a cached value
     /// Positions the cache can hold; fixed for its lifetime.
     index capacity() const { return capacity_; }
     /// Positions held now; the next appended token has global position length().

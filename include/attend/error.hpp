@@ -25,8 +25,10 @@ namespace attend {
 /// Base of every error attend throws; `id()` is the stable identifier without brackets.
 class error : public std::invalid_argument {
 public:
+    /// An error whose what() is `[id] message`.
     error(std::string id, const std::string& message)
         : std::invalid_argument("[" + id + "] " + message), id_(std::move(id)) {}
+    /// The stable id, e.g. attend.shape.key_dim (see docs/errors.md).
     const std::string& id() const noexcept { return id_; }
 
 private:
@@ -57,9 +59,16 @@ public:
     using error::error;
 };
 
-/// Memory a valid call needs could not be allocated (`attend.resource.*`): a result, a workspace or a thread's
-/// scratch. Thrown before any output is written; the message names what was being allocated and its bytes.
+/// Memory a valid call needs could not be allocated: a result, a workspace or the scratch of a thread. Thrown
+/// before any output is written; the message names what was being allocated and its bytes (`attend.resource.*`).
 class resource_error : public error {
+public:
+    using error::error;
+};
+
+/// A file attend reads (interop/safetensors.hpp) that cannot be read or does not follow its format. Thrown
+/// before any tensor of the file is handed out (`attend.format.*`).
+class format_error : public error {
 public:
     using error::error;
 };

@@ -31,10 +31,10 @@ namespace attend {
 
 /// The score shape `[batch, heads, query_len, key_len]` to draw or materialize a mask for.
 struct score_shape {
-    index batch = 1;
-    index heads = 1;
-    index query_len = 0;
-    index key_len = 0;
+    index batch = 1;      ///< sequences
+    index heads = 1;      ///< query heads
+    index query_len = 0;  ///< rows of the grid
+    index key_len = 0;    ///< columns of the grid
 };
 
 namespace detail {
@@ -247,6 +247,7 @@ public:
         return from_values(t);
     }
 
+    /// The mask's dims as given (rank 2, 3 or 4).
     const std::vector<index>& dims() const { return dims_.dims; }
 
     detail::bound_dense_additive<T> bind(const attention_shape& s) const {
@@ -297,7 +298,7 @@ inline std::shared_ptr<const std::vector<index>> checked_lengths(const std::vect
 /// the two differ exactly when query_len != key_len, where silent bugs live.
 struct causal_rule : detail::boolean_term {
     static constexpr bool has_query_padding = false;
-    alignment align;
+    alignment align;  ///< which corner the diagonal starts from
 
     detail::bound_band bind(const attention_shape& s) const {
         detail::bound_band band;
@@ -308,15 +309,17 @@ struct causal_rule : detail::boolean_term {
         return band;
     }
 };
+/// The causal rule with alignment `a` (there is no default: top_left and bottom_right differ when
+/// query_len != key_len).
 inline causal_rule causal(alignment a) { return causal_rule{{}, a}; }
 
 /// Sliding window: query i sees keys j with i' - left <= j <= i' + right, i' = i (top_left) or
 /// i + key_len - query_len (bottom_right). Negative sizes are a mask_error (attend.mask.window).
 struct sliding_window_rule : detail::boolean_term {
     static constexpr bool has_query_padding = false;
-    index left = 0;
-    index right = 0;
-    alignment align = alignment::top_left;
+    index left = 0;                         ///< keys before the diagonal a query also sees
+    index right = 0;                        ///< keys after the diagonal a query also sees
+    alignment align = alignment::top_left;  ///< where the diagonal runs, as for causal
 
     detail::bound_band bind(const attention_shape& s) const {
         detail::bound_band band;
@@ -327,6 +330,8 @@ struct sliding_window_rule : detail::boolean_term {
         return band;
     }
 };
+/// The sliding window of `left` keys before and `right` keys after the diagonal of alignment `a`; throws
+/// mask_error attend.mask.window for a negative size.
 inline sliding_window_rule sliding_window(index left, index right, alignment a = alignment::top_left) {
     if (left < 0 || right < 0)
         throw mask_error("attend.mask.window",
@@ -337,8 +342,8 @@ inline sliding_window_rule sliding_window(index left, index right, alignment a =
 /// Prefix LM: every query sees the first prefix_len keys, and the rest causally (j <= i' as in causal).
 struct prefix_lm_rule : detail::boolean_term {
     static constexpr bool has_query_padding = false;
-    index prefix_len = 0;
-    alignment align = alignment::top_left;
+    index prefix_len = 0;                   ///< keys every query sees
+    alignment align = alignment::top_left;  ///< the causal part's diagonal
 
     detail::bound_prefix_lm bind(const attention_shape& s) const {
         if (prefix_len > s.key_len)
@@ -351,6 +356,8 @@ struct prefix_lm_rule : detail::boolean_term {
         return rule;
     }
 };
+/// The prefix LM rule; throws mask_error attend.mask.prefix_len for a negative prefix_len (and, when bound,
+/// for one beyond key_len).
 inline prefix_lm_rule prefix_lm(index prefix_len, alignment a = alignment::top_left) {
     if (prefix_len < 0)
         throw mask_error("attend.mask.prefix_len", detail::concat("prefix_lm prefix_len ", prefix_len, " is negative"));
@@ -360,7 +367,7 @@ inline prefix_lm_rule prefix_lm(index prefix_len, alignment a = alignment::top_l
 /// Key padding: in sequence b only keys j < lengths[b] exist. One length per batch entry, 0 <= length <= key_len.
 struct key_padding_rule : detail::boolean_term {
     static constexpr bool has_query_padding = false;
-    std::vector<index> lengths;
+    std::vector<index> lengths;  ///< real keys of each sequence, one per batch entry
 
     detail::bound_key_padding bind(const attention_shape& s) const {
         detail::bound_key_padding rule;
@@ -368,13 +375,14 @@ struct key_padding_rule : detail::boolean_term {
         return rule;
     }
 };
+/// Key padding by lengths: keys j >= lengths[b] of sequence b are padding.
 inline key_padding_rule key_padding(std::vector<index> lengths) { return key_padding_rule{{}, std::move(lengths)}; }
 
 /// Query padding: in sequence b queries i >= lengths[b] are padding. Their output and weight rows are zero and
 /// lse is -inf whatever the empty-row policy, because masking keys never removes a padded query.
 struct query_padding_rule : detail::boolean_term {
     static constexpr bool has_query_padding = true;
-    std::vector<index> lengths;
+    std::vector<index> lengths;  ///< real queries of each sequence, one per batch entry
 
     detail::bound_query_padding bind(const attention_shape& s) const {
         detail::bound_query_padding rule;
@@ -383,6 +391,7 @@ struct query_padding_rule : detail::boolean_term {
         return rule;
     }
 };
+/// Query padding by lengths: queries i >= lengths[b] of sequence b are padding (zero output rows).
 inline query_padding_rule query_padding(std::vector<index> lengths) {
     return query_padding_rule{{}, std::move(lengths)};
 }
@@ -391,7 +400,7 @@ inline query_padding_rule query_padding(std::vector<index> lengths) {
 /// to back, and a query sees only keys of its own sequence. Needs query_len == key_len == sum of lengths.
 struct block_diagonal_rule : detail::boolean_term {
     static constexpr bool has_query_padding = false;
-    std::vector<index> sequence_lengths;
+    std::vector<index> sequence_lengths;  ///< lengths of the packed sequences, in order
 
     detail::bound_block_diagonal bind(const attention_shape& s) const {
         std::vector<index> starts{0};
@@ -416,6 +425,7 @@ struct block_diagonal_rule : detail::boolean_term {
         return rule;
     }
 };
+/// The block-diagonal rule of packed sequences of the given lengths.
 inline block_diagonal_rule block_diagonal(std::vector<index> sequence_lengths) {
     return block_diagonal_rule{{}, std::move(sequence_lengths)};
 }
@@ -424,8 +434,8 @@ inline block_diagonal_rule block_diagonal(std::vector<index> sequence_lengths) {
 template <class A, class B>
 struct mask_and : detail::boolean_term {
     static constexpr bool has_query_padding = A::has_query_padding || B::has_query_padding;
-    A a;
-    B b;
+    A a;  ///< left operand
+    B b;  ///< right operand
     auto bind(const attention_shape& s) const {
         using bound = detail::bound_intersection<decltype(a.bind(s)), decltype(b.bind(s))>;
         return bound{a.bind(s), b.bind(s)};
@@ -436,8 +446,8 @@ struct mask_and : detail::boolean_term {
 template <class A, class B>
 struct mask_or : detail::boolean_term {
     static constexpr bool has_query_padding = A::has_query_padding && B::has_query_padding;
-    A a;
-    B b;
+    A a;  ///< left operand
+    B b;  ///< right operand
     auto bind(const attention_shape& s) const {
         using bound = detail::bound_union<decltype(a.bind(s)), decltype(b.bind(s))>;
         return bound{a.bind(s), b.bind(s)};
@@ -448,7 +458,7 @@ struct mask_or : detail::boolean_term {
 template <class A>
 struct mask_not : detail::boolean_term {
     static constexpr bool has_query_padding = false;
-    A a;
+    A a;  ///< operand
     auto bind(const attention_shape& s) const {
         using bound = detail::bound_complement<decltype(a.bind(s))>;
         return bound{a.bind(s)};
@@ -459,8 +469,8 @@ struct mask_not : detail::boolean_term {
 template <class A, class B>
 struct mask_sum : detail::additive_term {
     static constexpr bool has_query_padding = A::has_query_padding || B::has_query_padding;
-    A a;
-    B b;
+    A a;  ///< left operand
+    B b;  ///< right operand
     auto bind(const attention_shape& s) const {
         using bound = detail::bound_intersection<decltype(a.bind(s)), decltype(b.bind(s))>;
         return bound{a.bind(s), b.bind(s)};

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "detail/memory.hpp"
 #include "detail/merge_rows.hpp"
@@ -19,15 +20,44 @@ struct partial_attention {
     tensor<T, Rank - 1> lse;  ///< `[batch, heads, query_len]`; -inf where the part had no allowed key
 };
 
+namespace detail {
+
+/// A part of merge_partials: attend::tensor or TensorMap, row-major, of the part's rank and scalar type.
+template <class X, class T, int Rank>
+constexpr void require_partial() {
+    using traits = tensor_traits<std::decay_t<X>>;
+    static_assert(traits::supported && !std::is_same_v<std::decay_t<X>, strided_view<T>> &&
+                      !std::is_same_v<std::decay_t<X>, strided_view<const T>>,
+                  "attend: merge_partials takes attend::tensor or an Eigen::TensorMap of one for out and lse");
+    if constexpr (traits::supported) {
+        static_assert(traits::row_major, "attend: merge_partials needs Eigen::RowMajor out and lse (PyTorch's layout)");
+        static_assert(traits::rank == Rank,
+                      "attend: out_a and out_b have one rank (3 or 4), lse_a and lse_b one axis less");
+        static_assert(std::is_same_v<typename traits::scalar, T>,
+                      "attend: the outs and lses of merge_partials have one scalar type");
+    }
+}
+
+}  // namespace detail
+
 /// Combines two parts: out = (e^(lse_a - m) out_a + e^(lse_b - m) out_b) / (e^(lse_a - m) + e^(lse_b - m)),
-/// lse = m + log(e^(lse_a - m) + e^(lse_b - m)), m = max(lse_a, lse_b). A row empty in both parts stays zero with
-/// lse -inf. Throws shape_error attend.shape.merge when shapes differ, value_error attend.value.lse on NaN or +inf,
+/// lse = m + log(e^(lse_a - m) + e^(lse_b - m)), m = max(lse_a, lse_b). out_a and out_b are `[batch, heads,
+/// query_len, value_dim]` (or rank 3), lse_a and lse_b `[batch, heads, query_len]`: attend::tensor or TensorMap
+/// views of caller memory, read without copies. A row empty in both parts stays zero with lse -inf. Throws
+/// shape_error attend.shape.merge when shapes differ, value_error attend.value.lse on NaN or +inf,
 /// resource_error attend.resource.allocation when the result cannot be allocated. The result is a fresh pair of
 /// tensors, so it never aliases the parts.
-template <class T, int Rank>
-partial_attention<T, Rank> merge_partials(const tensor<T, Rank>& out_a, const tensor<T, Rank - 1>& lse_a,
-                                          const tensor<T, Rank>& out_b, const tensor<T, Rank - 1>& lse_b) {
+template <class OutA, class LseA, class OutB, class LseB>
+auto merge_partials(const OutA& out_a, const LseA& lse_a, const OutB& out_b, const LseB& lse_b) {
+    using traits = detail::tensor_traits<std::decay_t<OutA>>;
+    static_assert(traits::supported, "attend: merge_partials takes attend::tensor or an Eigen::TensorMap of one");
+    using T = typename traits::scalar;
+    constexpr int Rank = traits::rank;
     static_assert(Rank == 3 || Rank == 4, "attend: merge_partials takes outputs of rank 3 or 4");
+    detail::require_partial<OutA, T, Rank>();
+    detail::require_partial<OutB, T, Rank>();
+    detail::require_partial<LseA, T, Rank - 1>();
+    detail::require_partial<LseB, T, Rank - 1>();
     bool same = true;
     for (std::size_t a = 0; a < std::size_t(Rank); ++a) same = same && out_a.dimension(a) == out_b.dimension(a);
     for (std::size_t a = 0; a + 1 < std::size_t(Rank); ++a)
@@ -39,9 +69,9 @@ partial_attention<T, Rank> merge_partials(const tensor<T, Rank>& out_a, const te
                                          detail::format_shape(out_b.dimensions()), ", lse_b ",
                                          detail::format_shape(lse_b.dimensions()),
                                          " (lse is out's shape without the value_dim axis)"));
-    for (const auto* lse : {&lse_a, &lse_b})
-        for (index n = 0; n < lse->size(); ++n) {
-            const T x = lse->data()[n];
+    for (const T* lse : {lse_a.data(), lse_b.data()})
+        for (index n = 0; n < lse_a.size(); ++n) {
+            const T x = lse[n];
             if (std::isnan(x) || x == std::numeric_limits<T>::infinity())
                 throw value_error("attend.value.lse", detail::concat("lse holds ", x, " at flat index ", n,
                                                                      "; it must be finite or -inf"));

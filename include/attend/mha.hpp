@@ -37,7 +37,10 @@ namespace attend {
 
 /// Sizes of a multi_head_attention. The sizes that default to another one are 0 in the struct and mean "the
 /// same as": kv_heads = 0 is heads (plain multi-head attention), key_dim = 0 and value_dim = 0 are model_dim
-/// (self-attention widths). `mha_config{512, 8}` is nn.MultiheadAttention(512, 8).
+/// (self-attention widths). `mha_config{512, 8}` is nn.MultiheadAttention(512, 8). Beyond the first two sizes,
+/// name what you set, since five numbers in a row do not say which is kv_heads:
+/// `mha_config{}.with_model_dim(16).with_heads(2).with_kv_heads(1).with_key_dim(12)`; the setters return a copy,
+/// so a config reads as one expression. Fields may also be assigned one by one (`c.kv_heads = 1`).
 struct mha_config {
     index model_dim = 0;  ///< E: width of the query input and of the output (PyTorch's embed_dim)
     index heads = 0;      ///< query heads; head_dim = model_dim / heads, for queries, keys and values alike
@@ -47,12 +50,35 @@ struct mha_config {
     bool bias = true;     ///< in-projection and out-projection biases, as nn.MultiheadAttention(bias=...)
     double dropout = 0;   ///< probability of dropping an attention weight, applied only with training = true
 
+    /// A copy with model_dim (PyTorch's embed_dim) set.
+    constexpr mha_config with_model_dim(index n) const { return with(&mha_config::model_dim, n); }
+    /// A copy with heads (PyTorch's num_heads) set.
+    constexpr mha_config with_heads(index n) const { return with(&mha_config::heads, n); }
+    /// A copy with kv_heads set (0 = heads; 1 = multi-query attention).
+    constexpr mha_config with_kv_heads(index n) const { return with(&mha_config::kv_heads, n); }
+    /// A copy with key_dim (PyTorch's kdim) set.
+    constexpr mha_config with_key_dim(index n) const { return with(&mha_config::key_dim, n); }
+    /// A copy with value_dim (PyTorch's vdim) set.
+    constexpr mha_config with_value_dim(index n) const { return with(&mha_config::value_dim, n); }
+    /// A copy with the biases on or off.
+    constexpr mha_config with_bias(bool on) const { return with(&mha_config::bias, on); }
+    /// A copy with the dropout probability set.
+    constexpr mha_config with_dropout(double probability) const { return with(&mha_config::dropout, probability); }
+
     /// A copy with every 0 default replaced by what it stands for.
     mha_config resolved() const {
         mha_config c = *this;
         if (c.kv_heads == 0) c.kv_heads = c.heads;
         if (c.key_dim == 0) c.key_dim = c.model_dim;
         if (c.value_dim == 0) c.value_dim = c.model_dim;
+        return c;
+    }
+
+private:
+    template <class Field>
+    constexpr mha_config with(Field mha_config::*field, Field value) const {
+        mha_config c = *this;
+        c.*field = value;
         return c;
     }
 };
@@ -63,7 +89,12 @@ struct mha_config {
 /// may attend) does not convert: the compiler says to call to_forbidden, so the meaning cannot flip silently.
 class mha_key_padding {
 public:
-    enum class kind { none, lengths, forbidden };
+    /// What the padding holds.
+    enum class kind {
+        none,      ///< no key padding
+        lengths,   ///< one length per sequence
+        forbidden  ///< a forbidden_mask `[batch, key_len]`
+    };
 
     /// No key padding.
     mha_key_padding() = default;
@@ -96,10 +127,10 @@ public:
                       "as the mask argument of forward");
     }
 
-    kind which() const { return kind_; }
-    bool empty() const { return kind_ == kind::none; }
-    const std::vector<index>& lengths() const { return lengths_; }
-    const std::optional<forbidden_mask>& mask() const { return mask_; }
+    kind which() const { return kind_; }                                 ///< what the padding holds
+    bool empty() const { return kind_ == kind::none; }                   ///< no key padding
+    const std::vector<index>& lengths() const { return lengths_; }       ///< with kind::lengths
+    const std::optional<forbidden_mask>& mask() const { return mask_; }  ///< with kind::forbidden
 
 private:
     kind kind_ = kind::none;
@@ -121,20 +152,60 @@ struct mha_options {
     std::optional<rotary_embedding> rotary;  ///< rotates each head of the projected Q and K
     index position_offset = 0;  ///< global position of query 0 and key 0 for rotary; forward_cached adds the
                                 ///< cache length (new token i sits at position_offset + cache.length() + i)
-    attend::empty_rows empty_rows = attend::empty_rows::error;
+    attend::empty_rows empty_rows = attend::empty_rows::error;  ///< a query with no allowed key: throw or zero
     std::optional<double> scale;  ///< default 1 / sqrt(head_dim), as nn.MultiheadAttention
     std::optional<double> softcap;  ///< logit soft-capping of the scaled scores, as sdpa_options::softcap
     int threads = 0;              ///< attention kernel threads, 0 = hardware concurrency
-    attend::kernel kernel = attend::kernel::automatic;
+    attend::kernel kernel = attend::kernel::automatic;  ///< which attention kernel runs
     bool check_finite = true;  ///< reject NaN / Inf in the inputs and projections (value_error)
 };
 
-/// Result of multi_head_attention::forward.
+/// Which attention weights an mha_result holds.
+enum class weights_kind {
+    none,      ///< need_weights was false
+    averaged,  ///< mean over heads `[batch, query_len, key_len]` (average_weights, PyTorch's default)
+    per_head   ///< `[batch, heads, query_len, key_len]` (average_weights = false)
+};
+
+/// Result of multi_head_attention::forward. Read the weights through averaged_weights() or per_head_weights():
+/// asking for a kind the call did not produce is an error that says which options produce it, where the fields
+/// would be silently empty.
 template <class T>
 struct mha_result {
     tensor<T, 3> out;           ///< `[batch, query_len, model_dim]`
     tensor<T, 3> weights;       ///< `[batch, query_len, key_len]`, mean over heads; need_weights && average_weights
     tensor<T, 4> head_weights;  ///< `[batch, heads, query_len, key_len]`; need_weights && !average_weights
+    attend::weights_kind weights_kind = attend::weights_kind::none;  ///< which of the two is filled
+
+    /// The weights averaged over heads `[batch, query_len, key_len]`. Throws value_error
+    /// `attend.value.weights_kind` unless the forward ran with need_weights and average_weights.
+    const tensor<T, 3>& averaged_weights() const {
+        require(attend::weights_kind::averaged);
+        return weights;
+    }
+    /// The weights of every head `[batch, heads, query_len, key_len]`. Throws value_error
+    /// `attend.value.weights_kind` unless the forward ran with need_weights and average_weights = false.
+    const tensor<T, 4>& per_head_weights() const {
+        require(attend::weights_kind::per_head);
+        return head_weights;
+    }
+
+private:
+    static const char* name(attend::weights_kind k) {
+        switch (k) {
+            case attend::weights_kind::averaged: return "averaged weights (need_weights = true, average_weights = true)";
+            case attend::weights_kind::per_head:
+                return "per-head weights (need_weights = true, average_weights = false)";
+            case attend::weights_kind::none: break;
+        }
+        return "no weights (need_weights = false, the default)";
+    }
+    void require(attend::weights_kind wanted) const {
+        if (weights_kind != wanted)
+            throw value_error("attend.value.weights_kind",
+                              detail::concat("asked for ", name(wanted), ", but the forward call produced ",
+                                             name(weights_kind), "; set those options in mha_options"));
+    }
 };
 
 /// What multi_head_attention_backward needs from a training forward pass (forward(..., saved)): the projected
@@ -154,23 +225,14 @@ struct mha_saved {
 template <class T>
 struct parameter_span {
     const char* name;  ///< q_weight, k_weight, v_weight, out_weight, q_bias, k_bias, v_bias, out_bias
-    T* data;
-    index size;
+    T* data;     ///< the tensor's elements, row-major
+    index size;  ///< how many
 };
 
-/// nn.MultiheadAttention's parameters under their PyTorch names (`out_proj.weight` is out_proj_weight). An
-/// empty tensor (size 0) is an absent parameter: give in_proj_weight, or q/k/v_proj_weight (PyTorch uses them
-/// when kdim or vdim != embed_dim), and the biases only when bias = true.
+/// nn.MultiheadAttention's parameters under their PyTorch names: defined in interop/torch.hpp, which this header
+/// includes at its end.
 template <class T>
-struct torch_mha_parameters {
-    tensor<T, 2> in_proj_weight;   ///< `[3E, E]`, rows q, k, v
-    tensor<T, 2> q_proj_weight;    ///< `[heads * head_dim, E]`
-    tensor<T, 2> k_proj_weight;    ///< `[kv_heads * head_dim, kdim]`
-    tensor<T, 2> v_proj_weight;    ///< `[kv_heads * head_dim, vdim]`
-    tensor<T, 1> in_proj_bias;     ///< `[3E]` (q, k, v; `heads*head_dim + 2*kv_heads*head_dim` under GQA)
-    tensor<T, 2> out_proj_weight;  ///< out_proj.weight `[E, heads * head_dim]`
-    tensor<T, 1> out_proj_bias;    ///< out_proj.bias `[E]`
-};
+struct torch_mha_parameters;
 
 namespace detail {
 namespace mha_init {
@@ -252,9 +314,25 @@ inline allowed_mask key_padding_allowed(const forbidden_mask& m, index batch, in
     return allowed_mask::true_means_allowed(allowed);
 }
 
-/// Calls f with the user mask combined with the key padding of the options.
+/// The mask argument of multi-head attention: an allowed set or additive expression, or a forbidden_mask, which
+/// nn.MultiheadAttention's attn_mask is (true = blocked), so both of its masks pass as from_torch_mha gives them.
+/// A forbidden_mask still never combines with && || ! or reaches scaled_dot_product_attention unconverted.
+template <class Mask>
+constexpr void require_mha_mask() {
+    if constexpr (!std::is_same_v<Mask, forbidden_mask>) require_mask<Mask>();
+}
+
+/// The allowed set a mask argument of multi-head attention means.
+template <class Mask>
+decltype(auto) mha_allowed(const Mask& mask) {
+    if constexpr (std::is_same_v<Mask, forbidden_mask>) return to_allowed(mask);
+    else return (mask);
+}
+
+/// Calls f with the user mask (see require_mha_mask) combined with the key padding of the options.
 template <class Mask, class F>
-void with_key_padding(const Mask& mask, const mha_key_padding& padding, index batch, index key_len, F&& f) {
+void with_key_padding(const Mask& user_mask, const mha_key_padding& padding, index batch, index key_len, F&& f) {
+    const auto& mask = mha_allowed(user_mask);
     switch (padding.which()) {
         case mha_key_padding::kind::none:
             f(mask);
@@ -266,34 +344,6 @@ void with_key_padding(const Mask& mask, const mha_key_padding& padding, index ba
             f(combine_masks(mask, key_padding_allowed(*padding.mask(), batch, key_len)));
             return;
     }
-}
-
-/// Weights and biases (or their gradients) under PyTorch's names: q, k, v stacked into in_proj_weight when
-/// `packed`, else q/k/v_proj_weight; the biases stacked into in_proj_bias unless they are empty.
-template <class T>
-torch_mha_parameters<T> torch_layout(bool packed, const tensor<T, 2>& wq, const tensor<T, 2>& wk,
-                                     const tensor<T, 2>& wv, const tensor<T, 2>& wo, const tensor<T, 1>& bq,
-                                     const tensor<T, 1>& bk, const tensor<T, 1>& bv, const tensor<T, 1>& bo) {
-    torch_mha_parameters<T> p;
-    if (packed) {
-        p.in_proj_weight = tensor<T, 2>(wq.dimension(0) + wk.dimension(0) + wv.dimension(0), wq.dimension(1));
-        T* w = std::copy(wq.data(), wq.data() + wq.size(), p.in_proj_weight.data());
-        w = std::copy(wk.data(), wk.data() + wk.size(), w);
-        std::copy(wv.data(), wv.data() + wv.size(), w);
-    } else {
-        p.q_proj_weight = wq;
-        p.k_proj_weight = wk;
-        p.v_proj_weight = wv;
-    }
-    if (bq.size() != 0) {
-        p.in_proj_bias = tensor<T, 1>(bq.size() + bk.size() + bv.size());
-        T* b = std::copy(bq.data(), bq.data() + bq.size(), p.in_proj_bias.data());
-        b = std::copy(bk.data(), bk.data() + bk.size(), b);
-        std::copy(bv.data(), bv.data() + bv.size(), b);
-        p.out_proj_bias = bo;
-    }
-    p.out_proj_weight = wo;
-    return p;
 }
 
 /// An uninitialised buffer of multi-head attention whose allocation failure is resource_error
@@ -432,49 +482,31 @@ public:
         detail::mha_init::fill_uniform(wo_, 1.0 / std::sqrt(static_cast<double>(wo_.dimension(1))), seed, 4);
     }
 
-    /// Loads nn.MultiheadAttention's parameters 1:1 (see torch_mha_parameters). Throws what the constructor
-    /// throws, and shape_error `attend.shape.torch_weight` naming the parameter and both shapes when one has the
-    /// wrong shape, is missing, or is given where it has no place (in_proj_weight with kdim/vdim != embed_dim or
-    /// kv_heads != heads, both in_proj_weight and q/k/v_proj_weight, a bias with bias = false).
-    static multi_head_attention from_torch(const mha_config& config, const torch_mha_parameters<T>& p) {
+    /// Every weight and bias zero: the starting point of a loader that fills parameters() next (interop/torch.hpp,
+    /// interop/safetensors.hpp), without the cost of drawing an initialisation it overwrites.
+    static multi_head_attention zeros(const mha_config& config) {
         multi_head_attention m(config, no_init{});
-        m.load(p);
+        for (const auto& p : m.parameters()) std::fill(p.data, p.data + p.size, T(0));
         return m;
     }
 
+    /// Loads nn.MultiheadAttention's parameters 1:1: the same as attend::mha_from_torch(config, p)
+    /// (interop/torch.hpp, which documents the layout and what it throws).
+    static multi_head_attention from_torch(const mha_config& config, const torch_mha_parameters<T>& p);
     /// Packed form: in_proj_weight `[3E, E]` (rows q, k, v), in_proj_bias `[3E]`, out_proj.weight `[E, E]`,
     /// out_proj.bias `[E]`; pass empty tensors `{}` for the biases of a bias = false module.
     static multi_head_attention from_torch(const mha_config& config, const tensor<T, 2>& in_proj_weight,
                                            const tensor<T, 1>& in_proj_bias, const tensor<T, 2>& out_proj_weight,
-                                           const tensor<T, 1>& out_proj_bias) {
-        torch_mha_parameters<T> p;
-        p.in_proj_weight = in_proj_weight;
-        p.in_proj_bias = in_proj_bias;
-        p.out_proj_weight = out_proj_weight;
-        p.out_proj_bias = out_proj_bias;
-        return from_torch(config, p);
-    }
-
+                                           const tensor<T, 1>& out_proj_bias);
     /// Separate form (kdim / vdim != embed_dim): q_proj_weight `[E, E]`, k_proj_weight `[E, kdim]`,
     /// v_proj_weight `[E, vdim]`, in_proj_bias `[3E]`, out_proj.weight, out_proj.bias.
     static multi_head_attention from_torch(const mha_config& config, const tensor<T, 2>& q_proj_weight,
                                            const tensor<T, 2>& k_proj_weight, const tensor<T, 2>& v_proj_weight,
                                            const tensor<T, 1>& in_proj_bias, const tensor<T, 2>& out_proj_weight,
-                                           const tensor<T, 1>& out_proj_bias) {
-        torch_mha_parameters<T> p;
-        p.q_proj_weight = q_proj_weight;
-        p.k_proj_weight = k_proj_weight;
-        p.v_proj_weight = v_proj_weight;
-        p.in_proj_bias = in_proj_bias;
-        p.out_proj_weight = out_proj_weight;
-        p.out_proj_bias = out_proj_bias;
-        return from_torch(config, p);
-    }
-
-    /// The parameters under PyTorch's names, packed exactly when nn.MultiheadAttention would pack them.
-    torch_mha_parameters<T> to_torch() const {
-        return detail::torch_layout(packed(), wq_, wk_, wv_, wo_, bq_, bk_, bv_, bo_);
-    }
+                                           const tensor<T, 1>& out_proj_bias);
+    /// The parameters under PyTorch's names, packed exactly when nn.MultiheadAttention would pack them: the same
+    /// as attend::mha_to_torch(*this).
+    torch_mha_parameters<T> to_torch() const;
 
     /// The configuration with every 0 default resolved.
     const mha_config& config() const { return config_; }
@@ -523,9 +555,9 @@ public:
 
     /// Attention of query `[batch, query_len, model_dim]` over key `[batch, key_len, key_dim]` and value
     /// `[batch, key_len, value_dim]` (self-attention: pass the same tensor three times) under `mask` (an allowed
-    /// set or additive expression over scores `[batch, heads, query_len, key_len]`, e.g.
-    /// to_allowed(forbidden_mask::from_torch_mha(attn_mask)) or causal(alignment::top_left)), intersected with
-    /// options.key_padding. Padded queries (query_padding in the mask) get zero output and weight rows.
+    /// set or additive expression over scores `[batch, heads, query_len, key_len]` such as
+    /// causal(alignment::top_left), or nn.MultiheadAttention's bool attn_mask as forbidden_mask::from_torch_mha(t),
+    /// true = blocked, the same wrapper options.key_padding takes), intersected with options.key_padding. Padded queries (query_padding in the mask) get zero output and weight rows.
     /// Throws shape_error `attend.shape.model_dim` (an input's last dim differs from model_dim / key_dim /
     /// value_dim), `attend.shape.batch`, `attend.shape.key_len`, `attend.shape.empty_keys`, and what
     /// scaled_dot_product_attention and rotary_embedding throw (mask_error attend.mask.*, incl.
@@ -563,7 +595,7 @@ public:
     template <class X, class Mask>
     mha_result<T> forward_cached(const X& x, kv_cache<T>& cache, const Mask& mask,
                                  const mha_options& options = {}) const {
-        detail::require_mask<Mask>();
+        detail::require_mha_mask<Mask>();
         detail::require_mha_input<X, T>();
         const auto xd = detail::dims3(x);
         detail::check_width("x", xd, config_.model_dim, "model_dim", "[batch, new tokens, model_dim]");
@@ -600,7 +632,7 @@ public:
         vv.dims[2] = S;
         const attention_shape s = detail::check_views(qv, kv, vv);
         mha_result<T> r;
-        const auto causal_mask = detail::combine_masks(mask, causal(alignment::bottom_right));
+        const auto causal_mask = detail::combine_masks(detail::mha_allowed(mask), causal(alignment::bottom_right));
         detail::with_key_padding(causal_mask, options.key_padding, B, S, [&](const auto& full_mask) {
             const auto call = detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options));
             auto o = detail::mha_buffer<T, 3>({B, L, H * D}, "attention output [batch, new tokens, heads * head_dim]");
@@ -674,86 +706,6 @@ private:
         }
     }
 
-    template <int R>
-    static std::string shape_of(const tensor<T, R>& t) {
-        return detail::format_shape(t.dimensions());
-    }
-
-    template <int R>
-    static void expect_shape(const tensor<T, R>& t, const std::array<index, R>& expected, const char* name,
-                             const char* meaning) {
-        std::array<index, R> got{};
-        for (std::size_t a = 0; a < got.size(); ++a) got[a] = t.dimension(a);
-        if (got != expected)
-            throw shape_error("attend.shape.torch_weight",
-                              detail::concat(name, ' ', detail::format_shape(got),
-                                             t.size() == 0 ? " (missing)" : "", " != expected ",
-                                             detail::format_shape(expected), " = ", meaning));
-    }
-
-    template <int R>
-    static void expect_absent(const tensor<T, R>& t, const char* name, const char* why) {
-        if (t.size() != 0)
-            throw shape_error("attend.shape.torch_weight",
-                              detail::concat(name, ' ', shape_of(t), " given, expected none (shape [0]): ", why));
-    }
-
-    void load(const torch_mha_parameters<T>& p) {
-        const index E = config_.model_dim, D = head_dim();
-        const index q_rows = config_.heads * D, kv_rows = config_.kv_heads * D;
-        const bool separate = p.q_proj_weight.size() != 0 || p.k_proj_weight.size() != 0 ||
-                              p.v_proj_weight.size() != 0;
-        // Validate everything first, then copy.
-        if (p.in_proj_weight.size() != 0) {
-            if (!packed())
-                throw shape_error("attend.shape.torch_weight",
-                                  detail::concat("in_proj_weight ", shape_of(p.in_proj_weight),
-                                                 " is only for key_dim == value_dim == model_dim and kv_heads == "
-                                                 "heads; this config needs q_proj_weight [",
-                                                 q_rows, ',', E, "], k_proj_weight [", kv_rows, ',', config_.key_dim,
-                                                 "], v_proj_weight [", kv_rows, ',', config_.value_dim, ']'));
-            if (separate)
-                throw shape_error("attend.shape.torch_weight",
-                                  detail::concat("both in_proj_weight ", shape_of(p.in_proj_weight),
-                                                 " and q/k/v_proj_weight ", shape_of(p.q_proj_weight), ", ",
-                                                 shape_of(p.k_proj_weight), ", ", shape_of(p.v_proj_weight),
-                                                 " given; give one form"));
-            expect_shape<2>(p.in_proj_weight, {3 * E, E}, "in_proj_weight", "[3 * embed_dim, embed_dim]");
-        } else {
-            expect_shape<2>(p.q_proj_weight, {q_rows, E}, "q_proj_weight", "[heads * head_dim, embed_dim]");
-            expect_shape<2>(p.k_proj_weight, {kv_rows, config_.key_dim}, "k_proj_weight",
-                            "[kv_heads * head_dim, kdim]");
-            expect_shape<2>(p.v_proj_weight, {kv_rows, config_.value_dim}, "v_proj_weight",
-                            "[kv_heads * head_dim, vdim]");
-        }
-        expect_shape<2>(p.out_proj_weight, {E, q_rows}, "out_proj.weight", "[embed_dim, heads * head_dim]");
-        if (config_.bias) {
-            expect_shape<1>(p.in_proj_bias, {q_rows + 2 * kv_rows}, "in_proj_bias",
-                            "[3 * embed_dim] (q, k, v biases)");
-            expect_shape<1>(p.out_proj_bias, {E}, "out_proj.bias", "[embed_dim]");
-        } else {
-            expect_absent(p.in_proj_bias, "in_proj_bias", "mha_config.bias is false");
-            expect_absent(p.out_proj_bias, "out_proj.bias", "mha_config.bias is false");
-        }
-        if (p.in_proj_weight.size() != 0) {
-            const T* w = p.in_proj_weight.data();
-            std::copy(w, w + wq_.size(), wq_.data());
-            std::copy(w + wq_.size(), w + wq_.size() + wk_.size(), wk_.data());
-            std::copy(w + wq_.size() + wk_.size(), w + wq_.size() + wk_.size() + wv_.size(), wv_.data());
-        } else {
-            wq_ = p.q_proj_weight;
-            wk_ = p.k_proj_weight;
-            wv_ = p.v_proj_weight;
-        }
-        wo_ = p.out_proj_weight;
-        if (config_.bias) {
-            const T* b = p.in_proj_bias.data();
-            std::copy(b, b + q_rows, bq_.data());
-            std::copy(b + q_rows, b + q_rows + kv_rows, bk_.data());
-            std::copy(b + q_rows + kv_rows, b + q_rows + 2 * kv_rows, bv_.data());
-            bo_ = p.out_proj_bias;
-        }
-    }
 
     /// Projections of query `[batch, query_len, model_dim]`, key and value `[batch, key_len, *]`: q
     /// `[batch, query_len, heads * head_dim]`, k and v `[batch, key_len, kv_heads * head_dim]`, the heads side by
@@ -781,7 +733,7 @@ private:
     template <class Q, class K, class V, class Mask>
     mha_result<T> forward_impl(const Q& query, const K& key, const V& value, const Mask& mask,
                                const mha_options& options, mha_saved<T>* saved) const {
-        detail::require_mask<Mask>();
+        detail::require_mha_mask<Mask>();
         detail::require_mha_input<Q, T>();
         detail::require_mha_input<K, T>();
         detail::require_mha_input<V, T>();
@@ -851,8 +803,10 @@ private:
         if (!options.need_weights) return;
         if (!options.average_weights) {
             r.head_weights = std::move(w);
+            r.weights_kind = weights_kind::per_head;
             return;
         }
+        r.weights_kind = weights_kind::averaged;
         r.weights = std::move(averaged);
         r.weights.setZero();
         for (index b = 0; b < B; ++b)
@@ -871,3 +825,7 @@ private:
 };
 
 }  // namespace attend
+
+// The PyTorch parameter layout (from_torch, to_torch) lives in its own header; included here, after the class it
+// completes, so code that includes mha.hpp alone keeps compiling.
+#include "interop/torch.hpp"

@@ -108,7 +108,7 @@ template <class T, class Q, class K, class V, class DOut, class Mask>
 mha_gradients<T> multi_head_attention_backward(const multi_head_attention<T>& module, const Q& query, const K& key,
                                                const V& value, const mha_saved<T>& saved, const DOut& d_out,
                                                const Mask& mask, const mha_options& options = {}) {
-    detail::require_mask<Mask>();
+    detail::require_mha_mask<Mask>();
     detail::require_mha_input<Q, T>();
     detail::require_mha_input<K, T>();
     detail::require_mha_input<V, T>();

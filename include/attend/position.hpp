@@ -184,7 +184,7 @@ enum class rotary_layout { half_split, interleaved };
 struct rotary_embedding {
     index dim = 0;                                  ///< rotated features per head; even, 1 .. head_dim
     double base = 10000;                            ///< frequency base, finite and > 0
-    rotary_layout layout = rotary_layout::half_split;
+    rotary_layout layout = rotary_layout::half_split;  ///< which features pair up
 
     /// Rotates x `[batch, heads, len, head_dim]` in place; row i has position position_offset + i (the number
     /// of tokens before it, e.g. the KV-cache length when decoding).

@@ -42,7 +42,7 @@ enum class kernel {
 struct dropout_options {
     double probability = 0;  ///< in [0, 1)
     std::uint64_t seed = 0;  ///< with (batch, head, query, key) it fully determines which weights are dropped
-    bool training = false;
+    bool training = false;   ///< dropout only when true: attend never drops in eval
     /// Where this call's queries and keys sit in a longer sequence (>= 0): the decisions are those of query
     /// i + query_offset and key j + key_offset, so attention computed block by block (ring attention over shards)
     /// drops exactly what one call over the whole sequence drops. 0 for an ordinary call.
@@ -57,14 +57,16 @@ struct sdpa_options {
     /// become softcap * tanh(s / softcap), then score_bias and the mask are added. Capping first keeps a mask's
     /// -inf and a bias's slope out of the tanh, as ONNX defines it. Must be finite and > 0; unset: no capping.
     std::optional<double> softcap;
-    attend::empty_rows empty_rows = attend::empty_rows::error;
-    dropout_options dropout;
+    attend::empty_rows empty_rows = attend::empty_rows::error;  ///< a query with no allowed key: throw or zero
+    dropout_options dropout;                                    ///< on the probabilities, in training only
     attend::score_bias score_bias;  ///< ALiBi or relative-position bias, applied per tile
     int threads = 0;                ///< tiled kernel threads; 0 = std::thread::hardware_concurrency(); same result
                                     ///< bit for bit for any count
-    attend::kernel kernel = attend::kernel::automatic;
+    attend::kernel kernel = attend::kernel::automatic;  ///< which implementation runs
     bool need_weights = false;           ///< fill result.weights `[batch, heads, query_len, key_len]`
-    bool need_lse = false;               ///< fill result.lse `[batch, heads, query_len]`
+    bool need_lse = true;                ///< fill result.lse `[batch, heads, query_len]`, what the backward and
+                                         ///< merge_partials need; on by default (one scalar per query row) so a
+                                         ///< training forward cannot forget it
     bool weights_after_dropout = false;  ///< weights as used (dropped and rescaled) instead of probabilities
     bool check_finite = true;            ///< reject NaN / Inf in q, k, v (value_error attend.value.non_finite) and
                                          ///< scores beyond half of T's range (attend.value.score_overflow,

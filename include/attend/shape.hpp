@@ -14,14 +14,14 @@ namespace attend {
 /// The sizes of one attention call, checked. `rank` is the rank of the inputs (3 or 4); masks broadcast
 /// against the score shape of that rank, as NumPy and PyTorch do.
 struct attention_shape {
-    index batch = 0;
-    index heads = 0;
-    index kv_heads = 0;
-    index query_len = 0;
-    index key_len = 0;
-    index head_dim = 0;
-    index value_dim = 0;
-    int rank = 4;
+    index batch = 0;      ///< sequences
+    index heads = 0;      ///< query heads
+    index kv_heads = 0;   ///< key/value heads; heads % kv_heads == 0
+    index query_len = 0;  ///< queries per sequence
+    index key_len = 0;    ///< keys per sequence
+    index head_dim = 0;   ///< width of a query and key head
+    index value_dim = 0;  ///< width of a value head
+    int rank = 4;         ///< rank of the inputs, 3 or 4
 
     /// Query heads that share one kv head (grouped-query attention); 1 for plain multi-head attention.
     index group_size() const { return heads / kv_heads; }

@@ -10,6 +10,7 @@
 
 namespace attend {
 
+/// Sizes, positions and indices: Eigen's, signed.
 using index = Eigen::Index;
 
 /// Row-major tensor, PyTorch's layout: the last axis is contiguous.
@@ -29,12 +30,14 @@ using tensor_view = Eigen::TensorMap<Eigen::Tensor<T, Rank, Eigen::RowMajor>>;
 /// through these strides, with no transpose copy.
 template <class T>
 struct strided_view {
-    T* data = nullptr;
+    T* data = nullptr;               ///< element [0, 0, 0, 0]
     std::array<index, 4> dims{};     ///< batch, heads, len, dim
     std::array<index, 4> strides{};  ///< elements; strides[3] == 1
     int rank = 4;                    ///< rank of the tensor the user passed (3 or 4), kept for messages
 
+    /// The first element of row (b, h, i).
     T* row(index b, index h, index i) const { return data + b * strides[0] + h * strides[1] + i * strides[2]; }
+    /// Elements the view spans.
     index size() const { return dims[0] * dims[1] * dims[2] * dims[3]; }
 };
 

@@ -62,7 +62,8 @@ golden_inputs<T> golden_mha_inputs(const json& c) {
 }
 
 /// Calls f(mask, options) with the case's masks: attn_mask [L, S] (true = blocked) as the mask, key_padding_mask
-/// [B, S] (true = ignore) as options.key_padding, both in nn.MultiheadAttention's convention.
+/// [B, S] (true = ignore) as options.key_padding, both in nn.MultiheadAttention's convention and both wrapped the
+/// same way, forbidden_mask::from_torch_mha, as a user porting PyTorch code writes them.
 template <class F>
 auto with_golden_masks(const json& c, attend::mha_options options, F&& f) {
     const json& masks = member(c, "masks");
@@ -70,8 +71,7 @@ auto with_golden_masks(const json& c, attend::mha_options options, F&& f) {
         options.key_padding =
             attend::forbidden_mask::from_torch_mha(to_bool<2>(masks.at("key_padding_mask"), "key_padding_mask"));
     if (!masks.at("attn_mask").is_null()) {
-        const auto blocked = attend::forbidden_mask::from_torch_mha(to_bool<2>(masks.at("attn_mask")));
-        return f(attend::to_allowed(blocked), options);
+        return f(attend::forbidden_mask::from_torch_mha(to_bool<2>(masks.at("attn_mask"))), options);
     }
     return f(attend::no_mask{}, options);
 }

@@ -695,6 +695,33 @@ TEST(BackwardViews, IntoFormWritesTheSameAsTheAllocatingForm) {
     EXPECT_TRUE(bit_identical(dq, g.dq));
 }
 
+TEST(BackwardViews, ForwardResultWholeNeedsNoOptionToRemember) {
+    const dims d;
+    auto x = random_qkv(d, 23);
+    const auto mask = attend::causal(alignment::top_left);
+    // Default options: lse is there without asking.
+    const auto f = attend::scaled_dot_product_attention(x.q, x.k, x.v, mask);
+    ASSERT_EQ(f.lse.dimensions(), (std::array<index, 3>{d.batch, d.heads, d.query_len}));
+    const auto d_out = attend_test::random_tensor<double>(29, d.batch, d.heads, d.query_len, d.value_dim);
+    const auto from_parts = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, d_out, mask);
+    const auto from_result = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f, d_out, mask);
+    EXPECT_TRUE(bit_identical(from_result.dq, from_parts.dq) && bit_identical(from_result.dk, from_parts.dk) &&
+                bit_identical(from_result.dv, from_parts.dv));
+    const auto plain = attend::scaled_dot_product_attention(x.q, x.k, x.v);
+    const auto g_plain = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, plain, d_out);
+    const auto g_parts = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, plain.out, plain.lse, d_out);
+    EXPECT_TRUE(bit_identical(g_plain.dq, g_parts.dq));
+    // Turning lse off and then handing the result to the backward says what to do instead of a bare shape.
+    sdpa_options off;
+    off.need_lse = false;
+    const auto without = attend::scaled_dot_product_attention(x.q, x.k, x.v, mask, off);
+    EXPECT_EQ(without.lse.size(), 0);
+    const auto msg = expect_error<attend::shape_error>(
+        [&] { (void)attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, without, d_out, mask); },
+        "attend.shape.backward_lse");
+    EXPECT_NE(msg.find("need_lse = true"), std::string::npos) << msg;
+}
+
 TEST(BackwardViews, EmptyQueriesGiveZeroKeyGradients) {
     for (const kernel kern : {kernel::reference, kernel::automatic}) {
         const auto q = attend_test::random_tensor<double>(1, 2, 3, 0, 4);

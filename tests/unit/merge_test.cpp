@@ -127,6 +127,17 @@ void check_split_by_slicing(const config& c, rng& g) {
     const auto merged = attend::merge_partials(part_a.out, part_a.lse, part_b.out, part_b.lse);
     ASSERT_TRUE(near(merged.out, whole.out, tol<T>()));
     ASSERT_TRUE(near(merged.lse, whole.lse, tol<T>() * 8));  // |lse| <= ~5: a few ulps of that
+    // TensorMap views of the parts (caller memory, read without a copy; const and mutable maps mixed) merge to
+    // the same bits as the tensors.
+    {
+        const attend::const_tensor_view<T, Rank> out_a(part_a.out.data(), part_a.out.dimensions());
+        const attend::const_tensor_view<T, Rank - 1> lse_a(part_a.lse.data(), part_a.lse.dimensions());
+        auto out_b_copy = part_b.out;
+        const attend::tensor_view<T, Rank> out_b(out_b_copy.data(), out_b_copy.dimensions());
+        const auto viewed = attend::merge_partials(out_a, lse_a, out_b, part_b.lse);
+        ASSERT_TRUE(identical(viewed.out, merged.out));
+        ASSERT_TRUE(identical(viewed.lse, merged.lse));
+    }
     // The merge is symmetric, bit for bit (addition and max commute).
     const auto swapped = attend::merge_partials(part_b.out, part_b.lse, part_a.out, part_a.lse);
     ASSERT_TRUE(identical(swapped.out, merged.out));
@@ -303,6 +314,14 @@ TEST(MergePartialsErrors, PartsOfDifferentShapesAreShapeMerge) {
                                       "attend.shape.merge", {"lse_a [2,4,3]", "lse_b [2,3,4]"});
     expect_error<attend::shape_error>([&] { (void)attend::merge_partials(out, lse, out, wrong_lse); },
                                       "attend.shape.merge", {"lse_b [2,4,3]"});
+}
+
+TEST(MergePartialsErrors, ViewsOfDifferentShapesAreShapeMerge) {
+    std::vector<float> memory(2 * 3 * 4 * 6, 0.f), lse_memory(2 * 3 * 4, 0.f);
+    const attend::const_tensor_view<float, 4> out(memory.data(), 2, 3, 4, 5), other(memory.data(), 2, 3, 4, 6);
+    const attend::const_tensor_view<float, 3> lse(lse_memory.data(), 2, 3, 4);
+    expect_error<attend::shape_error>([&] { (void)attend::merge_partials(out, lse, other, lse); }, "attend.shape.merge",
+                                      {"out_a [2,3,4,5]", "out_b [2,3,4,6]"});
 }
 
 TEST(MergePartialsErrors, NaNOrPlusInfinityLseIsValueLse) {

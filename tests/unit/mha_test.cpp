@@ -211,8 +211,10 @@ TEST_P(MhaGolden, MatchesPyTorchInDouble) {
     options.average_weights = false;
     const auto ph = golden_forward(m, c, options);
 
-    const double e_out = max_abs_diff(avg.out, out), e_avg = max_abs_diff(avg.weights, averaged),
-                 e_ph = max_abs_diff(ph.head_weights, per_head);
+    EXPECT_EQ(avg.weights_kind, attend::weights_kind::averaged);
+    EXPECT_EQ(ph.weights_kind, attend::weights_kind::per_head);
+    const double e_out = max_abs_diff(avg.out, out), e_avg = max_abs_diff(avg.averaged_weights(), averaged),
+                 e_ph = max_abs_diff(ph.per_head_weights(), per_head);
     std::cout << "  [" << GetParam() << "] max abs error: out " << e_out << ", averaged weights " << e_avg
               << ", per-head weights " << e_ph << '\n';
     EXPECT_LE(e_out, 1e-10);
@@ -226,6 +228,7 @@ TEST_P(MhaGolden, MatchesPyTorchInDouble) {
     const auto plain = golden_forward(m, c, {});
     EXPECT_TRUE(bit_equal(plain.out, avg.out));
     EXPECT_EQ(plain.weights.size() + plain.head_weights.size(), 0);
+    EXPECT_EQ(plain.weights_kind, attend::weights_kind::none);
 }
 
 TEST_P(MhaGolden, MatchesPyTorchInFloat) {
@@ -835,6 +838,119 @@ TEST(Errors, ForwardMasksOptionsAndValues) {
     attend::mha_options unchecked;
     unchecked.check_finite = false;
     EXPECT_NO_THROW(m.forward(x, bad, x, unchecked));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The API as a newcomer writes it: named config, both PyTorch masks through one wrapper, weights that say their kind
+
+TEST(NamedConfig, SettersNameEveryFieldAndMatchThePositionalSpelling) {
+    const auto named = attend::mha_config{}
+                           .with_model_dim(16)
+                           .with_heads(4)
+                           .with_kv_heads(2)
+                           .with_key_dim(12)
+                           .with_value_dim(10)
+                           .with_bias(false)
+                           .with_dropout(0.25);
+    const attend::mha_config positional{16, 4, 2, 12, 10, false, 0.25};
+    EXPECT_EQ(named.model_dim, positional.model_dim);
+    EXPECT_EQ(named.heads, positional.heads);
+    EXPECT_EQ(named.kv_heads, positional.kv_heads);
+    EXPECT_EQ(named.key_dim, positional.key_dim);
+    EXPECT_EQ(named.value_dim, positional.value_dim);
+    EXPECT_EQ(named.bias, positional.bias);
+    EXPECT_EQ(named.dropout, positional.dropout);
+    // A setter returns a changed copy and leaves its source alone, so a base config can be shared.
+    const auto base = attend::mha_config{}.with_model_dim(8).with_heads(2);
+    const auto grouped = base.with_kv_heads(1);
+    EXPECT_EQ(base.kv_heads, 0);
+    EXPECT_EQ(grouped.kv_heads, 1);
+    EXPECT_EQ(grouped.model_dim, 8);
+    // The same module either way: same shapes, same seeded initialisation.
+    const attend::multi_head_attention<double> a(named, 5), b(positional, 5);
+    EXPECT_EQ(a.parameter_count(), b.parameter_count());
+    EXPECT_TRUE(bit_equal(a.k_weight(), b.k_weight()));
+    EXPECT_EQ(a.config().kv_heads, 2);
+    static_assert(attend::mha_config{}.with_heads(3).heads == 3, "the setters are constexpr");
+}
+
+TEST(TorchMasks, AttnMaskAndKeyPaddingTakeTheSameWrapperAndMeanWhatPyTorchMeans) {
+    attend_test::rng g(41);
+    for (int rep = 0; rep < attend_test::repeat(8); ++rep) {
+        const index B = g.uniform_int(1, 3), H = g.uniform_int(1, 3), L = g.uniform_int(1, 6), S = g.uniform_int(2, 7);
+        const attend::multi_head_attention<double> m(attend::mha_config{}.with_model_dim(2 * H).with_heads(H),
+                                                     static_cast<std::uint64_t>(rep));
+        const auto q = random3<double>(100 + static_cast<std::uint64_t>(rep), B, L, 2 * H);
+        const auto kv = random3<double>(200 + static_cast<std::uint64_t>(rep), B, S, 2 * H);
+        // PyTorch's bool masks, true = blocked; key 0 always stays allowed so no row is empty.
+        tensor<bool, 2> attn_mask(L, S);
+        tensor<bool, 2> key_padding_mask(B, S);
+        for (index i = 0; i < L; ++i)
+            for (index j = 0; j < S; ++j) attn_mask(i, j) = j > 0 && g.bernoulli(0.4);
+        for (index b = 0; b < B; ++b)
+            for (index j = 0; j < S; ++j) key_padding_mask(b, j) = j > 0 && g.bernoulli(0.3);
+        attend::mha_options o;
+        o.need_weights = true;
+        o.average_weights = false;
+        o.key_padding = attend::forbidden_mask::from_torch_mha(key_padding_mask);
+        const auto direct = m.forward(q, kv, kv, attend::forbidden_mask::from_torch_mha(attn_mask), o);
+        const auto converted =
+            m.forward(q, kv, kv, attend::to_allowed(attend::forbidden_mask::from_torch_mha(attn_mask)), o);
+        EXPECT_TRUE(bit_equal(direct.out, converted.out)) << "rep " << rep;
+        const auto& w = direct.per_head_weights();
+        for (index b = 0; b < B; ++b)
+            for (index h = 0; h < H; ++h)
+                for (index i = 0; i < L; ++i)
+                    for (index j = 0; j < S; ++j)
+                        if (attn_mask(i, j) || key_padding_mask(b, j))
+                            EXPECT_EQ(w(b, h, i, j), 0.0) << "blocked (" << b << ',' << h << ',' << i << ',' << j << ')';
+                        else
+                            EXPECT_GT(w(b, h, i, j), 0.0) << "allowed (" << b << ',' << h << ',' << i << ',' << j << ')';
+        // The same wrapper reaches forward_cached (self-attention) too.
+        if (L == S) {
+            auto cache = m.make_cache(B, S);
+            attend::mha_options plain;
+            const auto cached = m.forward_cached(kv, cache, attend::forbidden_mask::from_torch_mha(attn_mask), plain);
+            auto cache2 = m.make_cache(B, S);
+            const auto cached2 = m.forward_cached(
+                kv, cache2, attend::to_allowed(attend::forbidden_mask::from_torch_mha(attn_mask)), plain);
+            EXPECT_TRUE(bit_equal(cached.out, cached2.out));
+        }
+    }
+}
+
+TEST(WeightsAccessor, SaysWhichKindItHoldsAndThrowsForTheOther) {
+    const attend::multi_head_attention<double> m(attend::mha_config{}.with_model_dim(6).with_heads(3), 2);
+    const auto x = random3<double>(8, 2, 4, 6);
+    attend::mha_options o;
+    const auto none = m.forward(x, x, x, o);
+    EXPECT_EQ(none.weights_kind, attend::weights_kind::none);
+    auto msg = expect_error<attend::value_error>([&] { (void)none.averaged_weights(); }, "attend.value.weights_kind");
+    EXPECT_TRUE(contains(msg, "need_weights = false")) << msg;
+    expect_error<attend::value_error>([&] { (void)none.per_head_weights(); }, "attend.value.weights_kind");
+
+    o.need_weights = true;
+    const auto averaged = m.forward(x, x, x, o);
+    EXPECT_EQ(averaged.weights_kind, attend::weights_kind::averaged);
+    EXPECT_EQ(averaged.averaged_weights().dimensions(), (std::array<index, 3>{2, 4, 4}));
+    msg = expect_error<attend::value_error>([&] { (void)averaged.per_head_weights(); }, "attend.value.weights_kind");
+    EXPECT_TRUE(contains(msg, "average_weights = false")) << msg;
+
+    o.average_weights = false;
+    const auto per_head = m.forward(x, x, x, o);
+    EXPECT_EQ(per_head.weights_kind, attend::weights_kind::per_head);
+    EXPECT_EQ(per_head.per_head_weights().dimensions(), (std::array<index, 4>{2, 3, 4, 4}));
+    expect_error<attend::value_error>([&] { (void)per_head.averaged_weights(); }, "attend.value.weights_kind");
+    // The two kinds agree: the averaged weights are the mean of the per-head ones.
+    double worst = 0;
+    for (index b = 0; b < 2; ++b)
+        for (index i = 0; i < 4; ++i)
+            for (index j = 0; j < 4; ++j) {
+                double mean = 0;
+                for (index h = 0; h < 3; ++h) mean += per_head.per_head_weights()(b, h, i, j) / 3;
+                worst = std::max(worst, std::abs(mean - averaged.averaged_weights()(b, i, j)));
+            }
+    EXPECT_LE(worst, 1e-15);
 }
 
 }  // namespace

@@ -51,8 +51,8 @@ struct ring_options {
     attend::empty_rows empty_rows = attend::empty_rows::error;  ///< judged on the full sequence, not per block
     dropout_options dropout;  ///< offsets, if any, are added to the global positions of the shards
     int threads = 1;          ///< threads of each rank's kernel calls; 1 suits one rank per core
-    attend::kernel kernel = attend::kernel::automatic;
-    bool check_finite = true;
+    attend::kernel kernel = attend::kernel::automatic;  ///< of each block call
+    bool check_finite = true;  ///< reject NaN / Inf in every shard (agreed across ranks)
     sharding layout = sharding::contiguous;  ///< how the shard lengths of the ranks map onto the sequence
 };
 
@@ -72,18 +72,18 @@ struct ring_statistics {
 /// shard_len]` of its queries over the whole sequence, as one process would compute for those rows.
 template <class T>
 struct ring_attention_result {
-    tensor<T, 4> out;
-    tensor<T, 3> lse;
-    ring_statistics statistics;
+    tensor<T, 4> out;            ///< `[batch, heads, shard_len, value_dim]`
+    tensor<T, 3> lse;            ///< `[batch, heads, shard_len]`
+    ring_statistics statistics;  ///< what this rank did
 };
 
 /// This rank's gradients: dq like its q, dk / dv like its k / v, each over the whole sequence's loss.
 template <class T>
 struct ring_gradients {
-    tensor<T, 4> dq;
-    tensor<T, 4> dk;
-    tensor<T, 4> dv;
-    ring_statistics statistics;
+    tensor<T, 4> dq;             ///< like this rank's q
+    tensor<T, 4> dk;             ///< like this rank's k
+    tensor<T, 4> dv;             ///< like this rank's v
+    ring_statistics statistics;  ///< what this rank did
 };
 
 namespace detail {

@@ -24,9 +24,9 @@ enum class sharding {
 /// One contiguous run of a shard: `length` positions of the full sequence starting at `global_begin`, stored at
 /// rows `local_begin ..` of the shard.
 struct shard_segment {
-    index global_begin = 0;
-    index local_begin = 0;
-    index length = 0;
+    index global_begin = 0;  ///< first position in the full sequence
+    index local_begin = 0;   ///< first row in the shard
+    index length = 0;        ///< positions in the run
 };
 
 /// The shards of a sequence of total() positions over ranks() ranks. With zigzag, a shard of n positions is its
@@ -75,9 +75,10 @@ public:
         return lengths;
     }
 
-    sharding kind() const { return kind_; }
-    int ranks() const { return static_cast<int>(lengths_.size()); }
-    index total() const { return total_; }
+    sharding kind() const { return kind_; }                          ///< contiguous or zigzag
+    int ranks() const { return static_cast<int>(lengths_.size()); }  ///< ranks sharing the sequence
+    index total() const { return total_; }                           ///< positions of the full sequence
+    /// Positions `rank` holds.
     index shard_length(int rank) const { return lengths_.at(static_cast<std::size_t>(rank)); }
     /// The runs of `rank`'s shard in local order (zero-length runs omitted).
     const std::vector<shard_segment>& segments(int rank) const { return segments_.at(static_cast<std::size_t>(rank)); }
