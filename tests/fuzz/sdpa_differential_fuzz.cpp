@@ -1,7 +1,7 @@
 /// Differential fuzzer of scaled_dot_product_attention and its backward.
 ///
 /// One input decodes into a call: scalar type, rank, sizes (sometimes empty or inconsistent), a runtime mask
-/// expression (fuzz_masks.hpp), options and values (sometimes huge, tiny, subnormal or non-finite). The call runs
+/// expression (fuzz_masks.hpp), options (soft-capping among them) and values (sometimes huge, tiny, subnormal or non-finite). The call runs
 /// through kernel::reference, kernel::tiled with the default tiles, and the tiled kernel with small random tiles
 /// on 1 and 2 threads, and the fuzzer checks:
 ///   - every path throws the same attend::error id, or none does; empty_row errors agree with the mask's meaning,
@@ -122,6 +122,12 @@ attend::sdpa_options decode_options(fuzz_input& in, index heads, std::string& te
                                   std::numeric_limits<double>::quiet_NaN(), 1e300, 1e-300, 1e-3, 10.0};
         o.scale = in.chance(128) ? choices[in.choose(8)] : std::pow(2.0, static_cast<double>(in.in_range(-8, 8)));
         s << " scale " << *o.scale;
+    }
+    if (in.chance(48)) {
+        const double choices[] = {0.0, -1.0, std::numeric_limits<double>::infinity(),
+                                  std::numeric_limits<double>::quiet_NaN(), 1e300, 1e-300, 1e-3, 50.0};
+        o.softcap = in.chance(128) ? choices[in.choose(8)] : std::pow(2.0, static_cast<double>(in.in_range(-4, 6)));
+        s << " softcap " << *o.softcap;
     }
     o.empty_rows = in.chance(128) ? attend::empty_rows::zero : attend::empty_rows::error;
     if (in.chance(64)) {
@@ -247,14 +253,18 @@ row_oracle evaluate_row(const call_case<T>& c, index b, index h, index i) {
         const ld bias = c.options.score_bias.empty()
                             ? 0
                             : static_cast<ld>(c.options.score_bias.template value<double>(h, i, j, s.query_len, S));
-        const ld score = scale * dot + bias;
+        // Soft-capping bends the scaled dot product (slope <= 1, so it shrinks the error of its input) and adds
+        // the error of tanh itself: a few ulps of the cap.
+        const ld cap = c.options.softcap ? static_cast<ld>(*c.options.softcap) : 0;
+        const ld capped = cap > 0 ? cap * std::tanh(scale * dot / cap) : scale * dot;
+        const ld score = capped + bias;
         const ld total = score + added;
         t[static_cast<std::size_t>(j)] = total;
         // GEMM and scaling round each product and partial sum (subnormal products lose up to min() each); the
         // bias and the additive term add one rounding each of the running value.
         rounding[static_cast<std::size_t>(j)] =
             eps * (static_cast<ld>(s.head_dim + 2) * scale * magnitude + std::abs(score) + std::abs(bias) +
-                   std::abs(added) + std::abs(total)) +
+                   std::abs(added) + std::abs(total) + 8 * cap) +
             static_cast<ld>(s.head_dim + 2) * static_cast<ld>(std::numeric_limits<T>::min()) *
                 (1 + scale) * (1 + q_max + k_max);
         if (std::max<ld>(1, scale) * magnitude + std::abs(bias) >= big) r.fits = false;
@@ -406,6 +416,7 @@ outputs<T> tiled_with(const attend::strided_view<const T>& q, const attend::stri
     views.lse = o.lse.empty() ? nullptr : o.lse.data();
     attend::detail::kernel_params<Acc> params;
     params.scale = static_cast<Acc>(call.params.scale);
+    params.softcap = static_cast<Acc>(call.params.softcap);
     params.dropout = call.params.dropout;
     params.bias = call.params.bias;
     params.weights_after_dropout = call.params.weights_after_dropout;

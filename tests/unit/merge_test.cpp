@@ -20,6 +20,7 @@
 #include <attend/attend.hpp>
 
 #include "support/random.hpp"
+#include "support/scalar_names.hpp"
 
 namespace {
 
@@ -190,15 +191,7 @@ void check_split_by_masks(const config& c, rng& g, int& empty_part_rows) {
 
 template <class T>
 class MergePartials : public ::testing::Test {};
-using scalar_types = ::testing::Types<float, double>;
-/// Test names say the type: MergePartials/float.Name, MergePartials/double.Name.
-struct scalar_names {
-    template <class T>
-    static std::string GetName(int) {
-        return std::is_same_v<T, float> ? "float" : "double";
-    }
-};
-TYPED_TEST_SUITE(MergePartials, scalar_types, scalar_names);
+TYPED_TEST_SUITE(MergePartials, attend_test::scalar_types, attend_test::scalar_names);
 
 TYPED_TEST(MergePartials, AttentionOverTwoKeySlicesMergedEqualsAttentionOverAllKeys) {
     using T = TypeParam;

@@ -18,6 +18,7 @@
 
 #include "support/errors.hpp"
 #include "support/random.hpp"
+#include "support/scalar_names.hpp"
 
 namespace {
 
@@ -154,15 +155,7 @@ void expect_both_kernels_match_oracle(const problem<T>& x, const Mask& mask) {
 
 template <class T>
 class NumericsStress : public ::testing::Test {};
-using scalar_types = ::testing::Types<float, double>;
-/// Test names say the type: NumericsStress/float.Name, NumericsStress/double.Name.
-struct scalar_names {
-    template <class T>
-    static std::string GetName(int) {
-        return std::is_same_v<T, float> ? "float" : "double";
-    }
-};
-TYPED_TEST_SUITE(NumericsStress, scalar_types, scalar_names);
+TYPED_TEST_SUITE(NumericsStress, attend_test::scalar_types, attend_test::scalar_names);
 
 /// q, k whose dot products reach +-1e30 before scaling: only the first feature is non-zero in q, so every score
 /// is one exact product, and keys come in identical pairs, so the maximum of a row is attained twice.

@@ -32,6 +32,7 @@
 #include <attend/attend.hpp>
 
 #include "support/random.hpp"
+#include "support/scalar_names.hpp"
 
 namespace {
 
@@ -514,15 +515,7 @@ void with_random_mask(rng& g, const config& c, F&& f) {
 // Typed over the two supported scalar types.
 template <class T>
 class SdpaProperty : public ::testing::Test {};
-using scalar_types = ::testing::Types<float, double>;
-/// Test names say the type: SdpaProperty/float.Name, SdpaProperty/double.Name.
-struct scalar_names {
-    template <class T>
-    static std::string GetName(int) {
-        return std::is_same_v<T, float> ? "float" : "double";
-    }
-};
-TYPED_TEST_SUITE(SdpaProperty, scalar_types, scalar_names);
+TYPED_TEST_SUITE(SdpaProperty, attend_test::scalar_types, attend_test::scalar_names);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Softmax along keys, forbidden weights, oracle

@@ -16,6 +16,7 @@
 #include "support/errors.hpp"
 #include "support/finite_differences.hpp"
 #include "support/random.hpp"
+#include "support/scalar_names.hpp"
 
 namespace {
 
@@ -45,8 +46,7 @@ struct softcap_case {
 
 template <class T>
 class Softcap : public ::testing::Test {};
-using scalar_types = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(Softcap, scalar_types);
+TYPED_TEST_SUITE(Softcap, attend_test::scalar_types, attend_test::scalar_names);
 
 TYPED_TEST(Softcap, ForwardOfBothKernelsEqualsTheDefinitionInLongDouble) {
     using T = TypeParam;
