@@ -10,6 +10,9 @@ function(attend_grouped_source out group)
     get_filename_component(name ${source} NAME_WE)
     get_filename_component(dir ${source} DIRECTORY)
     file(STRINGS ${source} file_includes REGEX "^#include [<\"]")
+    # The include list is read here, at configure time: an edited source configures again, so a new include
+    # lands before the namespaces, never inside one.
+    set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${source})
     foreach(line IN LISTS file_includes)
       # A header beside the source is included by its full path, as the source itself finds it.
       if(line MATCHES "^#include \"([^\"]+)\"")
