@@ -50,6 +50,17 @@ struct mha_config {
     bool bias = true;     ///< in-projection and out-projection biases, as nn.MultiheadAttention(bias=...)
     double dropout = 0;   ///< probability of dropping an attention weight, applied only with training = true
 
+private:
+    // Defined before the setters use it: clang does not evaluate a later-defined member template in a constant
+    // expression.
+    template <class Field>
+    constexpr mha_config with(Field mha_config::*field, Field value) const {
+        mha_config c = *this;
+        c.*field = value;
+        return c;
+    }
+
+public:
     /// A copy with model_dim (PyTorch's embed_dim) set.
     constexpr mha_config with_model_dim(index n) const { return with(&mha_config::model_dim, n); }
     /// A copy with heads (PyTorch's num_heads) set.
@@ -74,13 +85,6 @@ struct mha_config {
         return c;
     }
 
-private:
-    template <class Field>
-    constexpr mha_config with(Field mha_config::*field, Field value) const {
-        mha_config c = *this;
-        c.*field = value;
-        return c;
-    }
 };
 
 /// The key padding of a multi-head attention call, in nn.MultiheadAttention's key_padding_mask convention:
