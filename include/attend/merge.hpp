@@ -59,9 +59,11 @@ auto merge_partials(const OutA& out_a, const LseA& lse_a, const OutB& out_b, con
     detail::require_partial<LseA, T, Rank - 1>();
     detail::require_partial<LseB, T, Rank - 1>();
     bool same = true;
-    for (std::size_t a = 0; a < std::size_t(Rank); ++a) same = same && out_a.dimension(a) == out_b.dimension(a);
-    for (std::size_t a = 0; a + 1 < std::size_t(Rank); ++a)
-        same = same && lse_a.dimension(a) == out_a.dimension(a) && lse_b.dimension(a) == out_a.dimension(a);
+    // dimensions()[a]: Tensor::dimension takes a std::size_t, TensorMap::dimension an Index.
+    const auto &oa = out_a.dimensions(), &ob = out_b.dimensions();
+    const auto &la = lse_a.dimensions(), &lb = lse_b.dimensions();
+    for (std::size_t a = 0; a < std::size_t(Rank); ++a) same = same && oa[a] == ob[a];
+    for (std::size_t a = 0; a + 1 < std::size_t(Rank); ++a) same = same && la[a] == oa[a] && lb[a] == oa[a];
     if (!same)
         throw shape_error("attend.shape.merge",
                           detail::concat("partials differ: out_a ", detail::format_shape(out_a.dimensions()),
