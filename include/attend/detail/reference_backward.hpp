@@ -32,7 +32,8 @@ void reference_gradients(const backward_inputs<T>& in, const attention_shape& s,
             dp.resize(L, S);
             if (capped) slope.resize(L, S);
         },
-        [&] { return allocation_text("the reference backward's score matrices (3 or 4 x query_len x key_len)",
+        [&] { return allocation_text(capped ? "the reference backward's score matrices (4 x query_len x key_len)"
+                                            : "the reference backward's score matrices (3 x query_len x key_len)",
                                      std::array<index, 3>{capped ? 4 : 3, L, S}, sizeof(T)); },
         "kernel::reference materializes the scores of one (batch, head); the tiled backward needs O(threads x tile)");
     for (index b = 0; b < s.batch; ++b) {
