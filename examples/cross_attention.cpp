@@ -46,6 +46,7 @@ int main() {
     options.key_padding = source_lengths;  // the only mask: source padding
     options.need_weights = true;
     const auto r = cross.forward(target, memory, memory, options);
+    const auto& weights = r.averaged_weights();  // [batch, query_len, key_len], the mean over heads
 
     bool rows_sum_to_one = true;
     for (index b = 0; b < batch; ++b) {
@@ -55,8 +56,8 @@ int main() {
             double sum = 0;
             std::cout << "  q" << i << ':';
             for (index j = 0; j < source_len; ++j) {
-                std::cout << ' ' << fixed3(r.weights(b, i, j));
-                sum += r.weights(b, i, j);
+                std::cout << ' ' << fixed3(weights(b, i, j));
+                sum += weights(b, i, j);
             }
             std::cout << '\n';
             rows_sum_to_one = rows_sum_to_one && std::abs(sum - 1.0) < 1e-12;
@@ -65,9 +66,9 @@ int main() {
     std::cout << "every row sums to 1: " << (rows_sum_to_one ? "yes" : "NO") << '\n';
     bool padding_zero = true;
     for (index i = 0; i < target_len; ++i)
-        for (index j = source_lengths[1]; j < source_len; ++j) padding_zero = padding_zero && r.weights(1, i, j) == 0.0;
+        for (index j = source_lengths[1]; j < source_len; ++j) padding_zero = padding_zero && weights(1, i, j) == 0.0;
     std::cout << "weights on source padding are exactly 0: " << (padding_zero ? "yes" : "NO") << '\n';
-    const bool sees_last = r.weights(0, 0, source_len - 1) > 0.0;
+    const bool sees_last = weights(0, 0, source_len - 1) > 0.0;
     std::cout << "no causal mask: q0 reads source position 4: " << (sees_last ? "yes" : "NO") << '\n';
 
     for (index j = source_lengths[1]; j < source_len; ++j)

@@ -54,7 +54,7 @@ int main() {
               << attend::to_string(attend::key_padding(lengths) && padded_queries, {batch, 1, len, len});
 
     const auto r = encoder.forward(x, x, x, padded_queries, options);
-    print_rows(r.weights, 1, "weights");
+    print_rows(r.averaged_weights(), 1, "weights");
     print_rows(r.out, 1, "out");
 
     bool padded_zero = true;
