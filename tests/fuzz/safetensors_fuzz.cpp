@@ -64,8 +64,8 @@ void check_read(const attend::safetensors_file& file, const attend::safetensors_
         return;
     }
     require(readable, "read of " + e.name + " with dtype " + e.dtype + " succeeded");
-    for (int a = 0; a < Rank; ++a)
-        require(t.dimension(a) == e.shape[static_cast<std::size_t>(a)], "read of " + e.name + ": wrong shape");
+    for (std::size_t a = 0; a < std::size_t(Rank); ++a)
+        require(t.dimensions()[a] == e.shape[a], "read of " + e.name + ": wrong shape");
     require(static_cast<std::uint64_t>(t.size()) * (e.dtype == "F64" ? 8u : 4u) == e.end - e.begin,
             "entry " + e.name + ": its range is not its shape times its dtype's size");
     for (index n = 0; n < t.size(); ++n) {
