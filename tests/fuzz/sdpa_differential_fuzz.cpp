@@ -238,7 +238,9 @@ row_oracle evaluate_row(const call_case<T>& c, index b, index h, index i) {
     std::vector<ld> t(static_cast<std::size_t>(S), meaning::minus_inf()), rounding(static_cast<std::size_t>(S), 0);
     ld q_max = 0;
     for (index d = 0; d < s.head_dim; ++d) q_max = std::max(q_max, std::abs(static_cast<ld>(q[d])));
-    r.fits = c.v_max * c.keep_scale * static_cast<ld>(S) < big;
+    // The kernels may scale q before the product (the tiled one does): a scaled query element beyond the range
+    // is outside the score-range rule, which only check_finite enforces; with it off the caller promised it.
+    r.fits = c.v_max * c.keep_scale * static_cast<ld>(S) < big && scale * q_max < big;
     bool any = false;
     for (index j = 0; j < S; ++j) {
         const ld added = c.mask.added(b, h, i, j);
