@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Attention cases of attend_bench (issue #4). fp32, batch 1, 8 heads, head_dim 64 unless the name says otherwise;
 // arguments are /query_len (= key_len)/threads. Every case has a `flops` rate counter (4 B H L S D, halved for
 // causal, 4 B H L W D for a window of W keys) or, for decoding, a `bytes` rate counter (K + V bytes read).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Backward cases of attend_bench (attend/backward.hpp): fp32, batch 1, 8 heads, head_dim 64, no mask;
 // arguments are /query_len (= key_len)/threads. The `flops` rate counter counts 2.5 x the forward's 4 B H L S D:
 // the five GEMMs of the backward (S = Q K^T, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q). Read it as a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // main() of attend_bench and its reference cases: Eigen GEMMs in this same binary (same compiler, same flags, same
 // Eigen). Read attention timings as ratios to them, never as absolute times on a shared machine. Other bench/*.cpp
 // files only register benchmarks.

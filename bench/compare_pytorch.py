@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# SPDX-License-Identifier: MIT
 """Times PyTorch's CPU attention on the shapes of attend_bench, for side-by-side ratios in bench/README.md.
 
 Run with Debian's interpreter, which has torch 1.13 (`python3` on PATH may be another one without torch):

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // fma_peak<T>/threads: the core's fused multiply-add throughput as this binary's compiler flags can reach it, so
 // every flop rate of attend_bench can be read as a fraction of the machine's peak. Twelve independent
 // accumulators of Eigen's widest packet (AVX-512: 16 floats) per thread hide the FMA latency (4 cycles, 2 ports);

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Peak memory cases, fp32, H = 1, D = 64, 2 threads, once each, reporting the process's peak RSS (getrusage
 // ru_maxrss) against the bytes of inputs and outputs. ru_maxrss is a high-water mark of the whole process, so run
 // each case alone:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Prefill cases timed next to ONNX Runtime and PyTorch by bench/peers/compare.py (decode reuses `decode` of
 // attention_bench.cpp). fp32, batch 1, 8 heads (q, k and v), query_len = key_len = L, head_dim D, through the public
 // scaled_dot_product_attention_into with the default (tiled) kernel. check_finite is off: the peers do not scan their

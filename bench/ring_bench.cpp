@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // attend_ring_bench: ring attention (distributed/ring.hpp) under mpirun. Not a Google Benchmark binary: its
 // timings are collective (every rank runs the call, the slowest rank's time counts), so it times with
 // MPI_Wtime around barriers and prints one line per case on rank 0.

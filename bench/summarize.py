@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# SPDX-License-Identifier: MIT
 """Turns attend_bench JSON (run with --benchmark_repetitions) and compare_pytorch.py JSON into the tables of
 bench/README.md and the data + plot of bench/gflops.png.
 

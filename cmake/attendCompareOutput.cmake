@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # cmake -DPROGRAM=<exe> -DEXPECTED=<file> -DACTUAL=<file> [-DLAUNCHER="mpiexec -n 2"] -P attendCompareOutput.cmake
 # Runs PROGRAM (through LAUNCHER, a space-separated command line, when given) and requires exit code 0 and stdout
 # byte-for-byte equal to EXPECTED. The output is kept in ACTUAL; on a mismatch it is shown as a diff (after

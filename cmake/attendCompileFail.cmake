@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # cmake "-DCOMMAND=<compiler>|<flags>|...|<file>" -DEXPECT=ok|ko -DSOURCE=<file> -P attendCompileFail.cmake
 # Runs COMMAND (the compiler checking SOURCE; `|` separates arguments). ok: it must succeed. ko: it must fail,
 # and every `// expect-error: <text>` line of SOURCE must appear in the compiler output, so a ko file fails for

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # The code of a docs/ page as a program that ctest builds and runs, so a page can never drift from the library.
 #
 # A page's fenced blocks, in order:

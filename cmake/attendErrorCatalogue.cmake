@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # Keeps docs/errors.md, the headers and the tests in step (ctest label `catalogue`):
 #   cmake -DSOURCE_DIR=<attend source dir> -P cmake/attendErrorCatalogue.cmake
 # Fails, naming every offending id and where it is missing, when an error id a header throws

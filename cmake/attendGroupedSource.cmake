@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # attend_grouped_source: one translation unit for several test or benchmark sources. The kernels every source
 # instantiates (forward, backward, multi-head attention, in float and double) cost about as much to optimize as a
 # whole source file, so a group compiles them once instead of once per file.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // What a mask allows and where attention goes, as a picture: two sequences (12 real tokens, and 9 real tokens
 // padded to 12) under causal && sliding_window(4, 0) && key_padding && query_padding. Writes
 // attention_heatmap.png: one row per sequence, the mask on the left (dark = may attend, light = forbidden, gray =

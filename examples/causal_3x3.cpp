@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The seed's 3x3 causal example: q = k = 0, so every allowed key scores the same and each query averages the
 // values it may see: 2, (2 + 4) / 2 = 3, (2 + 4 + 8) / 3 = 4.66667. A mask with inverted meaning, or a causal
 // diagonal in the wrong place, changes these numbers at once.

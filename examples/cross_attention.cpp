@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Cross-attention of a decoder over an encoder memory: 3 target queries (model_dim 8) read 5 source positions
 // whose features are 6 wide (key_dim = value_dim = 6, PyTorch's kdim / vdim), so L != S and the key/value
 // projections are not square. The second source sentence has 3 real tokens; its padding gets exactly zero

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Greedy decoding with a KV cache and rotary positions over a tiny fixed-weight model: a 6-token vocabulary with
 // tied embeddings, one multi-query attention layer (4 query heads sharing 1 key/value head) and a fixed readout.
 // Each step feeds only the newest token; its key and value are appended to the cache, rotated at the token's

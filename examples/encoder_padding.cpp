@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // An encoder self-attention over a padded batch: two sequences of lengths 4 and 2 stored as [batch 2, len 4,
 // model_dim 8]. Key padding keeps every real query from reading padded keys; query padding zeroes the padded
 // queries' outputs, which masking keys alone never does. The real outputs do not depend on what the padding

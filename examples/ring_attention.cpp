@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Ring attention over MPI: a causal sequence of 16 tokens sharded zig-zag over the ranks, each rank holding its
 // shard of q, k and v; K / V shards travel the ring and every rank gets the rows of the single-process result
 // for its queries, forward and backward. Run with: mpirun -np 2 ring_attention (rank 0 prints).

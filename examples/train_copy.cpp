@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Trains one attention layer to copy a sequence, with attend's forward and backward and a few lines of Adam.
 // A sample is 8 digits, a separator, then the digits again: [x0 .. x7, SEP, x0 .. x6], and position 8 + i must
 // predict x_i (next-token prediction over the second half). The model is a token embedding, one causal

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // CMake's project(attend VERSION ...) and version.hpp must agree (the CMake side comes in as -D definitions).
 #include <attend/version.hpp>
 

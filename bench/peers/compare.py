@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Times attend next to ONNX Runtime and PyTorch 2.x attention on CPU, in one process and one sitting.
 
 Run with the interpreter of the environment that bench/peers/setup makes:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Where a causal-style rule puts its diagonal when query_len != key_len.
 

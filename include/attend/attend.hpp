@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// attend: exact scaled-dot-product and multi-head attention over Eigen 3.4 tensors, with masks whose meaning
 /// is explicit in their types. `#include <attend/attend.hpp>` brings in every public header.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Backward of scaled dot-product attention: the gradients dq, dk, dv of a loss given d_out = d loss / d out,
 /// for out = softmax(scale * q k^T + score_bias + mask) v with the forward's options (scale, empty rows, dropout
@@ -25,11 +26,11 @@
 #include <Eigen/Core>
 
 #include "detail/dropout.hpp"
+#include "detail/kernel_interface.hpp"
 #include "detail/mask_nodes.hpp"
 #include "detail/memory.hpp"
-#include "detail/kernel_interface.hpp"
+#include "detail/parallel_for.hpp"
 #include "detail/reference_backward.hpp"
-#include "detail/thread_pool.hpp"
 #include "detail/tiled_backward.hpp"
 #include "error.hpp"
 #include "mask.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// kv_cache: the keys and values of past positions for incremental decoding. Storage is
 /// `[batch, kv_heads, capacity, head_dim]` (and `[..., value_dim]` for values), allocated once at construction:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// The one error hierarchy of attend. Every message starts with a stable id in brackets, e.g.
 /// `[attend.shape.key_dim] query head_dim 64 != key head_dim 32 (query [2,8,128,64], key [2,8,256,32])`.

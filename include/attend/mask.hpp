@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Masks with explicit meaning. Every mask says which keys a query may attend in the score matrix
 /// `[batch, heads, query_len, key_len]`:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// merge_partials: attention over two disjoint key sets combined into attention over their union, exactly,
 /// from each part's output and lse (split-KV decoding, ring attention across machines).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Multi-head attention as nn.MultiheadAttention computes it, weights loadable 1:1:
 ///   Q = query Wq^T + bq `[batch, query_len, heads * head_dim]`, K = key Wk^T + bk, V = value Wv^T + bv

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Backward of multi-head attention: the gradients of a loss with respect to the query, key and value inputs and
 /// to every projection weight and bias, given d_out = d loss / d out `[batch, query_len, model_dim]` and what the

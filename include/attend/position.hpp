@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Position information for attention: absolute tables (sinusoidal, learned), rotary embeddings applied to
 /// q and k, T5's bucketed relative-position bias and ALiBi slopes. Everything that can fail validates before it

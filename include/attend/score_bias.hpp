@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// score_bias: a position-dependent value added to the scaled scores of each (batch, head, query, key), applied
 /// tile by tile inside the kernels and never materialized as `[query_len, key_len]`.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Scaled dot-product attention: out = softmax(scale * q k^T + mask + score_bias) v, softmax along the key axis.
 /// q `[batch, heads, query_len, head_dim]`, k `[batch, kv_heads, key_len, head_dim]`,
@@ -11,11 +12,11 @@
 #include <optional>
 #include <type_traits>
 
+#include "detail/empty_rows.hpp"
 #include "detail/input_scan.hpp"
 #include "detail/memory.hpp"
+#include "detail/parallel_for.hpp"
 #include "detail/reference_kernel.hpp"
-#include "detail/rows.hpp"
-#include "detail/thread_pool.hpp"
 #include "detail/tiled_kernel.hpp"
 #include "error.hpp"
 #include "mask.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Shape rules of attention: q `[batch, heads, query_len, head_dim]`, k `[batch, kv_heads, key_len, head_dim]`,
 /// v `[batch, kv_heads, key_len, value_dim]` (rank 3 drops the heads axis). Every rule has its own error id.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Tensor aliases and the strided views attend reads its inputs through.
 /// Layout is PyTorch's, row-major: `[batch, heads, query_len, head_dim]`; rank 3 `[batch, len, dim]` is one head.

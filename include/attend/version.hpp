@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// attend's version. CMake's project version is checked against these by a test.
 #define ATTEND_VERSION_MAJOR 0

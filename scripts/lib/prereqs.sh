@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # Sourced by scripts/demo and scripts/test. attend_prereqs [command...] checks cmake, a C++ compiler (g++ or
 # c++), any extra commands given, and the Debian packages attend builds against. Missing pieces are installed
 # with apt-get when running as root; otherwise the exact install line is printed and the script exits 1.

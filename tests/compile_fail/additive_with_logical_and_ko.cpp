@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // An additive mask under && must not compile: additive terms add to scores, they are not sets.
 // expect-error: additive masks combine with +
 #include <attend/mask.hpp>

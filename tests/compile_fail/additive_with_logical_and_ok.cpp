@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Twin of additive_with_logical_and_ko.cpp: additive terms combine with +.
 #include <attend/mask.hpp>
 

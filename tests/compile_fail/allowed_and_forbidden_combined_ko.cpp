@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // A forbidden_mask (true = blocked) combined with an allowed set must not compile: the message names to_allowed.
 // expect-error: attend::to_allowed
 #include <attend/mask.hpp>

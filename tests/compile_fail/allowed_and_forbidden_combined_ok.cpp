@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Twin of allowed_and_forbidden_combined_ko.cpp: the explicit conversion makes the intersection compile.
 #include <attend/mask.hpp>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Twin of column_major_input_ok.cpp: a column-major tensor would read heads and positions transposed.
 // expect-error: Eigen::RowMajor
 #include <attend/shape.hpp>

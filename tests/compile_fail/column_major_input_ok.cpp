@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Twin of column_major_input_ko.cpp: row-major tensors (PyTorch's layout) are accepted.
 #include <attend/shape.hpp>
 

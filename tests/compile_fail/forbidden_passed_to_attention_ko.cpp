@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Passing a forbidden_mask where attention expects an allowed set must not compile: the message names to_allowed.
 // expect-error: attend::to_allowed
 #include <attend/sdpa.hpp>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Twin of forbidden_passed_to_attention_ko.cpp: attention takes the allowed set after an explicit conversion.
 #include <attend/sdpa.hpp>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Twin of into_lse_rank_ko.cpp: lse has one rank less than the query, [batch, heads, query_len].
 #include <attend/sdpa.hpp>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Twin of into_weights_rank_ok.cpp: weights of another rank would be read past their end at run time; the rank
 // is part of the type, so it is refused at compile time.
 // expect-error: weights must be row-major with the scalar type and rank of the query

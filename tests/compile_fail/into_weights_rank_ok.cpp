@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Twin of into_weights_rank_ko.cpp: weights have the query's rank, [batch, heads, query_len, key_len].
 #include <attend/sdpa.hpp>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // A bare bool tensor as the mask of multi-head attention does not say whether true means blocked (PyTorch's
 // attn_mask) or allowed (PyTorch's SDPA), so it does not compile, and the message names both wrappers.
 // expect-error: forbidden_mask::from_torch_mha

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Twin of mha_attn_mask_tensor_ko.cpp: nn.MultiheadAttention's bool attn_mask (true = blocked) passes to forward
 // wrapped by forbidden_mask::from_torch_mha, the wrapper key_padding takes too.
 #include <attend/mha.hpp>

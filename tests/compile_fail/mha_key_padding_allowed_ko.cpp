@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Twin of mha_key_padding_allowed_ok.cpp: an allowed_mask (true = may attend) as key_padding (true = ignore)
 // would flip its meaning silently, so it does not compile, and the message names the conversion.
 // expect-error: attend::to_forbidden(mask)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Twin of mha_key_padding_allowed_ko.cpp: key_padding takes nn.MultiheadAttention's convention (true = ignore
 // this key), so an allowed_mask goes through to_forbidden first.
 #include <attend/mha.hpp>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The seed's 3x3 causal example, built as a user of attend builds it: the umbrella header and attend::attend.
 // Shared by the consumer projects in add_subdirectory/, fetchcontent/ and find_package/, each of which builds it.
 #include <attend/attend.hpp>

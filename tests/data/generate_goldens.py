@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Write attend's golden reference files with PyTorch, independently of attend's own code.
 
 Run it with Debian's python3 (the one that has python3-torch), from anywhere:

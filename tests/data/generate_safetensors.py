@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Write nn.MultiheadAttention state dicts as .safetensors files, with PyTorch's outputs for them.
 
 Run it with Debian's python3 (the one that has python3-torch), from anywhere:

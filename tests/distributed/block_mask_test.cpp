@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The block mechanism of ring attention (distributed/detail/block_mask.hpp, and dropout offsets in sdpa.hpp):
 // a mask of the whole sequence read on a block is the whole mask's sub-grid, and attention of a run of queries
 // computed block by block over runs of keys and merged by lse equals those rows of one call over the whole

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // main() of the MPI tests: every rank runs every test (the tests are collective), rank 0 prints the usual
 // report and the other ranks print only their failures, tagged with the rank. mpirun fails when any rank does.
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Bad input to ring attention (distributed/ring.hpp) under mpirun (2 and 4 ranks): whether the problem is on one
 // rank or in how the ranks disagree, every rank throws the same typed error with the same id and message, no
 // rank is left waiting (ctest's timeout catches a hang), and the communicator is clean afterwards: a valid call

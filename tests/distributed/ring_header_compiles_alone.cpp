@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // attend/distributed/ring.hpp compiles with nothing included before it, and a second include is harmless.
 #include <attend/distributed/ring.hpp>
 #include <attend/distributed/ring.hpp>

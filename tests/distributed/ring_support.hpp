@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Helpers of the MPI tests: the communicator, the same random problem on every rank, and comparisons that every
 /// rank checks (a failure on any rank fails mpirun).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // ring_attention and ring_attention_backward (distributed/ring.hpp) under mpirun (2 and 4 ranks): every rank's
 // out, lse, dq, dk and dv equal its rows of single-process attention over the whole sequence, for every mask kind
 // (none, causal, sliding window, key padding, their combinations, a dense mask), both layouts (contiguous,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // shard_layout, take_shard and join_shards (distributed/sharding.hpp): how ring attention places shards in the
 // sequence. No MPI needed. Random totals and rank counts, both layouts.
 

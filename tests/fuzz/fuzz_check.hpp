@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// How a fuzzer reports: a failed invariant prints what was checked and the case, then aborts, which libFuzzer
 /// saves as a crash input and the corpus replay turns into a failed test. Errors of attend are expected outcomes

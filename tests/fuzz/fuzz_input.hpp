@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Decoding fuzz input: every decision of a fuzz case is read from the input bytes, so libFuzzer's mutations map to
 /// nearby cases and a saved input replays the same case on every compiler. Past the end every read returns 0,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Mask expressions decoded from fuzz input at run time, each paired with its meaning.
 ///

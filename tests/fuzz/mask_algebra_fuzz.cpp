@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 /// Mask algebra fuzzer: random mask expressions (fuzz_masks.hpp) over random score shapes, checked against their
 /// meaning and against themselves:
 ///   - building or binding a mask either succeeds or throws an attend::error with a well-formed id, and the

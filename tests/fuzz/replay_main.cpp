@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 /// Runs a fuzz target without libFuzzer: every file named on the command line, and every regular file under every
 /// directory named, is passed once to LLVMFuzzerTestOneInput, in sorted order. This is how ctest replays the
 /// committed corpus with any compiler (and under the sanitizer build), and how a crash input is reproduced

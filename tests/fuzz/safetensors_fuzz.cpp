@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 /// safetensors reader fuzzer (interop/safetensors.hpp): any bytes as a .safetensors file.
 ///   - opening either succeeds or throws attend::format_error with a well-formed attend.format.* id, never another
 ///     exception, a crash or a read outside the file;

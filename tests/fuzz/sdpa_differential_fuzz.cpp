@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 /// Differential fuzzer of scaled_dot_product_attention and its backward.
 ///
 /// One input decodes into a call: scalar type, rank, sizes (sometimes empty or inconsistent), a runtime mask

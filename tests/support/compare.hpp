@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Element-wise comparisons of attend tensors for tests: largest magnitude, largest difference, finiteness and
 /// bit equality (the thread-count independence tests need the last).

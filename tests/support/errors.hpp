@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// The one check of an error path: f must throw exactly E, with the stable id `id`, and the message must start
 /// with that id in brackets. Returns the message so a test can look for shapes or values in it.

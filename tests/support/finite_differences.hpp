@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Gradients by finite differences, and the acceptance rule of an analytic gradient against them (double only).
 

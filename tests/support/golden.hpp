@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Loads the golden reference files that tests/data/generate_goldens.py writes with PyTorch.
 //
 // A golden tensor is {"shape": [d0, d1, ...], "data": [flat row-major values]}: numbers, 0/1 for

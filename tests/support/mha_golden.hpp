@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// The nn.MultiheadAttention goldens of tests/data/mha.json as attend objects: the module (config and parameters
 /// under PyTorch's names), the inputs, and the masks in nn.MultiheadAttention's conventions.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Seeded randomness for property tests: a platform-independent generator (splitmix64, so a failing seed
 /// reproduces on every compiler and standard library), tensor fillers, and repeat(n), which scales how many

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Typed tests over float and double whose names say the type: Suite/float.Name, Suite/double.Name.
 

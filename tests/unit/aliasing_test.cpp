@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The output aliasing policy: every function that writes into caller memory (scaled_dot_product_attention_into,
 // scaled_dot_product_attention_backward_into, kv_cache::append) rejects an output whose memory overlaps an input
 // or another output with shape_error attend.shape.aliasing naming both tensors, before writing anything; buffers

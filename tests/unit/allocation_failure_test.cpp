@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // A huge but valid call fails with resource_error attend.resource.allocation, naming what it was allocating and
 // its bytes, before any output is written: never an uncaught std::bad_alloc from deep inside, never undefined
 // behaviour. The inputs are small (head_dim 1), the materialized [query_len, key_len] = 2^20 x 2^20 scores or

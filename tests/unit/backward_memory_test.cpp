@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Memory of the tiled backward (attend/detail/tiled_backward.hpp): at query_len = key_len = 16384 (one head,
 // head_dim 64, float) a query x key buffer would take 1 GiB; the backward must stay within 64 MiB beyond its inputs and
 // outputs.

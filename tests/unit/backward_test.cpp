@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Tests of attend/backward.hpp: gradients of scaled dot-product attention.
 //   - finite differences in double on small random shapes for every feature (masks, GQA / MQA, rank 3, ALiBi,
 //     T5 table, dropout, empty rows, query padding), for both kernels;

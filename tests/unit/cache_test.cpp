@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Tests of attend/cache.hpp and multi_head_attention::forward_cached: a fixed-capacity cache that never
 // reallocates, errors that leave it unchanged, and decoding token by token (or in chunks) that reproduces one
 // full causal forward pass, with and without rotary positions and with grouped-query heads.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // dropout_options::query_offset / key_offset (sdpa.hpp): a call over part of a sequence drops exactly what one
 // call over the whole sequence drops at those positions, in the forward and in the backward. This is what lets
 // ring attention replay the single-process dropout shard by shard.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Regression tests of what the fuzzers in tests/fuzz found (docs/fuzzing.md lists each finding). Each input
 // that failed is also in the fuzzers' committed corpus; these tests say the same thing in a readable form.
 #include <cmath>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // scaled_dot_product_attention against tests/data/sdpa.json, written by tests/data/generate_goldens.py with
 // float64 PyTorch math and cross-checked there against torch's own SDPA and F.multi_head_attention_forward.
 // Each case's mask is built with the named constructor of its convention:

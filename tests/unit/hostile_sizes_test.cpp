@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Every public entry point that takes a size, a length, a count, an offset or a position, called with hostile
 // values (negative, zero, the Eigen::Index extremes, values whose sums or products overflow): each call must give
 // a typed attend::error or a correct result, never a crash, a std::bad_alloc or a sanitizer report. The

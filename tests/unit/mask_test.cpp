@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Tests of mask.hpp: each rule equals its definition, tile classification agrees with materialization, the
 // algebra is set algebra, the two Boolean conventions convert exactly, dense masks broadcast like NumPy.
 #include <functional>

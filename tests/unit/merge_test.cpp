@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // merge_partials (merge.hpp): attention over two disjoint key sets, merged from each part's out and lse, equals
 // attention over their union. Random configurations (rank 3 and 4, GQA, float and double, both kernels), parts
 // made by slicing K/V and by complementary masks (which leave rows with no key in a part: lse -inf).

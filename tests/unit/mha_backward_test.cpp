@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Tests of attend/mha_backward.hpp: gradients of multi-head attention for its inputs and every parameter, proven
 //   - against nn.MultiheadAttention's autograd (tests/data/mha.json: parameter and input gradients),
 //   - by finite differences in double for masks, key padding, GQA / MQA, rotary, dropout replay, kdim / vdim,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Tests of attend/mha.hpp: nn.MultiheadAttention goldens, the head split (reshape vs transpose), grouped-query
 // heads, self vs cross attention, dropout, initialisation, and every error id with nothing computed on error.
 #include <attend/mha.hpp>

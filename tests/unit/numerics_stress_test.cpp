@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Numerics at the edges, for kernel::reference and kernel::tiled, forward and backward, in float and double:
 // scores of +-1e30 (with ties at the maximum), all-equal scores, a single allowed key per row, and finite
 // "large negative" additive fills (float lowest(), -1e9, -1e30) that must neither overflow to -inf nor turn into

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // attend/position.hpp against tests/data/positions.json, written by PyTorch (tests/data/generate_goldens.py).
 #include <attend/position.hpp>
 

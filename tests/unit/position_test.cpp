@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Tests of attend/position.hpp: sinusoidal and learned tables, rotary embeddings, T5 buckets and bias, ALiBi.
 #include <attend/position.hpp>
 

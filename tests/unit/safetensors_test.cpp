@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Tests of attend/interop/safetensors.hpp: nn.MultiheadAttention state dicts saved by
 // tests/data/generate_safetensors.py load and reproduce PyTorch's outputs; well-formed files read back exactly
 // (escaped names, metadata, scalars, empty tensors, F32 <-> F64); and every malformed file, written here byte by

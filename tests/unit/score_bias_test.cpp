@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Tests of attend/score_bias.hpp: ALiBi and T5 relative-position bias applied per tile of scores.
 #include <attend/score_bias.hpp>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Every error path of scaled_dot_product_attention (sdpa.hpp, shape.hpp, mask.hpp, score_bias.hpp): one test per
 // error id, asserting the exception type, e.id(), that the message starts with "[id]" and carries the offending
 // shapes or values, and that nothing was written: the calls go through scaled_dot_product_attention_into with

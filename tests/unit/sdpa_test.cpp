@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Properties of attend::scaled_dot_product_attention (sdpa.hpp) over many seeded random configurations: odd
 // sizes, query_len != key_len, head_dim != value_dim, rank 3 and rank 4, grouped-query attention (including
 // kv_heads == 1), float and double, every kernel (reference, tiled, automatic). Each test name states the

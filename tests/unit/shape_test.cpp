@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Tests of shape.hpp: check_shapes accepts every valid layout and names the broken rule, with both shapes,
 // for each invalid one.
 #include <limits>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Logit soft-capping (sdpa_options::softcap): the scaled scores s become c tanh(s / c) before score_bias and the
 // mask are added (ONNX Attention's order). Proven against the definition evaluated in long double, by finite
 // differences for the backward, and on its error path.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The tiled kernels keep the storage type apart from the accumulation type (detail/score_pipeline.hpp): inputs
 // and outputs in Storage, every score, probability, running sum and product in Acc. Proven with float storage
 // accumulated in double, against the reference kernels in double on the same float-rounded inputs:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The tiled kernel (detail/tiled_kernel.hpp) against the reference kernel over many seeded random
 // configurations, plus thread determinism and dispatch.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // The tiled kernel's memory beyond inputs and outputs is O(threads x tile): at query_len = key_len = 16384 it must
 // not allocate anything like a query_len x key_len score buffer (1 GiB in float). This binary replaces the global
 // operator new / delete to track the peak of bytes allocated during the call (the kernel's workspaces are

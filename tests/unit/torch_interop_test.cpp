@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 // Tests of attend/interop/torch.hpp on its own: the free functions mha_from_torch / mha_to_torch and the
 // multi_head_attention members that forward to them give the same module and parameters, both PyTorch layouts
 // round-trip bit for bit, zeros() starts every parameter at 0, and misfitting parameters are

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Checked arithmetic on sizes, lengths, counts and offsets. Every such number that reaches attend from a caller is
 /// checked non-negative, and every sum or product of them is checked here before it is used as a size, an index or

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Attention dropout as a pure function of (seed, batch, head, query, key): a counter-based generator, so the
 /// same seed drops the same weights for any thread count, tile size or kernel, and backward can replay it.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// The scans of a call's inputs before anything is written: finite values, and scores that fit their type.
 ///

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// A strict reader of JSON text (RFC 8259) into a small tree, for the headers of files attend reads
 /// (interop/safetensors.hpp). Small on purpose: those headers are short and untrusted, so every malformed byte

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// What every kernel takes and gives, forward and backward, reference and tiled: row-major matrix views of a
 /// (batch, head) slice, the validated parameters of a call, and where the results go.

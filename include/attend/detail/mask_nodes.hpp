@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// The bound forms of masks: what kernels evaluate. A user builds an unbound expression (mask.hpp); `bind(shape)`
 /// checks it against one attention call and returns one of these, with broadcasting and alignment resolved.

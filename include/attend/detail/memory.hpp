@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Two guards of the calls that write memory. Outputs that share memory with an input or with each other are
 /// rejected before anything is written (shape_error attend.shape.aliasing): the kernels read inputs while they

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// The per-row formula of merge_partials, shared by merge.hpp and the tiled kernel's split-key decode path, so
 /// there is one copy of it.

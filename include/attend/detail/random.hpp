@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// The library's one source of randomness: counter-based generators built on SplitMix64's finalizer. A number is
 /// a pure function of a seed and its coordinates (never of a hidden state), so dropout masks, initial weights and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// The reference backward: the oracle the tiled backward is tested against (backward.hpp has the formulas). Per
 /// (batch, head) it materializes the scores `[query_len, key_len]` and recomputes the softmax from scratch,

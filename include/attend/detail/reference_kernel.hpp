@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// The reference kernel: materializes the scores of one (batch, head) `[query_len, key_len]`, masks them, takes a
 /// max-subtracted softmax along the key axis and multiplies by V. It is the oracle the fast kernel is tested

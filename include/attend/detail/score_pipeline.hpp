@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// The score pipeline of the tiled kernels, forward and backward: the one place that turns a tile of dot products
 /// into the scores the softmax sees, and the one online-softmax state that streams those scores. A new score

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// The tiled backward of scaled dot-product attention (backward.hpp has the API and the formulas):
 /// FlashAttention-2's backward on Eigen GEMM tiles, through the same score pipeline as the forward
@@ -16,8 +17,8 @@
 #include "kernel_interface.hpp"
 #include "mask_nodes.hpp"
 #include "memory.hpp"
+#include "parallel_for.hpp"
 #include "score_pipeline.hpp"
-#include "thread_pool.hpp"
 #include "tiled_kernel.hpp"
 
 namespace attend::detail {

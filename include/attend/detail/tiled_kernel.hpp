@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// The tiled kernel: FlashAttention-2's forward pass on Eigen GEMM tiles. Per work unit (batch, kv head, query
 /// block) the keys stream by in tiles; each row keeps a running max, a running sum and an accumulator that is
@@ -36,12 +37,12 @@
 #include "../score_bias.hpp"
 #include "../shape.hpp"
 #include "dropout.hpp"
+#include "kernel_interface.hpp"
 #include "mask_nodes.hpp"
 #include "memory.hpp"
-#include "kernel_interface.hpp"
 #include "merge_rows.hpp"
+#include "parallel_for.hpp"
 #include "score_pipeline.hpp"
-#include "thread_pool.hpp"
 
 namespace attend::detail {
 

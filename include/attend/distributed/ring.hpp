@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Ring attention over MPI: exact scaled-dot-product attention of a sequence sharded over the ranks of a
 /// communicator (Ring Attention, Liu et al. 2023; context parallelism). Each rank holds a shard of the queries,

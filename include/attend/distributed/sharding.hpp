@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// How a sequence is cut into the shards of ring attention, one shard per rank, and how to cut a full tensor into
 /// shards or join shards back (tests, examples, data loaders). Needs no MPI: every rank computes the same layout

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Reading `.safetensors` files, the format HuggingFace and PyTorch users save weights in, and loading a saved
 /// nn.MultiheadAttention state_dict from one. The format: 8 bytes, the header's length N as a little-endian

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// nn.MultiheadAttention's parameters, 1:1: its state_dict under PyTorch's names to a multi_head_attention and
 /// back. PyTorch keeps q, k and v stacked in one in_proj_weight `[3E, E]` when kdim == vdim == embed_dim, and as

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 # Builds tests/consumers/consumer.cpp as a project without CMake does: the compiler plus `pkg-config --cflags
 # --libs attend`, and runs it.
 #   cmake -DPKG_CONFIG=<pkg-config> -DCXX=<compiler> -DSOURCE=<consumer.cpp> -DWORK=<scratch dir>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// A mask of the full sequence read on one block of it: queries [query_begin, query_begin + query_len) x keys
 /// [key_begin, key_begin + key_len) of the global score matrix. Ring attention computes each block with an

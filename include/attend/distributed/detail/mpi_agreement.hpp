@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Errors that every rank of a communicator throws alike. A check that fails on one rank only (its own shapes,
 /// a non-finite value in its shard) must not leave the other ranks waiting in a send or a collective that rank

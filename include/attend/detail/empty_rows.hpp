@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// Finding queries with no allowed key before any output is written, by recursive tile classification:
 /// O(log key_len) classifications per row for structured rules, never a scan of the whole score matrix.

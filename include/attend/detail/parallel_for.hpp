@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT
 #pragma once
 /// The threads of the tiled kernel: a fork-join over numbered work units with a static, deterministic
 /// partition. A unit is always computed entirely by one thread and nothing a unit computes depends on which
