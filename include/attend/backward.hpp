@@ -130,13 +130,14 @@ auto check_backward(const backward_inputs<T>& in, const gradient_outputs<T>* out
 template <class T, class Bound>
 void run_backward(const backward_inputs<T>& in, const checked_backward<T, Bound>& checked,
                   const gradient_outputs<T>& out, const backward_tiling& tiling) {
-    const erased_mask<Bound> erased(checked.call.mask);
-    const mask_tiles& mask = erased;
-    if (checked.call.kernel == kernel::reference)
-        reference_backward(in, checked.shape, mask, checked.call.params, out);
-    else
+    if (checked.call.kernel == kernel::reference) {
+        reference_backward(in, checked.shape, checked.call.mask, checked.call.params, out);
+        return;
+    }
+    with_mask_tiles(checked.call.mask, [&](const mask_tiles& mask) {
         tiled_backward<T, accumulator_t<T>>(in, checked.shape, mask, checked.call.params, out, tiling,
                                             checked.call.threads);
+    });
 }
 
 template <class T, class Bound>

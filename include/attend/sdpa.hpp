@@ -166,10 +166,8 @@ auto check_call(const strided_view<const T>& q, const strided_view<const T>& k, 
 template <class T, class Bound>
 void run_checked(const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
                  const attention_shape& s, const checked_call<T, Bound>& call, const attention_outputs<T>& out) {
-    const erased_mask<Bound> erased(call.mask);
-    const mask_tiles& mask = erased;
-    if (call.kernel == kernel::reference) reference_attention(q, k, v, s, mask, call.params, out);
-    else tiled_attention(q, k, v, s, mask, call.params, out, call.threads);
+    if (call.kernel == kernel::reference) reference_attention(q, k, v, s, call.mask, call.params, out);
+    else tiled_attention(q, k, v, s, call.mask, call.params, out, call.threads);
 }
 
 template <class X>

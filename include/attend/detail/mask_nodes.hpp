@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "../tensor.hpp"
@@ -345,6 +346,18 @@ public:
 private:
     const Bound& bound_;
 };
+
+/// Calls f with `mask` as a mask_tiles: itself when it is one already, else erased for the duration of the call.
+/// The kernels are compiled once per scalar type on mask_tiles; this is how any bound mask reaches them.
+template <class Bound, class F>
+decltype(auto) with_mask_tiles(const Bound& mask, F&& f) {
+    if constexpr (std::is_base_of_v<mask_tiles, Bound>) {
+        return f(static_cast<const mask_tiles&>(mask));
+    } else {
+        const erased_mask<Bound> erased(mask);
+        return f(static_cast<const mask_tiles&>(erased));
+    }
+}
 
 }  // namespace detail
 }  // namespace attend

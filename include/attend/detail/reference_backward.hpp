@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <type_traits>
 
 #include <Eigen/Core>
 
@@ -101,12 +100,7 @@ void reference_gradients(const backward_inputs<T>& in, const attention_shape& s,
 template <class T, class Bound>
 void reference_backward(const backward_inputs<T>& in, const attention_shape& s, const Bound& mask,
                         const kernel_params<T>& p, const gradient_outputs<T>& o) {
-    if constexpr (std::is_base_of_v<mask_tiles, Bound>) {
-        reference_gradients(in, s, mask, p, o);
-    } else {
-        const erased_mask<Bound> erased(mask);
-        reference_gradients<T>(in, s, erased, p, o);
-    }
+    with_mask_tiles(mask, [&](const mask_tiles& m) { reference_gradients<T>(in, s, m, p, o); });
 }
 
 #if defined(ATTEND_KERNEL_INSTANCE)

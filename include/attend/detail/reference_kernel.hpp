@@ -6,7 +6,6 @@
 
 #include <cmath>
 #include <limits>
-#include <type_traits>
 
 #include <Eigen/Core>
 
@@ -74,12 +73,7 @@ template <class T, class Bound>
 void reference_attention(const strided_view<const T>& q, const strided_view<const T>& k,
                          const strided_view<const T>& v, const attention_shape& s, const Bound& mask,
                          const kernel_params<T>& p, const attention_outputs<T>& o) {
-    if constexpr (std::is_base_of_v<mask_tiles, Bound>) {
-        reference_forward(q, k, v, s, mask, p, o);
-    } else {
-        const erased_mask<Bound> erased(mask);
-        reference_forward<T>(q, k, v, s, erased, p, o);
-    }
+    with_mask_tiles(mask, [&](const mask_tiles& m) { reference_forward<T>(q, k, v, s, m, p, o); });
 }
 
 #if defined(ATTEND_KERNEL_INSTANCE)

@@ -75,7 +75,6 @@ public:
     bool has_bias() const { return bias_ != nullptr; }
     /// Whether the scores pass through a modifier whose derivative is not 1 (see finish_tile's `slope`).
     bool modifies_scores() const { return softcap_ > 0; }
-    const mask_tiles& mask() const { return mask_; }
 
     /// Scores `[t.query_end - t.query_begin, t.key_end - t.key_begin]` at `scores` (row stride ld) hold the
     /// scaled dot products of one head's tile `t` of class `c` (from mask().classify(t)); afterwards they hold

@@ -481,12 +481,9 @@ template <class T, class Bound>
 void tiled_attention(const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
                      const attention_shape& s, const Bound& mask, const kernel_params<T>& p,
                      const attention_outputs<T>& o, int threads, const tile_config& config) {
-    if constexpr (std::is_base_of_v<mask_tiles, Bound>) {
-        tiled_forward<T, accumulator_t<T>>(q, k, v, s, mask, p, o, threads, config);
-    } else {
-        const erased_mask<Bound> erased(mask);
-        tiled_forward<T, accumulator_t<T>>(q, k, v, s, erased, p, o, threads, config);
-    }
+    with_mask_tiles(mask, [&](const mask_tiles& m) {
+        tiled_forward<T, accumulator_t<T>>(q, k, v, s, m, p, o, threads, config);
+    });
 }
 
 /// The tiled kernel with the default tile sizes for this shape.
