@@ -77,7 +77,7 @@ public:
     bool modifies_scores() const { return softcap_ > 0; }
 
     /// Scores `[t.query_end - t.query_begin, t.key_end - t.key_begin]` at `scores` (row stride ld) hold the
-    /// scaled dot products of one head's tile `t` of class `c` (from mask().classify(t)); afterwards they hold
+    /// scaled dot products of one head's tile `t` of class `c` (the mask's classify(t)); afterwards they hold
     /// the scores: capped, bias added, forbidden entries -inf (all of them for an empty tile, none for a full
     /// one). With `slope` (same layout), the backward also gets d score / d dot product of the modifiers there
     /// (only when modifies_scores()).
