@@ -16,5 +16,6 @@
 #include "score_bias.hpp"
 #include "sdpa.hpp"
 #include "shape.hpp"
+#include "sinks.hpp"
 #include "tensor.hpp"
 #include "version.hpp"

@@ -12,7 +12,8 @@
 /// Under grouped-query attention dk and dv are summed over the query heads of each group. Padded queries and
 /// empty rows (lse = -inf) have zero gradients, never NaN. An ALiBi bias is fixed (no gradient); the gradient of
 /// any score_bias per key - query offset is returned, and relative_bias_gradient turns it into the gradient of
-/// a T5 relative-position table.
+/// a T5 relative-position table. With sinks (sinks.hpp) P's rows sum to 1 - p_sink, lse includes the sink, the
+/// formulas above hold as written, and d sink = -sum over rows of p_sink D (the sink is a score with no value).
 
 #include <algorithm>
 #include <array>
@@ -52,6 +53,9 @@ struct attention_gradients {
     /// d loss / d (the bias head h adds where key - query = n - (query_len - 1)), summed over the batch and over
     /// every (query, key) pair on that diagonal. Input of relative_bias_gradient; for ALiBi it is informational.
     tensor<T, 2> score_bias_gradient;
+    /// `[heads]` when options.sinks is not empty, else empty: d loss / d sink logit of each query head (sinks.hpp),
+    /// summed over the batch and the queries.
+    tensor<T, 1> sink_gradient;
 };
 
 namespace detail {
@@ -235,6 +239,10 @@ auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, c
                                "score_bias_gradient", hint);
         o.score_bias_gradient = g.score_bias_gradient.data();
     }
+    if (!options.sinks.empty()) {
+        detail::resize_guarded(g.sink_gradient, std::array<index, 1>{s.heads}, "sink_gradient", hint);
+        o.sink_gradient = g.sink_gradient.data();
+    }
     detail::run_backward(in, checked, o);
     return g;
 }
@@ -274,11 +282,12 @@ auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, c
 /// output overlaps q, k, v, out, d_out, lse or another output in memory (measured conservatively, from each
 /// tensor's lowest to its highest element address; adjacent buffers are fine).
 template <class Q, class K, class V, class Out, class Lse, class DOut, class Mask, class DQ, class DK, class DV,
-          class BiasGrad = std::nullptr_t>
+          class BiasGrad = std::nullptr_t, class SinkGrad = std::nullptr_t>
 void scaled_dot_product_attention_backward_into(const Q& q, const K& k, const V& v, const Out& out, const Lse& lse,
                                                 const DOut& d_out, const Mask& mask, DQ&& dq, DK&& dk, DV&& dv,
                                                 const sdpa_options& options = {},
-                                                BiasGrad&& score_bias_gradient = nullptr) {
+                                                BiasGrad&& score_bias_gradient = nullptr,
+                                                SinkGrad&& sink_gradient = nullptr) {
     detail::require_mask<Mask>();
     using T = detail::scalar_of<Q>;
     constexpr int rank = detail::rank_of<Q>();
@@ -304,12 +313,22 @@ void scaled_dot_product_attention_backward_into(const Q& q, const K& k, const V&
                                              detail::format_shape(expected), " [heads, query_len + key_len - 1]"));
         o.score_bias_gradient = options.score_bias.empty() ? nullptr : score_bias_gradient.data();
     }
+    if constexpr (!std::is_same_v<std::decay_t<SinkGrad>, std::nullptr_t>) {
+        static_assert(std::is_same_v<T, detail::scalar_of<SinkGrad>> && detail::rank_of<SinkGrad>() == 1,
+                      "attend: sink_gradient is a rank-1 tensor [heads] of the query's scalar type");
+        if (!options.sinks.empty() && sink_gradient.dimension(0) != in.q.dims[1])
+            throw shape_error("attend.shape.backward_sinks",
+                              detail::concat("sink_gradient [", sink_gradient.dimension(0), "] != expected [",
+                                             in.q.dims[1], "] [heads]"));
+        o.sink_gradient = options.sinks.empty() ? nullptr : sink_gradient.data();
+    }
     detail::check_no_aliasing(
         {detail::named("query", in.q), detail::named("key", in.k), detail::named("value", in.v),
          detail::named("out", in.out), detail::named("d_out", in.d_out), detail::named("lse", in.lse, in.lse_dims)},
         {detail::named("dq", o.dq), detail::named("dk", o.dk), detail::named("dv", o.dv),
          detail::named("score_bias_gradient", o.score_bias_gradient,
-                       std::array<index, 2>{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1})});
+                       std::array<index, 2>{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1}),
+         detail::named("sink_gradient", o.sink_gradient, std::array<index, 1>{in.q.dims[1]})});
     const auto checked = detail::check_backward(in, &o, mask, options);
     detail::run_backward(in, checked, o);
 }

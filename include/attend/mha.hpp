@@ -50,6 +50,9 @@ struct mha_config {
     index value_dim = 0;  ///< width of the value input (PyTorch's vdim), 0 = model_dim
     bool bias = true;     ///< in-projection and out-projection biases, as nn.MultiheadAttention(bias=...)
     double dropout = 0;   ///< probability of dropping an attention weight, applied only with training = true
+    /// A learnable attention sink per query head (gpt-oss; sinks.hpp), `[heads]`, initialised to 0. Not part of
+    /// nn.MultiheadAttention: from_torch leaves them 0 and to_torch omits them.
+    bool sinks = false;
 
 private:
     // Defined before the setters use it: clang does not evaluate a later-defined member template in a constant
@@ -76,6 +79,8 @@ public:
     constexpr mha_config with_bias(bool on) const { return with(&mha_config::bias, on); }
     /// A copy with the dropout probability set.
     constexpr mha_config with_dropout(double probability) const { return with(&mha_config::dropout, probability); }
+    /// A copy with learnable attention sinks on or off.
+    constexpr mha_config with_sinks(bool on) const { return with(&mha_config::sinks, on); }
 
     /// A copy with every 0 default replaced by what it stands for.
     mha_config resolved() const {
@@ -428,9 +433,12 @@ void check_finite_projections(const strided_view<const T>& q, const strided_view
     check_finite(v, "projected value");
 }
 
-/// The attention options of a multi-head call: dropout probability from the module, the rest from the call.
-inline sdpa_options sdpa_options_for(const mha_config& c, const mha_options& o) {
+/// The attention options of a multi-head call: dropout probability and sinks `[heads]` (empty: none) from the
+/// module, the rest from the call.
+template <class T>
+sdpa_options sdpa_options_for(const mha_config& c, const mha_options& o, const tensor<T, 1>& sinks) {
     sdpa_options s;
+    if (sinks.size() != 0) s.sinks = sinks;
     s.scale = o.scale;
     s.softcap = o.softcap;
     s.empty_rows = o.empty_rows;
@@ -525,7 +533,7 @@ public:
     /// Number of learned scalars, PyTorch's sum(p.numel() for p in module.parameters()).
     index parameter_count() const {
         return wq_.size() + wk_.size() + wv_.size() + wo_.size() + bq_.size() + bk_.size() + bv_.size() +
-               bo_.size();
+               bo_.size() + sinks_.size();
     }
 
     const tensor<T, 2>& q_weight() const { return wq_; }    ///< `[heads * head_dim, model_dim]`
@@ -536,9 +544,10 @@ public:
     const tensor<T, 1>& k_bias() const { return bk_; }      ///< `[kv_heads * head_dim]`, empty without bias
     const tensor<T, 1>& v_bias() const { return bv_; }      ///< `[kv_heads * head_dim]`, empty without bias
     const tensor<T, 1>& out_bias() const { return bo_; }    ///< `[model_dim]`, empty without bias
+    const tensor<T, 1>& sinks() const { return sinks_; }    ///< `[heads]` sink logits, empty without config.sinks
 
-    /// Every learned tensor as mutable flat storage (weights, then biases when config.bias), for an optimizer
-    /// step; the order is that of mha_gradients::parameters().
+    /// Every learned tensor as mutable flat storage (weights, then biases when config.bias, then the sinks when
+    /// config.sinks), for an optimizer step; the order is that of mha_gradients::parameters().
     std::vector<parameter_span<T>> parameters() {
         std::vector<parameter_span<T>> p{{"q_weight", wq_.data(), wq_.size()},
                                          {"k_weight", wk_.data(), wk_.size()},
@@ -550,6 +559,7 @@ public:
             p.push_back({"v_bias", bv_.data(), bv_.size()});
             p.push_back({"out_bias", bo_.data(), bo_.size()});
         }
+        if (config_.sinks) p.push_back({"sinks", sinks_.data(), sinks_.size()});
         return p;
     }
 
@@ -639,7 +649,7 @@ public:
         mha_result<T> r;
         const auto causal_mask = detail::combine_masks(detail::mha_allowed(mask), causal(alignment::bottom_right));
         detail::with_key_padding(causal_mask, options.key_padding, B, S, [&](const auto& full_mask) {
-            const auto call = detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options));
+            const auto call = detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options, sinks_));
             auto o = detail::mha_buffer<T, 3>({B, L, H * D}, "attention output [batch, new tokens, heads * head_dim]");
             // The append is the call's only mutation: it runs after every buffer is allocated and cannot throw
             // (checked above), so a failure anywhere leaves the cache as it was.
@@ -709,6 +719,10 @@ private:
             bv_.setZero();
             bo_.setZero();
         }
+        if (config_.sinks) {
+            sinks_ = tensor<T, 1>(config_.heads);
+            sinks_.setZero();
+        }
     }
 
 
@@ -763,7 +777,7 @@ private:
         auto o = detail::mha_buffer<T, 3>({B, L, H * D}, "attention output [batch, query_len, heads * head_dim]");
         auto lse = detail::mha_buffer<T, 3>({saved ? B : 0, H, L}, "saved lse [batch, heads, query_len]");
         detail::with_key_padding(mask, options.key_padding, B, S, [&](const auto& full_mask) {
-            const auto call = detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options));
+            const auto call = detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options, sinks_));
             attend_and_project(qv, kv, vv, s, call, options, o, saved ? lse.data() : nullptr, r);
         });
         if (saved) {
@@ -827,6 +841,7 @@ private:
     mha_config config_;
     tensor<T, 2> wq_, wk_, wv_, wo_;
     tensor<T, 1> bq_, bk_, bv_, bo_;
+    tensor<T, 1> sinks_;  ///< `[heads]`, empty without config.sinks
 };
 
 }  // namespace attend

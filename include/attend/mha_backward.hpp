@@ -40,6 +40,7 @@ struct mha_gradients {
     tensor<T, 1> d_k_bias;      ///< `[kv_heads * head_dim]`
     tensor<T, 1> d_v_bias;      ///< `[kv_heads * head_dim]`
     tensor<T, 1> d_out_bias;    ///< `[model_dim]`
+    tensor<T, 1> d_sinks;       ///< `[heads]`, empty without config.sinks
 
     /// The parameter gradients as flat storage, in the order of multi_head_attention::parameters().
     std::vector<parameter_span<const T>> parameters() const {
@@ -53,6 +54,7 @@ struct mha_gradients {
             p.push_back({"v_bias", d_v_bias.data(), d_v_bias.size()});
             p.push_back({"out_bias", d_out_bias.data(), d_out_bias.size()});
         }
+        if (d_sinks.size() != 0) p.push_back({"sinks", d_sinks.data(), d_sinks.size()});
         return p;
     }
 };
@@ -158,8 +160,11 @@ mha_gradients<T> multi_head_attention_backward(const multi_head_attention<T>& mo
     grads.dv = split_heads(dv.data(), B, S, G, D);
 
     mha_gradients<T> g;
+    g.d_sinks = tensor<T, 1>(module.sinks().size());
+    g.d_sinks.setZero();  // stays 0 when no query reads a key
+    if (g.d_sinks.size() != 0) grads.sink_gradient = g.d_sinks.data();
     detail::with_key_padding(mask, options.key_padding, B, S, [&](const auto& full_mask) {
-        const auto checked = detail::check_backward(in, &grads, full_mask, detail::sdpa_options_for(c, options));
+        const auto checked = detail::check_backward(in, &grads, full_mask, detail::sdpa_options_for(c, options, module.sinks()));
         // Everything is checked: from here on nothing throws but allocation.
         // A padded query's output row is the constant 0, so its d_out row reaches nothing.
         auto d_y = detail::mha_buffer<T, 3>({B, L, E}, "d out [batch, query_len, model_dim]");

@@ -22,6 +22,7 @@
 #include "mask.hpp"
 #include "score_bias.hpp"
 #include "shape.hpp"
+#include "sinks.hpp"
 #include "tensor.hpp"
 
 namespace attend {
@@ -61,6 +62,11 @@ struct sdpa_options {
     attend::empty_rows empty_rows = attend::empty_rows::error;  ///< a query with no allowed key: throw or zero
     dropout_options dropout;                                    ///< on the probabilities, in training only
     attend::score_bias score_bias;  ///< ALiBi or relative-position bias, applied per tile
+    /// Attention sinks (sinks.hpp): one logit per query head `[heads]` that joins each row's softmax denominator
+    /// with no value, so weights sum to less than 1 and lse includes it. A row whose keys are all forbidden still
+    /// follows empty_rows: an error by default, and under empty_rows::zero a zero row whose lse is the sink (its
+    /// whole mass), so merge_partials stays exact. Empty: none.
+    attention_sinks sinks;
     int threads = 0;                ///< tiled kernel threads; 0 = std::thread::hardware_concurrency(); same result
                                     ///< bit for bit for any count
     attend::kernel kernel = attend::kernel::automatic;  ///< which implementation runs
@@ -130,6 +136,8 @@ kernel_params<T> checked_params(const attention_shape& s, const sdpa_options& o)
         p.bias = &o.score_bias;
     }
     p.weights_after_dropout = o.weights_after_dropout;
+    o.sinks.template validate<T>(s.heads);
+    for (index h = 0; h < o.sinks.size(); ++h) p.sinks.push_back(static_cast<T>(o.sinks[h]));
     return p;
 }
 
@@ -202,7 +210,7 @@ std::array<index, Rank - 1> lse_dims(const attention_shape& s) {
 /// Attention of q over k/v under `mask` (an allowed set, an additive expression, or a rule such as
 /// causal(alignment::top_left)). Returns out, and weights / lse when asked by options.
 /// Throws shape_error (attend.shape.*), mask_error (attend.mask.*, incl. attend.mask.empty_row),
-/// value_error (attend.value.{scale, dropout, threads, non_finite}).
+/// value_error (attend.value.{scale, softcap, dropout, threads, non_finite, sinks}), shape_error attend.shape.sinks.
 template <class Q, class K, class V, class Mask>
 auto scaled_dot_product_attention(const Q& q, const K& k, const V& v, const Mask& mask,
                                   const sdpa_options& options = {}) {

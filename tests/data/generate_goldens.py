@@ -2,9 +2,10 @@
 # SPDX-License-Identifier: MIT
 """Write attend's golden reference files with PyTorch, independently of attend's own code.
 
-Run it with Debian's python3 (the one that has python3-torch), from anywhere:
+Run it with a python3 that has PyTorch (Debian's python3-torch 1.13 wrote the first four files, PyTorch 2.x
+score_features.json), from anywhere:
 
-    /usr/bin/python3 tests/data/generate_goldens.py
+    python3 tests/data/generate_goldens.py
 
 It writes, next to this script:
 
@@ -12,6 +13,9 @@ It writes, next to this script:
     sdpa_backward.json  dq, dk, dv of SDPA (bottom-right causal, GQA) by autograd
     mha.json            nn.MultiheadAttention forward and backward, parameters by their PyTorch names
     positions.json      sinusoidal table, T5 relative_position_bucket, ALiBi slopes, rotary embedding
+    score_features.json attention sinks (with soft-capping): out, weights, lse, dq, dk, dv, d_sinks by autograd
+
+Name files on the command line to write only those (e.g. `generate_goldens.py score_features.json`).
 
 Everything is computed in float64 from fixed seeds. Each value is computed by explicit math and
 cross-checked inside this script against a second route (PyTorch's own attention functions,
@@ -433,14 +437,18 @@ def sdpa_backward_closed_form(q, k, v, mask, scale, d_out):
     return dq, dk, dv
 
 
+def random_qkv(B, H, Hkv, L, S, D, Dv):
+    """q [B,H,L,D], k [B,Hkv,S,D], v [B,Hkv,S,Dv] from the standard normal, requiring gradients."""
+    return (torch.randn(B, H, L, D, requires_grad=True), torch.randn(B, Hkv, S, D, requires_grad=True),
+            torch.randn(B, Hkv, S, Dv, requires_grad=True))
+
+
 def build_sdpa_backward():
     torch.manual_seed(20240602)
     cases = []
 
     def add(name, B, H, Hkv, L, S, D, Dv, mask, scale=None):
-        q = torch.randn(B, H, L, D, requires_grad=True)
-        k = torch.randn(B, Hkv, S, D, requires_grad=True)
-        v = torch.randn(B, Hkv, S, Dv, requires_grad=True)
+        q, k, v = random_qkv(B, H, Hkv, L, S, D, Dv)
         d_out = torch.randn(B, H, L, Dv)
         out, weights, lse = sdpa_math(q, k, v, mask, scale)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), d_out)
@@ -484,6 +492,82 @@ def build_sdpa_backward():
             "layout": "q [B,H,L,D], k [B,Hkv,S,D], v [B,Hkv,S,Dv], d_out/out [B,H,L,Dv], lse [B,H,L]",
             "gqa": "query head h reads kv head h // (H / Hkv); dk, dv are summed over the group",
             "scale": "null = 1/sqrt(D)",
+            "mask.causal_bottom_right": "key j allowed iff j <= i + S - L",
+        },
+        "cases": cases,
+    })
+
+
+# ----------------------------------------------------------------------------------------------
+# score features: attention sinks (with soft-capping)
+# ----------------------------------------------------------------------------------------------
+
+def sinks_math(q, k, v, sinks, mask, scale, softcap):
+    """Attention with a sink logit per query head joining the softmax denominator (gpt-oss): the scores get one
+    more column holding the sink, the softmax runs over it, and the column is dropped before multiplying by v.
+    Returns out, weights (without the sink column), lse (with it)."""
+    B, H, L, D = q.shape
+    S = k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    scores = torch.matmul(q, expand_kv(k, H).transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores + mask_bias(mask, L, S)
+    column = sinks.reshape(1, H, 1, 1).expand(B, H, L, 1)
+    full = torch.cat([scores, column], dim=-1)
+    lse = torch.logsumexp(full, dim=-1)
+    weights = torch.softmax(full, dim=-1)[..., :S]
+    out = torch.matmul(weights, expand_kv(v, H))
+    return out, weights, lse
+
+
+def build_score_features():
+    torch.manual_seed(20261201)
+    cases = []
+
+    def add(name, B, H, Hkv, L, S, D, Dv, mask, softcap=None):
+        q, k, v = random_qkv(B, H, Hkv, L, S, D, Dv)
+        sinks = (torch.randn(H) * 1.5).requires_grad_()
+        d_out = torch.randn(B, H, L, Dv)
+        out, weights, lse = sinks_math(q, k, v, sinks, mask, None, softcap)
+        dq, dk, dv, d_sinks = torch.autograd.grad(out, (q, k, v, sinks), d_out)
+        # route 2: PyTorch's own SDPA over one more key (zero key, zero value) whose float mask entry is the sink
+        # (without softcap, which SDPA does not have)
+        if softcap is None:
+            zk = torch.cat([repeat_kv(k, H), torch.zeros(B, H, 1, D)], dim=2)
+            zv = torch.cat([repeat_kv(v, H), torch.zeros(B, H, 1, Dv)], dim=2)
+            bias = torch.cat([mask_bias(mask, L, S).expand(B, H, L, S),
+                              sinks.reshape(1, H, 1, 1).expand(B, H, L, 1)], dim=-1)
+            o2 = F.scaled_dot_product_attention(q, zk, zv, attn_mask=bias)
+            check(f"{name}: torch SDPA with the sink as a key", o2, out)
+            g2 = torch.autograd.grad(o2, (q, k, v, sinks), d_out)
+            for label, a, b in zip(("dq", "dk", "dv", "d_sinks"), g2, (dq, dk, dv, d_sinks)):
+                check(f"{name}: torch SDPA {label}", a, b)
+        # route 3: the closed form of the sinks' gradient, -sum over rows of p_sink * rowsum(d_out * out)
+        p_sink = torch.exp(sinks.reshape(1, H, 1) - lse)
+        check(f"{name}: d_sinks closed form", -(p_sink * (d_out * out).sum(-1)).sum((0, 2)), d_sinks)
+        # route 4: finite differences
+        assert torch.autograd.gradcheck(
+            lambda a, b, c, z: sinks_math(a, b, c, z, mask, None, softcap)[0],
+            tuple(x.detach().clone().requires_grad_() for x in (q, k, v, sinks)), eps=1e-6, atol=1e-8)
+        cases.append({
+            "name": name, "mask": {"kind": mask["kind"]}, "softcap": softcap,
+            "q": enc(q), "k": enc(k), "v": enc(v), "sinks": enc(sinks), "d_out": enc(d_out),
+            "out": enc(out), "weights": enc(weights), "lse": enc(lse),
+            "dq": enc(dq), "dk": enc(dk), "dv": enc(dv), "d_sinks": enc(d_sinks),
+        })
+        print(f"  score_features {name}: ok (torch SDPA with a sink key, closed form, gradcheck)")
+
+    add("sinks_gqa_H4_Hkv2_causal_bottom_right_L3_S5", 2, 4, 2, 3, 5, 4, 3, {"kind": "causal_bottom_right"})
+    add("sinks_softcap_1.5_L4_S6", 1, 2, 2, 4, 6, 4, 4, {"kind": "none"}, softcap=1.5)
+
+    write_golden("score_features.json", {
+        "conventions": {
+            "layout": "q [B,H,L,D], k [B,Hkv,S,D], v [B,Hkv,S,Dv], sinks [H], d_out/out [B,H,L,Dv], lse [B,H,L]",
+            "sinks": "one logit per query head in every row's softmax denominator, no value; lse includes it",
+            "softcap": "null = none; else scores = softcap * tanh(scale q.k / softcap) before the mask",
+            "scale": "1/sqrt(D)",
             "mask.causal_bottom_right": "key j allowed iff j <= i + S - L",
         },
         "cases": cases,
@@ -829,12 +913,24 @@ def build_positions():
     write_golden("positions.json", body)
 
 
+BUILDERS = {
+    "sdpa.json": lambda: build_sdpa(),
+    "sdpa_backward.json": lambda: build_sdpa_backward(),
+    "mha.json": lambda: build_mha(),
+    "positions.json": lambda: build_positions(),
+    "score_features.json": lambda: build_score_features(),
+}
+
+
 def main():
+    """Writes every golden file, or only those named on the command line."""
     print(f"torch {torch.__version__}")
-    build_sdpa()
-    build_sdpa_backward()
-    build_mha()
-    build_positions()
+    names = sys.argv[1:] or list(BUILDERS)
+    for name in names:
+        if name not in BUILDERS:
+            print(f"unknown golden file {name}; one of {', '.join(BUILDERS)}", file=sys.stderr)
+            return 2
+        BUILDERS[name]()
     return 0
 
 

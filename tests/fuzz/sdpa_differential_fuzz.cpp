@@ -2,13 +2,15 @@
 /// Differential fuzzer of scaled_dot_product_attention and its backward.
 ///
 /// One input decodes into a call: scalar type, rank, sizes (sometimes empty or inconsistent), a runtime mask
-/// expression (fuzz_masks.hpp), options (soft-capping among them) and values (sometimes huge, tiny, subnormal or non-finite). The call runs
+/// expression (fuzz_masks.hpp), options (soft-capping and sinks among them) and values (sometimes huge, tiny,
+/// subnormal or non-finite). The call runs
 /// through kernel::reference, kernel::tiled with the default tiles, and the tiled kernel with small random tiles
 /// on 1 and 2 threads, and the fuzzer checks:
 ///   - every path throws the same attend::error id, or none does; empty_row errors agree with the mask's meaning,
 ///     score_overflow errors with the documented score-range rule (thrown exactly when it is broken);
 ///   - with finite inputs whose scores fit the scalar type: outputs are finite, forbidden and dropped weights are
-///     exactly 0, padded and (under empty_rows::zero) empty rows are zero with lse -inf;
+///     exactly 0, padded and (under empty_rows::zero) empty rows are zero with lse -inf (an empty row with a sink:
+///     its sink);
 ///   - on well-conditioned rows every kernel matches a long double evaluation of the definition within a bound
 ///     derived from the row's rounding (see row_oracle);
 ///   - the tiled kernel gives bit-identical results on 1 and 2 threads;
@@ -147,6 +149,16 @@ attend::sdpa_options decode_options(fuzz_input& in, index heads, std::string& te
         o.score_bias = attend::score_bias::alibi(slopes, align);
         s << " alibi(" << slopes.size() << " slopes)";
     }
+    if (in.chance(48)) {  // sinks: one per query head, sometimes of the wrong count or not finite
+        const double specials[] = {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(),
+                                   -std::numeric_limits<double>::infinity(), 1e300, -1e4, 1e4, 0.0, 40.0};
+        const index n = in.chance(16) ? in.in_range(0, heads + 1) : std::max<index>(heads, 1);
+        std::vector<double> logits(static_cast<std::size_t>(n));
+        for (double& z : logits)
+            z = in.chance(16) ? specials[in.choose(8)] : static_cast<double>(in.in_range(-64, 64)) / 8;
+        o.sinks = logits;
+        s << " sinks(" << n << ")";
+    }
     o.need_weights = in.chance(128);
     o.need_lse = in.chance(128);
     o.weights_after_dropout = in.chance(32);
@@ -276,13 +288,16 @@ row_oracle evaluate_row(const call_case<T>& c, index b, index h, index i) {
     r.empty = !r.padded && !any;
     r.weights.assign(static_cast<std::size_t>(S), 0);
     r.out.assign(static_cast<std::size_t>(s.value_dim), 0);
+    // The sink joins the denominator as a score with no value (sinks.hpp); an empty row's mass is all sink.
+    const bool sink = !c.options.sinks.empty() && !r.padded;
+    const ld z = sink ? static_cast<ld>(static_cast<T>(c.options.sinks[h])) : meaning::minus_inf();
     if (!any) {
-        r.lse = meaning::minus_inf();
+        r.lse = z;
         r.conditioned = r.fits;
         return r;
     }
-    const ld m = *std::max_element(t.begin(), t.end());
-    ld sum = 0, worst = 0;
+    const ld m = std::max(z, *std::max_element(t.begin(), t.end()));
+    ld sum = sink ? std::exp(z - m) : 0, worst = 0;
     for (index j = 0; j < S; ++j) {
         const ld x = t[static_cast<std::size_t>(j)];
         if (x == meaning::minus_inf()) continue;
@@ -352,7 +367,8 @@ void check_against_oracle(const call_case<T>& c, const std::vector<row_oracle>& 
                 }
                 if (!o.lse.empty()) {
                     const T lse = o.lse[static_cast<std::size_t>(n)];
-                    if (zero_row) require(lse == -std::numeric_limits<T>::infinity(), where("lse of a zero row is not -inf", path, b, h, i));
+                    // -inf, or the sink (the whole mass) for an empty row of a call with sinks.
+                    if (zero_row) require(static_cast<ld>(lse) == r.lse, where("lse of a zero row is not -inf or its sink", path, b, h, i));
                     else require(std::isfinite(lse), where("non-finite lse", path, b, h, i));
                 }
                 if (w)
@@ -423,6 +439,7 @@ outputs<T> tiled_with(const attend::strided_view<const T>& q, const attend::stri
     params.dropout = call.params.dropout;
     params.bias = call.params.bias;
     params.weights_after_dropout = call.params.weights_after_dropout;
+    for (const T z : call.params.sinks) params.sinks.push_back(static_cast<Acc>(z));
     attend::detail::tiled_forward<T, Acc>(q, k, v, s, erased, params, views, threads, tiles);
     return o;
 }
@@ -479,6 +496,9 @@ void check_backward(fuzz_input& in, const call_case<T>& c, const attend::tensor<
     compare("dv", a->dv.data(), b->dv.data(), a->dv.size(), c.keep_scale * queries, c.keep_scale * queries);
     compare("score_bias_gradient", a->score_bias_gradient.data(), b->score_bias_gradient.data(),
             a->score_bias_gradient.size(), 2 * dp * queries, 2 * dp * queries);
+    // d sink = -sum over a head's rows of p_sink * rowsum(d_out * out), |rowsum| <= value_dim * keep * max|v|.
+    compare("sink_gradient", a->sink_gradient.data(), b->sink_gradient.data(), a->sink_gradient.size(),
+            dp * queries, dp * queries);
 }
 
 template <class T, int Rank, class Mask>

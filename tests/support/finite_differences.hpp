@@ -69,4 +69,13 @@ void expect_close_to_fd(const attend::tensor<double, Rank>& analytic, const atte
     expect_close_to_fd(analytic.data(), fd.data(), fd.size(), what);
 }
 
+/// The loss sum(out * w) of a finite-difference test: its gradient with respect to out is w, the d_out the
+/// backward is given.
+template <int Rank>
+double linear_loss(const attend::tensor<double, Rank>& out, const attend::tensor<double, Rank>& w) {
+    double sum = 0;
+    for (attend::index n = 0; n < out.size(); ++n) sum += out.data()[n] * w.data()[n];
+    return sum;
+}
+
 }  // namespace attend_test

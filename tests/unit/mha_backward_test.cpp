@@ -110,10 +110,10 @@ void check_mha_by_finite_differences(const fd_case& t, const Mask& mask, std::ui
     SCOPED_TRACE(t.name);
     attend::multi_head_attention<double> m(t.config, seed);
     const auto c = m.config();
-    // Non-zero biases, so their gradients and their effect on the outputs are both exercised.
+    // Non-zero biases and sinks, so their gradients and their effect on the outputs are both exercised.
     std::uint64_t stream = seed * 7919;
     for (auto& p : m.parameters())
-        if (std::string(p.name).find("bias") != std::string::npos) {
+        if (std::string(p.name).find("bias") != std::string::npos || std::string(p.name) == "sinks") {
             attend_test::rng r(++stream);
             for (index n = 0; n < p.size; ++n) p.data[n] = r.uniform(-0.3, 0.3);
         }
@@ -217,6 +217,17 @@ TEST(MhaBackwardFiniteDifferences, SoftcapGradientGoesThroughTheTanhSlope) {
     auto t = base_case("softcap 0.3, GQA, causal", 8, 4, 2);
     t.options.softcap = 0.3;  // below the scores' spread, so the cap bends them
     check_mha_by_finite_differences(t, attend::causal(alignment::bottom_right), 21);
+}
+
+TEST(MhaBackwardFiniteDifferences, LearnableSinksGetTheirGradientWithGqaSoftcapAndDropout) {
+    auto t = base_case("sinks, GQA, softcap, dropout", 8, 4, 2);
+    t.config.sinks = true;
+    t.config.dropout = 0.2;
+    t.options.training = true;
+    t.options.dropout_seed = 5;
+    t.options.softcap = 2.0;
+    t.options.key_padding = {4, 2};
+    check_mha_by_finite_differences(t, attend::causal(alignment::bottom_right), 22);
 }
 
 TEST(MhaBackwardFiniteDifferences, DropoutIsReplayedFromItsSeed) {

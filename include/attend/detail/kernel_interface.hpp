@@ -5,6 +5,7 @@
 
 #include <array>
 #include <type_traits>
+#include <vector>
 
 #include <Eigen/Core>
 
@@ -57,6 +58,10 @@ struct kernel_params {
     dropout_rule dropout;
     const score_bias* bias = nullptr;
     bool weights_after_dropout = false;
+    /// `[heads]` sink logits (sinks.hpp): each joins its head's softmax denominators with no value; empty: none.
+    std::vector<T> sinks;
+    bool has_sinks() const { return !sinks.empty(); }
+    T sink(index head) const { return sinks[static_cast<std::size_t>(head)]; }
 };
 
 /// The inputs of a backward call as strided views, so multi-head attention can pass heads of its projected
@@ -72,11 +77,12 @@ struct backward_inputs {
 
 /// Where the gradients go. dq, dk, dv are overwritten (not accumulated into) and must not overlap each other
 /// or the inputs. score_bias_gradient, when not null, is contiguous `[heads, query_len + key_len - 1]` and is
-/// written only when the call has a score_bias.
+/// written only when the call has a score_bias; sink_gradient, when not null, `[heads]`, only when it has sinks.
 template <class T>
 struct gradient_outputs {
     strided_view<T> dq, dk, dv;
     T* score_bias_gradient = nullptr;
+    T* sink_gradient = nullptr;
 };
 
 }  // namespace attend::detail

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <vector>
 
 #include <Eigen/Core>
 
@@ -44,6 +45,9 @@ void reference_gradients(const backward_inputs<T>& in, const attention_shape& s,
         }
     }
     if (o.score_bias_gradient && bias) std::fill(o.score_bias_gradient, o.score_bias_gradient + s.heads * diagonals, T(0));
+    const bool sinks = p.has_sinks() && o.sink_gradient;
+    if (sinks) std::fill(o.sink_gradient, o.sink_gradient + s.heads, T(0));
+    std::vector<T> sink_probability(sinks ? static_cast<std::size_t>(L) : 0);  // [query_len] of one (batch, head)
     if (L == 0) return;
     const T keep_scale = static_cast<T>(p.dropout.keep_scale);
     for (index b = 0; b < s.batch; ++b)
@@ -64,14 +68,20 @@ void reference_gradients(const backward_inputs<T>& in, const attention_shape& s,
             mask.apply(tile{b, h, 0, L, 0, S}, probs.data(), S);
             for (index i = 0; i < L; ++i) {
                 auto row = probs.row(i);
-                const T max = mask.query_padded(b, i) ? minus_infinity<T>() : row.maxCoeff();
+                const bool padded = mask.query_padded(b, i);
+                const T row_max = padded || S == 0 ? minus_infinity<T>() : row.maxCoeff();
+                const T max = p.has_sinks() && !padded ? std::max(row_max, p.sink(h)) : row_max;
+                if (sinks) sink_probability[static_cast<std::size_t>(i)] = 0;
                 if (max == minus_infinity<T>()) {  // padded query or empty row: constant zero output
                     row.setZero();
                     continue;
                 }
                 // std::exp: forbidden probabilities must be exactly 0 (see reference_kernel.hpp).
                 for (index j = 0; j < S; ++j) row(j) = std::exp(row(j) - max);
-                row /= row.sum();
+                const T sink = p.has_sinks() ? std::exp(p.sink(h) - max) : T(0);  // the sink's share, unnormalized
+                const T sum = row.sum() + sink;
+                row /= sum;
+                if (sinks) sink_probability[static_cast<std::size_t>(i)] = sink / sum;
             }
             dropped = probs;
             if (p.dropout.active())
@@ -86,6 +96,8 @@ void reference_gradients(const backward_inputs<T>& in, const attention_shape& s,
             for (index i = 0; i < L; ++i) {  // dS = P * (dP - rowsum(P * dP)), in place of dP
                 const T delta = probs.row(i).dot(dp.row(i));
                 dp.row(i) = (probs.row(i).array() * (dp.row(i).array() - delta)).matrix();
+                // The sink is a score whose dP is 0 (it has no value): d sink = p_sink (0 - delta).
+                if (sinks) o.sink_gradient[h] -= sink_probability[static_cast<std::size_t>(i)] * delta;
             }
             if (o.score_bias_gradient && bias)
                 for (index i = 0; i < L; ++i)

@@ -4,6 +4,7 @@
 /// max-subtracted softmax along the key axis and multiplies by V. It is the oracle the fast kernel is tested
 /// against, so it is written for obviousness, not speed.
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -43,7 +44,10 @@ void reference_forward(const strided_view<const T>& q, const strided_view<const 
             mask.apply(tile{b, h, 0, L, 0, S}, scores.data(), S);
             for (index i = 0; i < L; ++i) {
                 auto row = scores.row(i);
-                const T max = mask.query_padded(b, i) ? -std::numeric_limits<T>::infinity() : row.maxCoeff();
+                const bool padded = mask.query_padded(b, i);
+                const T row_max = padded || S == 0 ? -std::numeric_limits<T>::infinity() : row.maxCoeff();
+                // A sink is one more score in the denominator (sinks.hpp); it makes an empty row's mass all sink.
+                const T max = p.has_sinks() && !padded ? std::max(row_max, p.sink(h)) : row_max;
                 T* lse = o.lse ? o.lse + (b * s.heads + h) * L + i : nullptr;
                 T* weights = o.weights ? o.weights + ((b * s.heads + h) * L + i) * S : nullptr;
                 if (max == -std::numeric_limits<T>::infinity()) {  // padded query, or empty row under the zero policy
@@ -55,7 +59,7 @@ void reference_forward(const strided_view<const T>& q, const strided_view<const 
                 // std::exp, not Eigen's vectorized exp: that one returns ~3e-39 for -inf in some builds, and a
                 // forbidden weight must be exactly 0.
                 for (index j = 0; j < S; ++j) row(j) = std::exp(row(j) - max);
-                const T sum = row.sum();
+                const T sum = row.sum() + (p.has_sinks() ? std::exp(p.sink(h) - max) : T(0));
                 if (lse) *lse = max + std::log(sum);
                 row /= sum;
                 if (weights && !p.weights_after_dropout) std::copy(row.data(), row.data() + S, weights);

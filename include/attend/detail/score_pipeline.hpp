@@ -174,6 +174,23 @@ public:
         }
     }
 
+    /// Row r's sink logit z (sinks.hpp) as one more score whose value row is zero: m = max(m, z), the row's
+    /// accumulator (dv values at acc) rescaled by exp(m_old - m), l = l exp(m_old - m) + exp(z - m). Absorbed once
+    /// per row, by the pass over the first key range, so a split over keys counts it once. Afterwards the row is
+    /// never empty: a row whose keys are all forbidden has all its mass on the sink, out 0 and lse z.
+    void absorb_sink(index r, Acc z, Acc* acc, index dv) {
+        const auto u = static_cast<std::size_t>(r);
+        const Acc m = max_[u];
+        if (m == minus_infinity<Acc>() || z > m) {
+            const Acc alpha = m == minus_infinity<Acc>() ? Acc(0) : std::exp(m - z);
+            row_array(acc, dv) *= alpha;
+            sum_[u] = alpha * sum_[u] + Acc(1);
+            max_[u] = z;
+        } else {
+            sum_[u] += std::exp(z - m);
+        }
+    }
+
     /// Row r has no probability mass: every key forbidden (or every weight underflowed to 0).
     bool empty(index r) const {
         return max_[static_cast<std::size_t>(r)] == minus_infinity<Acc>() || !(sum_[static_cast<std::size_t>(r)] > 0);

@@ -137,6 +137,7 @@ public:
         const bool bias_grad = pipe_.has_bias() && o_.score_bias_gradient;
         if (s_.batch == 0) {  // nothing to attend; the bias gradient is still an output, and it is zero
             if (bias_grad) std::fill(o_.score_bias_gradient, o_.score_bias_gradient + s_.heads * diagonals_, Storage(0));
+            if (p_.has_sinks() && o_.sink_gradient) std::fill(o_.sink_gradient, o_.sink_gradient + s_.heads, Storage(0));
             return;
         }
         const index units = s_.batch * s_.kv_heads * chunks_;
@@ -177,6 +178,7 @@ public:
         if (partial_buffers > 0 && s_.query_len > 0)
             parallel_for(s_.batch * s_.heads, threads, [&](index bh, int) { add_partials(bh / s_.heads, bh % s_.heads); });
         if (bias_grad) reduce_bias_gradient();
+        if (p_.has_sinks() && o_.sink_gradient) sink_gradient();
     }
 
 private:
@@ -338,8 +340,10 @@ private:
             const index q0 = qt * t_.block_q, q1 = std::min(s_.query_len, q0 + t_.block_q), nq = q1 - q0;
             const index row0 = bh * s_.query_len + q0, ld = t_.block_k;
             if (std::none_of(in_.lse + row0, in_.lse + row0 + nq, [](Storage l) { return imprecise_lse(l); })) return;
-            std::fill(w.lse.begin(), w.lse.begin() + nq, minus_infinity<Acc>());  // running max
-            std::fill(w.delta.begin(), w.delta.begin() + nq, Acc(0));               // running sum
+            for (index r = 0; r < nq; ++r) {  // running max and sum, starting from the sink when there is one
+                w.lse[static_cast<std::size_t>(r)] = p_.has_sinks() ? p_.sink(h) : minus_infinity<Acc>();
+                w.delta[static_cast<std::size_t>(r)] = p_.has_sinks() ? Acc(1) : Acc(0);
+            }
             for (index k0 = 0; k0 < s_.key_len; k0 += t_.block_k) {
                 const index k1 = std::min(s_.key_len, k0 + t_.block_k), nk = k1 - k0;
                 const tile t{b, h, q0, q1, k0, k1};
@@ -374,6 +378,30 @@ private:
         if constexpr (staged)
             tile_map<Storage>(o_.dq.row(b, h, 0), s_.query_len, s_.head_dim, Eigen::OuterStride<>(o_.dq.strides[2])) =
                 dq.template cast<Storage>();
+    }
+
+    /// d loss / d sink of every head: -sum over its rows of p_sink * rowsum(d_out * out) (sinks.hpp), p_sink =
+    /// exp(sink - lse), or exp(sink - max) / sum for the rows exact_statistics recomputed; rows with lse -inf
+    /// (padded queries) add nothing. Summed in (batch, query) order, so the same bits for any thread count.
+    void sink_gradient() const {
+        for (index h = 0; h < s_.heads; ++h) {
+            const Acc z = p_.sink(h);
+            Acc sum = 0;
+            for (index b = 0; b < s_.batch; ++b)
+                for (index i = 0; i < s_.query_len; ++i) {
+                    const auto row = static_cast<std::size_t>((b * s_.heads + h) * s_.query_len + i);
+                    const Acc lse = static_cast<Acc>(in_.lse[row]);
+                    if (lse == minus_infinity<Acc>()) continue;
+                    const Acc shift = row_shift_.empty() ? lse : row_shift_[row];
+                    const Acc inv_sum = row_inv_sum_.empty() ? Acc(1) : row_inv_sum_[row];
+                    const Storage* o = in_.out.row(b, h, i);
+                    const Storage* g = in_.d_out.row(b, h, i);
+                    Acc delta = 0;
+                    for (index d = 0; d < s_.value_dim; ++d) delta += static_cast<Acc>(o[d]) * static_cast<Acc>(g[d]);
+                    sum -= std::exp(z - shift) * inv_sum * delta;
+                }
+            o_.sink_gradient[h] = static_cast<Storage>(sum);
+        }
     }
 
     /// The score_bias gradient of every head: the units' partial sums added in unit order.

@@ -328,10 +328,10 @@ private:
     }
 
     /// The online softmax over keys [key_begin, key_end): leaves w.acc (unnormalized, dropout applied) and
-    /// w.softmax (max and the undropped normalizer) for the block's rows. A mixed tile (a causal diagonal,
-    /// the edge of a window) is cut into runs of key strips: runs every row of the block may fully see go through one
-    /// block-wide GEMM, the rest in slabs of slab_rows queries of one head, each trimmed to the key columns it may
-    /// see, so masked-out work shrinks with the slab, not with the block.
+    /// w.softmax (max and the undropped normalizer, with the sinks when key_begin is 0) for the block's rows. A
+    /// mixed tile (a causal diagonal, the edge of a window) is cut into runs of key strips: runs every row of the
+    /// block may fully see go through one block-wide GEMM, the rest in slabs of slab_rows queries of one head, each
+    /// trimmed to the key columns it may see, so masked-out work shrinks with the slab, not with the block.
     void stream_keys(tiled_workspace<Acc>& w, const block& blk, index key_begin, index key_end) const {
         const index rows = group_ * blk.queries, dv = s_.value_dim;
         std::fill(w.acc.begin(), w.acc.begin() + rows * dv, Acc(0));
@@ -364,6 +364,10 @@ private:
                 stream_tile(w, blk, all, k0, k1, c == tile_class::mixed);
             }
         }
+        // The sinks join the softmax of the first key range only, so the decode path's chunks count them once.
+        if (key_begin == 0 && p_.has_sinks())
+            for (index r = 0; r < rows; ++r)
+                w.softmax.absorb_sink(r, p_.sink(head_of(blk, r)), w.acc.data() + r * dv, dv);
     }
 
     /// One step of the online softmax: the slab's rows against keys [k0, k1) (trimmed first when mixed).
