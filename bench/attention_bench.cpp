@@ -7,6 +7,9 @@
 //   tiled<T>/L/threads                 tiled kernel, no mask
 //   tiled_causal/L/threads             causal(top_left)
 //   tiled_window256/L/threads          sliding_window(255, 0): each query sees itself and 255 keys before it
+//   tiled_softcap/L/threads            softcap 30 on the scores of tiled<float> (its cost: the ratio of the two)
+//   packed_8x512/threads               8 sequences of 512 packed in 4096, packed_segments (skips cross tiles)
+//   packed_8x512_dense_mask/threads    the same as a dense block-diagonal allowed_mask [4096, 4096]
 //   tiled_tiles/query_rows/key_tile    tile-size sweep at L = 2048, 1 thread (how default_tile_config was chosen)
 //   decode/threads/check_finite        L = 1, S = 8192, 32 query heads on 8 kv heads, D = 128 (GQA decoding)
 //   stream_kv/threads                  the same K and V read once, summed: the bandwidth decode is held to
@@ -33,8 +36,8 @@ struct problem {
 };
 
 template <class T, class Mask>
-void run_tiled(benchmark::State& state, problem<T>& p, const Mask& mask, int threads, double flops) {
-    attend::sdpa_options o;
+void run_tiled(benchmark::State& state, problem<T>& p, const Mask& mask, int threads, double flops,
+               attend::sdpa_options o = {}) {
     o.kernel = attend::kernel::tiled;
     o.threads = threads;
     for (auto _ : state) {
@@ -79,6 +82,39 @@ void tiled_window256(benchmark::State& state) {
     problem<float> p(8, 8, len, len, 64);
     run_tiled(state, p, attend::sliding_window(255, 0), static_cast<int>(state.range(1)),
               attend_bench::attention_flops(1, 8, len, 256, 64));
+}
+
+/// Soft-capping at 30 (Gemma 2 uses 50): the same work as tiled<float> plus a tanh per score.
+void tiled_softcap(benchmark::State& state) {
+    const index len = state.range(0);
+    problem<float> p(8, 8, len, len, 64);
+    attend::sdpa_options o;
+    o.softcap = 30.0;
+    run_tiled(state, p, attend::no_mask{}, static_cast<int>(state.range(1)),
+              attend_bench::attention_flops(1, 8, len, len, 64), o);
+}
+
+constexpr index packed_segments_count = 8, packed_segment_len = 512;
+
+/// Eight sequences of 512 packed into one 4096 axis, as packed_segments; flops of the work inside the segments.
+void packed_8x512(benchmark::State& state) {
+    const index len = packed_segments_count * packed_segment_len;
+    problem<float> p(8, 8, len, len, 64);
+    std::vector<index> offsets;
+    for (index n = 0; n <= packed_segments_count; ++n) offsets.push_back(n * packed_segment_len);
+    run_tiled(state, p, attend::packed_segments(offsets, offsets), static_cast<int>(state.range(0)),
+              attend_bench::attention_flops(1, 8, len, packed_segment_len, 64));
+}
+
+/// The same packing as a dense block-diagonal allowed_mask `[4096, 4096]` (what packing costs without the rule).
+void packed_8x512_dense_mask(benchmark::State& state) {
+    const index len = packed_segments_count * packed_segment_len;
+    problem<float> p(8, 8, len, len, 64);
+    attend::tensor<bool, 2> allowed(len, len);
+    for (index i = 0; i < len; ++i)
+        for (index j = 0; j < len; ++j) allowed(i, j) = i / packed_segment_len == j / packed_segment_len;
+    run_tiled(state, p, attend::allowed_mask::true_means_allowed(allowed), static_cast<int>(state.range(0)),
+              attend_bench::attention_flops(1, 8, len, packed_segment_len, 64));
 }
 
 void tiled_tiles(benchmark::State& state) {
@@ -155,6 +191,9 @@ BENCHMARK(tiled_window256)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK_TEMPLATE(tiled, float)->Args({16384, 1})->Args({16384, 2})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(tiled_softcap)->Args({2048, 1})->Args({2048, 2})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(packed_8x512)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(packed_8x512_dense_mask)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(tiled_tiles)
     ->ArgsProduct({{32, 64, 128, 256}, {128, 256, 512, 1024}})
     ->Unit(benchmark::kMillisecond)

@@ -431,6 +431,116 @@ inline block_diagonal_rule block_diagonal(std::vector<index> sequence_lengths) {
     return block_diagonal_rule{{}, std::move(sequence_lengths)};
 }
 
+/// Packed variable-length sequences with their own query and key segments (FlashAttention's varlen
+/// cu_seqlens_q / cu_seqlens_k, xFormers' BlockDiagonalMask and its padded-keys form): the query axis holds
+/// segment slots back to back at query_offsets, the key axis at key_offsets (n + 1 ascending offsets from 0 for n
+/// segments, the last <= query_len / key_len), and the queries of slot n see only the keys of slot n. Optional
+/// real lengths per segment leave padding at the end of a slot: padded queries (and every query past the last
+/// slot) get zero rows, padded keys are never seen. `.causal(a)` and `.window(left, right, a)` restrict each
+/// segment to a band around its own diagonal, aligned top-left (segment query i' sees key j' <= i') or
+/// bottom-right (j' <= i' + real keys - real queries, as when a segment decodes over its cache). Tiles that
+/// cross no segment's band are skipped. Bad offsets or lengths: mask_error attend.mask.segments when bound.
+struct packed_segments_rule : detail::boolean_term {
+    static constexpr bool has_query_padding = true;
+    std::vector<index> query_offsets;  ///< cu_seqlens_q: [segments + 1]
+    std::vector<index> key_offsets;    ///< cu_seqlens_k: [segments + 1]
+    std::vector<index> query_lengths;  ///< [segments] real queries at the start of each slot; empty: the slots
+    std::vector<index> key_lengths;    ///< [segments] real keys at the start of each slot; empty: the slots
+    bool banded = false;               ///< causal or windowed within each segment
+    index left = 0;                    ///< keys before each segment's diagonal a query sees, when banded
+    index right = 0;                   ///< keys after it, when banded
+    alignment align = alignment::top_left;  ///< the corner of each segment its diagonal starts from
+
+    /// Causal within each segment, aligned at corner `a` of the segment.
+    packed_segments_rule causal(alignment a) const {
+        auto r = *this;
+        r.banded = true;
+        r.left = std::numeric_limits<index>::max();
+        r.right = 0;
+        r.align = a;
+        return r;
+    }
+    /// A sliding window within each segment: segment query i' sees keys j' with d - left <= j' <= d + right, d the
+    /// diagonal of alignment `a` (as sliding_window, per segment). Negative sizes: mask_error attend.mask.window.
+    packed_segments_rule window(index left_keys, index right_keys, alignment a = alignment::top_left) const {
+        if (left_keys < 0 || right_keys < 0)
+            throw mask_error("attend.mask.window", detail::concat("packed_segments window(left ", left_keys,
+                                                                  ", right ", right_keys, ") needs sizes >= 0"));
+        auto r = *this;
+        r.banded = true;
+        r.left = left_keys;
+        r.right = right_keys;
+        r.align = a;
+        return r;
+    }
+    /// Real lengths per segment; the rest of each slot is padding.
+    packed_segments_rule with_lengths(std::vector<index> real_queries, std::vector<index> real_keys) const {
+        auto r = *this;
+        r.query_lengths = std::move(real_queries);
+        r.key_lengths = std::move(real_keys);
+        return r;
+    }
+
+    detail::bound_packed_segments bind(const attention_shape& s) const {
+        const auto fail = [](const std::string& why) {
+            throw mask_error("attend.mask.segments", "packed_segments: " + why);
+        };
+        const std::size_t n = query_offsets.empty() ? 0 : query_offsets.size() - 1;
+        if (query_offsets.size() < 2 || key_offsets.size() != query_offsets.size())
+            fail(detail::concat("needs n + 1 >= 2 query offsets and as many key offsets (cu_seqlens style), got ",
+                                query_offsets.size(), " and ", key_offsets.size()));
+        const auto check_offsets = [&](const std::vector<index>& o, index len, const char* axis) {
+            if (o[0] != 0) fail(detail::concat(axis, " offsets must start at 0, got ", o[0]));
+            for (std::size_t k = 1; k < o.size(); ++k)
+                if (o[k] < o[k - 1])
+                    fail(detail::concat(axis, " offsets must not decrease: ", o[k - 1], " then ", o[k], " at ", k));
+            if (o.back() > len)
+                fail(detail::concat(axis, " offsets end at ", o.back(), " past ", axis, "_len ", len));
+        };
+        check_offsets(query_offsets, s.query_len, "query");
+        check_offsets(key_offsets, s.key_len, "key");
+        const auto real = [&](const std::vector<index>& lengths, const std::vector<index>& o, const char* axis) {
+            if (lengths.empty()) return std::vector<index>(o.begin() + 1, o.end());
+            if (lengths.size() != n)
+                fail(detail::concat(lengths.size(), " ", axis, " lengths for ", n, " segments"));
+            std::vector<index> end(n);
+            for (std::size_t k = 0; k < n; ++k) {
+                if (lengths[k] < 0 || lengths[k] > o[k + 1] - o[k])
+                    fail(detail::concat(axis, " length ", lengths[k], " of segment ", k, " is outside [0, ",
+                                        o[k + 1] - o[k], "], its slot"));
+                end[k] = o[k] + lengths[k];
+            }
+            return end;
+        };
+        auto layout = std::make_shared<detail::packed_layout>();
+        layout->query_slots = query_offsets;
+        layout->query_end = real(query_lengths, query_offsets, "query");
+        layout->key_begin.assign(key_offsets.begin(), key_offsets.end() - 1);
+        layout->key_end = real(key_lengths, key_offsets, "key");
+        layout->diagonal.resize(n);
+        for (std::size_t k = 0; k < n; ++k) {
+            const index shift = align == alignment::bottom_right
+                                    ? (layout->key_end[k] - key_offsets[k]) - (layout->query_end[k] - query_offsets[k])
+                                    : 0;
+            layout->diagonal[k] = key_offsets[k] + shift;
+        }
+        const index cap = s.query_len + s.key_len;  // wider bands see no more, and the arithmetic stays in range
+        layout->left = banded ? std::min(left, cap) : cap;
+        layout->right = banded ? std::min(right, cap) : cap;
+        detail::bound_packed_segments rule;
+        rule.layout = std::move(layout);
+        return rule;
+    }
+};
+/// Packed segments from cu_seqlens-style offsets (n + 1 each, from 0): query slot n is
+/// [query_offsets[n], query_offsets[n + 1]) and sees key slot n; see packed_segments_rule.
+inline packed_segments_rule packed_segments(std::vector<index> query_offsets, std::vector<index> key_offsets) {
+    packed_segments_rule r;
+    r.query_offsets = std::move(query_offsets);
+    r.key_offsets = std::move(key_offsets);
+    return r;
+}
+
 /// a && b: allowed where both allow.
 template <class A, class B>
 struct mask_and : detail::boolean_term {

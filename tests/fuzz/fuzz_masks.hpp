@@ -170,7 +170,7 @@ public:
             case 8:
                 return leaf<runtime_allowed>(
                     attend::no_mask{}, [](const attention_shape&) { return boolean_meaning(everything); }, "no_mask");
-            case 9: return causal_leaf();
+            case 9: return packed_segments_leaf();
             case 10: return both(allowed(depth + 1), allowed(depth + 1));
             case 11: return either(allowed(depth + 1), allowed(depth + 1));
             default: {
@@ -309,6 +309,55 @@ private:
                     [sequence_of](index, index, index i, index j) { return sequence_of(i) == sequence_of(j); });
             },
             "block_diagonal");
+    }
+
+    /// Slots along both axes with real lengths (sometimes past a slot, sometimes offsets that decrease or overrun
+    /// the axis), no band, causal or a window aligned in either corner of each segment.
+    runtime_allowed packed_segments_leaf() {
+        const index segments = in_.in_range(1, 6);
+        std::vector<index> qo{0}, ko{0}, ql, kl;
+        for (index n = 0; n < segments; ++n) {
+            const index q_slot = in_.in_range(0, std::max<index>(1, s_.query_len / segments));
+            const index k_slot = in_.in_range(0, std::max<index>(1, s_.key_len / segments));
+            qo.push_back(qo.back() + q_slot);
+            ko.push_back(ko.back() + k_slot);
+            ql.push_back(in_.chance(16) ? q_slot + 1 : in_.in_range(0, q_slot));
+            kl.push_back(in_.chance(16) ? -1 : in_.in_range(0, k_slot));
+        }
+        if (in_.chance(16)) ko.back() = s_.key_len + 1;
+        if (in_.chance(16) && qo.size() > 2) std::swap(qo[1], qo[2]);
+        const int band = in_.choose(4);  // none, causal, window, window with the right side open
+        const attend::alignment a = in_.chance(128) ? attend::alignment::top_left : attend::alignment::bottom_right;
+        const index left = in_.in_range(0, 4), right = in_.in_range(0, 3);
+        auto rule = attend::packed_segments(qo, ko).with_lengths(ql, kl);
+        if (band == 1) rule = rule.causal(a);
+        if (band >= 2) rule = rule.window(left, right, a);
+        // Query i's segment n: qo[n] <= i < qo[n] + ql[n]; it sees keys ko[n] + j' with j' < kl[n] in its band.
+        const auto segment_of = [=](index i) {
+            for (std::size_t n = 0; n < ql.size(); ++n)
+                if (qo[n] <= i && i < qo[n] + ql[n]) return static_cast<index>(n);
+            return index{-1};
+        };
+        const auto padded = [=](index, index i) { return segment_of(i) < 0; };
+        return leaf<runtime_allowed>(
+            rule,
+            [=](const attention_shape&) {
+                return boolean_meaning(
+                    [=](index, index, index i, index j) {
+                        const index n = segment_of(i);
+                        if (n < 0) return false;
+                        const auto u = static_cast<std::size_t>(n);
+                        const index jj = j - ko[u];
+                        if (jj < 0 || jj >= kl[u]) return false;
+                        if (band == 0) return true;
+                        const index d = (i - qo[u]) + (a == attend::alignment::bottom_right ? kl[u] - ql[u] : 0);
+                        return band == 1 ? jj <= d : jj >= d - left && jj <= d + right;
+                    },
+                    padded);
+            },
+            "packed_segments(" + std::to_string(segments) + " segments, band " + std::to_string(band) + ", " +
+                spell(a) + ")",
+            true);
     }
 
     /// Dims of a dense mask: rank 2 to 4, each axis the score axis it aligns with, 1 (broadcast), or rarely wrong.

@@ -21,6 +21,7 @@
 #include "support/errors.hpp"
 #include "support/finite_differences.hpp"
 #include "support/golden.hpp"
+#include "support/kernel_agreement.hpp"
 #include "support/random.hpp"
 #include "support/scalar_names.hpp"
 
@@ -215,30 +216,10 @@ TEST(SinksCombined, TiledEqualsReferenceWithSoftcapAlibiWindowGqaPaddingAndDropo
     c.options.weights_after_dropout = true;
     const auto mask = attend::sliding_window(96, 0, alignment::bottom_right) && attend::key_padding(c.key_lengths);
     const auto d_out = attend_test::random_tensor<double>(5, c.batch, c.heads, c.query_len, c.dim);
-    std::vector<attend::attention_result<double, 4>> f;
-    std::vector<attend::attention_gradients<double, 4>> g;
-    for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled, attend::kernel::tiled}) {
-        auto o = c.options;
-        o.kernel = kernel;
-        o.threads = f.size() == 2 ? 2 : 1;
-        f.push_back(attend::scaled_dot_product_attention(c.q, c.k, c.v, mask, o));
-        g.push_back(attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, f.back(), d_out, mask, o));
-    }
-    const auto close = [](const auto& a, const auto& b) {
-        return attend_test::max_abs_diff(a, b) <= 1e-12 * std::max(1.0, attend_test::max_abs(b));
-    };
-    EXPECT_TRUE(close(f[1].out, f[0].out));
-    EXPECT_TRUE(close(f[1].lse, f[0].lse));
-    EXPECT_TRUE(close(f[1].weights, f[0].weights));
-    EXPECT_TRUE(close(g[1].dq, g[0].dq));
-    EXPECT_TRUE(close(g[1].dk, g[0].dk));
-    EXPECT_TRUE(close(g[1].dv, g[0].dv));
-    EXPECT_TRUE(close(g[1].score_bias_gradient, g[0].score_bias_gradient));
-    ASSERT_EQ(g[0].sink_gradient.size(), c.heads);
-    EXPECT_GT(attend_test::max_abs(g[0].sink_gradient), 1e-3);
-    EXPECT_TRUE(close(g[1].sink_gradient, g[0].sink_gradient));
-    EXPECT_TRUE(attend_test::bit_equal(g[1].sink_gradient, g[2].sink_gradient));
-    EXPECT_TRUE(attend_test::bit_equal(g[1].dk, g[2].dk));
+    const auto runs = attend_test::run_every_kernel(c.q, c.k, c.v, d_out, mask, c.options);
+    attend_test::expect_kernels_agree(runs);
+    ASSERT_EQ(runs.backward[0].sink_gradient.size(), c.heads);
+    EXPECT_GT(attend_test::max_abs(runs.backward[0].sink_gradient), 1e-3);  // the sinks matter here
 }
 
 TEST(SinksBackward, GradientsOfBothKernelsEqualFiniteDifferencesIncludingTheSinks) {

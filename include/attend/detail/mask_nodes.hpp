@@ -189,6 +189,65 @@ struct bound_block_diagonal : interval_rule<bound_block_diagonal> {
     }
 };
 
+/// Packed segments (packed_segments in mask.hpp), resolved against a call: segment n's real queries
+/// [query_begin[n], query_end[n]) see keys in [key_begin[n], key_end[n]), inside a band around the segment's own
+/// diagonal when windowed. Offsets are ascending, so a position's segment is a binary search.
+struct packed_layout {
+    std::vector<index> query_slots;  ///< [segments + 1] slot offsets along the query axis (cu_seqlens_q)
+    std::vector<index> query_end;    ///< [segments] end of the real queries of each slot
+    std::vector<index> key_begin;    ///< [segments] first key of each segment
+    std::vector<index> key_end;      ///< [segments] end of the real keys of each segment
+    std::vector<index> diagonal;     ///< [segments] key on the diagonal of the segment's first query slot
+    index left = 0, right = 0;       ///< the band around each diagonal (capped, so nothing overflows)
+};
+
+struct bound_packed_segments : interval_rule<bound_packed_segments> {
+    std::shared_ptr<const packed_layout> layout;
+
+    /// The segment whose slot holds query i, or -1 outside every slot.
+    index segment_of(index i) const {
+        const auto& slots = layout->query_slots;
+        const auto n = static_cast<index>(std::upper_bound(slots.begin(), slots.end(), i) - slots.begin()) - 1;
+        return n < 0 || n + 1 >= static_cast<index>(slots.size()) ? -1 : n;
+    }
+    bool query_padded(index, index i) const {
+        const index n = segment_of(i);
+        return n < 0 || i >= layout->query_end[static_cast<std::size_t>(n)];
+    }
+    std::array<index, 2> interval(index b, index i) const {
+        if (query_padded(b, i)) return {0, 0};
+        const auto n = static_cast<std::size_t>(segment_of(i));
+        const packed_layout& l = *layout;
+        const index diagonal = l.diagonal[n] + (i - l.query_slots[n]);
+        return {std::max(l.key_begin[n], diagonal - l.left), std::min(l.key_end[n], diagonal + l.right + 1)};
+    }
+    /// Exact both ways. Within a segment, row i's keys are [max(kb, d - left), min(ke, d + right + 1)) with its
+    /// diagonal d growing by one per row, so over the tile's rows d0..d1 of the segment some row reaches keys
+    /// [a, b) = [max(kb, k0), min(ke, k1)) iff a < b, d1 + right + 1 > a and d0 - left < b; every row sees all of
+    /// [k0, k1) iff kb <= k0, k1 <= ke, d1 - left <= k0 and d0 + right + 1 >= k1 (and no row is padding).
+    tile_class classify(const tile& t) const {
+        const packed_layout& l = *layout;
+        if (t.query_begin >= l.query_slots.back()) return tile_class::empty;  // past the last slot: all padding
+        const index first = std::max<index>(0, segment_of(t.query_begin));
+        index last = segment_of(t.query_end - 1);
+        if (last < 0) last = static_cast<index>(l.query_end.size()) - 1;
+        bool any = false, all = !query_padded(t.batch, t.query_begin) && !query_padded(t.batch, t.query_end - 1) &&
+                              first == last;
+        for (index n = first; n <= last && !any; ++n) {
+            const auto u = static_cast<std::size_t>(n);
+            const index q0 = std::max(t.query_begin, l.query_slots[u]), q1 = std::min(t.query_end, l.query_end[u]);
+            if (q0 >= q1) continue;
+            const index d0 = l.diagonal[u] + (q0 - l.query_slots[u]), d1 = d0 + (q1 - 1 - q0);
+            const index a = std::max(l.key_begin[u], t.key_begin), b = std::min(l.key_end[u], t.key_end);
+            any = a < b && d1 + l.right + 1 > a && d0 - l.left < b;
+            all = all && l.key_begin[u] <= t.key_begin && t.key_end <= l.key_end[u] && d1 - l.left <= t.key_begin &&
+                  d0 + l.right + 1 >= t.key_end;
+        }
+        if (!any) return tile_class::empty;
+        return all ? tile_class::full : tile_class::mixed;
+    }
+};
+
 /// Every position allowed: what a call without a mask binds to.
 struct bound_everything {
     bool allowed(index, index, index, index) const { return true; }
