@@ -14,11 +14,13 @@
 #include <attend/attend.hpp>
 #include <attend/distributed/detail/block_mask.hpp>
 
+#include "support/compare.hpp"
 #include "support/random.hpp"
 
 namespace {
 
 using attend::index;
+using attend_test::max_rel_diff;
 namespace dd = attend::distributed::detail;
 
 struct block {
@@ -76,16 +78,6 @@ TEST(BlockMask, EveryBlockOfAMaskOfTheWholeSequenceIsItsSubGrid) {
     }
 }
 
-template <class T>
-double relative_difference(const attend::tensor<T, 4>& a, const attend::tensor<T, 4>& b) {
-    double diff = 0, scale = 0;
-    for (index n = 0; n < a.size(); ++n) {
-        diff = std::max(diff, std::abs(static_cast<double>(a.data()[n]) - static_cast<double>(b.data()[n])));
-        scale = std::max(scale, std::abs(static_cast<double>(b.data()[n])));
-    }
-    return diff / std::max(scale, 1e-300);
-}
-
 TEST(BlockMask, QueryRowsComputedBlockByBlockAndMergedByLseEqualOneCallOverTheWholeSequenceWithDropout) {
     attend_test::rng g(22);
     for (int n = 0; n < attend_test::repeat(20); ++n) {
@@ -126,7 +118,7 @@ TEST(BlockMask, QueryRowsComputedBlockByBlockAndMergedByLseEqualOneCallOverTheWh
             merged = attend::merge_partials(merged.out, merged.lse, parts[p].out, parts[p].lse);
         const attend::tensor<double, 4> expected =
             whole.out.slice(std::array<index, 4>{0, 0, q0, 0}, std::array<index, 4>{batch, heads, q1 - q0, dim});
-        EXPECT_LE(relative_difference(merged.out, expected), 1e-12)
+        EXPECT_LE(max_rel_diff(merged.out, expected, 0.0), 1e-12)
             << "total " << total << ", rows [" << q0 << ',' << q1 << "), cut " << cut;
     }
 }

@@ -3,8 +3,6 @@
 /// Helpers of the MPI tests: the communicator, the same random problem on every rank, and comparisons that every
 /// rank checks (a failure on any rank fails mpirun).
 
-#include <algorithm>
-#include <cmath>
 #include <string>
 #include <vector>
 
@@ -12,6 +10,8 @@
 #include <mpi.h>
 
 #include <attend/tensor.hpp>
+
+#include "support/compare.hpp"
 
 namespace attend_test {
 
@@ -27,25 +27,13 @@ inline int mpi_size() {
     return n;
 }
 
-/// max |a - b| / max(max |b|, 0.1): the relative error of a result against the single-process one. The floor
-/// matters only for tensors that are zero up to rounding: a query that sees a single key has dq = 0 as the
+/// The relative error of a result against the single-process one: max_rel_diff (compare.hpp) with the floor 0.1.
+/// The floor matters only for tensors that are zero up to rounding: a query that sees a single key has dq = 0 as the
 /// difference of two terms of size |d_out . v| ~ 1 (inputs are in [-1, 1)), exactly 0 in one summation order and
 /// a few ulps of those terms in another, so its error is relative to them, not to the zero result.
 template <class T, int R>
 double relative_error(const attend::tensor<T, R>& a, const attend::tensor<T, R>& b) {
-    EXPECT_EQ(a.dimensions(), b.dimensions());
-    if (a.dimensions() != b.dimensions()) return INFINITY;
-    double diff = 0, scale = 0;
-    for (attend::index n = 0; n < a.size(); ++n) {
-        const double x = static_cast<double>(a.data()[n]), y = static_cast<double>(b.data()[n]);
-        if (x == y) {  // also -inf lse of empty rows
-            scale = std::isfinite(y) ? std::max(scale, std::abs(y)) : scale;
-            continue;
-        }
-        diff = std::max(diff, std::isfinite(x) && std::isfinite(y) ? std::abs(x - y) : INFINITY);
-        scale = std::max(scale, std::abs(y));
-    }
-    return diff == 0 ? 0 : diff / std::max(scale, 0.1);
+    return max_rel_diff(a, b, 0.1);
 }
 
 /// True on every rank when `text` is the same string on every rank.

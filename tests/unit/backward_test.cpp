@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <functional>
 #include <iostream>
 #include <limits>
@@ -22,6 +21,7 @@
 #include <typeinfo>
 #include <vector>
 
+#include "support/compare.hpp"
 #include "support/golden.hpp"
 #include "support/errors.hpp"
 #include "support/finite_differences.hpp"
@@ -29,44 +29,17 @@
 
 namespace {
 
+using attend_test::all_finite;
+using attend_test::bit_equal;
 using attend_test::expect_error;
+using attend_test::max_abs;
+using attend_test::max_abs_diff;
 
 using attend::alignment;
 using attend::index;
 using attend::kernel;
 using attend::sdpa_options;
 using attend::tensor;
-
-template <class T, int Rank>
-T max_abs(const tensor<T, Rank>& x) {
-    T m = 0;
-    for (index n = 0; n < x.size(); ++n) m = std::max(m, std::abs(x.data()[n]));
-    return m;
-}
-
-template <class T, int Rank>
-T max_abs_diff(const tensor<T, Rank>& a, const tensor<T, Rank>& b) {
-    EXPECT_EQ(a.size(), b.size());
-    T m = 0;
-    for (index n = 0; n < std::min(a.size(), b.size()); ++n) {
-        const T d = std::abs(a.data()[n] - b.data()[n]);
-        m = std::isnan(d) ? std::numeric_limits<T>::infinity() : std::max(m, d);
-    }
-    return m;
-}
-
-template <class T, int Rank>
-bool all_finite(const tensor<T, Rank>& x) {
-    for (index n = 0; n < x.size(); ++n)
-        if (!std::isfinite(x.data()[n])) return false;
-    return true;
-}
-
-template <class T, int Rank>
-bool bit_identical(const tensor<T, Rank>& a, const tensor<T, Rank>& b) {
-    return a.size() == b.size() &&
-           std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(T)) == 0;
-}
 
 /// The forward pass whose gradients are checked: out and lse from the reference kernel.
 template <class T, int Rank, class Mask>
@@ -152,7 +125,7 @@ TEST(BackwardFiniteDifferences, NoMaskOverloadAndCustomScale) {
     const auto f = forward(x.q, x.k, x.v, attend::no_mask{}, o);
     const auto a = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, f.out, o);
     const auto b = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, f.out, attend::no_mask{}, o);
-    EXPECT_TRUE(bit_identical(a.dq, b.dq) && bit_identical(a.dk, b.dk) && bit_identical(a.dv, b.dv));
+    EXPECT_TRUE(bit_equal(a.dq, b.dq) && bit_equal(a.dk, b.dk) && bit_equal(a.dv, b.dv));
 }
 
 TEST(BackwardFiniteDifferences, DenseAllowedMask) {
@@ -308,7 +281,7 @@ TEST(BackwardFiniteDifferences, RelativeBiasInputsAndTable) {
             ASSERT_EQ(g.score_bias_gradient.dimension(1), d.query_len + d.key_len - 1);
             expect_close_to_fd(attend::relative_bias_gradient(table, g, o.score_bias), fd, "d table");
         }
-        EXPECT_TRUE(bit_identical(entries, table.table()));
+        EXPECT_TRUE(bit_equal(entries, table.table()));
     }
 }
 
@@ -505,7 +478,7 @@ attend::attention_gradients<T, 4> tiled_backward(const tensor<T, 4>& q, const te
 /// Largest difference between the kernels relative to `scale`; exact agreement is required when scale is 0.
 template <class T, int Rank>
 double relative_error(const tensor<T, Rank>& tiled, const tensor<T, Rank>& reference, double scale) {
-    const double diff = static_cast<double>(max_abs_diff(tiled, reference));
+    const double diff = max_abs_diff(tiled, reference);
     if (scale == 0) return diff == 0 ? 0 : std::numeric_limits<double>::infinity();
     return diff / scale;
 }
@@ -611,10 +584,10 @@ TEST(BackwardThreads, BitIdenticalForAnyThreadCount) {
                                   : attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, w, mask, o));
         }
         for (std::size_t n = 1; n < results.size(); ++n) {
-            EXPECT_TRUE(bit_identical(results[0].dq, results[n].dq)) << "dq, run " << n;
-            EXPECT_TRUE(bit_identical(results[0].dk, results[n].dk)) << "dk, run " << n;
-            EXPECT_TRUE(bit_identical(results[0].dv, results[n].dv)) << "dv, run " << n;
-            EXPECT_TRUE(bit_identical(results[0].score_bias_gradient, results[n].score_bias_gradient)) << "bias";
+            EXPECT_TRUE(bit_equal(results[0].dq, results[n].dq)) << "dq, run " << n;
+            EXPECT_TRUE(bit_equal(results[0].dk, results[n].dk)) << "dk, run " << n;
+            EXPECT_TRUE(bit_equal(results[0].dv, results[n].dv)) << "dv, run " << n;
+            EXPECT_TRUE(bit_equal(results[0].score_bias_gradient, results[n].score_bias_gradient)) << "bias";
         }
         o.kernel = kernel::reference;
         const auto r = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, w, mask, o);
@@ -688,12 +661,12 @@ TEST(BackwardViews, IntoFormWritesTheSameAsTheAllocatingForm) {
     tensor<double, 4> dq(x.q.dimensions()), dk(x.k.dimensions()), dv(x.v.dimensions());
     tensor<double, 2> db(d.heads, d.query_len + d.key_len - 1);
     attend::scaled_dot_product_attention_backward_into(x.q, x.k, x.v, f.out, f.lse, f.out, mask, dq, dk, dv, o, db);
-    EXPECT_TRUE(bit_identical(dq, g.dq) && bit_identical(dk, g.dk) && bit_identical(dv, g.dv));
-    EXPECT_TRUE(bit_identical(db, g.score_bias_gradient));
+    EXPECT_TRUE(bit_equal(dq, g.dq) && bit_equal(dk, g.dk) && bit_equal(dv, g.dv));
+    EXPECT_TRUE(bit_equal(db, g.score_bias_gradient));
     // TensorMap outputs work too.
     attend::tensor_view<double, 4> dq_map(dq.data(), dq.dimensions());
     attend::scaled_dot_product_attention_backward_into(x.q, x.k, x.v, f.out, f.lse, f.out, mask, dq_map, dk, dv, o);
-    EXPECT_TRUE(bit_identical(dq, g.dq));
+    EXPECT_TRUE(bit_equal(dq, g.dq));
 }
 
 TEST(BackwardViews, ForwardResultWholeNeedsNoOptionToRemember) {
@@ -706,12 +679,12 @@ TEST(BackwardViews, ForwardResultWholeNeedsNoOptionToRemember) {
     const auto d_out = attend_test::random_tensor<double>(29, d.batch, d.heads, d.query_len, d.value_dim);
     const auto from_parts = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, d_out, mask);
     const auto from_result = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f, d_out, mask);
-    EXPECT_TRUE(bit_identical(from_result.dq, from_parts.dq) && bit_identical(from_result.dk, from_parts.dk) &&
-                bit_identical(from_result.dv, from_parts.dv));
+    EXPECT_TRUE(bit_equal(from_result.dq, from_parts.dq) && bit_equal(from_result.dk, from_parts.dk) &&
+                bit_equal(from_result.dv, from_parts.dv));
     const auto plain = attend::scaled_dot_product_attention(x.q, x.k, x.v);
     const auto g_plain = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, plain, d_out);
     const auto g_parts = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, plain.out, plain.lse, d_out);
-    EXPECT_TRUE(bit_identical(g_plain.dq, g_parts.dq));
+    EXPECT_TRUE(bit_equal(g_plain.dq, g_parts.dq));
     // Turning lse off and then handing the result to the backward says what to do instead of a bare shape.
     sdpa_options off;
     off.need_lse = false;

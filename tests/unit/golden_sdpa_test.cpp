@@ -15,7 +15,6 @@
 #include <iostream>
 #include <limits>
 #include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -23,38 +22,18 @@
 
 #include <attend/attend.hpp>
 
+#include "support/compare.hpp"
 #include "support/golden.hpp"
 
 namespace {
 
 using attend::index;
 using attend_test::json;
+using attend_test::max_abs_diff;
 template <class T, int Rank>
 using tensor = attend::tensor<T, Rank>;
 
 constexpr double tolerance = 1e-10;
-
-/// Max |a - b| over two tensors of the same shape; equal infinities count as 0, a NaN or a lone infinity as +inf.
-template <int Rank>
-double max_abs_error(const tensor<double, Rank>& got, const tensor<double, Rank>& want, std::string& where) {
-    for (std::size_t d = 0; d < static_cast<std::size_t>(Rank); ++d)
-        if (got.dimension(d) != want.dimension(d)) {
-            where = "shape differs on axis " + std::to_string(d);
-            return std::numeric_limits<double>::infinity();
-        }
-    double worst = 0;
-    for (index n = 0; n < got.size(); ++n) {
-        const double x = got.data()[n], y = want.data()[n];
-        const double e = x == y ? 0.0 : std::isnan(x - y) ? std::numeric_limits<double>::infinity() : std::abs(x - y);
-        if (e > worst || std::isnan(e)) {
-            worst = e;
-            std::ostringstream s;
-            s << "flat index " << n << ": got " << x << ", want " << y;
-            where = s.str();
-        }
-    }
-    return worst;
-}
 
 const json& sdpa_doc() {
     static const json doc = attend_test::load_golden("sdpa.json");
@@ -85,9 +64,9 @@ errors run_case(const json& c, const Mask& mask, attend::kernel kernel) {
     o.kernel = kernel;
     const auto r = attend::scaled_dot_product_attention(q, k, v, mask, o);
     errors e;
-    e.out = max_abs_error(r.out, attend_test::tensor_at<double, Rank>(c, "out"), e.out_at);
-    e.weights = max_abs_error(r.weights, attend_test::tensor_at<double, Rank>(c, "weights"), e.weights_at);
-    e.lse = max_abs_error(r.lse, attend_test::tensor_at<double, Rank - 1>(c, "lse"), e.lse_at);
+    e.out = max_abs_diff(r.out, attend_test::tensor_at<double, Rank>(c, "out"), &e.out_at);
+    e.weights = max_abs_diff(r.weights, attend_test::tensor_at<double, Rank>(c, "weights"), &e.weights_at);
+    e.lse = max_abs_diff(r.lse, attend_test::tensor_at<double, Rank - 1>(c, "lse"), &e.lse_at);
     return e;
 }
 
@@ -196,8 +175,7 @@ TEST(GoldenSdpaFile, ReadingAnMhaMaskInTheSdpaConventionDoesNotMatch) {
                    v = attend_test::tensor_at<double, 4>(c, "v");
         const auto want = attend_test::tensor_at<double, 4>(c, "out");
         const auto run = [&](const auto& mask) {
-            std::string where;
-            return max_abs_error(attend::scaled_dot_product_attention(q, k, v, mask, o).out, want, where);
+            return max_abs_diff(attend::scaled_dot_product_attention(q, k, v, mask, o).out, want);
         };
         double wrong = 0;
         switch (attend_test::shape_of(t).size()) {

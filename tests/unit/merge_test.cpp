@@ -20,12 +20,15 @@
 
 #include <attend/attend.hpp>
 
+#include "support/compare.hpp"
 #include "support/random.hpp"
 #include "support/scalar_names.hpp"
 
 namespace {
 
 using attend::index;
+using attend_test::identical;
+using attend_test::near;
 using attend_test::rng;
 template <class T, int Rank>
 using tensor = attend::tensor<T, Rank>;
@@ -33,27 +36,6 @@ using tensor = attend::tensor<T, Rank>;
 template <class T>
 double tol() {
     return std::is_same_v<T, float> ? 1e-6 : 1e-13;
-}
-
-template <class T, int Rank>
-::testing::AssertionResult near(const tensor<T, Rank>& a, const tensor<T, Rank>& b, double tolerance) {
-    for (std::size_t d = 0; d < static_cast<std::size_t>(Rank); ++d)
-        if (a.dimension(d) != b.dimension(d))
-            return ::testing::AssertionFailure() << "dimension " << d << ": " << a.dimension(d) << " vs " << b.dimension(d);
-    for (index n = 0; n < a.size(); ++n) {
-        const double x = static_cast<double>(a.data()[n]), y = static_cast<double>(b.data()[n]);
-        if (std::isnan(x) || std::isnan(y))
-            return ::testing::AssertionFailure() << "NaN at flat index " << n;
-        if (!(x == y || std::abs(x - y) <= tolerance))
-            return ::testing::AssertionFailure() << "flat index " << n << ": " << x << " vs " << y << " (|diff| "
-                                                 << std::abs(x - y) << " > " << tolerance << ')';
-    }
-    return ::testing::AssertionSuccess();
-}
-
-template <class T, int Rank>
-::testing::AssertionResult identical(const tensor<T, Rank>& a, const tensor<T, Rank>& b) {
-    return near(a, b, 0.0);
 }
 
 struct config {

@@ -16,6 +16,7 @@
 #include <typeinfo>
 #include <vector>
 
+#include "support/compare.hpp"
 #include "support/golden.hpp"
 #include "support/mha_golden.hpp"
 #include "support/errors.hpp"
@@ -23,30 +24,15 @@
 
 namespace {
 
+using attend_test::bit_equal;
 using attend_test::expect_error;
+using attend_test::max_abs_diff;
 
 using attend::index;
 using attend::tensor;
 using attend_test::json;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
-
-template <class A, class B>
-double max_abs_diff(const A& a, const B& b) {
-    EXPECT_EQ(a.size(), b.size());
-    double m = 0;
-    for (index k = 0; k < std::min(a.size(), b.size()); ++k)
-        m = std::max(m, std::abs(static_cast<double>(a.data()[k]) - static_cast<double>(b.data()[k])));
-    return m;
-}
-
-template <class T, int R>
-bool bit_equal(const tensor<T, R>& a, const tensor<T, R>& b) {
-    if (a.dimensions() != b.dimensions()) return false;
-    for (index k = 0; k < a.size(); ++k)
-        if (a.data()[k] != b.data()[k]) return false;
-    return true;
-}
 
 template <class T>
 tensor<T, 3> random3(std::uint64_t seed, index b, index l, index d) {

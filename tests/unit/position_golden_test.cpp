@@ -9,24 +9,19 @@
 #include <iostream>
 #include <string>
 
+#include "support/compare.hpp"
 #include "support/golden.hpp"
 
 namespace {
 
 using attend::index;
+using attend_test::max_abs_diff;
 
 constexpr double tolerance = 1e-10;
 
 const attend_test::json& positions() {
     static const attend_test::json doc = attend_test::load_golden("positions.json");
     return doc;
-}
-
-template <int Rank>
-double max_abs_error(const attend::tensor<double, Rank>& got, const attend::tensor<double, Rank>& want) {
-    double worst = 0;
-    for (index k = 0; k < want.size(); ++k) worst = std::max(worst, std::abs(got.data()[k] - want.data()[k]));
-    return worst;
 }
 
 void report(const std::string& what, double error) {
@@ -41,7 +36,7 @@ TEST(PositionGolden, SinusoidalTableMatchesPyTorch) {
     ASSERT_EQ(want.dimension(0), length);
     ASSERT_EQ(want.dimension(1), dim);
     const auto got = attend::sinusoidal_positions<double>(length, dim);
-    const double error = max_abs_error(got, want);
+    const double error = max_abs_diff(got, want);
     report("sinusoidal [" + std::to_string(length) + "," + std::to_string(dim) + "]", error);
     EXPECT_LE(error, tolerance);
 }
@@ -105,17 +100,17 @@ TEST(PositionGolden, RotaryMatchesPyTorchForBothLayoutsAndInverseRestoresTheInpu
         const auto want = attend_test::tensor_at<double, 4>(c, "out");
         attend::tensor<double, 4> got = x;
         rope.apply(got, offset);
-        const double error = max_abs_error(got, want);
+        const double error = max_abs_diff(got, want);
         report("rotary " + name, error);
         EXPECT_LE(error, tolerance) << name;
         rope.apply_inverse(got, offset);
-        EXPECT_LE(max_abs_error(got, x), tolerance) << name << ": apply_inverse after apply";
+        EXPECT_LE(max_abs_diff(got, x), tolerance) << name << ": apply_inverse after apply";
 
         // The float path agrees to float precision.
         attend::tensor<float, 4> got_float = x.cast<float>();
         rope.apply(got_float, offset);
         const attend::tensor<double, 4> widened = got_float.cast<double>();
-        EXPECT_LE(max_abs_error(widened, want), 1e-5) << name << " (float)";
+        EXPECT_LE(max_abs_diff(widened, want), 1e-5) << name << " (float)";
     }
 }
 

@@ -11,11 +11,13 @@
 #include <typeinfo>
 #include <vector>
 
+#include "support/compare.hpp"
 #include "support/errors.hpp"
 #include "support/random.hpp"
 
 namespace {
 
+using attend_test::bit_equal;
 using attend_test::expect_error;
 
 using attend::index;
@@ -30,14 +32,6 @@ template <class T, int R>
 bool all_sentinel(const tensor<T, R>& t) {
     for (index k = 0; k < t.size(); ++k)
         if (t.data()[k] != static_cast<T>(-12345.25)) return false;
-    return true;
-}
-
-template <class T, int R>
-bool bit_equal(const tensor<T, R>& a, const tensor<T, R>& b) {
-    if (a.dimensions() != b.dimensions()) return false;
-    for (index k = 0; k < a.size(); ++k)
-        if (a.data()[k] != b.data()[k]) return false;
     return true;
 }
 

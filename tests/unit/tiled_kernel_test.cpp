@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <cstdio>
 #include <memory>
@@ -23,6 +22,7 @@
 
 #include <attend/attend.hpp>
 
+#include "support/compare.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -30,6 +30,7 @@ namespace {
 using attend::index;
 using attend::alignment;
 using attend::detail::tile_config;
+using attend_test::bit_equal;
 
 template <class T>
 double tolerance() {
@@ -483,17 +484,6 @@ TEST(TiledKernel, NamedSizesFloat) {
 
 // ---- determinism and dispatch ------------------------------------------------------------------------------------
 
-template <class T>
-bool same_bits(const attend::tensor<T, 4>& a, const attend::tensor<T, 4>& b) {
-    return a.size() == b.size() &&
-           std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(T)) == 0;
-}
-template <class T>
-bool same_bits(const attend::tensor<T, 3>& a, const attend::tensor<T, 3>& b) {
-    return a.size() == b.size() &&
-           std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(T)) == 0;
-}
-
 TEST(TiledKernel, BitIdenticalForAnyThreadCount) {
     const auto q = attend_test::random_tensor<float>(1, 2, 4, 333, 32);
     const auto k = attend_test::random_tensor<float>(2, 2, 2, 517, 32);
@@ -511,9 +501,9 @@ TEST(TiledKernel, BitIdenticalForAnyThreadCount) {
     for (int threads : {2, 7}) {
         o.threads = threads;
         const auto r = attend::scaled_dot_product_attention(q, k, v, mask, o);
-        EXPECT_TRUE(same_bits(one.out, r.out)) << threads << " threads";
-        EXPECT_TRUE(same_bits(one.weights, r.weights)) << threads << " threads";
-        EXPECT_TRUE(same_bits(one.lse, r.lse)) << threads << " threads";
+        EXPECT_TRUE(bit_equal(one.out, r.out)) << threads << " threads";
+        EXPECT_TRUE(bit_equal(one.weights, r.weights)) << threads << " threads";
+        EXPECT_TRUE(bit_equal(one.lse, r.lse)) << threads << " threads";
     }
 }
 
@@ -574,8 +564,8 @@ TEST(TiledKernel, AutomaticIsTiled) {
     const auto tiled = attend::scaled_dot_product_attention(q, k, v, attend::causal(alignment::bottom_right), o);
     o.kernel = attend::kernel::reference;
     const auto reference = attend::scaled_dot_product_attention(q, k, v, attend::causal(alignment::bottom_right), o);
-    EXPECT_TRUE(same_bits(automatic.out, tiled.out));
-    EXPECT_TRUE(same_bits(automatic.lse, tiled.lse));
+    EXPECT_TRUE(bit_equal(automatic.out, tiled.out));
+    EXPECT_TRUE(bit_equal(automatic.lse, tiled.lse));
     double diff = 0;
     for (index n = 0; n < reference.out.size(); ++n)
         diff = std::max(diff, std::abs(reference.out.data()[n] - tiled.out.data()[n]));
