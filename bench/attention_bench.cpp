@@ -147,8 +147,8 @@ void decode(benchmark::State& state) {
     o.threads = static_cast<int>(state.range(0));
     o.check_finite = state.range(1) != 0;  // the NaN/Inf scan of q, k, v is itself one full read of K and V
     for (auto _ : state) {
-        attend::scaled_dot_product_attention_into(p.q, p.k, p.v, attend::causal(attend::alignment::bottom_right),
-                                                  p.out, o);
+        attend::scaled_dot_product_attention_into(p.q, p.k, p.v, attend::causal(attend::alignment::bottom_right), p.out,
+                                                  o);
         benchmark::DoNotOptimize(p.out.data());
         benchmark::ClobberMemory();
     }
@@ -198,5 +198,9 @@ BENCHMARK(tiled_tiles)
     ->ArgsProduct({{32, 64, 128, 256}, {128, 256, 512, 1024}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
-BENCHMARK(decode)->ArgNames({"threads", "check_finite"})->ArgsProduct({{1, 2}, {0, 1}})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(decode)
+    ->ArgNames({"threads", "check_finite"})
+    ->ArgsProduct({{1, 2}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 BENCHMARK(stream_kv)->Arg(1)->Arg(2)->Unit(benchmark::kMicrosecond)->UseRealTime();

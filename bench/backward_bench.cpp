@@ -39,9 +39,7 @@ void run_backward(benchmark::State& state, const Mask& mask, double flops_fracti
 
 void backward(benchmark::State& state) { run_backward(state, attend::no_mask{}, 1.0); }
 
-void backward_causal(benchmark::State& state) {
-    run_backward(state, attend::causal(attend::alignment::top_left), 0.5);
-}
+void backward_causal(benchmark::State& state) { run_backward(state, attend::causal(attend::alignment::top_left), 0.5); }
 
 void lengths_and_threads(benchmark::internal::Benchmark* b) {
     for (int threads : {1, 2})

@@ -85,8 +85,8 @@ void gemm_square(benchmark::State& state) {
         benchmark::DoNotOptimize(c.data());
         benchmark::ClobberMemory();
     }
-    attend_bench::set_flops(state, 2.0 * static_cast<double>(threads) * static_cast<double>(n * n) *
-                                       static_cast<double>(n));
+    attend_bench::set_flops(state,
+                            2.0 * static_cast<double>(threads) * static_cast<double>(n * n) * static_cast<double>(n));
 }
 
 void lengths_and_threads(benchmark::internal::Benchmark* b) {
@@ -97,7 +97,10 @@ void lengths_and_threads(benchmark::internal::Benchmark* b) {
 }  // namespace
 
 BENCHMARK(reference_gemm)->Arg(512)->Unit(benchmark::kMillisecond);
-BENCHMARK_TEMPLATE(gemm_attention_shape, float)->Apply(lengths_and_threads)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_TEMPLATE(gemm_attention_shape, float)
+    ->Apply(lengths_and_threads)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK_TEMPLATE(gemm_square, float)->Apply(lengths_and_threads)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_TEMPLATE(gemm_attention_shape, double)
     ->Args({2048, 1})

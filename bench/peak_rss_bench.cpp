@@ -86,8 +86,7 @@ void peak_rss_backward(benchmark::State& state) {
     const auto o = tiled_on_two_threads();
     attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, out, o, nullptr, lse);
     for (auto _ : state) {
-        attend::scaled_dot_product_attention_backward_into(q, k, v, out, lse, d_out, attend::no_mask{}, dq, dk, dv,
-                                                           o);
+        attend::scaled_dot_product_attention_backward_into(q, k, v, out, lse, d_out, attend::no_mask{}, dq, dk, dv, o);
         benchmark::DoNotOptimize(dq.data());
         benchmark::ClobberMemory();
     }

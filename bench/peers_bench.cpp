@@ -27,8 +27,7 @@ void prefill(benchmark::State& state) {
     for (auto _ : state) {
         if (causal)
             attend::scaled_dot_product_attention_into(q, k, v, attend::causal(attend::alignment::top_left), out, o);
-        else
-            attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, out, o);
+        else attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, out, o);
         benchmark::DoNotOptimize(out.data());
         benchmark::ClobberMemory();
     }

@@ -147,12 +147,9 @@ int main(int argc, char** argv) {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &ranks);
     const std::string mode = argc > 1 ? argv[1] : "";
-    if (mode == "overlap")
-        overlap(argc, argv, rank, ranks);
-    else if (mode == "balance")
-        balance(argc, argv, rank, ranks);
-    else if (rank == 0)
-        std::fprintf(stderr, "usage: mpirun -np N attend_ring_bench overlap|balance [sizes...]\n");
+    if (mode == "overlap") overlap(argc, argv, rank, ranks);
+    else if (mode == "balance") balance(argc, argv, rank, ranks);
+    else if (rank == 0) std::fprintf(stderr, "usage: mpirun -np N attend_ring_bench overlap|balance [sizes...]\n");
     MPI_Finalize();
     return mode == "overlap" || mode == "balance" ? 0 : 2;
 }

@@ -88,14 +88,14 @@ void fixed_literal(bit_writer& w, unsigned symbol) {
 
 /// A back-reference of `length` (3..258) bytes at `distance` (1..32768).
 void fixed_match(bit_writer& w, unsigned length, unsigned distance) {
-    static constexpr std::array<unsigned, 29> length_base = {3,  4,  5,  6,  7,  8,  9,  10, 11,  13,
-                                                             15, 17, 19, 23, 27, 31, 35, 43, 51,  59,
+    static constexpr std::array<unsigned, 29> length_base = {3,  4,  5,  6,   7,   8,   9,   10,  11, 13,
+                                                             15, 17, 19, 23,  27,  31,  35,  43,  51, 59,
                                                              67, 83, 99, 115, 131, 163, 195, 227, 258};
     static constexpr std::array<int, 29> length_extra = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2,
                                                          2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 0};
-    static constexpr std::array<unsigned, 30> distance_base = {1,    2,    3,    4,    5,    7,     9,     13,
-                                                               17,   25,   33,   49,   65,   97,    129,   193,
-                                                               257,  385,  513,  769,  1025, 1537,  2049,  3073,
+    static constexpr std::array<unsigned, 30> distance_base = {1,    2,    3,    4,     5,     7,    9,    13,
+                                                               17,   25,   33,   49,    65,    97,   129,  193,
+                                                               257,  385,  513,  769,   1025,  1537, 2049, 3073,
                                                                4097, 6145, 8193, 12289, 16385, 24577};
     unsigned l = 28;
     while (length_base[l] > length) --l;

@@ -22,8 +22,8 @@ int main() {
     std::cout << std::fixed << std::setprecision(5) << "weights:\n";
     for (int i = 0; i < 3; ++i)
         std::cout << "  " << r.weights(0, i, 0) << ' ' << r.weights(0, i, 1) << ' ' << r.weights(0, i, 2) << '\n';
-    std::cout << std::defaultfloat << std::setprecision(6) << "out: " << r.out(0, 0, 0) << ' ' << r.out(0, 1, 0)
-              << ' ' << r.out(0, 2, 0) << '\n';
+    std::cout << std::defaultfloat << std::setprecision(6) << "out: " << r.out(0, 0, 0) << ' ' << r.out(0, 1, 0) << ' '
+              << r.out(0, 2, 0) << '\n';
 
     // The same rule in nn.MultiheadAttention's convention: true = blocked (the strict upper triangle).
     attend::tensor<bool, 2> blocked(3, 3);
@@ -31,8 +31,8 @@ int main() {
         for (int j = 0; j < 3; ++j) blocked(i, j) = j > i;
     const auto forbidden = attend::forbidden_mask::from_torch_mha(blocked);
     const auto again = attend::scaled_dot_product_attention(q, k, v, attend::to_allowed(forbidden));
-    std::cout << "out from forbidden_mask via to_allowed: " << again.out(0, 0, 0) << ' ' << again.out(0, 1, 0)
-              << ' ' << again.out(0, 2, 0) << '\n';
+    std::cout << "out from forbidden_mask via to_allowed: " << again.out(0, 0, 0) << ' ' << again.out(0, 1, 0) << ' '
+              << again.out(0, 2, 0) << '\n';
     const bool identical = again.out(0, 0, 0) == r.out(0, 0, 0) && again.out(0, 1, 0) == r.out(0, 1, 0) &&
                            again.out(0, 2, 0) == r.out(0, 2, 0);
     std::cout << (identical ? "identical: yes\n" : "identical: NO\n");

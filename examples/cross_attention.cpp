@@ -30,7 +30,8 @@ int main() {
     config.key_dim = source_dim;
     config.value_dim = source_dim;
     const attend::multi_head_attention<double> cross(config, /*seed*/ 11);
-    std::cout << "parameters: " << cross.parameter_count() << " (q [8,8], k [8,6], v [8,6], out [8,8], biases 24 + 8)\n";
+    std::cout << "parameters: " << cross.parameter_count()
+              << " (q [8,8], k [8,6], v [8,6], out [8,8], biases 24 + 8)\n";
 
     attend::tensor<double, 3> target(batch, target_len, model_dim), memory(batch, source_len, source_dim);
     for (index b = 0; b < batch; ++b) {

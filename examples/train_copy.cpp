@@ -22,11 +22,11 @@ namespace {
 using attend::index;
 using attend::tensor;
 
-constexpr index digits = 8;                    // length of the sequence to copy
-constexpr index vocab = 11;                    // 0-9 and the separator
+constexpr index digits = 8;  // length of the sequence to copy
+constexpr index vocab = 11;  // 0-9 and the separator
 constexpr index separator = 10;
-constexpr index len = 2 * digits;              // the model sees [x0 .. x7, SEP, x0 .. x6]
-constexpr index model_dim = 32, heads = 4;     // head_dim 8
+constexpr index len = 2 * digits;           // the model sees [x0 .. x7, SEP, x0 .. x6]
+constexpr index model_dim = 32, heads = 4;  // head_dim 8
 constexpr index batch = 32, steps = 400;
 constexpr float final_loss_limit = 0.05f, accuracy_limit = 0.95f;
 
@@ -63,7 +63,7 @@ index target_token(const sequence& s, index i) { return s[static_cast<std::size_
 struct model {
     tensor<float, 2> embedding{vocab, model_dim};  // [vocab, model_dim]
     attend::multi_head_attention<float> attention{attend::mha_config{model_dim, heads}, 7};
-    tensor<float, 2> readout{vocab, model_dim};    // [vocab, model_dim]
+    tensor<float, 2> readout{vocab, model_dim};  // [vocab, model_dim]
     tensor<float, 1> readout_bias{vocab};
 
     explicit model(rng& r) {
@@ -97,8 +97,7 @@ forward_pass run_forward(const model& m, const std::vector<sequence>& samples) {
         for (index i = 0; i < len; ++i)
             for (index e = 0; e < model_dim; ++e)
                 f.x(b, i, e) = m.embedding(input_token(samples[static_cast<std::size_t>(b)], i), e);
-    f.layer = m.attention.forward(f.x, f.x, f.x, attend::causal(attend::alignment::top_left), layer_options(),
-                                  f.saved);
+    f.layer = m.attention.forward(f.x, f.x, f.x, attend::causal(attend::alignment::top_left), layer_options(), f.saved);
     f.logits = tensor<float, 3>(b_count, len, vocab);
     for (index b = 0; b < b_count; ++b)
         for (index i = 0; i < len; ++i)
@@ -232,7 +231,8 @@ int main() {
     for (attend::index step = 1; step <= steps; ++step) {
         for (auto& s : samples) s = pool[static_cast<std::size_t>(r.next() % pool.size())];
         loss = train_step(m, opt, samples);
-        if (step == 1 || step % 25 == 0) std::printf("%4lld  %.4f\n", static_cast<long long>(step), static_cast<double>(loss));
+        if (step == 1 || step % 25 == 0)
+            std::printf("%4lld  %.4f\n", static_cast<long long>(step), static_cast<double>(loss));
     }
     const float held_out_accuracy = accuracy(m, held_out);
     std::printf("final loss %.4f (limit %.2f), held-out token accuracy %.2f %% (limit %.0f %%) on %zu sequences\n",

@@ -60,7 +60,6 @@ struct attention_gradients {
 
 namespace detail {
 
-
 /// A backward call that passed every check.
 template <class T, class Bound>
 struct checked_backward {
@@ -75,8 +74,8 @@ std::string spell_lse(const backward_inputs<T>& in) {
 }
 
 template <class View>
-void check_view_dims(const View& x, const std::array<index, 4>& expected, int rank, const char* id,
-                     const char* what, const std::string& context) {
+void check_view_dims(const View& x, const std::array<index, 4>& expected, int rank, const char* id, const char* what,
+                     const std::string& context) {
     if (x.dims != expected || x.rank != rank) {
         strided_view<const scalar_of<View>> want;
         want.dims = expected;
@@ -95,8 +94,8 @@ auto check_backward(const backward_inputs<T>& in, const gradient_outputs<T>* out
                     const sdpa_options& o) {
     const attention_shape s = check_views(in.q, in.k, in.v);
     const int rank = s.rank;
-    const std::string context = concat(" (query ", spell_view(in.q), ", key ", spell_view(in.k), ", value ",
-                                       spell_view(in.v), ')');
+    const std::string context =
+        concat(" (query ", spell_view(in.q), ", key ", spell_view(in.k), ", value ", spell_view(in.v), ')');
     const std::array<index, 4> out_dims{s.batch, s.heads, s.query_len, s.value_dim};
     check_view_dims(in.out, out_dims, rank, "attend.shape.backward_out", "out", context);
     const std::array<index, 3> lse_expected{s.batch, s.heads, s.query_len};
@@ -128,7 +127,6 @@ auto check_backward(const backward_inputs<T>& in, const gradient_outputs<T>* out
     }
     return checked;
 }
-
 
 /// Runs the kernel of a checked backward call: kernel::reference is the oracle, anything else the tiled path.
 template <class T, class Bound>
@@ -165,8 +163,9 @@ void sdpa_backward_views(const backward_inputs<T>& in, const Mask& mask, const s
 template <class Lse, class T, int Rank>
 constexpr void require_lse() {
     using traits = tensor_traits<std::decay_t<Lse>>;
-    static_assert(traits::supported, "attend: lse must be an attend::tensor (row-major Eigen::Tensor) or a TensorMap "
-                                     "of one, as scaled_dot_product_attention returns it");
+    static_assert(traits::supported,
+                  "attend: lse must be an attend::tensor (row-major Eigen::Tensor) or a TensorMap "
+                  "of one, as scaled_dot_product_attention returns it");
     if constexpr (traits::supported) {
         static_assert(traits::row_major, "attend: lse must be Eigen::RowMajor (PyTorch's layout)");
         static_assert(traits::rank == Rank - 1,
@@ -217,8 +216,8 @@ auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, c
     using T = detail::scalar_of<Q>;
     constexpr int rank = detail::rank_of<Q>();
     const auto in = detail::backward_inputs_of<rank>(q, k, v, out, lse, d_out);
-    const auto checked = detail::check_backward(in, static_cast<const detail::gradient_outputs<T>*>(nullptr), mask,
-                                                options);
+    const auto checked =
+        detail::check_backward(in, static_cast<const detail::gradient_outputs<T>*>(nullptr), mask, options);
     const attention_shape& s = checked.shape;
     attention_gradients<T, rank> g;
     const char* hint = "The gradients are as large as q, k and v; split the call over the batch";
@@ -262,7 +261,8 @@ auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, c
                                            const DOut& d_out, const Mask& mask, const sdpa_options& options = {}) {
     if (forward.lse.size() == 0 && forward.out.size() != 0)
         throw shape_error("attend.shape.backward_lse",
-                          detail::concat("the forward result holds out ", detail::format_shape(forward.out.dimensions()),
+                          detail::concat("the forward result holds out ",
+                                         detail::format_shape(forward.out.dimensions()),
                                          " but no lse: run the forward with need_lse = true (the default)"));
     return scaled_dot_product_attention_backward(q, k, v, forward.out, forward.lse, d_out, mask, options);
 }
@@ -322,13 +322,13 @@ void scaled_dot_product_attention_backward_into(const Q& q, const K& k, const V&
                                              in.q.dims[1], "] [heads]"));
         o.sink_gradient = options.sinks.empty() ? nullptr : sink_gradient.data();
     }
-    detail::check_no_aliasing(
-        {detail::named("query", in.q), detail::named("key", in.k), detail::named("value", in.v),
-         detail::named("out", in.out), detail::named("d_out", in.d_out), detail::named("lse", in.lse, in.lse_dims)},
-        {detail::named("dq", o.dq), detail::named("dk", o.dk), detail::named("dv", o.dv),
-         detail::named("score_bias_gradient", o.score_bias_gradient,
-                       std::array<index, 2>{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1}),
-         detail::named("sink_gradient", o.sink_gradient, std::array<index, 1>{in.q.dims[1]})});
+    detail::check_no_aliasing({detail::named("query", in.q), detail::named("key", in.k), detail::named("value", in.v),
+                               detail::named("out", in.out), detail::named("d_out", in.d_out),
+                               detail::named("lse", in.lse, in.lse_dims)},
+                              {detail::named("dq", o.dq), detail::named("dk", o.dk), detail::named("dv", o.dv),
+                               detail::named("score_bias_gradient", o.score_bias_gradient,
+                                             std::array<index, 2>{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1}),
+                               detail::named("sink_gradient", o.sink_gradient, std::array<index, 1>{in.q.dims[1]})});
     const auto checked = detail::check_backward(in, &o, mask, options);
     detail::run_backward(in, checked, o);
 }
@@ -350,10 +350,10 @@ tensor<U, 2> relative_bias_gradient(const relative_position_bias<U>& table, cons
     if (g.dimension(0) != heads || g.dimension(1) != diagonals || table.heads() != heads || bias.empty())
         throw shape_error("attend.shape.relative_bias_gradient",
                           detail::concat("score_bias_gradient ", detail::format_shape(g.dimensions()), " must be [",
-                                         heads, ',', diagonals, "] (heads, query_len + key_len - 1; empty means the "
+                                         heads, ',', diagonals,
+                                         "] (heads, query_len + key_len - 1; empty means the "
                                          "backward ran without a score_bias) and the table ",
-                                         detail::format_shape(table.table().dimensions()),
-                                         " must have heads ", heads));
+                                         detail::format_shape(table.table().dimensions()), " must have heads ", heads));
     const index shift = bias.bias_alignment() == alignment::bottom_right ? S - L : 0;
     tensor<U, 2> d_table(table.num_buckets(), heads);
     d_table.setZero();
@@ -365,8 +365,8 @@ tensor<U, 2> relative_bias_gradient(const relative_position_bias<U>& table, cons
             if (bias.value<double>(h, i, j, L, S) != static_cast<double>(table.table()(bucket, h)))
                 throw value_error("attend.value.relative_bias_table",
                                   detail::concat("the table does not give the call's score_bias at head ", h,
-                                                 ", key - query ", offset, ": ", table.table()(bucket, h), " != ",
-                                                 bias.value<double>(h, i, j, L, S),
+                                                 ", key - query ", offset, ": ", table.table()(bucket, h),
+                                                 " != ", bias.value<double>(h, i, j, L, S),
                                                  " (pass the table and alignment the bias was built from)"));
             d_table(bucket, h) += static_cast<U>(g(h, n));
         }

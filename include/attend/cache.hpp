@@ -32,10 +32,9 @@ public:
     kv_cache(index batch, index kv_heads, index capacity, index head_dim, index value_dim)
         : batch_(batch), kv_heads_(kv_heads), capacity_(capacity), head_dim_(head_dim), value_dim_(value_dim) {
         if (batch < 1 || kv_heads < 1 || capacity < 1 || head_dim < 1 || value_dim < 1)
-            throw value_error("attend.value.size",
-                              detail::concat("kv_cache sizes must be >= 1, got batch ", batch, ", kv_heads ", kv_heads,
-                                             ", capacity ", capacity, ", head_dim ", head_dim, ", value_dim ",
-                                             value_dim));
+            throw value_error("attend.value.size", detail::concat("kv_cache sizes must be >= 1, got batch ", batch,
+                                                                  ", kv_heads ", kv_heads, ", capacity ", capacity,
+                                                                  ", head_dim ", head_dim, ", value_dim ", value_dim));
         if (detail::product_overflows(batch, kv_heads, capacity, head_dim) ||
             detail::product_overflows(batch, kv_heads, capacity, value_dim))
             throw shape_error("attend.shape.overflow",
@@ -47,10 +46,9 @@ public:
                 values_.assign(static_cast<std::size_t>(batch * kv_heads * capacity * value_dim), T(0));
             },
             [&] {
-                return detail::allocation_text("kv_cache storage (keys and values x batch x kv_heads x capacity x dim)",
-                                               std::array<index, 5>{2, batch, kv_heads, capacity,
-                                                                    std::max(head_dim, value_dim)},
-                                               sizeof(T));
+                return detail::allocation_text(
+                    "kv_cache storage (keys and values x batch x kv_heads x capacity x dim)",
+                    std::array<index, 5>{2, batch, kv_heads, capacity, std::max(head_dim, value_dim)}, sizeof(T));
             },
             "Choose a smaller capacity");
     }
@@ -160,9 +158,7 @@ private:
         v.rank = 4;
         return v;
     }
-    T* key_row(index b, index h, index i) {
-        return keys_.data() + ((b * kv_heads_ + h) * capacity_ + i) * head_dim_;
-    }
+    T* key_row(index b, index h, index i) { return keys_.data() + ((b * kv_heads_ + h) * capacity_ + i) * head_dim_; }
     T* value_row(index b, index h, index i) {
         return values_.data() + ((b * kv_heads_ + h) * capacity_ + i) * value_dim_;
     }

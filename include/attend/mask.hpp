@@ -41,9 +41,9 @@ struct score_shape {
 namespace detail {
 
 /// Tags: what kind of mask term a type is.
-struct boolean_term {};   ///< an allowed set
-struct additive_term {};  ///< values added to the scores
-struct forbidden_term {}; ///< a forbidden set: data only, must be converted with to_allowed
+struct boolean_term {};    ///< an allowed set
+struct additive_term {};   ///< values added to the scores
+struct forbidden_term {};  ///< a forbidden set: data only, must be converted with to_allowed
 
 template <class E>
 inline constexpr bool is_boolean_v = std::is_base_of_v<boolean_term, E>;
@@ -113,8 +113,9 @@ V saturating_cast(X x) {
 template <class V, class X>
 std::pair<std::vector<V>, dense_dims> read_dense(const X& x, const char* what) {
     using traits = tensor_traits<std::decay_t<X>>;
-    static_assert(traits::supported, "attend: masks are built from attend::tensor (row-major Eigen::Tensor) or "
-                                     "an Eigen::TensorMap of one");
+    static_assert(traits::supported,
+                  "attend: masks are built from attend::tensor (row-major Eigen::Tensor) or "
+                  "an Eigen::TensorMap of one");
     static_assert(traits::row_major, "attend: mask tensors must be Eigen::RowMajor (PyTorch's layout)");
     static_assert(traits::rank >= 2 && traits::rank <= 4,
                   "attend: dense masks have rank 2 [query_len, key_len], 3 or 4 [batch, heads, query_len, key_len]");
@@ -238,8 +239,7 @@ public:
         auto [values, dims] = detail::read_dense<T>(t, "additive mask");
         for (std::size_t n = 0; n < values.size(); ++n)
             if (std::isnan(values[n]) || values[n] == std::numeric_limits<T>::infinity())
-                throw value_error("attend.value.additive_mask",
-                                  concat_position(values[n], n, dims.dims));
+                throw value_error("attend.value.additive_mask", concat_position(values[n], n, dims.dims));
         return additive_mask(std::make_shared<const std::vector<T>>(std::move(values)), std::move(dims));
     }
     /// Same as from_values: PyTorch's float masks are additive in every API.
@@ -282,7 +282,8 @@ inline index alignment_offset(alignment a, const attention_shape& s) {
 }
 
 inline std::shared_ptr<const std::vector<index>> checked_lengths(const std::vector<index>& lengths, index batch,
-                                                                index limit, const char* what, const char* limit_name) {
+                                                                 index limit, const char* what,
+                                                                 const char* limit_name) {
     if (static_cast<index>(lengths.size()) != batch)
         throw mask_error("attend.mask.lengths_batch", concat(what, " has ", lengths.size(), " lengths for batch ",
                                                              batch, " (one length per sequence)"));
@@ -348,8 +349,8 @@ struct prefix_lm_rule : detail::boolean_term {
 
     detail::bound_prefix_lm bind(const attention_shape& s) const {
         if (prefix_len > s.key_len)
-            throw mask_error("attend.mask.prefix_len", detail::concat("prefix_lm prefix_len ", prefix_len,
-                                                                      " exceeds key_len ", s.key_len));
+            throw mask_error("attend.mask.prefix_len",
+                             detail::concat("prefix_lm prefix_len ", prefix_len, " exceeds key_len ", s.key_len));
         detail::bound_prefix_lm rule;
         rule.prefix_len = prefix_len;
         rule.offset = detail::alignment_offset(align, s);
@@ -412,7 +413,8 @@ struct block_diagonal_rule : detail::boolean_term {
             if (detail::sum_overflows(starts.back(), n) || starts.back() + n > s.query_len)
                 throw mask_error("attend.mask.block_lengths",
                                  detail::concat("block_diagonal sequence lengths sum past query_len ", s.query_len,
-                                                " at sequence ", starts.size() - 1, " (packed sequences need the "
+                                                " at sequence ", starts.size() - 1,
+                                                " (packed sequences need the "
                                                 "lengths to sum to query_len == key_len)"));
             starts.push_back(starts.back() + n);
         }
@@ -442,13 +444,13 @@ inline block_diagonal_rule block_diagonal(std::vector<index> sequence_lengths) {
 /// cross no segment's band are skipped. Bad offsets or lengths: mask_error attend.mask.segments when bound.
 struct packed_segments_rule : detail::boolean_term {
     static constexpr bool has_query_padding = true;
-    std::vector<index> query_offsets;  ///< cu_seqlens_q: [segments + 1]
-    std::vector<index> key_offsets;    ///< cu_seqlens_k: [segments + 1]
-    std::vector<index> query_lengths;  ///< [segments] real queries at the start of each slot; empty: the slots
-    std::vector<index> key_lengths;    ///< [segments] real keys at the start of each slot; empty: the slots
-    bool banded = false;               ///< causal or windowed within each segment
-    index left = 0;                    ///< keys before each segment's diagonal a query sees, when banded
-    index right = 0;                   ///< keys after it, when banded
+    std::vector<index> query_offsets;       ///< cu_seqlens_q: [segments + 1]
+    std::vector<index> key_offsets;         ///< cu_seqlens_k: [segments + 1]
+    std::vector<index> query_lengths;       ///< [segments] real queries at the start of each slot; empty: the slots
+    std::vector<index> key_lengths;         ///< [segments] real keys at the start of each slot; empty: the slots
+    bool banded = false;                    ///< causal or windowed within each segment
+    index left = 0;                         ///< keys before each segment's diagonal a query sees, when banded
+    index right = 0;                        ///< keys after it, when banded
     alignment align = alignment::top_left;  ///< the corner of each segment its diagonal starts from
 
     /// Causal within each segment, aligned at corner `a` of the segment.
@@ -464,8 +466,8 @@ struct packed_segments_rule : detail::boolean_term {
     /// diagonal of alignment `a` (as sliding_window, per segment). Negative sizes: mask_error attend.mask.window.
     packed_segments_rule window(index left_keys, index right_keys, alignment a = alignment::top_left) const {
         if (left_keys < 0 || right_keys < 0)
-            throw mask_error("attend.mask.window", detail::concat("packed_segments window(left ", left_keys,
-                                                                  ", right ", right_keys, ") needs sizes >= 0"));
+            throw mask_error("attend.mask.window", detail::concat("packed_segments window(left ", left_keys, ", right ",
+                                                                  right_keys, ") needs sizes >= 0"));
         auto r = *this;
         r.banded = true;
         r.left = left_keys;
@@ -494,15 +496,13 @@ struct packed_segments_rule : detail::boolean_term {
             for (std::size_t k = 1; k < o.size(); ++k)
                 if (o[k] < o[k - 1])
                     fail(detail::concat(axis, " offsets must not decrease: ", o[k - 1], " then ", o[k], " at ", k));
-            if (o.back() > len)
-                fail(detail::concat(axis, " offsets end at ", o.back(), " past ", axis, "_len ", len));
+            if (o.back() > len) fail(detail::concat(axis, " offsets end at ", o.back(), " past ", axis, "_len ", len));
         };
         check_offsets(query_offsets, s.query_len, "query");
         check_offsets(key_offsets, s.key_len, "key");
         const auto real = [&](const std::vector<index>& lengths, const std::vector<index>& o, const char* axis) {
             if (lengths.empty()) return std::vector<index>(o.begin() + 1, o.end());
-            if (lengths.size() != n)
-                fail(detail::concat(lengths.size(), " ", axis, " lengths for ", n, " segments"));
+            if (lengths.size() != n) fail(detail::concat(lengths.size(), " ", axis, " lengths for ", n, " segments"));
             std::vector<index> end(n);
             for (std::size_t k = 0; k < n; ++k) {
                 if (lengths[k] < 0 || lengths[k] > o[k + 1] - o[k])

@@ -76,8 +76,8 @@ auto merge_partials(const OutA& out_a, const LseA& lse_a, const OutB& out_b, con
         for (index n = 0; n < lse_a.size(); ++n) {
             const T x = lse[n];
             if (std::isnan(x) || x == std::numeric_limits<T>::infinity())
-                throw value_error("attend.value.lse", detail::concat("lse holds ", x, " at flat index ", n,
-                                                                     "; it must be finite or -inf"));
+                throw value_error("attend.value.lse",
+                                  detail::concat("lse holds ", x, " at flat index ", n, "; it must be finite or -inf"));
         }
     partial_attention<T, Rank> r;
     const char* hint = "The merged out and lse are as large as one part's; split the call over the batch";

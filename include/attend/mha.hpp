@@ -90,7 +90,6 @@ public:
         if (c.value_dim == 0) c.value_dim = c.model_dim;
         return c;
     }
-
 };
 
 /// The key padding of a multi-head attention call, in nn.MultiheadAttention's key_padding_mask convention:
@@ -150,11 +149,11 @@ private:
 
 /// Options of multi_head_attention::forward and forward_cached.
 struct mha_options {
-    mha_key_padding key_padding;  ///< lengths or a forbidden_mask [batch, key_len] (true = ignore), combined
-                                  ///< with the mask argument by &&
-    bool need_weights = false;    ///< fill result.weights (averaged) or result.head_weights (per head)
-    bool average_weights = true;  ///< with need_weights: mean over heads `[batch, query_len, key_len]` as
-                                  ///< PyTorch's average_attn_weights=True; false: per head `[batch, heads, ...]`
+    mha_key_padding key_padding;         ///< lengths or a forbidden_mask [batch, key_len] (true = ignore), combined
+                                         ///< with the mask argument by &&
+    bool need_weights = false;           ///< fill result.weights (averaged) or result.head_weights (per head)
+    bool average_weights = true;         ///< with need_weights: mean over heads `[batch, query_len, key_len]` as
+                                         ///< PyTorch's average_attn_weights=True; false: per head `[batch, heads, ...]`
     bool weights_after_dropout = false;  ///< weights as used (dropped, rescaled) instead of the probabilities
                                          ///< (PyTorch returns them after dropout in training)
     bool training = false;               ///< dropout (config.dropout) only when true; never in eval
@@ -163,9 +162,9 @@ struct mha_options {
     index position_offset = 0;  ///< global position of query 0 and key 0 for rotary; forward_cached adds the
                                 ///< cache length (new token i sits at position_offset + cache.length() + i)
     attend::empty_rows empty_rows = attend::empty_rows::error;  ///< a query with no allowed key: throw or zero
-    std::optional<double> scale;  ///< default 1 / sqrt(head_dim), as nn.MultiheadAttention
+    std::optional<double> scale;    ///< default 1 / sqrt(head_dim), as nn.MultiheadAttention
     std::optional<double> softcap;  ///< logit soft-capping of the scaled scores, as sdpa_options::softcap
-    int threads = 0;              ///< attention kernel threads, 0 = hardware concurrency
+    int threads = 0;                ///< attention kernel threads, 0 = hardware concurrency
     attend::kernel kernel = attend::kernel::automatic;  ///< which attention kernel runs
     bool check_finite = true;  ///< reject NaN / Inf in the inputs and projections (value_error)
 };
@@ -203,7 +202,8 @@ struct mha_result {
 private:
     static const char* name(attend::weights_kind k) {
         switch (k) {
-            case attend::weights_kind::averaged: return "averaged weights (need_weights = true, average_weights = true)";
+            case attend::weights_kind::averaged:
+                return "averaged weights (need_weights = true, average_weights = true)";
             case attend::weights_kind::per_head:
                 return "per-head weights (need_weights = true, average_weights = false)";
             case attend::weights_kind::none: break;
@@ -235,8 +235,8 @@ struct mha_saved {
 template <class T>
 struct parameter_span {
     const char* name;  ///< q_weight, k_weight, v_weight, out_weight, q_bias, k_bias, v_bias, out_bias
-    T* data;     ///< the tensor's elements, row-major
-    index size;  ///< how many
+    T* data;           ///< the tensor's elements, row-major
+    index size;        ///< how many
 };
 
 /// nn.MultiheadAttention's parameters under their PyTorch names: defined in interop/torch.hpp, which this header
@@ -304,8 +304,8 @@ inline allowed_mask key_padding_allowed(const forbidden_mask& m, index batch, in
     const auto& d = m.dims();
     if (d.size() != 2 || d[0] != batch || d[1] != key_len)
         throw mask_error("attend.mask.key_padding_shape",
-                         concat("key_padding mask ", format_shape(d), " must be [batch, key_len] = ",
-                                format_shape(std::array<index, 2>{batch, key_len}),
+                         concat("key_padding mask ", format_shape(d),
+                                " must be [batch, key_len] = ", format_shape(std::array<index, 2>{batch, key_len}),
                                 " (nn.MultiheadAttention's key_padding_mask, true = ignore this key)"));
     // Read the values through the mask's own binding against scores [1, 1, batch, key_len].
     attention_shape s;
@@ -344,12 +344,8 @@ template <class Mask, class F>
 void with_key_padding(const Mask& user_mask, const mha_key_padding& padding, index batch, index key_len, F&& f) {
     const auto& mask = mha_allowed(user_mask);
     switch (padding.which()) {
-        case mha_key_padding::kind::none:
-            f(mask);
-            return;
-        case mha_key_padding::kind::lengths:
-            f(combine_masks(mask, key_padding(padding.lengths())));
-            return;
+        case mha_key_padding::kind::none: f(mask); return;
+        case mha_key_padding::kind::lengths: f(combine_masks(mask, key_padding(padding.lengths()))); return;
         case mha_key_padding::kind::forbidden:
             f(combine_masks(mask, key_padding_allowed(*padding.mask(), batch, key_len)));
             return;
@@ -384,8 +380,8 @@ inline void check_width(const char* name, const std::array<index, 3>& d, index e
     if (d[2] != expected)
         throw shape_error("attend.shape.model_dim",
                           concat(name, " last dim ", d[2], " != ", dim_name, ' ', expected, " (", name, ' ',
-                                 format_shape(d), ", expected ", format_shape(std::array<index, 3>{d[0], d[1], expected}),
-                                 " = ", meaning, ')'));
+                                 format_shape(d), ", expected ",
+                                 format_shape(std::array<index, 3>{d[0], d[1], expected}), " = ", meaning, ')'));
 }
 
 /// The shapes of query `[batch, query_len, model_dim]`, key `[batch, key_len, key_dim]` and value
@@ -418,10 +414,9 @@ void check_finite_input(const T* data, const std::array<index, 3>& d, const char
     for (index k = 0; k < n; ++k)
         if (!std::isfinite(data[k])) {
             const index b = k / (d[1] * d[2]), i = (k / d[2]) % d[1], e = k % d[2];
-            throw value_error("attend.value.non_finite",
-                              concat(name, ' ', format_shape(d), " holds ", data[k], " at ",
-                                     format_shape(std::array<index, 3>{b, i, e}),
-                                     " (turn check_finite off to skip this scan)"));
+            throw value_error("attend.value.non_finite", concat(name, ' ', format_shape(d), " holds ", data[k], " at ",
+                                                                format_shape(std::array<index, 3>{b, i, e}),
+                                                                " (turn check_finite off to skip this scan)"));
         }
 }
 
@@ -532,8 +527,8 @@ public:
     }
     /// Number of learned scalars, PyTorch's sum(p.numel() for p in module.parameters()).
     index parameter_count() const {
-        return wq_.size() + wk_.size() + wv_.size() + wo_.size() + bq_.size() + bk_.size() + bv_.size() +
-               bo_.size() + sinks_.size();
+        return wq_.size() + wk_.size() + wv_.size() + wo_.size() + bq_.size() + bk_.size() + bv_.size() + bo_.size() +
+               sinks_.size();
     }
 
     const tensor<T, 2>& q_weight() const { return wq_; }    ///< `[heads * head_dim, model_dim]`
@@ -617,16 +612,18 @@ public:
         if (config_.key_dim != config_.model_dim || config_.value_dim != config_.model_dim)
             throw shape_error("attend.shape.self_attention",
                               detail::concat("forward_cached is self-attention and needs key_dim == value_dim == "
-                                             "model_dim, got model_dim ", config_.model_dim, ", key_dim ",
-                                             config_.key_dim, ", value_dim ", config_.value_dim));
+                                             "model_dim, got model_dim ",
+                                             config_.model_dim, ", key_dim ", config_.key_dim, ", value_dim ",
+                                             config_.value_dim));
         const index B = xd[0], L = xd[1], H = config_.heads, G = config_.kv_heads, D = head_dim();
         if (cache.batch() != B || cache.kv_heads() != G || cache.head_dim() != D || cache.value_dim() != D)
             throw shape_error("attend.shape.cache",
                               detail::concat("cache [batch ", cache.batch(), ", kv_heads ", cache.kv_heads(),
                                              ", head_dim ", cache.head_dim(), ", value_dim ", cache.value_dim(),
-                                             "] does not fit x ", detail::format_shape(xd), " and the module (kv_heads ",
-                                             G, ", head_dim ", D, "): expected [batch ", B, ", kv_heads ", G,
-                                             ", head_dim ", D, ", value_dim ", D, "] (see make_cache)"));
+                                             "] does not fit x ", detail::format_shape(xd),
+                                             " and the module (kv_heads ", G, ", head_dim ", D, "): expected [batch ",
+                                             B, ", kv_heads ", G, ", head_dim ", D, ", value_dim ", D,
+                                             "] (see make_cache)"));
         cache.check_fits(L);
         const index past = cache.length(), S = past + L;
         const index first_position =
@@ -634,8 +631,7 @@ public:
         detail::checked_position_sum(first_position, L, "the position after the last new token");
         detail::check_positions(config_, options, first_position);
         if (options.check_finite) detail::check_finite_input(x.data(), xd, "x");
-        const projected_heads p =
-            project_heads(x.data(), x.data(), x.data(), B, L, L, options, first_position);
+        const projected_heads p = project_heads(x.data(), x.data(), x.data(), B, L, L, options, first_position);
         const auto qv = split_heads(p.q.data(), B, L, H, D);
         const auto k_new = split_heads(p.k.data(), B, L, G, D);
         const auto v_new = split_heads(p.v.data(), B, L, G, D);
@@ -649,7 +645,8 @@ public:
         mha_result<T> r;
         const auto causal_mask = detail::combine_masks(detail::mha_allowed(mask), causal(alignment::bottom_right));
         detail::with_key_padding(causal_mask, options.key_padding, B, S, [&](const auto& full_mask) {
-            const auto call = detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options, sinks_));
+            const auto call =
+                detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options, sinks_));
             auto o = detail::mha_buffer<T, 3>({B, L, H * D}, "attention output [batch, new tokens, heads * head_dim]");
             // The append is the call's only mutation: it runs after every buffer is allocated and cannot throw
             // (checked above), so a failure anywhere leaves the cache as it was.
@@ -725,7 +722,6 @@ private:
         }
     }
 
-
     /// Projections of query `[batch, query_len, model_dim]`, key and value `[batch, key_len, *]`: q
     /// `[batch, query_len, heads * head_dim]`, k and v `[batch, key_len, kv_heads * head_dim]`, the heads side by
     /// side (read through split_heads views); q and k rotated (options.rotary) from position first_position.
@@ -766,8 +762,8 @@ private:
         }
         const index B = qd[0], L = qd[1], S = kd[1];
         const index H = config_.heads, G = config_.kv_heads, D = head_dim();
-        projected_heads p = project_heads(query.data(), key.data(), value.data(), B, L, S, options,
-                                          options.position_offset);
+        projected_heads p =
+            project_heads(query.data(), key.data(), value.data(), B, L, S, options, options.position_offset);
         const auto qv = split_heads(static_cast<const T*>(p.q.data()), B, L, H, D);
         const auto kv = split_heads(static_cast<const T*>(p.k.data()), B, S, G, D);
         const auto vv = split_heads(static_cast<const T*>(p.v.data()), B, S, G, D);
@@ -777,7 +773,8 @@ private:
         auto o = detail::mha_buffer<T, 3>({B, L, H * D}, "attention output [batch, query_len, heads * head_dim]");
         auto lse = detail::mha_buffer<T, 3>({saved ? B : 0, H, L}, "saved lse [batch, heads, query_len]");
         detail::with_key_padding(mask, options.key_padding, B, S, [&](const auto& full_mask) {
-            const auto call = detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options, sinks_));
+            const auto call =
+                detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options, sinks_));
             attend_and_project(qv, kv, vv, s, call, options, o, saved ? lse.data() : nullptr, r);
         });
         if (saved) {
@@ -795,10 +792,10 @@ private:
     /// allocated first; then before_run() (a caller's mutation that must not happen if an allocation fails), then
     /// the kernel.
     template <class Call, class BeforeRun = void (*)()>
-    void attend_and_project(const strided_view<const T>& q, const strided_view<const T>& k,
-                            const strided_view<const T>& v, const attention_shape& s, const Call& call,
-                            const mha_options& options, tensor<T, 3>& o, T* lse, mha_result<T>& r,
-                            BeforeRun before_run = [] {}) const {
+    void attend_and_project(
+        const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
+        const attention_shape& s, const Call& call, const mha_options& options, tensor<T, 3>& o, T* lse,
+        mha_result<T>& r, BeforeRun before_run = [] {}) const {
         const index B = s.batch, L = s.query_len, S = s.key_len, H = s.heads, D = head_dim();
         auto w = detail::mha_buffer<T, 4>({options.need_weights ? B : 0, H, L, S},
                                           "per-head weights [batch, heads, query_len, key_len]");

@@ -63,8 +63,8 @@ struct mha_gradients {
 /// `param.grad` holds for each parameter of the equivalent nn.MultiheadAttention.
 template <class T>
 torch_mha_parameters<T> to_torch(const mha_gradients<T>& g, const multi_head_attention<T>& module) {
-    return detail::torch_layout(module.packed(), g.d_q_weight, g.d_k_weight, g.d_v_weight, g.d_out_weight,
-                                g.d_q_bias, g.d_k_bias, g.d_v_bias, g.d_out_bias);
+    return detail::torch_layout(module.packed(), g.d_q_weight, g.d_k_weight, g.d_v_weight, g.d_out_weight, g.d_q_bias,
+                                g.d_k_bias, g.d_v_bias, g.d_out_bias);
 }
 
 namespace detail {
@@ -79,15 +79,13 @@ void linear_backward(const T* x, const T* dy, index rows, const tensor<T, 2>& w,
     Eigen::Map<const matrix> xm(x, rows, in), dym(dy, rows, out), wm(w.data(), out, in);
     dw = tensor<T, 2>(out, in);
     Eigen::Map<matrix>(dw.data(), out, in).noalias() = dym.transpose() * xm;
-    if (db.size() != 0)
-        Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(db.data(), out) = dym.colwise().sum();
+    if (db.size() != 0) Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(db.data(), out) = dym.colwise().sum();
     if (dx) Eigen::Map<matrix>(dx, rows, in).noalias() = dym * wm;
 }
 
 /// `saved.<name>` has the expected dims, else shape_error attend.shape.mha_saved.
 template <class T>
-void check_saved(const tensor<T, 3>& t, const std::array<index, 3>& expected, const char* name,
-                 const char* meaning) {
+void check_saved(const tensor<T, 3>& t, const std::array<index, 3>& expected, const char* name, const char* meaning) {
     if (t.dimensions() != expected)
         throw shape_error("attend.shape.mha_saved",
                           concat("saved.", name, ' ', format_shape(t.dimensions()), " != expected ",
@@ -164,7 +162,8 @@ mha_gradients<T> multi_head_attention_backward(const multi_head_attention<T>& mo
     g.d_sinks.setZero();  // stays 0 when no query reads a key
     if (g.d_sinks.size() != 0) grads.sink_gradient = g.d_sinks.data();
     detail::with_key_padding(mask, options.key_padding, B, S, [&](const auto& full_mask) {
-        const auto checked = detail::check_backward(in, &grads, full_mask, detail::sdpa_options_for(c, options, module.sinks()));
+        const auto checked =
+            detail::check_backward(in, &grads, full_mask, detail::sdpa_options_for(c, options, module.sinks()));
         // Everything is checked: from here on nothing throws but allocation.
         // A padded query's output row is the constant 0, so its d_out row reaches nothing.
         auto d_y = detail::mha_buffer<T, 3>({B, L, E}, "d out [batch, query_len, model_dim]");
@@ -197,8 +196,7 @@ mha_gradients<T> multi_head_attention_backward(const multi_head_attention<T>& mo
     g.d_v_bias = tensor<T, 1>(module.v_bias().size());
     detail::linear_backward(query.data(), dq.data(), B * L, module.q_weight(), g.d_q_weight, g.d_q_bias,
                             g.d_query.data());
-    detail::linear_backward(key.data(), dk.data(), B * S, module.k_weight(), g.d_k_weight, g.d_k_bias,
-                            g.d_key.data());
+    detail::linear_backward(key.data(), dk.data(), B * S, module.k_weight(), g.d_k_weight, g.d_k_bias, g.d_key.data());
     detail::linear_backward(value.data(), dv.data(), B * S, module.v_weight(), g.d_v_weight, g.d_v_bias,
                             g.d_value.data());
     return g;

@@ -50,8 +50,8 @@ template <class T = double>
 tensor<T, 2> sinusoidal_positions(index length, index dim) {
     detail::require_position_scalar<T>();
     if (dim < 1)
-        throw value_error("attend.value.position_dim",
-                          detail::concat("sinusoidal positions need dim >= 1, got dim ", dim, " (length ", length, ')'));
+        throw value_error("attend.value.position_dim", detail::concat("sinusoidal positions need dim >= 1, got dim ",
+                                                                      dim, " (length ", length, ')'));
     if (length < 0)
         throw value_error("attend.value.position_length",
                           detail::concat("sinusoidal positions need length >= 0, got length ", length, " (dim ", dim,
@@ -90,12 +90,11 @@ public:
     learned_positions(index max_len, index dim, std::uint64_t seed = 0) {
         if (max_len < 1)
             throw value_error("attend.value.position_max_len",
-                              detail::concat("learned positions need max_len >= 1, got max_len ", max_len,
-                                             " (dim ", dim, ')'));
+                              detail::concat("learned positions need max_len >= 1, got max_len ", max_len, " (dim ",
+                                             dim, ')'));
         if (dim < 1)
-            throw value_error("attend.value.position_dim",
-                              detail::concat("learned positions need dim >= 1, got dim ", dim, " (max_len ", max_len,
-                                             ')'));
+            throw value_error("attend.value.position_dim", detail::concat("learned positions need dim >= 1, got dim ",
+                                                                          dim, " (max_len ", max_len, ')'));
         detail::require_valid_sizes(std::array<index, 2>{max_len, dim}, "learned position table [max_len, dim]");
         detail::resize_guarded(table_, std::array<index, 2>{max_len, dim}, "learned position table [max_len, dim]",
                                "Choose a smaller max_len");
@@ -156,15 +155,17 @@ private:
 
     [[noreturn]] static void throw_negative_length(index offset, index length) {
         throw value_error("attend.value.position_length",
-                          detail::concat("a position range needs length >= 0, got length ", length, " (offset ",
-                                         offset, ')'));
+                          detail::concat("a position range needs length >= 0, got length ", length, " (offset ", offset,
+                                         ')'));
     }
 
     [[noreturn]] void throw_past_table(index offset, index length) const {
         if (offset < 0)
             throw position_error("attend.position.past_table",
-                                 detail::concat("position ", offset, " is negative; the learned table holds positions "
-                                                "0 .. ", max_len() - 1, " (max_len ", max_len(), ')'));
+                                 detail::concat("position ", offset,
+                                                " is negative; the learned table holds positions "
+                                                "0 .. ",
+                                                max_len() - 1, " (max_len ", max_len(), ')'));
         throw position_error("attend.position.past_table",
                              detail::concat("position ", offset > max_len() ? offset : max_len(),
                                             " is past the learned table of max_len ", max_len(), " (", length,
@@ -183,8 +184,8 @@ enum class rotary_layout { half_split, interleaved };
 /// Features >= dim are untouched (partial rotary, GPT-NeoX's rotary_pct). Angles, sin and cos are computed in
 /// double per call; nothing is cached between calls.
 struct rotary_embedding {
-    index dim = 0;                                  ///< rotated features per head; even, 1 .. head_dim
-    double base = 10000;                            ///< frequency base, finite and > 0
+    index dim = 0;                                     ///< rotated features per head; even, 1 .. head_dim
+    double base = 10000;                               ///< frequency base, finite and > 0
     rotary_layout layout = rotary_layout::half_split;  ///< which features pair up
 
     /// Rotates x `[batch, heads, len, head_dim]` in place; row i has position position_offset + i (the number
@@ -315,7 +316,8 @@ inline index relative_position_bucket(index relative_position, bool bidirectiona
         distance = most_negative ? std::numeric_limits<index>::max()
                                  : (relative_position < 0 ? -relative_position : relative_position);
     } else {
-        distance = relative_position >= 0 ? 0 : (most_negative ? std::numeric_limits<index>::max() : -relative_position);
+        distance = relative_position >= 0 ? 0
+                                          : (most_negative ? std::numeric_limits<index>::max() : -relative_position);
     }
     if (distance < max_exact) return bucket + distance;
     // float32 as in the original: log(d / max_exact) / float(log(max_distance / max_exact)) * (n - max_exact).
@@ -379,9 +381,8 @@ public:
     T value(index head, index query_position, index key_position) const {
         if (head < 0 || head >= heads())
             throw shape_error("attend.shape.bias_head",
-                              detail::concat("head ", head, " is outside the relative position bias table of ",
-                                             heads(), " heads (table ", detail::format_shape(table_.dimensions()),
-                                             ')'));
+                              detail::concat("head ", head, " is outside the relative position bias table of ", heads(),
+                                             " heads (table ", detail::format_shape(table_.dimensions()), ')'));
         return table_(bucket(query_position, key_position), head);
     }
 
@@ -397,8 +398,7 @@ private:
 /// Throws value_error `attend.value.alibi_heads` if heads < 1, resource_error `attend.resource.allocation` if the
 /// slopes cannot be allocated.
 inline std::vector<double> alibi_slopes(index heads) {
-    if (heads < 1)
-        throw value_error("attend.value.alibi_heads", detail::concat("ALiBi needs heads >= 1, got ", heads));
+    if (heads < 1) throw value_error("attend.value.alibi_heads", detail::concat("ALiBi needs heads >= 1, got ", heads));
     // Same arithmetic as the reference: start = 2^(-2^-(log2(n) - 3)), slope_i = start * start^i. n is a double:
     // 2 x the largest power of two below heads may not fit Eigen::Index.
     const auto start_of = [](double n) { return std::pow(2.0, -std::pow(2.0, -(std::log2(n) - 3.0))); };
@@ -409,7 +409,8 @@ inline std::vector<double> alibi_slopes(index heads) {
         [&] { return detail::allocation_text("ALiBi slopes", std::array<index, 1>{heads}, sizeof(double)); },
         "ALiBi needs one slope per head");
     const double start = start_of(static_cast<double>(closest));
-    for (index i = 0; i < closest; ++i) slopes[static_cast<std::size_t>(i)] = start * std::pow(start, static_cast<double>(i));
+    for (index i = 0; i < closest; ++i)
+        slopes[static_cast<std::size_t>(i)] = start * std::pow(start, static_cast<double>(i));
     // Then every other slope of the sequence for 2 x closest heads.
     const double extra = start_of(2.0 * static_cast<double>(closest));
     for (index i = 0; i < heads - closest; ++i)

@@ -55,8 +55,8 @@ public:
 
     /// As above for a float table, converted to double once here (every float is exact in double).
     static score_bias relative(const relative_position_bias<float>& table, alignment align = alignment::top_left) {
-        auto converted = std::make_shared<relative_position_bias<double>>(
-            table.heads(), table.bidirectional(), table.num_buckets(), table.max_distance());
+        auto converted = std::make_shared<relative_position_bias<double>>(table.heads(), table.bidirectional(),
+                                                                          table.num_buckets(), table.max_distance());
         // An element loop, not Eigen's cast(): g++ 12 reports a false -Warray-bounds on the vectorized cast of
         // small tensors, which would break users who build with -Werror.
         const auto& from = table.table();
@@ -69,8 +69,7 @@ public:
     /// Throws value_error `attend.value.score_bias_table` if table is null.
     static score_bias relative(std::shared_ptr<const relative_position_bias<double>> table,
                                alignment align = alignment::top_left) {
-        if (!table)
-            throw value_error("attend.value.score_bias_table", "score_bias::relative got a null table");
+        if (!table) throw value_error("attend.value.score_bias_table", "score_bias::relative got a null table");
         score_bias b;
         b.kind_ = kind::relative;
         b.align_ = align;
@@ -90,7 +89,9 @@ public:
     /// distance, or a table value, is beyond the range of T (the scores' scalar type).
     template <class T = double>
     void validate(index heads, index query_len, index key_len) const {
-        const auto shape = [&] { return detail::concat(" (scores [batch,", heads, ',', query_len, ',', key_len, "])"); };
+        const auto shape = [&] {
+            return detail::concat(" (scores [batch,", heads, ',', query_len, ',', key_len, "])");
+        };
         if (kind_ == kind::alibi && static_cast<index>(slopes_.size()) != heads)
             throw shape_error("attend.shape.score_bias_heads",
                               detail::concat("ALiBi has ", slopes_.size(), " slopes but attention has ", heads,
@@ -109,9 +110,9 @@ public:
             for (std::size_t h = 0; h < slopes_.size(); ++h)
                 if (std::abs(slopes_[h]) * reach > largest)
                     throw value_error("attend.value.alibi_slopes",
-                                      detail::concat("ALiBi slope of head ", h, " is ", slopes_[h], ": times distances up to ",
-                                                     reach, " it leaves the range of ", type,
-                                                     ", the scalar type of the scores", shape()));
+                                      detail::concat("ALiBi slope of head ", h, " is ", slopes_[h],
+                                                     ": times distances up to ", reach, " it leaves the range of ",
+                                                     type, ", the scalar type of the scores", shape()));
         }
         if (kind_ == kind::relative) {
             const auto& t = table_->table();
@@ -119,8 +120,8 @@ public:
                 if (std::abs(t.data()[n]) > largest)
                     throw value_error("attend.value.score_bias_table",
                                       detail::concat("relative position bias table holds ", t.data()[n],
-                                                     ", beyond the range of ", type,
-                                                     ", the scalar type of the scores", shape()));
+                                                     ", beyond the range of ", type, ", the scalar type of the scores",
+                                                     shape()));
         }
     }
 
@@ -200,8 +201,8 @@ private:
 
     template <class T>
     T relative_value(index head, index distance) const {
-        const index bucket = relative_position_bucket(distance, table_->bidirectional(), table_->num_buckets(),
-                                                      table_->max_distance());
+        const index bucket =
+            relative_position_bucket(distance, table_->bidirectional(), table_->num_buckets(), table_->max_distance());
         return static_cast<T>(table_->table()(bucket, head));
     }
 

@@ -61,16 +61,16 @@ struct sdpa_options {
     std::optional<double> softcap;
     attend::empty_rows empty_rows = attend::empty_rows::error;  ///< a query with no allowed key: throw or zero
     dropout_options dropout;                                    ///< on the probabilities, in training only
-    attend::score_bias score_bias;  ///< ALiBi or relative-position bias, applied per tile
+    attend::score_bias score_bias;                              ///< ALiBi or relative-position bias, applied per tile
     /// Attention sinks (sinks.hpp): one logit per query head `[heads]` that joins each row's softmax denominator
     /// with no value, so weights sum to less than 1 and lse includes it. A row whose keys are all forbidden still
     /// follows empty_rows: an error by default, and under empty_rows::zero a zero row whose lse is the sink (its
     /// whole mass), so merge_partials stays exact. Empty: none.
     attention_sinks sinks;
-    int threads = 0;                ///< tiled kernel threads; 0 = std::thread::hardware_concurrency(); same result
-                                    ///< bit for bit for any count
+    int threads = 0;  ///< tiled kernel threads; 0 = std::thread::hardware_concurrency(); same result
+                      ///< bit for bit for any count
     attend::kernel kernel = attend::kernel::automatic;  ///< which implementation runs
-    bool need_weights = false;           ///< fill result.weights `[batch, heads, query_len, key_len]`
+    bool need_weights = false;                          ///< fill result.weights `[batch, heads, query_len, key_len]`
     bool need_lse = true;                ///< fill result.lse `[batch, heads, query_len]`, what the backward and
                                          ///< merge_partials need; on by default (one scalar per query row) so a
                                          ///< training forward cannot forget it
@@ -104,9 +104,9 @@ kernel_params<T> checked_params(const attention_shape& s, const sdpa_options& o)
     // Also in the inputs' scalar type: 1e300 is inf as a float and 1e-50 is 0, and either turns every score into
     // inf, NaN or 0 although the check in double passed.
     if (scale > static_cast<double>(std::numeric_limits<T>::max()) || static_cast<T>(scale) <= T(0))
-        throw value_error("attend.value.scale", concat("scale ", scale, " must be finite and > 0, also as ",
-                                                       sizeof(T) == 4 ? "float" : "double",
-                                                       ", the scalar type of the inputs"));
+        throw value_error("attend.value.scale",
+                          concat("scale ", scale, " must be finite and > 0, also as ",
+                                 sizeof(T) == 4 ? "float" : "double", ", the scalar type of the inputs"));
     p.scale = static_cast<T>(scale);
     if (o.softcap) {
         const double c = *o.softcap;
@@ -188,7 +188,8 @@ strided_view<const scalar_of<X>> checked_input(const X& x) {
 template <class Out, std::size_t N>
 void check_output_dims(const Out& out, const std::array<index, N>& expected, const char* id, const char* what) {
     std::array<index, N> got{};
-    for (std::size_t a = 0; a < N; ++a) got[a] = out.dimensions()[a];  // dimensions(): Tensor and TensorMap index it alike
+    for (std::size_t a = 0; a < N; ++a)
+        got[a] = out.dimensions()[a];  // dimensions(): Tensor and TensorMap index it alike
     if (got != expected)
         throw shape_error(id, concat(what, ' ', format_shape(got), " != expected ", format_shape(expected)));
 }
@@ -248,8 +249,7 @@ auto scaled_dot_product_attention(const Q& q, const K& k, const V& v, const sdpa
 /// Outputs must not overlap q, k, v or each other in memory (measured conservatively, from each tensor's lowest
 /// to its highest element address): the kernels read inputs while they write outputs, tile by tile, so an
 /// overlap is shape_error attend.shape.aliasing naming both tensors. Adjacent buffers are fine.
-template <class Q, class K, class V, class Mask, class Out, class Weights = std::nullptr_t,
-          class Lse = std::nullptr_t>
+template <class Q, class K, class V, class Mask, class Out, class Weights = std::nullptr_t, class Lse = std::nullptr_t>
 void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const Mask& mask, Out&& out,
                                        const sdpa_options& options = {}, Weights&& weights = nullptr,
                                        Lse&& lse = nullptr) {
@@ -264,19 +264,21 @@ void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const
     detail::attention_outputs<T> o;
     o.out = detail::as_mutable_view(out);
     if constexpr (!std::is_same_v<std::decay_t<Weights>, std::nullptr_t>) {
-        static_assert(std::is_same_v<T, detail::scalar_of<Weights>> && detail::rank_of<Weights>() == rank &&
-                          detail::tensor_traits<std::decay_t<Weights>>::row_major,
-                      "attend: weights must be row-major with the scalar type and rank of the query ([batch, heads, query_len, "
-                      "key_len], or [batch, query_len, key_len] for rank-3 inputs)");
+        static_assert(
+            std::is_same_v<T, detail::scalar_of<Weights>> && detail::rank_of<Weights>() == rank &&
+                detail::tensor_traits<std::decay_t<Weights>>::row_major,
+            "attend: weights must be row-major with the scalar type and rank of the query ([batch, heads, query_len, "
+            "key_len], or [batch, query_len, key_len] for rank-3 inputs)");
         detail::check_output_dims(weights, detail::rank_dims<rank>(s, s.key_len), "attend.shape.weights_output",
                                   "weights");
         o.weights = weights.data();
     }
     if constexpr (!std::is_same_v<std::decay_t<Lse>, std::nullptr_t>) {
-        static_assert(std::is_same_v<T, detail::scalar_of<Lse>> && detail::rank_of<Lse>() == rank - 1 &&
-                          detail::tensor_traits<std::decay_t<Lse>>::row_major,
-                      "attend: lse must be row-major with the scalar type of the query and one rank less ([batch, heads, "
-                      "query_len], or [batch, query_len] for rank-3 inputs)");
+        static_assert(
+            std::is_same_v<T, detail::scalar_of<Lse>> && detail::rank_of<Lse>() == rank - 1 &&
+                detail::tensor_traits<std::decay_t<Lse>>::row_major,
+            "attend: lse must be row-major with the scalar type of the query and one rank less ([batch, heads, "
+            "query_len], or [batch, query_len] for rank-3 inputs)");
         detail::check_output_dims(lse, detail::lse_dims<rank>(s), "attend.shape.lse_output", "lse");
         o.lse = lse.data();
     }

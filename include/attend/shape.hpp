@@ -32,7 +32,6 @@ struct attention_shape {
 
 namespace detail {
 
-
 template <class T>
 std::string spell_view(const strided_view<T>& v) {
     if (v.rank == 3) return format_shape(std::array<index, 3>{v.dims[0], v.dims[2], v.dims[3]});
@@ -59,30 +58,30 @@ attention_shape check_views(const strided_view<const T>& q, const strided_view<c
         return concat(" (", a, ' ', as, ", ", b, ' ', bs, ')');
     };
     if (q.rank != k.rank || q.rank != v.rank)
-        throw shape_error("attend.shape.rank", concat("query, key and value must have the same rank, got ", q.rank,
-                                                      ", ", k.rank, ", ", v.rank, " (query ", qs, ", key ", ks,
-                                                      ", value ", vs, ')'));
+        throw shape_error("attend.shape.rank",
+                          concat("query, key and value must have the same rank, got ", q.rank, ", ", k.rank, ", ",
+                                 v.rank, " (query ", qs, ", key ", ks, ", value ", vs, ')'));
     if (q.dims[0] != k.dims[0] || q.dims[0] != v.dims[0])
-        throw shape_error("attend.shape.batch", concat("batch differs: query ", q.dims[0], ", key ", k.dims[0],
-                                                       ", value ", v.dims[0], " (query ", qs, ", key ", ks,
-                                                       ", value ", vs, ')'));
+        throw shape_error("attend.shape.batch",
+                          concat("batch differs: query ", q.dims[0], ", key ", k.dims[0], ", value ", v.dims[0],
+                                 " (query ", qs, ", key ", ks, ", value ", vs, ')'));
     if (k.dims[1] != v.dims[1])
-        throw shape_error("attend.shape.kv_heads", concat("key kv_heads ", k.dims[1], " != value kv_heads ",
-                                                          v.dims[1], both("key", ks, "value", vs)));
+        throw shape_error("attend.shape.kv_heads", concat("key kv_heads ", k.dims[1], " != value kv_heads ", v.dims[1],
+                                                          both("key", ks, "value", vs)));
     if (k.dims[2] != v.dims[2])
         throw shape_error("attend.shape.key_len", concat("key key_len ", k.dims[2], " != value key_len ", v.dims[2],
                                                          both("key", ks, "value", vs)));
     if (q.dims[3] != k.dims[3])
-        throw shape_error("attend.shape.key_dim", concat("query head_dim ", q.dims[3], " != key head_dim ",
-                                                         k.dims[3], both("query", qs, "key", ks)));
+        throw shape_error("attend.shape.key_dim", concat("query head_dim ", q.dims[3], " != key head_dim ", k.dims[3],
+                                                         both("query", qs, "key", ks)));
     if (q.dims[1] == 0 || k.dims[1] == 0)
-        throw shape_error("attend.shape.empty_heads", concat("heads and kv_heads must be >= 1, got heads ",
-                                                             q.dims[1], ", kv_heads ", k.dims[1],
-                                                             both("query", qs, "key", ks)));
+        throw shape_error("attend.shape.empty_heads", concat("heads and kv_heads must be >= 1, got heads ", q.dims[1],
+                                                             ", kv_heads ", k.dims[1], both("query", qs, "key", ks)));
     if (q.dims[1] % k.dims[1] != 0)
-        throw shape_error("attend.shape.gqa", concat("heads ", q.dims[1], " is not a multiple of kv_heads ",
-                                                     k.dims[1], " (grouped-query attention needs heads % kv_heads "
-                                                     "== 0)", both("query", qs, "key", ks)));
+        throw shape_error("attend.shape.gqa", concat("heads ", q.dims[1], " is not a multiple of kv_heads ", k.dims[1],
+                                                     " (grouped-query attention needs heads % kv_heads "
+                                                     "== 0)",
+                                                     both("query", qs, "key", ks)));
     if (k.dims[2] == 0)
         throw shape_error("attend.shape.empty_keys",
                           concat("key_len is 0: no query has a key to attend", both("query", qs, "key", ks)));

@@ -38,8 +38,8 @@ public:
     attention_sinks(const X& logits)  // NOLINT: a conversion, as from a vector
         : values_(logits.data(), logits.data() + logits.size()) {}
 
-    bool empty() const { return values_.empty(); }                        ///< no sinks
-    index size() const { return static_cast<index>(values_.size()); }    ///< how many logits (heads)
+    bool empty() const { return values_.empty(); }                     ///< no sinks
+    index size() const { return static_cast<index>(values_.size()); }  ///< how many logits (heads)
     /// The logit of query head h.
     double operator[](index h) const { return values_[static_cast<std::size_t>(h)]; }
 

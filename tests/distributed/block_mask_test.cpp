@@ -87,8 +87,8 @@ TEST(BlockMask, QueryRowsComputedBlockByBlockAndMergedByLseEqualOneCallOverTheWh
         attend_test::fill_uniform(q, g.next());
         attend_test::fill_uniform(k, g.next());
         attend_test::fill_uniform(v, g.next());
-        const auto mask =
-            attend::sliding_window(g.uniform_int(0, total), 0) && attend::key_padding({total, g.uniform_int(1, total)});
+        const auto mask = attend::sliding_window(g.uniform_int(0, total), 0) &&
+                          attend::key_padding({total, g.uniform_int(1, total)});
         attend::sdpa_options o;
         o.dropout = {0.3, g.next(), true};
         o.need_lse = true;

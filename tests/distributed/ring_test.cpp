@@ -37,20 +37,13 @@ enum class mask_kind { none, causal, sliding_window, key_padding, causal_and_key
 
 const char* name_of(mask_kind m) {
     switch (m) {
-        case mask_kind::none:
-            return "none";
-        case mask_kind::causal:
-            return "causal";
-        case mask_kind::sliding_window:
-            return "sliding_window";
-        case mask_kind::key_padding:
-            return "key_padding";
-        case mask_kind::causal_and_key_padding:
-            return "causal && key_padding";
-        case mask_kind::windowed_causal:
-            return "sliding_window(w, 0)";
-        case mask_kind::dense:
-            return "dense";
+        case mask_kind::none: return "none";
+        case mask_kind::causal: return "causal";
+        case mask_kind::sliding_window: return "sliding_window";
+        case mask_kind::key_padding: return "key_padding";
+        case mask_kind::causal_and_key_padding: return "causal && key_padding";
+        case mask_kind::windowed_causal: return "sliding_window(w, 0)";
+        case mask_kind::dense: return "dense";
     }
     return "?";
 }

@@ -98,10 +98,8 @@ TEST(ShardLayout, BalancedZigzagKeepsCausalWorkOfEveryRankWithinTwoPercentOfTheM
                     static_cast<double>(std::accumulate(work.begin(), work.end(), std::int64_t(0))) / ranks;
                 double worst = 0;
                 for (auto w : work) worst = std::max(worst, std::abs(static_cast<double>(w) - mean) / mean);
-                if (kind == sharding::zigzag)
-                    EXPECT_LE(worst, 0.02) << ranks << " ranks, total " << total;
-                else
-                    EXPECT_GE(worst, 0.4) << ranks << " ranks, total " << total;
+                if (kind == sharding::zigzag) EXPECT_LE(worst, 0.02) << ranks << " ranks, total " << total;
+                else EXPECT_GE(worst, 0.4) << ranks << " ranks, total " << total;
             }
         }
 }

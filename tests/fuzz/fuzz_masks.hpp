@@ -123,8 +123,9 @@ Mask combined(const Combined& expr, std::function<meaning(const attention_shape&
                       std::move(text), query_padding);
 }
 
-inline meaning boolean_meaning(std::function<bool(index, index, index, index)> allowed,
-                               std::function<bool(index, index)> padded = [](index, index) { return false; }) {
+inline meaning boolean_meaning(
+    std::function<bool(index, index, index, index)> allowed,
+    std::function<bool(index, index)> padded = [](index, index) { return false; }) {
     return {[allowed](index b, index h, index i, index j) { return allowed(b, h, i, j) ? 0.0L : meaning::minus_inf(); },
             std::move(padded)};
 }
@@ -368,9 +369,10 @@ private:
         std::vector<index> dims;
         for (int a = 0; a < rank; ++a) {
             const int from_right = rank - a;
-            const index n = from_right <= static_cast<int>(axes.size())
-                                ? score[static_cast<std::size_t>(axes[axes.size() - static_cast<std::size_t>(from_right)])]
-                                : 1;
+            const index n =
+                from_right <= static_cast<int>(axes.size())
+                    ? score[static_cast<std::size_t>(axes[axes.size() - static_cast<std::size_t>(from_right)])]
+                    : 1;
             const int pick = in_.choose(32);
             dims.push_back(pick == 0 ? n + 1 : pick < 10 ? 1 : n);
         }
@@ -452,7 +454,8 @@ private:
             x = additive_value<V>();
             if (plain && std::isfinite(x) && std::abs(x) > 10) x = V(1);
         }
-        const auto mask = with_tensor<V>(dims, flat, [](const auto& t) { return attend::additive_mask<V>::from_values(t); });
+        const auto mask =
+            with_tensor<V>(dims, flat, [](const auto& t) { return attend::additive_mask<V>::from_values(t); });
         return leaf<runtime_additive>(
             mask,
             [=](const attention_shape& s) {
@@ -469,9 +472,9 @@ private:
             a && b,
             [a, b](const attention_shape& s) {
                 const meaning x = a.node->mean(s), y = b.node->mean(s);
-                return boolean_meaning(
-                    [x, y](index bb, index h, index i, index j) { return x.allowed(bb, h, i, j) && y.allowed(bb, h, i, j); },
-                    [x, y](index bb, index i) { return x.padded(bb, i) || y.padded(bb, i); });
+                return boolean_meaning([x, y](index bb, index h, index i,
+                                              index j) { return x.allowed(bb, h, i, j) && y.allowed(bb, h, i, j); },
+                                       [x, y](index bb, index i) { return x.padded(bb, i) || y.padded(bb, i); });
             },
             "(" + a.node->text + " && " + b.node->text + ")", a.node->query_padding || b.node->query_padding);
     }
@@ -481,9 +484,9 @@ private:
             a || b,
             [a, b](const attention_shape& s) {
                 const meaning x = a.node->mean(s), y = b.node->mean(s);
-                return boolean_meaning(
-                    [x, y](index bb, index h, index i, index j) { return x.allowed(bb, h, i, j) || y.allowed(bb, h, i, j); },
-                    [x, y](index bb, index i) { return x.padded(bb, i) && y.padded(bb, i); });
+                return boolean_meaning([x, y](index bb, index h, index i,
+                                              index j) { return x.allowed(bb, h, i, j) || y.allowed(bb, h, i, j); },
+                                       [x, y](index bb, index i) { return x.padded(bb, i) && y.padded(bb, i); });
             },
             "(" + a.node->text + " || " + b.node->text + ")", a.node->query_padding && b.node->query_padding);
     }

@@ -58,9 +58,7 @@ std::string expected_drawing(const meaning& m, const attention_shape& s) {
     return out.str();
 }
 
-std::string spell(tile_class c) {
-    return c == tile_class::empty ? "empty" : c == tile_class::full ? "full" : "mixed";
-}
+std::string spell(tile_class c) { return c == tile_class::empty ? "empty" : c == tile_class::full ? "full" : "mixed"; }
 
 /// Applies the mask to a tile of scores in [-1, 1) and checks what it wrote, and what its class promised.
 template <class T>
@@ -74,15 +72,19 @@ void check_tile(const any_bound& bound, const meaning& m, const tile& t, tile_cl
         for (index j = t.key_begin; j < t.key_end; ++j) {
             const std::size_t n = static_cast<std::size_t>((i - t.query_begin) * ld + (j - t.key_begin));
             const bool allowed = m.allowed(t.batch, t.head, i, j);
-            if (c == tile_class::empty) require(!allowed, at("tile classified empty allows a key", t.batch, t.head, i, j));
+            if (c == tile_class::empty)
+                require(!allowed, at("tile classified empty allows a key", t.batch, t.head, i, j));
             if (c == tile_class::full) {
                 require(allowed, at("tile classified full forbids a key", t.batch, t.head, i, j));
                 // The kernels never apply a full tile, so applying it must not change anything.
                 require(scores[n] == before[n], at("apply changes a tile classified full", t.batch, t.head, i, j));
             }
-            if (allowed) require(std::isfinite(scores[n]), at("apply leaves an allowed score non-finite", t.batch, t.head, i, j));
-            else require(scores[n] == -std::numeric_limits<T>::infinity(),
-                         at("apply leaves a forbidden score other than -inf", t.batch, t.head, i, j));
+            if (allowed)
+                require(std::isfinite(scores[n]),
+                        at("apply leaves an allowed score non-finite", t.batch, t.head, i, j));
+            else
+                require(scores[n] == -std::numeric_limits<T>::infinity(),
+                        at("apply leaves a forbidden score other than -inf", t.batch, t.head, i, j));
         }
     for (index i = 0; i < rows; ++i)  // columns past the tile (the leading dimension's slack) are not written
         for (index j = cols; j < ld; ++j)
@@ -114,11 +116,14 @@ void check_expression(fuzz_input& in, const Mask& mask, const attention_shape& s
 
     for (index b = 0; b < s.batch; ++b)
         for (index i = 0; i < s.query_len; ++i) {
-            require(bound.query_padded(b, i) == m.padded(b, i), at("query_padded disagrees with the meaning", b, 0, i, 0));
+            require(bound.query_padded(b, i) == m.padded(b, i),
+                    at("query_padded disagrees with the meaning", b, 0, i, 0));
             for (index h = 0; h < s.heads; ++h)
                 for (index j = 0; j < s.key_len; ++j) {
-                    require(bound.allowed(b, h, i, j) == m.allowed(b, h, i, j), at("allowed disagrees with the meaning", b, h, i, j));
-                    if (m.padded(b, i)) require(!m.allowed(b, h, i, j), at("a padded query has an allowed key", b, h, i, j));
+                    require(bound.allowed(b, h, i, j) == m.allowed(b, h, i, j),
+                            at("allowed disagrees with the meaning", b, h, i, j));
+                    if (m.padded(b, i))
+                        require(!m.allowed(b, h, i, j), at("a padded query has an allowed key", b, h, i, j));
                 }
         }
     if (s.rank == 4) {
@@ -127,8 +132,10 @@ void check_expression(fuzz_input& in, const Mask& mask, const attention_shape& s
             for (index h = 0; h < s.heads; ++h)
                 for (index i = 0; i < s.query_len; ++i)
                     for (index j = 0; j < s.key_len; ++j)
-                        require(dense(b, h, i, j) == m.allowed(b, h, i, j), at("materialize disagrees with the meaning", b, h, i, j));
-        require(attend::to_string(mask, shape) == expected_drawing(m, s), "to_string differs from the documented drawing");
+                        require(dense(b, h, i, j) == m.allowed(b, h, i, j),
+                                at("materialize disagrees with the meaning", b, h, i, j));
+        require(attend::to_string(mask, shape) == expected_drawing(m, s),
+                "to_string differs from the documented drawing");
     }
 
     if (s.batch == 0 || s.query_len == 0 || s.key_len == 0) return;
@@ -158,7 +165,8 @@ void check_expression(fuzz_input& in, const Mask& mask, const attention_shape& s
         t.key_begin = in.in_range(0, s.key_len - 1);
         t.key_end = in.in_range(t.key_begin + 1, s.key_len);
         const tile_class c = bound.classify(t);
-        if (s.rank == 4) require(attend::classify(mask, shape, t) == c, "public classify differs from the bound one: " + spell(c));
+        if (s.rank == 4)
+            require(attend::classify(mask, shape, t) == c, "public classify differs from the bound one: " + spell(c));
         if (in_double) check_tile<double>(bound, m, t, c, g);
         else check_tile<float>(bound, m, t, c, g);
     }
@@ -175,7 +183,8 @@ void run_case(fuzz_input& in) {
     s.key_len = in.chance(4) ? s.query_len : in.in_range(0, large ? 300 : 24);
     s.head_dim = s.value_dim = 1;
     std::ostringstream text;
-    text << "scores rank " << s.rank << " [" << s.batch << ',' << s.heads << ',' << s.query_len << ',' << s.key_len << ']';
+    text << "scores rank " << s.rank << " [" << s.batch << ',' << s.heads << ',' << s.query_len << ',' << s.key_len
+         << ']';
     case_description() = text.str();
 
     mask_generator generate(in, s, 4);

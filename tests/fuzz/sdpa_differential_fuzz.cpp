@@ -58,7 +58,8 @@ case_sizes decode_sizes(fuzz_input& in, int rank) {
     const index key_len = in.in_range(1, large ? 600 : 24);
     const index head_dim = !large && in.chance(8) ? in.in_range(1, 130) : in.in_range(1, 8);
     const index value_dim = in.in_range(1, 8);
-    case_sizes c{{batch, heads, query_len, head_dim}, {batch, kv_heads, key_len, head_dim},
+    case_sizes c{{batch, heads, query_len, head_dim},
+                 {batch, kv_heads, key_len, head_dim},
                  {batch, kv_heads, key_len, value_dim}};
     if (in.chance(20)) {  // one rule broken
         switch (in.choose(8)) {
@@ -98,8 +99,8 @@ std::vector<T> decode_values(fuzz_input& in, index count) {
     }
     if (count > 0 && in.chance(40)) {
         using limits = std::numeric_limits<T>;
-        const T specials[] = {limits::quiet_NaN(), limits::infinity(), -limits::infinity(), limits::max(),
-                              limits::lowest(),    limits::denorm_min(), limits::min(),     T(-0.0)};
+        const T specials[] = {limits::quiet_NaN(), limits::infinity(),   -limits::infinity(), limits::max(),
+                              limits::lowest(),    limits::denorm_min(), limits::min(),       T(-0.0)};
         const int n = in.choose(4) + 1;
         for (int s = 0; s < n; ++s) x[static_cast<std::size_t>(g.uniform_int(0, count - 1))] = specials[in.choose(8)];
     }
@@ -121,14 +122,26 @@ attend::sdpa_options decode_options(fuzz_input& in, index heads, std::string& te
     attend::sdpa_options o;
     std::ostringstream s;
     if (in.chance(64)) {
-        const double choices[] = {0.0, -1.0, std::numeric_limits<double>::infinity(),
-                                  std::numeric_limits<double>::quiet_NaN(), 1e300, 1e-300, 1e-3, 10.0};
+        const double choices[] = {0.0,
+                                  -1.0,
+                                  std::numeric_limits<double>::infinity(),
+                                  std::numeric_limits<double>::quiet_NaN(),
+                                  1e300,
+                                  1e-300,
+                                  1e-3,
+                                  10.0};
         o.scale = in.chance(128) ? choices[in.choose(8)] : std::pow(2.0, static_cast<double>(in.in_range(-8, 8)));
         s << " scale " << *o.scale;
     }
     if (in.chance(48)) {
-        const double choices[] = {0.0, -1.0, std::numeric_limits<double>::infinity(),
-                                  std::numeric_limits<double>::quiet_NaN(), 1e300, 1e-300, 1e-3, 50.0};
+        const double choices[] = {0.0,
+                                  -1.0,
+                                  std::numeric_limits<double>::infinity(),
+                                  std::numeric_limits<double>::quiet_NaN(),
+                                  1e300,
+                                  1e-300,
+                                  1e-3,
+                                  50.0};
         o.softcap = in.chance(128) ? choices[in.choose(8)] : std::pow(2.0, static_cast<double>(in.in_range(-4, 6)));
         s << " softcap " << *o.softcap;
     }
@@ -144,14 +157,21 @@ attend::sdpa_options decode_options(fuzz_input& in, index heads, std::string& te
         std::vector<double> slopes = attend::alibi_slopes(std::max<index>(heads, 1));
         if (in.chance(64)) slopes.resize(static_cast<std::size_t>(in.in_range(0, heads + 1)), 0.5);
         if (in.chance(32))
-            for (double& x : slopes) x = std::pow(10.0, static_cast<double>(in.in_range(-3, 3))) * (in.chance(64) ? -1 : 1);
+            for (double& x : slopes)
+                x = std::pow(10.0, static_cast<double>(in.in_range(-3, 3))) * (in.chance(64) ? -1 : 1);
         const auto align = in.chance(128) ? attend::alignment::top_left : attend::alignment::bottom_right;
         o.score_bias = attend::score_bias::alibi(slopes, align);
         s << " alibi(" << slopes.size() << " slopes)";
     }
     if (in.chance(48)) {  // sinks: one per query head, sometimes of the wrong count or not finite
-        const double specials[] = {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(),
-                                   -std::numeric_limits<double>::infinity(), 1e300, -1e4, 1e4, 0.0, 40.0};
+        const double specials[] = {std::numeric_limits<double>::quiet_NaN(),
+                                   std::numeric_limits<double>::infinity(),
+                                   -std::numeric_limits<double>::infinity(),
+                                   1e300,
+                                   -1e4,
+                                   1e4,
+                                   0.0,
+                                   40.0};
         const index n = in.chance(16) ? in.in_range(0, heads + 1) : std::max<index>(heads, 1);
         std::vector<double> logits(static_cast<std::size_t>(n));
         for (double& z : logits)
@@ -187,13 +207,13 @@ attend::detail::tile_config decode_tiles(fuzz_input& in) {
 /// One query row evaluated in long double from the definition, with what rounding in T can do to it.
 struct row_oracle {
     bool padded = false;
-    bool empty = false;      ///< not padded, no allowed key
-    bool fits = false;       ///< scores (before additive terms) and outputs are far from T's overflow
-    bool conditioned = false;///< fits, and rounding moves the weights by at most `error`
-    ld error = 0;            ///< bound on |weight error| (relative to the largest weight) from rounding scores
+    bool empty = false;        ///< not padded, no allowed key
+    bool fits = false;         ///< scores (before additive terms) and outputs are far from T's overflow
+    bool conditioned = false;  ///< fits, and rounding moves the weights by at most `error`
+    ld error = 0;              ///< bound on |weight error| (relative to the largest weight) from rounding scores
     ld lse = 0;
-    std::vector<ld> weights; ///< softmax, before dropout
-    std::vector<ld> out;     ///< after dropout
+    std::vector<ld> weights;  ///< softmax, before dropout
+    std::vector<ld> out;      ///< after dropout
 };
 
 template <class T>
@@ -219,8 +239,8 @@ template <class T>
 bool breaks_score_range(const call_case<T>& c) {
     const attention_shape& s = c.s;
     const ld limit = static_cast<ld>(std::numeric_limits<T>::max()) / 2;
-    const ld scale = static_cast<ld>(static_cast<T>(
-        c.options.scale ? *c.options.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim))));
+    const ld scale = static_cast<ld>(
+        static_cast<T>(c.options.scale ? *c.options.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim))));
     for (index b = 0; b < s.batch; ++b)
         for (index h = 0; h < s.heads; ++h)
             for (index i = 0; i < s.query_len; ++i) {
@@ -243,7 +263,8 @@ row_oracle evaluate_row(const call_case<T>& c, index b, index h, index i) {
     const attention_shape& s = c.s;
     constexpr ld eps = std::numeric_limits<T>::epsilon();
     constexpr ld big = static_cast<ld>(std::numeric_limits<T>::max()) / 16;
-    const ld scale = static_cast<ld>(c.options.scale ? *c.options.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim)));
+    const ld scale =
+        static_cast<ld>(c.options.scale ? *c.options.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim)));
     row_oracle r;
     r.padded = c.mask.padded(b, i);
     const index S = s.key_len, kvh = s.kv_head(h);
@@ -280,8 +301,8 @@ row_oracle evaluate_row(const call_case<T>& c, index b, index h, index i) {
         rounding[static_cast<std::size_t>(j)] =
             eps * (static_cast<ld>(s.head_dim + 2) * scale * magnitude + std::abs(score) + std::abs(bias) +
                    std::abs(added) + std::abs(total) + 8 * cap) +
-            static_cast<ld>(s.head_dim + 2) * static_cast<ld>(std::numeric_limits<T>::min()) *
-                (1 + scale) * (1 + q_max + k_max);
+            static_cast<ld>(s.head_dim + 2) * static_cast<ld>(std::numeric_limits<T>::min()) * (1 + scale) *
+                (1 + q_max + k_max);
         if (std::max<ld>(1, scale) * magnitude + std::abs(bias) >= big) r.fits = false;
         any = true;
     }
@@ -317,7 +338,8 @@ row_oracle evaluate_row(const call_case<T>& c, index b, index h, index i) {
         r.weights[static_cast<std::size_t>(j)] = p;
         if (dropping && !drop.keep(b, h, i, j)) continue;
         const T* v = row_of(c.v, s.kv_heads, S, s.value_dim, b, kvh, j);
-        for (index d = 0; d < s.value_dim; ++d) r.out[static_cast<std::size_t>(d)] += p * c.keep_scale * static_cast<ld>(v[d]);
+        for (index d = 0; d < s.value_dim; ++d)
+            r.out[static_cast<std::size_t>(d)] += p * c.keep_scale * static_cast<ld>(v[d]);
     }
     return r;
 }
@@ -363,12 +385,15 @@ void check_against_oracle(const call_case<T>& c, const std::vector<row_oracle>& 
                 const bool zero_row = r.padded || r.empty;
                 for (index d = 0; d < s.value_dim; ++d) {
                     require(std::isfinite(out[d]), where("non-finite out", path, b, h, i));
-                    if (zero_row) require(out[d] == T(0), where("non-zero out of a padded or empty row", path, b, h, i));
+                    if (zero_row)
+                        require(out[d] == T(0), where("non-zero out of a padded or empty row", path, b, h, i));
                 }
                 if (!o.lse.empty()) {
                     const T lse = o.lse[static_cast<std::size_t>(n)];
                     // -inf, or the sink (the whole mass) for an empty row of a call with sinks.
-                    if (zero_row) require(static_cast<ld>(lse) == r.lse, where("lse of a zero row is not -inf or its sink", path, b, h, i));
+                    if (zero_row)
+                        require(static_cast<ld>(lse) == r.lse,
+                                where("lse of a zero row is not -inf or its sink", path, b, h, i));
                     else require(std::isfinite(lse), where("non-finite lse", path, b, h, i));
                 }
                 if (w)
@@ -377,7 +402,8 @@ void check_against_oracle(const call_case<T>& c, const std::vector<row_oracle>& 
                         const bool dropped = c.options.weights_after_dropout && dropping && !drop.keep(b, h, i, j);
                         if (forbidden || dropped)
                             require(w[j] == T(0), where(forbidden ? "forbidden weight is not exactly 0"
-                                                                  : "dropped weight is not exactly 0", path, b, h, i) +
+                                                                  : "dropped weight is not exactly 0",
+                                                        path, b, h, i) +
                                                       ", key " + std::to_string(j));
                         require(std::isfinite(w[j]), where("non-finite weight", path, b, h, i));
                     }
@@ -417,15 +443,16 @@ bool identical(const std::vector<T>& a, const std::vector<T>& b) {
 /// accumulating in Acc (float storage accumulated in double is the kernels' staged path).
 template <class T, class Acc = T, class Mask>
 outputs<T> tiled_with(const attend::strided_view<const T>& q, const attend::strided_view<const T>& k,
-                      const attend::strided_view<const T>& v, const Mask& mask,
-                      const attend::sdpa_options& options, const attend::detail::tile_config& tiles, int threads) {
+                      const attend::strided_view<const T>& v, const Mask& mask, const attend::sdpa_options& options,
+                      const attend::detail::tile_config& tiles, int threads) {
     const attention_shape s = attend::detail::check_views(q, k, v);
     const auto call = attend::detail::check_call(q, k, v, s, mask, options);
     const attend::detail::erased_mask<decltype(call.mask)> erased(call.mask);
     outputs<T> o;
     const index rows = s.batch * s.heads * s.query_len;
     o.out.assign(static_cast<std::size_t>(rows * s.value_dim), std::numeric_limits<T>::quiet_NaN());
-    if (options.need_weights) o.weights.assign(static_cast<std::size_t>(rows * s.key_len), std::numeric_limits<T>::quiet_NaN());
+    if (options.need_weights)
+        o.weights.assign(static_cast<std::size_t>(rows * s.key_len), std::numeric_limits<T>::quiet_NaN());
     if (options.need_lse) o.lse.assign(static_cast<std::size_t>(rows), std::numeric_limits<T>::quiet_NaN());
     attend::detail::attention_outputs<T> views;
     views.out.data = o.out.data();
@@ -459,8 +486,13 @@ void check_backward(fuzz_input& in, const call_case<T>& c, const attend::tensor<
     tiled.kernel = attend::kernel::tiled;
     tiled.threads = threads;
     std::optional<attend::attention_gradients<T, Rank>> a, b;
-    const auto id_a = error_id_of([&] { a.emplace(attend::scaled_dot_product_attention_backward(q, k, v, forward.out, forward.lse, d_out, mask, reference)); });
-    const auto id_b = error_id_of([&] { b.emplace(attend::scaled_dot_product_attention_backward(q, k, v, forward.out, forward.lse, d_out, mask, tiled)); });
+    const auto id_a = error_id_of([&] {
+        a.emplace(
+            attend::scaled_dot_product_attention_backward(q, k, v, forward.out, forward.lse, d_out, mask, reference));
+    });
+    const auto id_b = error_id_of([&] {
+        b.emplace(attend::scaled_dot_product_attention_backward(q, k, v, forward.out, forward.lse, d_out, mask, tiled));
+    });
     require(id_a == id_b, "backward: reference throws " + spell(id_a) + ", tiled " + spell(id_b));
     if (id_a) return;
     ld error = 0;
@@ -469,7 +501,8 @@ void check_backward(fuzz_input& in, const call_case<T>& c, const attend::tensor<
         error = std::max(error, r.error);
     }
     constexpr ld eps = std::numeric_limits<T>::epsilon();
-    const ld scale = static_cast<ld>(c.options.scale ? *c.options.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim)));
+    const ld scale =
+        static_cast<ld>(c.options.scale ? *c.options.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim)));
     ld q_max = 0, k_max = 0;
     for (T x : c.q) q_max = std::max(q_max, std::abs(static_cast<ld>(x)));
     for (T x : c.k) k_max = std::max(k_max, std::abs(static_cast<ld>(x)));
@@ -497,8 +530,8 @@ void check_backward(fuzz_input& in, const call_case<T>& c, const attend::tensor<
     compare("score_bias_gradient", a->score_bias_gradient.data(), b->score_bias_gradient.data(),
             a->score_bias_gradient.size(), 2 * dp * queries, 2 * dp * queries);
     // d sink = -sum over a head's rows of p_sink * rowsum(d_out * out), |rowsum| <= value_dim * keep * max|v|.
-    compare("sink_gradient", a->sink_gradient.data(), b->sink_gradient.data(), a->sink_gradient.size(),
-            dp * queries, dp * queries);
+    compare("sink_gradient", a->sink_gradient.data(), b->sink_gradient.data(), a->sink_gradient.size(), dp * queries,
+            dp * queries);
 }
 
 template <class T, int Rank, class Mask>
@@ -514,7 +547,8 @@ void run_call(fuzz_input& in, call_case<T>& c, const attend::tensor<T, Rank>& q,
     tiled.kernel = attend::kernel::tiled;
     tiled.threads = threads;
     std::optional<attend::attention_result<T, Rank>> ref, til;
-    const auto id_ref = error_id_of([&] { ref.emplace(attend::scaled_dot_product_attention(q, k, v, mask, reference)); });
+    const auto id_ref =
+        error_id_of([&] { ref.emplace(attend::scaled_dot_product_attention(q, k, v, mask, reference)); });
     const auto id_til = error_id_of([&] { til.emplace(attend::scaled_dot_product_attention(q, k, v, mask, tiled)); });
     require(id_ref == id_til, "reference throws " + spell(id_ref) + ", tiled " + spell(id_til));
     const auto qv = attend::detail::as_view(q), kv = attend::detail::as_view(k), vv = attend::detail::as_view(v);

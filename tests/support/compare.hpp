@@ -94,8 +94,8 @@ template <class T, int R>
 ::testing::AssertionResult near(const attend::tensor<T, R>& a, const attend::tensor<T, R>& b, double tolerance) {
     for (std::size_t d = 0; d < static_cast<std::size_t>(R); ++d)
         if (a.dimension(d) != b.dimension(d))
-            return ::testing::AssertionFailure() << "dimension " << d << " differs: " << a.dimension(d) << " vs "
-                                                 << b.dimension(d);
+            return ::testing::AssertionFailure()
+                   << "dimension " << d << " differs: " << a.dimension(d) << " vs " << b.dimension(d);
     for (attend::index n = 0; n < a.size(); ++n) {
         const double x = static_cast<double>(a.data()[n]), y = static_cast<double>(b.data()[n]);
         if (!(x == y || std::abs(x - y) <= tolerance))

@@ -56,8 +56,8 @@ inline void expect_close_to_fd(const double* analytic, const double* fd, attend:
         const double err = std::abs(a - f), allowed = fd_relative * std::max(std::abs(f), fd_floor);
         worst = std::max(worst, err / allowed);
         if (!(err <= allowed) && reported++ < 5)
-            ADD_FAILURE() << what << " element " << n << ": analytic " << a << ", finite difference " << f
-                          << ", error " << err << " > " << allowed;
+            ADD_FAILURE() << what << " element " << n << ": analytic " << a << ", finite difference " << f << ", error "
+                          << err << " > " << allowed;
     }
     EXPECT_LE(worst, 1.0) << what;
 }

@@ -72,9 +72,7 @@ inline bool parse_number(const json& v, double& out) {
 }  // namespace golden_detail
 
 /// Absolute path of a file in tests/data.
-inline std::string golden_path(const std::string& file) {
-    return std::string(ATTEND_TEST_DATA_DIR) + "/" + file;
-}
+inline std::string golden_path(const std::string& file) { return std::string(ATTEND_TEST_DATA_DIR) + "/" + file; }
 
 /// Parses tests/data/<file>; throws std::runtime_error if it is missing or not valid JSON.
 inline json load_golden(const std::string& file) {
@@ -154,16 +152,16 @@ golden_tensor<T, Rank> to_tensor(const json& t, const std::string& what = "tenso
     const std::vector<Eigen::Index> shape = shape_of(t, what);
     if (static_cast<int>(shape.size()) != Rank) {
         golden_detail::fail(what, "expected rank " + std::to_string(Rank) + ", got rank " +
-                                      std::to_string(shape.size()) + " (shape " +
-                                      golden_detail::shape_string(shape) + ")");
+                                      std::to_string(shape.size()) + " (shape " + golden_detail::shape_string(shape) +
+                                      ")");
     }
     const json& data = t.at("data");
     if (!data.is_array()) golden_detail::fail(what, "\"data\" is not an array");
     std::size_t count = 1;
     for (Eigen::Index d : shape) count *= static_cast<std::size_t>(d);
     if (data.size() != count) {
-        golden_detail::fail(what, "shape " + golden_detail::shape_string(shape) + " needs " +
-                                      std::to_string(count) + " values, data has " + std::to_string(data.size()));
+        golden_detail::fail(what, "shape " + golden_detail::shape_string(shape) + " needs " + std::to_string(count) +
+                                      " values, data has " + std::to_string(data.size()));
     }
     std::array<Eigen::Index, Rank> dims{};
     for (int i = 0; i < Rank; ++i) dims[static_cast<std::size_t>(i)] = shape[static_cast<std::size_t>(i)];

@@ -16,7 +16,7 @@ namespace attend_test {
 
 /// The case names of tests/data/mha.json.
 inline const char* const golden_mha_cases[] = {"self_attention_masked", "cross_attention_L3_S5", "kdim5_vdim6",
-                                                "no_bias"};
+                                               "no_bias"};
 
 template <class T>
 attend::torch_mha_parameters<T> golden_parameters(const json& c) {

@@ -254,10 +254,10 @@ template <class T>
         for (index h = 0; h < e.heads; ++h)
             for (index i = 0; i < e.query_len; ++i) {
                 const double lse = static_cast<double>(r.lse(b, h, i));
-                if (std::isnan(lse) || (e.l(b, h, i) == minus_inf ? lse != minus_inf
-                                                                  : !(std::abs(lse - e.l(b, h, i)) <= tol)))
-                    return ::testing::AssertionFailure() << "lse(" << b << ',' << h << ',' << i << ") = " << lse
-                                                         << ", oracle " << e.l(b, h, i);
+                if (std::isnan(lse) ||
+                    (e.l(b, h, i) == minus_inf ? lse != minus_inf : !(std::abs(lse - e.l(b, h, i)) <= tol)))
+                    return ::testing::AssertionFailure()
+                           << "lse(" << b << ',' << h << ',' << i << ") = " << lse << ", oracle " << e.l(b, h, i);
                 for (index j = 0; j < e.key_len; ++j) {
                     const double w = static_cast<double>(r.weights(b, h, i, j));
                     if (bias(b, h, i, j) == minus_inf ? w != 0.0 : !(std::abs(w - e.w(b, h, i, j)) <= tol))
@@ -439,7 +439,8 @@ void with_random_mask(rng& g, const config& c, F&& f) {
         case 4: {
             const index left = g.uniform_int(0, S), right = g.uniform_int(0, S);
             f(attend::sliding_window(left, right, align), std::string("sliding_window ") + name_of(align),
-              allowed_if([=](index, index, index i, index j) { return i + shift - left <= j && j <= i + shift + right; }));
+              allowed_if(
+                  [=](index, index, index i, index j) { return i + shift - left <= j && j <= i + shift + right; }));
             return;
         }
         case 5: {
@@ -458,9 +459,8 @@ void with_random_mask(rng& g, const config& c, F&& f) {
         case 7: {
             const auto m = random_bool_grid(g, c, 0.3, false);
             f(as_allowed(m) || attend::causal(align), std::string("dense || causal"),
-              allowed_if([=](index b, index h, index i, index j) {
-                  return m.value(b, h, i, j) != 0.0 || j <= i + shift;
-              }));
+              allowed_if(
+                  [=](index b, index h, index i, index j) { return m.value(b, h, i, j) != 0.0 || j <= i + shift; }));
             return;
         }
         case 8: {
@@ -480,9 +480,7 @@ void with_random_mask(rng& g, const config& c, F&& f) {
               [=](index b, index h, index i, index j) { return j <= i + shift ? m.value(b, h, i, j) : minus_inf; });
             return;
         }
-        default:
-            f(attend::no_mask{}, std::string("no mask"), [](index, index, index, index) { return 0.0; });
-            return;
+        default: f(attend::no_mask{}, std::string("no mask"), [](index, index, index, index) { return 0.0; }); return;
     }
 }
 

@@ -38,7 +38,8 @@ struct pool {
     float* at(index offset) { return memory.data() + offset; }
     void randomize(index offset, index size, std::uint64_t seed) {
         attend_test::rng g(seed);
-        for (index n = 0; n < size; ++n) memory[static_cast<std::size_t>(offset + n)] = static_cast<float>(g.uniform(-1, 1));
+        for (index n = 0; n < size; ++n)
+            memory[static_cast<std::size_t>(offset + n)] = static_cast<float>(g.uniform(-1, 1));
     }
 };
 
@@ -79,7 +80,8 @@ template <class Case, class Layout>
 void expect_aliasing(const Layout& at, const std::string& output, const std::string& other) {
     Case c(at);
     const std::vector<float> before = c.memory.memory;
-    const std::string message = attend_test::expect_error<attend::shape_error>([&] { c.run(); }, "attend.shape.aliasing");
+    const std::string message =
+        attend_test::expect_error<attend::shape_error>([&] { c.run(); }, "attend.shape.aliasing");
     EXPECT_NE(message.find("output " + output + " ["), std::string::npos) << message;
     EXPECT_NE(message.find(other + " ["), std::string::npos) << message;
     EXPECT_TRUE(c.memory.memory == before) << "the pool changed although the call threw";
@@ -216,8 +218,7 @@ TEST(BackwardAliasing, InterleavedHeadsOfOneBufferCountAsOverlappingBecauseTheCh
     dv.setConstant(sentinel);
     const std::string message = attend_test::expect_error<attend::shape_error>(
         [&] {
-            attend::scaled_dot_product_attention_backward_into(q, q, q, out, lse, d_out, attend::no_mask{}, dq, dk,
-                                                               dv);
+            attend::scaled_dot_product_attention_backward_into(q, q, q, out, lse, d_out, attend::no_mask{}, dq, dk, dv);
         },
         "attend.shape.aliasing");
     EXPECT_NE(message.find("output dk [1,2,3,4] overlaps output dq [1,2,3,4]"), std::string::npos) << message;
@@ -231,8 +232,8 @@ TEST(KvCacheAliasing, AppendingTheCachesOwnKeysIsRejectedAndAppendsNothing) {
     const auto k = attend_test::random_tensor<float>(1, 1, 2, 3, 4);
     const auto v = attend_test::random_tensor<float>(2, 1, 2, 3, 4);
     cache.append(k, v);
-    const std::string message = attend_test::expect_error<attend::shape_error>(
-        [&] { cache.append(cache.keys(), v); }, "attend.shape.aliasing");
+    const std::string message =
+        attend_test::expect_error<attend::shape_error>([&] { cache.append(cache.keys(), v); }, "attend.shape.aliasing");
     EXPECT_NE(message.find("output cache keys [1,2,8,4] overlaps input new keys [1,2,3,4]"), std::string::npos)
         << message;
     EXPECT_EQ(cache.length(), 3);

@@ -31,8 +31,8 @@ bool allocator_always_succeeds() {
     return policy >> mode && mode == 1;
 }
 
-#define ATTEND_SKIP_IF_ALWAYS_OVERCOMMITTING()                                                        \
-    if (allocator_always_succeeds())                                                                  \
+#define ATTEND_SKIP_IF_ALWAYS_OVERCOMMITTING()                                                       \
+    if (allocator_always_succeeds())                                                                 \
     GTEST_SKIP() << "vm.overcommit_memory = 1: a 4 TiB allocation would succeed and exhaust memory " \
                     "when written"
 
@@ -110,7 +110,9 @@ TEST(AllocationFailure, ReferenceBackwardScoresAreAResourceErrorBeforeAnyWrite) 
                                                                dk, dv, o);
         },
         "attend.resource.allocation");
-    EXPECT_NE(message.find("the reference backward's score matrices (3 x query_len x key_len) [3,1048576,1048576]"), std::string::npos) << message;
+    EXPECT_NE(message.find("the reference backward's score matrices (3 x query_len x key_len) [3,1048576,1048576]"),
+              std::string::npos)
+        << message;
     for (const auto* g : {&dq, &dk, &dv})
         for (index n = 0; n < g->size(); ++n) ASSERT_EQ(g->data()[n], sentinel);
 }
@@ -120,7 +122,11 @@ TEST(AllocationFailure, AKvCacheLargerThanAVectorCanHoldIsAResourceError) {
     // throws std::length_error before asking the allocator (this holds under every sanitizer and kernel policy).
     const std::string message = attend_test::expect_error<attend::resource_error>(
         [] { attend::kv_cache<float> cache(1, 1, index(1) << 62, 1, 1); }, "attend.resource.allocation");
-    EXPECT_NE(message.find("kv_cache storage (keys and values x batch x kv_heads x capacity x dim) [2,1,1,4611686018427387904,1]"), std::string::npos) << message;
+    EXPECT_NE(
+        message.find(
+            "kv_cache storage (keys and values x batch x kv_heads x capacity x dim) [2,1,1,4611686018427387904,1]"),
+        std::string::npos)
+        << message;
     EXPECT_NE(message.find("std::length_error"), std::string::npos) << message;
 }
 
@@ -133,8 +139,8 @@ TEST(AllocationFailure, MultiHeadWeightsOfTwoToTheFortyElementsAreAResourceError
     attend::mha_options o;
     o.need_weights = true;
     o.threads = 1;
-    const std::string message = attend_test::expect_error<attend::resource_error>(
-        [&] { (void)m.forward(x, x, x, o); }, "attend.resource.allocation");
+    const std::string message = attend_test::expect_error<attend::resource_error>([&] { (void)m.forward(x, x, x, o); },
+                                                                                  "attend.resource.allocation");
     EXPECT_NE(message.find("per-head weights [batch, heads, query_len, key_len] [1,1,1048576,1048576]"),
               std::string::npos)
         << message;

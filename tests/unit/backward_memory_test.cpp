@@ -178,8 +178,8 @@ TEST(BackwardMemory, NoQueryByKeyBuffer) {
     options.check_finite = false;
 
     const std::int64_t base = counter().reset();
-    const auto g = attend::scaled_dot_product_attention_backward(q, k, v, out, lse, d_out, attend::causal(
-                                                                     attend::alignment::top_left), options);
+    const auto g = attend::scaled_dot_product_attention_backward(q, k, v, out, lse, d_out,
+                                                                 attend::causal(attend::alignment::top_left), options);
     const double peak = static_cast<double>(counter().peak.load() - base) / mib;
     const double outputs = static_cast<double>((g.dq.size() + g.dk.size() + g.dv.size()) * 4) / mib;
     std::cout << "[memory] backward L = S = 16384, D = 64, float: peak " << peak << " MiB allocated during the call, "
@@ -191,9 +191,8 @@ TEST(BackwardMemory, NoQueryByKeyBuffer) {
     // The _into form allocates only scratch.
     tensor<float, 4> dq(q.dimensions()), dk(k.dimensions()), dv(v.dimensions());
     const std::int64_t base_into = counter().reset();
-    attend::scaled_dot_product_attention_backward_into(q, k, v, out, lse, d_out,
-                                                       attend::causal(attend::alignment::bottom_right), dq, dk, dv,
-                                                       options);
+    attend::scaled_dot_product_attention_backward_into(
+        q, k, v, out, lse, d_out, attend::causal(attend::alignment::bottom_right), dq, dk, dv, options);
     const double peak_into = static_cast<double>(counter().peak.load() - base_into) / mib;
     std::cout << "[memory] backward_into: peak " << peak_into << " MiB\n";
     EXPECT_LT(peak_into, 64.0);

@@ -22,9 +22,9 @@
 #include <vector>
 
 #include "support/compare.hpp"
-#include "support/golden.hpp"
 #include "support/errors.hpp"
 #include "support/finite_differences.hpp"
+#include "support/golden.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -124,7 +124,8 @@ TEST(BackwardFiniteDifferences, NoMaskOverloadAndCustomScale) {
     check_by_finite_differences<4>("scale 0.8", x.q, x.k, x.v, attend::no_mask{}, o);
     const auto f = forward(x.q, x.k, x.v, attend::no_mask{}, o);
     const auto a = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, f.out, o);
-    const auto b = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, f.out, attend::no_mask{}, o);
+    const auto b =
+        attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, f.out, attend::no_mask{}, o);
     EXPECT_TRUE(bit_equal(a.dq, b.dq) && bit_equal(a.dk, b.dk) && bit_equal(a.dv, b.dv));
 }
 
@@ -161,9 +162,7 @@ TEST(BackwardFiniteDifferences, CausalBothAlignments) {
     check_fd("causal top_left L > S", d, attend::causal(alignment::top_left));
 }
 
-TEST(BackwardFiniteDifferences, KeyPadding) {
-    check_fd("key padding", dims{}, attend::key_padding({7, 3}));
-}
+TEST(BackwardFiniteDifferences, KeyPadding) { check_fd("key padding", dims{}, attend::key_padding({7, 3})); }
 
 TEST(BackwardFiniteDifferences, SlidingWindow) {
     check_fd("sliding window", dims{}, attend::sliding_window(1, 2));
@@ -346,12 +345,12 @@ struct config {
 
     std::string describe() const {
         std::ostringstream s;
-        s << "B " << d.batch << " H " << d.heads << " Hkv " << d.kv_heads << " L " << d.query_len << " S "
-          << d.key_len << " D " << d.head_dim << " Dv " << d.value_dim << " mask " << mask_kind << " (seed "
-          << mask_seed << ") bias " << !options.score_bias.empty() << " dropout " << options.dropout.training
-          << " p " << options.dropout.probability << " threads " << options.threads << " tiles "
-          << (default_tiling ? std::string("default") : std::to_string(tiling.block_q) + "x" +
-                                                            std::to_string(tiling.block_k));
+        s << "B " << d.batch << " H " << d.heads << " Hkv " << d.kv_heads << " L " << d.query_len << " S " << d.key_len
+          << " D " << d.head_dim << " Dv " << d.value_dim << " mask " << mask_kind << " (seed " << mask_seed
+          << ") bias " << !options.score_bias.empty() << " dropout " << options.dropout.training << " p "
+          << options.dropout.probability << " threads " << options.threads << " tiles "
+          << (default_tiling ? std::string("default")
+                             : std::to_string(tiling.block_q) + "x" + std::to_string(tiling.block_k));
         return s.str();
     }
 };
@@ -518,18 +517,17 @@ void run_differential(const config& c, differential_stats& stats) {
         const auto f = forward(q, k, v, mask, c.options);
         sdpa_options reference_options = c.options;
         reference_options.kernel = kernel::reference;
-        const auto r = attend::scaled_dot_product_attention_backward(q, k, v, f.out, f.lse, d_out, mask,
-                                                                     reference_options);
-        const auto t = c.default_tiling
-                           ? attend::scaled_dot_product_attention_backward(q, k, v, f.out, f.lse, d_out, mask, c.options)
-                           : tiled_backward(q, k, v, f.out, f.lse, d_out, mask, c.options, c.tiling);
+        const auto r =
+            attend::scaled_dot_product_attention_backward(q, k, v, f.out, f.lse, d_out, mask, reference_options);
+        const auto t = c.default_tiling ? attend::scaled_dot_product_attention_backward(q, k, v, f.out, f.lse, d_out,
+                                                                                        mask, c.options)
+                                        : tiled_backward(q, k, v, f.out, f.lse, d_out, mask, c.options, c.tiling);
         double magnitude = std::max({max_abs(r.dq), max_abs(r.dk), max_abs(r.dv)});
         if (!c.options.score_bias.empty()) magnitude = std::max<double>(magnitude, max_abs(r.score_bias_gradient));
         const double eq = relative_error(t.dq, r.dq, magnitude), ek = relative_error(t.dk, r.dk, magnitude),
                      ev = relative_error(t.dv, r.dv, magnitude);
-        const double eb = c.options.score_bias.empty()
-                              ? 0
-                              : relative_error(t.score_bias_gradient, r.score_bias_gradient, magnitude);
+        const double eb =
+            c.options.score_bias.empty() ? 0 : relative_error(t.score_bias_gradient, r.score_bias_gradient, magnitude);
         const double worst = std::max({eq, ek, ev, eb});
         stats.worst = std::max(stats.worst, worst);
         ++stats.runs;
@@ -561,9 +559,8 @@ TEST(BackwardThreads, BitIdenticalForAnyThreadCount) {
     };
     // Few (batch, kv head) pairs split the keys into chunks whose dQ partials are reduced after the units (first
     // two cases: 3 and 5 chunks); 2 x 8 pairs do not split.
-    const shape_case cases[] = {{{1, 3, 1, 70, 300, 16, 8}, false},
-                                {{1, 4, 2, 61, 97, 5, 7}, true},
-                                {{2, 16, 8, 20, 40, 4, 4}, true}};
+    const shape_case cases[] = {
+        {{1, 3, 1, 70, 300, 16, 8}, false}, {{1, 4, 2, 61, 97, 5, 7}, true}, {{2, 16, 8, 20, 40, 4, 4}, true}};
     for (const auto& sc : cases) {
         const dims& d = sc.d;
         auto x = random_qkv(d, 5);
@@ -573,15 +570,15 @@ TEST(BackwardThreads, BitIdenticalForAnyThreadCount) {
         o.dropout = {0.2, 42, true};
         attend::relative_position_bias<double> table(d.heads, true, 16, 50, 3);
         o.score_bias = attend::score_bias::relative(table, alignment::bottom_right);
-        const auto mask = attend::causal(alignment::bottom_right) && attend::key_padding(std::vector<index>(
-                                                                          static_cast<std::size_t>(d.batch), d.key_len - 3));
+        const auto mask = attend::causal(alignment::bottom_right) &&
+                          attend::key_padding(std::vector<index>(static_cast<std::size_t>(d.batch), d.key_len - 3));
         const auto f = forward(x.q, x.k, x.v, mask, o);
         std::vector<attend::attention_gradients<double, 4>> results;
         for (const int threads : {1, 2, 7}) {
             o.threads = threads;
-            results.push_back(sc.small_tiles
-                                  ? tiled_backward(x.q, x.k, x.v, f.out, f.lse, w, mask, o, {13, 11})
-                                  : attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, w, mask, o));
+            results.push_back(sc.small_tiles ? tiled_backward(x.q, x.k, x.v, f.out, f.lse, w, mask, o, {13, 11})
+                                             : attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out,
+                                                                                             f.lse, w, mask, o));
         }
         for (std::size_t n = 1; n < results.size(); ++n) {
             EXPECT_TRUE(bit_equal(results[0].dq, results[n].dq)) << "dq, run " << n;
@@ -602,8 +599,10 @@ TEST(BackwardThreads, BitIdenticalForAnyThreadCount) {
 TEST(BackwardViews, StridedHeadsAsMultiHeadAttentionPassesThem) {
     // Projected buffers [batch, len, heads * dim], read and written through split_heads, as mha.hpp does.
     const index B = 2, H = 4, Hkv = 2, L = 37, S = 45, D = 6, Dv = 5;
-    const auto pq = attend_test::random_tensor<double>(1, B, L, H * D), pk = attend_test::random_tensor<double>(2, B, S, Hkv * D),
-               pv = attend_test::random_tensor<double>(3, B, S, Hkv * Dv), pd = attend_test::random_tensor<double>(4, B, L, H * Dv);
+    const auto pq = attend_test::random_tensor<double>(1, B, L, H * D),
+               pk = attend_test::random_tensor<double>(2, B, S, Hkv * D),
+               pv = attend_test::random_tensor<double>(3, B, S, Hkv * Dv),
+               pd = attend_test::random_tensor<double>(4, B, L, H * Dv);
     // The same data as contiguous [batch, heads, len, dim] tensors.
     const auto heads_first = [](const tensor<double, 3>& x, index heads) {
         const index b = x.dimension(0), len = x.dimension(1), dim = x.dimension(2) / heads;
@@ -699,7 +698,8 @@ TEST(BackwardViews, ForwardResultWholeNeedsNoOptionToRemember) {
 TEST(BackwardViews, EmptyQueriesGiveZeroKeyGradients) {
     for (const kernel kern : {kernel::reference, kernel::automatic}) {
         const auto q = attend_test::random_tensor<double>(1, 2, 3, 0, 4);
-        const auto k = attend_test::random_tensor<double>(2, 2, 3, 5, 4), v = attend_test::random_tensor<double>(3, 2, 3, 5, 2);
+        const auto k = attend_test::random_tensor<double>(2, 2, 3, 5, 4),
+                   v = attend_test::random_tensor<double>(3, 2, 3, 5, 2);
         sdpa_options o;
         o.kernel = kern;
         const auto f = forward(q, k, v, attend::no_mask{}, o);
@@ -710,7 +710,8 @@ TEST(BackwardViews, EmptyQueriesGiveZeroKeyGradients) {
         const auto empty_batch = attend_test::random_tensor<double>(1, 0, 3, 2, 4);
         const auto kb = attend_test::random_tensor<double>(1, 0, 3, 5, 4);
         const auto fb = forward(empty_batch, kb, kb, attend::no_mask{}, o);
-        EXPECT_EQ(attend::scaled_dot_product_attention_backward(empty_batch, kb, kb, fb.out, fb.lse, fb.out, o).dq.size(), 0);
+        EXPECT_EQ(
+            attend::scaled_dot_product_attention_backward(empty_batch, kb, kb, fb.out, fb.lse, fb.out, o).dq.size(), 0);
     }
 }
 
@@ -812,8 +813,8 @@ TEST(BackwardErrors, ShapesOfGradientOutputs) {
     using attend::scaled_dot_product_attention_backward_into;
     const dims& d = x.d;
     const attend::no_mask none;
-    tensor<double, 4> bad_dq(d.batch, d.heads, d.query_len, d.head_dim + 1), bad_dk(d.batch, d.kv_heads, d.key_len + 1, d.head_dim),
-        bad_dv(d.batch, d.kv_heads, d.key_len, d.value_dim + 2);
+    tensor<double, 4> bad_dq(d.batch, d.heads, d.query_len, d.head_dim + 1),
+        bad_dk(d.batch, d.kv_heads, d.key_len + 1, d.head_dim), bad_dv(d.batch, d.kv_heads, d.key_len, d.value_dim + 2);
     x.expect<attend::shape_error>("attend.shape.backward_dq", [&] {
         scaled_dot_product_attention_backward_into(x.q, x.k, x.v, x.out, x.lse, x.d_out, none, bad_dq, x.dk, x.dv);
     });

@@ -59,11 +59,13 @@ TEST(KvCache, AppendsIntoFixedStorageAndViewsStayValid) {
     EXPECT_EQ(c.capacity(), 7);
     EXPECT_EQ(c.remaining(), 7);
     EXPECT_EQ(c.keys().dims[2], 0);
-    const auto k1 = attend_test::random_tensor<double>(1, 2, 3, 2, 4), v1 = attend_test::random_tensor<double>(2, 2, 3, 2, 5);
+    const auto k1 = attend_test::random_tensor<double>(1, 2, 3, 2, 4),
+               v1 = attend_test::random_tensor<double>(2, 2, 3, 2, 5);
     c.append(k1, v1);
     const auto keys_before = c.keys();
     const auto values_before = c.values();
-    const auto k2 = attend_test::random_tensor<double>(3, 2, 3, 3, 4), v2 = attend_test::random_tensor<double>(4, 2, 3, 3, 5);
+    const auto k2 = attend_test::random_tensor<double>(3, 2, 3, 3, 4),
+               v2 = attend_test::random_tensor<double>(4, 2, 3, 3, 5);
     c.append(k2, v2);
     EXPECT_EQ(c.length(), 5);
     EXPECT_EQ(c.remaining(), 2);
@@ -111,7 +113,8 @@ TEST(KvCache, OverflowIsAPositionErrorAndAppendsNothing) {
     const auto before = snapshot(c);
     const auto msg = expect_error<attend::position_error>(
         [&] {
-            c.append(attend_test::random_tensor<float>(3, 1, 2, 2, 3), attend_test::random_tensor<float>(4, 1, 2, 2, 3));
+            c.append(attend_test::random_tensor<float>(3, 1, 2, 2, 3),
+                     attend_test::random_tensor<float>(4, 1, 2, 2, 3));
         },
         "attend.position.cache_full");
     EXPECT_TRUE(contains(msg, "length 4") && contains(msg, "2 new tokens") && contains(msg, "capacity 5")) << msg;
@@ -121,7 +124,10 @@ TEST(KvCache, OverflowIsAPositionErrorAndAppendsNothing) {
     c.append(attend_test::random_tensor<float>(5, 1, 2, 1, 3), attend_test::random_tensor<float>(6, 1, 2, 1, 3));
     EXPECT_EQ(c.remaining(), 0);
     expect_error<attend::position_error>(
-        [&] { c.append(attend_test::random_tensor<float>(5, 1, 2, 1, 3), attend_test::random_tensor<float>(6, 1, 2, 1, 3)); },
+        [&] {
+            c.append(attend_test::random_tensor<float>(5, 1, 2, 1, 3),
+                     attend_test::random_tensor<float>(6, 1, 2, 1, 3));
+        },
         "attend.position.cache_full");
 }
 
@@ -129,7 +135,8 @@ TEST(KvCache, ShapeErrorsAppendNothing) {
     attend::kv_cache<double> c(2, 2, 6, 4, 3);
     c.append(attend_test::random_tensor<double>(1, 2, 2, 1, 4), attend_test::random_tensor<double>(2, 2, 2, 1, 3));
     const auto before = snapshot(c);
-    const auto k = attend_test::random_tensor<double>(3, 2, 2, 2, 4), v = attend_test::random_tensor<double>(4, 2, 2, 2, 3);
+    const auto k = attend_test::random_tensor<double>(3, 2, 2, 2, 4),
+               v = attend_test::random_tensor<double>(4, 2, 2, 2, 3);
     auto msg = expect_error<attend::shape_error>(
         [&] { c.append(attend_test::random_tensor<double>(5, 2, 2, 2, 5), v); }, "attend.shape.cache");
     EXPECT_TRUE(contains(msg, "[2,2,2,5]") && contains(msg, "[2,2,2,4]")) << msg;
@@ -276,10 +283,9 @@ TEST(ForwardCached, CombinesKeyPaddingAndTheCallersMask) {
     attend::mha_options o;
     o.empty_rows = attend::empty_rows::zero;
     o.key_padding = attend::forbidden_mask::from_torch_mha(blocked);
-    const auto full = m.forward(x, x, x,
-                                attend::causal(attend::alignment::top_left) &&
-                                    attend::sliding_window(2, 0, attend::alignment::top_left),
-                                o);
+    const auto full = m.forward(
+        x, x, x,
+        attend::causal(attend::alignment::top_left) && attend::sliding_window(2, 0, attend::alignment::top_left), o);
     auto cache = m.make_cache(2, len);
     double worst = 0;
     for (index pos = 0; pos < len; ++pos) {
@@ -297,7 +303,8 @@ TEST(ForwardCached, CombinesKeyPaddingAndTheCallersMask) {
     // The window matters: without it the last outputs differ.
     const auto unwindowed = m.forward(x, x, x, attend::causal(attend::alignment::top_left), o);
     double diff = 0;
-    for (index e = 0; e < 8; ++e) diff = std::max(diff, std::abs(unwindowed.out(0, len - 1, e) - full.out(0, len - 1, e)));
+    for (index e = 0; e < 8; ++e)
+        diff = std::max(diff, std::abs(unwindowed.out(0, len - 1, e) - full.out(0, len - 1, e)));
     EXPECT_GT(diff, 1e-6);
 }
 
@@ -321,8 +328,8 @@ TEST(ForwardCached, ErrorsLeaveTheCacheUnchanged) {
     auto wrong = attend::kv_cache<double>(2, 2, 4, 4, 4);  // kv_heads 2, module has 1
     expect_error<attend::shape_error>([&] { m.forward_cached(slice_tokens(x, 0, 1), wrong); }, "attend.shape.cache");
     EXPECT_EQ(wrong.length(), 0);
-    expect_error<attend::shape_error>(
-        [&] { m.forward_cached(attend_test::random_tensor<double>(7, 3, 1, 8), cache); }, "attend.shape.cache");
+    expect_error<attend::shape_error>([&] { m.forward_cached(attend_test::random_tensor<double>(7, 3, 1, 8), cache); },
+                                      "attend.shape.cache");
     unchanged();
     attend::mha_options o;
     o.rotary = attend::rotary_embedding{6};  // > head_dim 4

@@ -96,8 +96,8 @@ TEST(FuzzFindings, BackwardWithBatchZeroZeroesTheScoreBiasGradient) {
         attend::tensor<float, 4> dq(q.dimensions()), dk(k.dimensions()), dv(v.dimensions());
         attend::tensor<float, 2> bias_gradient(2, 3 + 5 - 1);
         bias_gradient.setConstant(7.0f);  // a sentinel the call must overwrite
-        attend::scaled_dot_product_attention_backward_into(q, k, v, f.out, f.lse, d_out, attend::no_mask{}, dq, dk,
-                                                           dv, o, bias_gradient);
+        attend::scaled_dot_product_attention_backward_into(q, k, v, f.out, f.lse, d_out, attend::no_mask{}, dq, dk, dv,
+                                                           o, bias_gradient);
         for (index n = 0; n < bias_gradient.size(); ++n) EXPECT_EQ(bias_gradient.data()[n], 0.0f) << n;
     }
 }

@@ -96,12 +96,14 @@ errors run_with_named_mask(const json& c, attend::kernel kernel) {
     if (kind == "none") {
         go(attend::no_mask{});
     } else if (kind == "sdpa_bool") {
-        with_mask_tensor<bool>(mask, [](const auto& t) { return attend::allowed_mask::from_torch_sdpa(t); }, go);
+        with_mask_tensor<bool>(
+            mask, [](const auto& t) { return attend::allowed_mask::from_torch_sdpa(t); }, go);
     } else if (kind == "mha_bool") {
         with_mask_tensor<bool>(
             mask, [](const auto& t) { return attend::to_allowed(attend::forbidden_mask::from_torch_mha(t)); }, go);
     } else if (kind == "additive") {
-        with_mask_tensor<double>(mask, [](const auto& t) { return attend::additive_mask<double>::from_values(t); }, go);
+        with_mask_tensor<double>(
+            mask, [](const auto& t) { return attend::additive_mask<double>::from_values(t); }, go);
     } else if (kind == "causal_top_left") {
         go(attend::causal(attend::alignment::top_left));
     } else if (kind == "causal_bottom_right") {
@@ -127,8 +129,8 @@ TEST_P(GoldenSdpa, OutWeightsAndLseMatchPyTorchFloat64ToOneInTenBillion) {
         SCOPED_TRACE(kernel_name);
         errors e;
         ASSERT_NO_THROW(e = rank == 3 ? run_with_named_mask<3>(c, kernel) : run_with_named_mask<4>(c, kernel));
-        std::cout << std::scientific << std::setprecision(2) << "  " << std::left << std::setw(36) << GetParam()
-                  << ' ' << std::setw(9) << kernel_name << " max abs error: out " << e.out << ", weights " << e.weights
+        std::cout << std::scientific << std::setprecision(2) << "  " << std::left << std::setw(36) << GetParam() << ' '
+                  << std::setw(9) << kernel_name << " max abs error: out " << e.out << ", weights " << e.weights
                   << ", lse " << e.lse << std::defaultfloat << '\n';
         RecordProperty(std::string(kernel_name) + "_max_abs_error_out", std::to_string(e.out));
         RecordProperty(std::string(kernel_name) + "_max_abs_error_weights", std::to_string(e.weights));

@@ -67,8 +67,8 @@ TEST(HostileSizes, AttentionViewsWithAnyHostileSizeThrowTypedErrorsBeforeReading
                 auto qq = q, kk = k, vv = v;
                 auto& target = which == 0 ? qq : which == 1 ? kk : vv;
                 target.dims[axis] = n;
-                const std::string what = "sdpa tensor " + std::to_string(which) + " axis " +
-                                         std::to_string(axis) + " = " + std::to_string(n);
+                const std::string what = "sdpa tensor " + std::to_string(which) + " axis " + std::to_string(axis) +
+                                         " = " + std::to_string(n);
                 const auto id = typed_or_ok([&] { (void)attend::scaled_dot_product_attention(qq, kk, vv); }, what);
                 EXPECT_FALSE(id.empty()) << what << " was accepted";
                 typed_or_ok([&] { (void)attend::check_shapes(qq, kk, vv); }, what);
@@ -105,9 +105,9 @@ TEST(HostileSizes, CacheConstructionWithHostileSizesThrowsTypedErrors) {
         for (int axis = 0; axis < 5; ++axis) {
             std::array<index, 5> sizes{1, 1, 4, 4, 4};
             sizes[static_cast<std::size_t>(axis)] = n;
-            const auto id = typed_or_ok(
-                [&] { attend::kv_cache<float> c(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]); },
-                "kv_cache axis " + std::to_string(axis) + " = " + std::to_string(n));
+            const auto id =
+                typed_or_ok([&] { attend::kv_cache<float> c(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]); },
+                            "kv_cache axis " + std::to_string(axis) + " = " + std::to_string(n));
             EXPECT_FALSE(id.empty());
         }
 }
@@ -128,7 +128,9 @@ TEST(HostileSizes, MaskInspectionWithHostileShapesThrowsTypedErrors) {
 
 TEST(HostileSizes, MaterializeOfANegativeQueryLengthIsANegativeShapeError) {
     attend_test::expect_error<attend::shape_error>(
-        [] { (void)attend::materialize(attend::causal(attend::alignment::top_left), {1, 1, -1, 3}); },
+        [] {
+            (void)attend::materialize(attend::causal(attend::alignment::top_left), {1, 1, -1, 3});
+        },
         "attend.shape.negative");
     attend_test::expect_error<attend::shape_error>(
         [] {
@@ -139,9 +141,9 @@ TEST(HostileSizes, MaterializeOfANegativeQueryLengthIsANegativeShapeError) {
 
 TEST(HostileSizes, ClassifyOutsideTheShapeIsATileError) {
     const attend::score_shape shape{1, 1, 4, 4};
-    for (const attend::tile t : {attend::tile{0, 0, 0, 5, 0, 4}, attend::tile{0, 0, -1, 2, 0, 4},
-                                 attend::tile{1, 0, 0, 1, 0, 1}, attend::tile{0, 0, 3, 2, 0, 4},
-                                 attend::tile{0, 0, 0, 1, 0, most}})
+    for (const attend::tile t :
+         {attend::tile{0, 0, 0, 5, 0, 4}, attend::tile{0, 0, -1, 2, 0, 4}, attend::tile{1, 0, 0, 1, 0, 1},
+          attend::tile{0, 0, 3, 2, 0, 4}, attend::tile{0, 0, 0, 1, 0, most}})
         attend_test::expect_error<attend::shape_error>(
             [&] { (void)attend::classify(attend::causal(attend::alignment::top_left), shape, t); },
             "attend.shape.tile");
@@ -153,10 +155,14 @@ TEST(HostileSizes, BlockDiagonalLengthsSummingPastTheIndexRangeAreAMaskError) {
     k.setConstant(0.2f);
     v.setConstant(0.3f);
     attend_test::expect_error<attend::mask_error>(
-        [&] { (void)attend::scaled_dot_product_attention(q, k, v, attend::block_diagonal({most, most, 2})); },
+        [&] {
+            (void)attend::scaled_dot_product_attention(q, k, v, attend::block_diagonal({most, most, 2}));
+        },
         "attend.mask.block_lengths");
     attend_test::expect_error<attend::mask_error>(
-        [&] { (void)attend::scaled_dot_product_attention(q, k, v, attend::block_diagonal({2, most - 1, 2})); },
+        [&] {
+            (void)attend::scaled_dot_product_attention(q, k, v, attend::block_diagonal({2, most - 1, 2}));
+        },
         "attend.mask.block_lengths");
 }
 
@@ -169,10 +175,16 @@ TEST(HostileSizes, MaskRulesWithHostileLengthsThrowTypedErrors) {
     o.empty_rows = attend::empty_rows::zero;
     for (const index n : hostile) {
         const auto s = std::to_string(n);
-        typed_or_ok([&] { (void)attend::scaled_dot_product_attention(q, k, v, attend::key_padding({n, 2}), o); },
-                    "key_padding " + s);
-        typed_or_ok([&] { (void)attend::scaled_dot_product_attention(q, k, v, attend::query_padding({1, n}), o); },
-                    "query_padding " + s);
+        typed_or_ok(
+            [&] {
+                (void)attend::scaled_dot_product_attention(q, k, v, attend::key_padding({n, 2}), o);
+            },
+            "key_padding " + s);
+        typed_or_ok(
+            [&] {
+                (void)attend::scaled_dot_product_attention(q, k, v, attend::query_padding({1, n}), o);
+            },
+            "query_padding " + s);
         typed_or_ok([&] { (void)attend::scaled_dot_product_attention(q, k, v, attend::sliding_window(n, 1), o); },
                     "sliding_window left " + s);
         typed_or_ok([&] { (void)attend::scaled_dot_product_attention(q, k, v, attend::sliding_window(1, n), o); },
@@ -201,9 +213,8 @@ TEST(HostileSizes, PositionTablesWithHostileSizesThrowTypedErrors) {
         typed_or_ok([&] { (void)attend::relative_position_bucket(1, true, n, n); }, "bucket config " + s);
         typed_or_ok([&] { attend::relative_position_bias<float> t(n, true); }, "bias heads " + s);
     }
-    attend_test::expect_error<attend::shape_error>([] { (void)attend::sinusoidal_positions<float>(index(1) << 40,
-                                                                                                 index(1) << 40); },
-                                                   "attend.shape.overflow");
+    attend_test::expect_error<attend::shape_error>(
+        [] { (void)attend::sinusoidal_positions<float>(index(1) << 40, index(1) << 40); }, "attend.shape.overflow");
     // The 2^40-row table of dim 0 is empty, so no frequency vector of 2^39 entries is needed for it.
     const attend::learned_positions<float> table(8, 4);
     for (const index offset : hostile)

@@ -370,7 +370,9 @@ TEST(mask_errors, lengths_are_checked_against_batch_and_sequence_length) {
     expect_mask_error("attend.mask.lengths_batch", [&] { (void)attend::materialize(attend::key_padding({1}), s); });
     expect_mask_error("attend.mask.length_range", [&] { (void)attend::materialize(attend::key_padding({1, 5}), s); });
     expect_mask_error("attend.mask.length_range", [&] { (void)attend::materialize(attend::key_padding({-1, 2}), s); });
-    expect_mask_error("attend.mask.lengths_batch", [&] { (void)attend::materialize(attend::query_padding({1, 2, 3}), s); });
+    expect_mask_error("attend.mask.lengths_batch", [&] {
+        (void)attend::materialize(attend::query_padding({1, 2, 3}), s);
+    });
     expect_mask_error("attend.mask.length_range", [&] { (void)attend::materialize(attend::query_padding({4, 1}), s); });
 }
 
@@ -379,12 +381,15 @@ TEST(mask_errors, structured_rule_parameters_are_checked) {
     expect_mask_error("attend.mask.window", [] { (void)attend::sliding_window(1, -2); });
     expect_mask_error("attend.mask.prefix_len", [] { (void)attend::prefix_lm(-1); });
     expect_mask_error("attend.mask.prefix_len", [] { (void)attend::materialize(attend::prefix_lm(5), {1, 1, 3, 4}); });
-    expect_mask_error("attend.mask.block_lengths",
-                      [] { (void)attend::materialize(attend::block_diagonal({2, 1}), {1, 1, 4, 4}); });
-    expect_mask_error("attend.mask.block_lengths",
-                      [] { (void)attend::materialize(attend::block_diagonal({2, -1, 3}), {1, 1, 4, 4}); });
-    expect_mask_error("attend.mask.block_lengths",
-                      [] { (void)attend::materialize(attend::block_diagonal({2, 2}), {1, 1, 4, 5}); });
+    expect_mask_error("attend.mask.block_lengths", [] {
+        (void)attend::materialize(attend::block_diagonal({2, 1}), {1, 1, 4, 4});
+    });
+    expect_mask_error("attend.mask.block_lengths", [] {
+        (void)attend::materialize(attend::block_diagonal({2, -1, 3}), {1, 1, 4, 4});
+    });
+    expect_mask_error("attend.mask.block_lengths", [] {
+        (void)attend::materialize(attend::block_diagonal({2, 2}), {1, 1, 4, 5});
+    });
 }
 
 TEST(mask_errors, additive_masks_reject_nan_and_plus_infinity) {

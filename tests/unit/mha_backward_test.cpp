@@ -202,8 +202,8 @@ TEST(MhaBackwardFiniteDifferences, GroupedAndMultiQueryHeadsSumKeyValueGradients
 
 TEST(MhaBackwardFiniteDifferences, RotaryGradientIsTheInverseRotation) {
     for (const auto layout : {attend::rotary_layout::half_split, attend::rotary_layout::interleaved}) {
-        auto t = base_case(layout == attend::rotary_layout::half_split ? "rotary half_split" : "rotary interleaved",
-                           8, 2);
+        auto t =
+            base_case(layout == attend::rotary_layout::half_split ? "rotary half_split" : "rotary interleaved", 8, 2);
         t.options.rotary = attend::rotary_embedding{4, 10000, layout};
         t.options.position_offset = 5;
         check_mha_by_finite_differences(t, attend::causal(alignment::bottom_right), 18);
@@ -280,8 +280,8 @@ TEST(MhaBackward, GradientsAreBitIdenticalForAnyThreadCount) {
         o.threads = threads;
         attend::mha_saved<float> saved;
         m.forward(x, x, x, attend::causal(alignment::top_left), o, saved);
-        runs.push_back(attend::multi_head_attention_backward(m, x, x, x, saved, d_out,
-                                                             attend::causal(alignment::top_left), o));
+        runs.push_back(
+            attend::multi_head_attention_backward(m, x, x, x, saved, d_out, attend::causal(alignment::top_left), o));
     }
     for (std::size_t r = 1; r < runs.size(); ++r) {
         EXPECT_TRUE(bit_equal(runs[0].d_query, runs[r].d_query));
@@ -308,7 +308,8 @@ TEST(MhaBackward, FloatAgreesWithDouble) {
     pf.out_proj_weight = p.out_proj_weight.cast<float>();
     pf.out_proj_bias = p.out_proj_bias.cast<float>();
     const auto mf = attend::multi_head_attention<float>::from_torch(config, pf);
-    const auto q = attend_test::random_tensor<double>(41, 2, 70, 32), kv = attend_test::random_tensor<double>(42, 2, 600, 32);
+    const auto q = attend_test::random_tensor<double>(41, 2, 70, 32),
+               kv = attend_test::random_tensor<double>(42, 2, 600, 32);
     const auto d_out = attend_test::random_tensor<double>(43, 2, 70, 32);
     const tensor<float, 3> qf = q.cast<float>(), kvf = kv.cast<float>(), df = d_out.cast<float>();
     const auto mask = attend::causal(alignment::bottom_right);

@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "support/compare.hpp"
+#include "support/errors.hpp"
 #include "support/golden.hpp"
 #include "support/mha_golden.hpp"
-#include "support/errors.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -55,8 +55,8 @@ struct oracle_result {
 };
 
 template <class T>
-oracle_result explicit_mha(const attend::multi_head_attention<T>& m, const tensor<T, 3>& query,
-                           const tensor<T, 3>& key, const tensor<T, 3>& value, const oracle_options& o = {}) {
+oracle_result explicit_mha(const attend::multi_head_attention<T>& m, const tensor<T, 3>& query, const tensor<T, 3>& key,
+                           const tensor<T, 3>& value, const oracle_options& o = {}) {
     const auto& c = m.config();
     const index B = query.dimension(0), L = query.dimension(1), S = key.dimension(1);
     const index H = c.heads, G = c.kv_heads, D = m.head_dim(), E = c.model_dim;
@@ -165,7 +165,8 @@ tensor<double, 3> reshape_bug_mha(const attend::multi_head_attention<T>& m, cons
             for (index e = 0; e < E; ++e) {
                 double s = m.out_bias().size() ? static_cast<double>(m.out_bias()(e)) : 0.0;
                 for (index f = 0; f < H * D; ++f)
-                    s += o[static_cast<std::size_t>((b * L + i) * H * D + f)] * static_cast<double>(m.out_weight()(e, f));
+                    s += o[static_cast<std::size_t>((b * L + i) * H * D + f)] *
+                         static_cast<double>(m.out_weight()(e, f));
                 out(b, i, e) = s;
             }
     return out;
@@ -253,9 +254,8 @@ TEST(MhaGoldenForms, PositionalFromTorchOverloadsAndLengthsMatchTheMaskForms) {
     {
         const json& c = attend_test::find_case(doc, "cross_attention_L3_S5");
         const auto p = golden_parameters<double>(c);
-        const auto m = attend::multi_head_attention<double>::from_torch(golden_config(c), p.in_proj_weight,
-                                                                         p.in_proj_bias, p.out_proj_weight,
-                                                                         p.out_proj_bias);
+        const auto m = attend::multi_head_attention<double>::from_torch(
+            golden_config(c), p.in_proj_weight, p.in_proj_bias, p.out_proj_weight, p.out_proj_bias);
         const json& in = c.at("inputs");
         const auto q = attend_test::to_double<3>(in.at("query")), k = attend_test::to_double<3>(in.at("key")),
                    v = attend_test::to_double<3>(in.at("value"));
@@ -271,9 +271,10 @@ TEST(MhaGoldenForms, PositionalFromTorchOverloadsAndLengthsMatchTheMaskForms) {
     {
         const json& c = attend_test::find_case(doc, "kdim5_vdim6");
         const auto p = golden_parameters<double>(c);
-        const auto m = attend::multi_head_attention<double>::from_torch(
-            golden_config(c), p.q_proj_weight, p.k_proj_weight, p.v_proj_weight, p.in_proj_bias, p.out_proj_weight,
-            p.out_proj_bias);
+        const auto m = attend::multi_head_attention<double>::from_torch(golden_config(c), p.q_proj_weight,
+                                                                        p.k_proj_weight, p.v_proj_weight,
+                                                                        p.in_proj_bias, p.out_proj_weight,
+                                                                        p.out_proj_bias);
         EXPECT_FALSE(m.packed());
         EXPECT_EQ(m.parameter_count(), 248);
         const auto r = golden_forward(m, c, {});
@@ -312,7 +313,8 @@ TEST(HeadSplit, PerHeadWeightsAreThoseOfEachHeadsOwnRows) {
     // The heads really differ, so a weight tensor with heads permuted would fail.
     double between = 0;
     for (index i = 0; i < 4; ++i)
-        for (index j = 0; j < 4; ++j) between = std::max(between, std::abs(r.head_weights(0, 0, i, j) - r.head_weights(0, 1, i, j)));
+        for (index j = 0; j < 4; ++j)
+            between = std::max(between, std::abs(r.head_weights(0, 0, i, j) - r.head_weights(0, 1, i, j)));
     EXPECT_GT(between, 1e-3);
 }
 
@@ -781,13 +783,14 @@ TEST(Errors, ForwardShapes) {
     msg = expect_error<attend::shape_error>([&] { m.forward(q, k, random3<double>(3, 2, 4, 5)); },
                                             "attend.shape.model_dim");
     EXPECT_TRUE(contains(msg, "value") && contains(msg, "value_dim 6") && contains(msg, "[2,4,5]")) << msg;
-    msg = expect_error<attend::shape_error>([&] { m.forward(q, random3<double>(2, 3, 4, 5), v); }, "attend.shape.batch");
+    msg =
+        expect_error<attend::shape_error>([&] { m.forward(q, random3<double>(2, 3, 4, 5), v); }, "attend.shape.batch");
     EXPECT_TRUE(contains(msg, "[3,4,5]")) << msg;
     msg = expect_error<attend::shape_error>([&] { m.forward(q, k, random3<double>(3, 2, 5, 6)); },
                                             "attend.shape.key_len");
     EXPECT_TRUE(contains(msg, "[2,4,5]") && contains(msg, "[2,5,6]")) << msg;
-    expect_error<attend::shape_error>(
-        [&] { m.forward(q, tensor<double, 3>(2, 0, 5), tensor<double, 3>(2, 0, 6)); }, "attend.shape.empty_keys");
+    expect_error<attend::shape_error>([&] { m.forward(q, tensor<double, 3>(2, 0, 5), tensor<double, 3>(2, 0, 6)); },
+                                      "attend.shape.empty_keys");
     // Zero queries is an empty result, not an error.
     EXPECT_EQ(m.forward(tensor<double, 3>(2, 0, 8), k, v).out.size(), 0);
 }
@@ -890,9 +893,11 @@ TEST(TorchMasks, AttnMaskAndKeyPaddingTakeTheSameWrapperAndMeanWhatPyTorchMeans)
                 for (index i = 0; i < L; ++i)
                     for (index j = 0; j < S; ++j)
                         if (attn_mask(i, j) || key_padding_mask(b, j))
-                            EXPECT_EQ(w(b, h, i, j), 0.0) << "blocked (" << b << ',' << h << ',' << i << ',' << j << ')';
+                            EXPECT_EQ(w(b, h, i, j), 0.0)
+                                << "blocked (" << b << ',' << h << ',' << i << ',' << j << ')';
                         else
-                            EXPECT_GT(w(b, h, i, j), 0.0) << "allowed (" << b << ',' << h << ',' << i << ',' << j << ')';
+                            EXPECT_GT(w(b, h, i, j), 0.0)
+                                << "allowed (" << b << ',' << h << ',' << i << ',' << j << ')';
         // The same wrapper reaches forward_cached (self-attention) too.
         if (L == S) {
             auto cache = m.make_cache(B, S);

@@ -254,8 +254,8 @@ TYPED_TEST(NumericsStress, FiniteLargeNegativeFillsMatchTheOracleWithoutOverflow
             expect_both_kernels_match_oracle(x, attend::additive_mask<T>::from_values(m));
             // Added twice the fill saturates at lowest() instead of reaching -inf: the same keys stay at weight 0
             // and no row empties.
-            expect_both_kernels_match_oracle(
-                x, attend::additive_mask<T>::from_values(m) + attend::additive_mask<T>::from_values(m));
+            expect_both_kernels_match_oracle(x, attend::additive_mask<T>::from_values(m) +
+                                                    attend::additive_mask<T>::from_values(m));
         }
     }
 }
@@ -284,8 +284,8 @@ TYPED_TEST(NumericsStress, RowsFilledEntirelyWithAFiniteFillAreUniformNotNaN) {
                 const auto r = attend::scaled_dot_product_attention(x.q, x.k, x.v, mask, o);
                 expect_near(r.weights, want.p, tolerance<T>(), "weights");
                 expect_near(r.out, want.out, tolerance<T>(), "out");
-                const auto g = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, r.out, r.lse, x.d_out,
-                                                                             mask, o);
+                const auto g =
+                    attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, r.out, r.lse, x.d_out, mask, o);
                 expect_near(g.dv, want.dv, 10 * tolerance<T>(), "dv");
                 expect_near(g.dq, want.dq, 10 * tolerance<T>(), "dq");  // dq = scale dS k: P and k only
                 for (index n = 0; n < g.dk.size(); ++n) ASSERT_TRUE(std::isfinite(g.dk.data()[n])) << n;

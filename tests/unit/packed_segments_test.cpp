@@ -101,8 +101,8 @@ TYPED_TEST(PackedSegments, EverySegmentEqualsItselfAttendedAloneAndPaddingIsZero
     using T = TypeParam;
     const double tolerance = std::is_same_v<T, float> ? 2e-6 : 1e-13;
     const packed_case<T> c(7, 9, 40);
-    for (const within w : {within::everything, within::causal_top_left, within::causal_bottom_right,
-                           within::window_bottom_right}) {
+    for (const within w :
+         {within::everything, within::causal_top_left, within::causal_bottom_right, within::window_bottom_right}) {
         SCOPED_TRACE(static_cast<int>(w));
         attend::sdpa_options o;
         o.empty_rows = attend::empty_rows::zero;  // bottom-right: a segment's first queries may see nothing
@@ -231,13 +231,14 @@ TEST(PackedSegmentsTiles, ClassifierIsExactForEmptyAndFullAndSkipsCrossSegmentTi
         const packed_case<float> c(seed, 7, 24);
         const attend::attention_shape s = attend::detail::check_views(
             attend::detail::as_view(c.q), attend::detail::as_view(c.k), attend::detail::as_view(c.v));
-        for (const within w : {within::everything, within::causal_top_left, within::causal_bottom_right,
-                               within::window_bottom_right}) {
+        for (const within w :
+             {within::everything, within::causal_top_left, within::causal_bottom_right, within::window_bottom_right}) {
             const auto bound = restricted(c.packed(), w).bind(s);
             attend_test::rng r(seed * 31 + static_cast<std::uint64_t>(w));
             for (int n = 0; n < 200; ++n) {
                 const index q0 = r.uniform_int(0, s.query_len - 1), k0 = r.uniform_int(0, s.key_len - 1);
-                const attend::tile t{0, 0, q0, r.uniform_int(q0 + 1, s.query_len), k0, r.uniform_int(k0 + 1, s.key_len)};
+                const attend::tile t{
+                    0, 0, q0, r.uniform_int(q0 + 1, s.query_len), k0, r.uniform_int(k0 + 1, s.key_len)};
                 bool any = false, all = true;
                 for (index i = t.query_begin; i < t.query_end; ++i) {
                     all = all && !bound.query_padded(0, i);

@@ -53,8 +53,8 @@ TEST(PositionGolden, T5BucketsMatchHuggingFaceExactly) {
         ASSERT_EQ(rel.size(), want.size());
         index mismatches = 0, max_difference = 0;
         for (index k = 0; k < rel.size(); ++k) {
-            const index got = attend::relative_position_bucket(static_cast<index>(rel(k)), bidirectional, num_buckets,
-                                                               max_distance);
+            const index got =
+                attend::relative_position_bucket(static_cast<index>(rel(k)), bidirectional, num_buckets, max_distance);
             if (got != want(k)) ++mismatches;
             max_difference = std::max<index>(max_difference, std::abs(got - static_cast<index>(want(k))));
             EXPECT_EQ(got, want(k)) << "relative " << rel(k) << " bidirectional " << bidirectional << " num_buckets "
@@ -93,8 +93,8 @@ TEST(PositionGolden, RotaryMatchesPyTorchForBothLayoutsAndInverseRestoresTheInpu
         attend::rotary_embedding rope;
         rope.dim = attend_test::member(c, "dim").get<index>();
         rope.base = attend_test::member(c, "base").get<double>();
-        rope.layout =
-            layout_name == "half_split" ? attend::rotary_layout::half_split : attend::rotary_layout::interleaved;
+        rope.layout = layout_name == "half_split" ? attend::rotary_layout::half_split
+                                                  : attend::rotary_layout::interleaved;
         const auto offset = attend_test::member(c, "position_offset").get<index>();
         const auto x = attend_test::tensor_at<double, 4>(c, "x");
         const auto want = attend_test::tensor_at<double, 4>(c, "out");

@@ -107,7 +107,8 @@ TEST(LearnedPositions, TableIsMaxLenByDimAndDeterministicPerSeed) {
     EXPECT_TRUE(bit_equal(a.table(), b.table()));
     EXPECT_FALSE(bit_equal(a.table(), c.table()));
     attend::learned_positions<float> f(20, 6, 42);
-    for (index k = 0; k < a.table().size(); ++k) EXPECT_EQ(f.table().data()[k], static_cast<float>(a.table().data()[k]));
+    for (index k = 0; k < a.table().size(); ++k)
+        EXPECT_EQ(f.table().data()[k], static_cast<float>(a.table().data()[k]));
 }
 
 TEST(LearnedPositions, InitialisationIsStandardNormalLikeNnEmbedding) {
@@ -151,8 +152,8 @@ TEST(LearnedPositions, PositionsPastTheTableThrowAndNeverWrap) {
     expect_error<attend::position_error>([&] { p.lookup(8, 3); }, "attend.position.past_table");
     expect_error<attend::position_error>([&] { p.lookup(10, 1); }, "attend.position.past_table");
     expect_error<attend::position_error>([&] { p.lookup(-1, 2); }, "attend.position.past_table");
-    expect_error<attend::position_error>(
-        [&] { p.lookup(std::numeric_limits<index>::max(), 5); }, "attend.position.past_table");
+    expect_error<attend::position_error>([&] { p.lookup(std::numeric_limits<index>::max(), 5); },
+                                         "attend.position.past_table");
     try {
         p.lookup(8, 3);
     } catch (const attend::position_error& e) {
@@ -297,8 +298,8 @@ TEST(Rotary, DotProductsDependOnlyOnTheRelativePosition) {
         rope.apply(q2, p + t);
         rope.apply(k2, p_key + t);
         ASSERT_NEAR(dot(q1.data(), k1.data(), head_dim), dot(q2.data(), k2.data(), head_dim), 1e-12)
-            << name(layout) << " dim " << dim << " head_dim " << head_dim << " p " << p << " p' " << p_key
-            << " t " << t;
+            << name(layout) << " dim " << dim << " head_dim " << head_dim << " p " << p << " p' " << p_key << " t "
+            << t;
     }
 }
 
@@ -331,7 +332,8 @@ TEST(Rotary, OffsetSevenEqualsRowsSevenOnOfALongerSequence) {
         for (index b = 0; b < 2; ++b)
             for (index h = 0; h < 3; ++h)
                 for (index i = 0; i < 6; ++i)
-                    for (index c = 0; c < 10; ++c) ASSERT_EQ(shorter(b, h, i, c), longer(b, h, 7 + i, c)) << name(layout);
+                    for (index c = 0; c < 10; ++c)
+                        ASSERT_EQ(shorter(b, h, i, c), longer(b, h, 7 + i, c)) << name(layout);
     }
 }
 
@@ -477,15 +479,15 @@ constexpr bucket_config bucket_configs[] = {{true, 32, 128}, {false, 32, 128}, {
 TEST(RelativePositionBucket, KnownValuesOfT5Defaults) {
     using attend::relative_position_bucket;
     // relative = key - query; bidirectional 32 / 128: keys before the query in 0..15, after it in 16..31.
-    const index rel[] = {0, -1, 1, -7, -8, -11, -12, -15, -16, -22, -23, -31, -32, -45, -46, -63, -64, -90, -91,
-                         -127, -128, -1000, 7, 8, 16, 128, 1000};
-    const index bi_32[] = {0, 1, 17, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15, 15, 15, 23, 24, 26,
-                           31, 31};
-    const index uni_32[] = {0, 1, 0, 7, 8, 11, 12, 15, 16, 18, 18, 21, 21, 23, 24, 26, 26, 29, 29, 31, 31, 31, 0, 0,
-                            0, 0, 0};
+    const index rel[] = {0,   -1,  1,   -7,  -8,  -11,  -12,  -15,   -16, -22, -23, -31, -32, -45,
+                         -46, -63, -64, -90, -91, -127, -128, -1000, 7,   8,   16,  128, 1000};
+    const index bi_32[] = {0,  1,  17, 7,  8,  8,  9,  9,  10, 10, 11, 11, 12, 12,
+                           13, 13, 14, 14, 15, 15, 15, 15, 23, 24, 26, 31, 31};
+    const index uni_32[] = {0,  1,  0,  7,  8,  11, 12, 15, 16, 18, 18, 21, 21, 23,
+                            24, 26, 26, 29, 29, 31, 31, 31, 0,  0,  0,  0,  0};
     const index bi_16[] = {0, 1, 9, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 12, 13, 14, 15, 15};
-    const index uni_16[] = {0, 1, 0, 7, 8, 9, 9, 10, 10, 11, 12, 13, 13, 14, 14, 15, 15, 15, 15, 15, 15, 15, 0, 0,
-                            0, 0, 0};
+    const index uni_16[] = {0,  1,  0,  7,  8,  9,  9,  10, 10, 11, 12, 13, 13, 14,
+                            14, 15, 15, 15, 15, 15, 15, 15, 0,  0,  0,  0,  0};
     for (std::size_t k = 0; k < std::size(rel); ++k) {
         EXPECT_EQ(relative_position_bucket(rel[k], true), bi_32[k]) << rel[k];
         EXPECT_EQ(relative_position_bucket(rel[k], false), uni_32[k]) << rel[k];
@@ -513,14 +515,14 @@ TEST(RelativePositionBucket, MonotoneInDistanceOnEachSide) {
     for (const auto& cfg : bucket_configs) {
         index previous_before = -1, previous_after = -1;
         for (index d = 0; d <= 4 * cfg.max_distance + 10; ++d) {
-            const index before = attend::relative_position_bucket(-d, cfg.bidirectional, cfg.num_buckets,
-                                                                  cfg.max_distance);
+            const index before =
+                attend::relative_position_bucket(-d, cfg.bidirectional, cfg.num_buckets, cfg.max_distance);
             ASSERT_GE(before, previous_before) << "distance " << d << " num_buckets " << cfg.num_buckets;
             ASSERT_LE(before - previous_before, 1) << "no bucket is skipped, distance " << d;
             previous_before = before;
             if (d == 0) continue;
-            const index after = attend::relative_position_bucket(d, cfg.bidirectional, cfg.num_buckets,
-                                                                 cfg.max_distance);
+            const index after =
+                attend::relative_position_bucket(d, cfg.bidirectional, cfg.num_buckets, cfg.max_distance);
             ASSERT_GE(after, previous_after) << "distance " << d << " num_buckets " << cfg.num_buckets;
             previous_after = after;
         }
@@ -620,7 +622,8 @@ TEST(RelativePositionBias, LoadedWeightsAreWhatValueReads) {
 }
 
 TEST(RelativePositionBias, RejectsBadHeadsConfigurationsAndHeadIndices) {
-    expect_error<attend::value_error>([] { attend::relative_position_bias<double>(0, true); }, "attend.value.bias_heads");
+    expect_error<attend::value_error>([] { attend::relative_position_bias<double>(0, true); },
+                                      "attend.value.bias_heads");
     expect_error<attend::value_error>([] { attend::relative_position_bias<double>(4, true, 7); },
                                       "attend.value.bucket_config");
     expect_error<attend::value_error>([] { attend::relative_position_bias<float>(4, false, 32, 4); },
@@ -671,10 +674,8 @@ TEST(AlibiSlopes, NonPowersOfTwoKeepThePowerOfTwoPrefixAndStayInZeroOne) {
             const auto u = static_cast<std::size_t>(h);
             ASSERT_GT(s[u], 0.0);
             ASSERT_LT(s[u], 1.0);
-            if (h < closest)
-                ASSERT_EQ(s[u], prefix[u]);
-            else
-                ASSERT_EQ(s[u], doubled[static_cast<std::size_t>(2 * (h - closest))]);
+            if (h < closest) ASSERT_EQ(s[u], prefix[u]);
+            else ASSERT_EQ(s[u], doubled[static_cast<std::size_t>(2 * (h - closest))]);
         }
     }
 }

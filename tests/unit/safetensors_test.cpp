@@ -221,8 +221,8 @@ TEST(SafetensorsErrors, UnreadableFileIsIo) {
     expect_error<attend::format_error>([] { attend::safetensors_file f(temp_file("does_not_exist")); },
                                        "attend.format.io");
     // A file that shrinks after its header was read fails when a tensor is read, not with garbage.
-    const std::string path = write_file("shrinks", R"({"x":{"dtype":"F64","shape":[2],"data_offsets":[0,16]}})",
-                                        f64_bytes({1, 2}));
+    const std::string path =
+        write_file("shrinks", R"({"x":{"dtype":"F64","shape":[2],"data_offsets":[0,16]}})", f64_bytes({1, 2}));
     const attend::safetensors_file f(path);
     std::string header = R"({"x":{"dtype":"F64","shape":[2],"data_offsets":[0,16]}})";
     std::string bytes;
@@ -234,7 +234,8 @@ TEST(SafetensorsErrors, UnreadableFileIsIo) {
 
 TEST(SafetensorsErrors, HeaderLengthBeyondTheFileIsHeaderSize) {
     auto msg = expect_error<attend::format_error>(
-        [] { attend::safetensors_file f(write_raw("tiny", std::string("\x10\x00\x00", 3))); }, "attend.format.header_size");
+        [] { attend::safetensors_file f(write_raw("tiny", std::string("\x10\x00\x00", 3))); },
+        "attend.format.header_size");
     EXPECT_TRUE(contains(msg, "3 bytes")) << msg;
     msg = expect_error<attend::format_error>(
         [] { attend::safetensors_file f(write_file("long_claim", "{}", "", 1000)); }, "attend.format.header_size");
@@ -345,19 +346,20 @@ TEST(SafetensorsErrors, MissingNamesAndWrongRanksAreNamed) {
     const std::string path =
         write_file("names", R"({"w": {"dtype": "F64", "shape": [1, 2], "data_offsets": [0, 16]}})", f64_bytes({1, 2}));
     const attend::safetensors_file f(path);
-    auto msg = expect_error<attend::format_error>([&] { (void)f.read<double, 2>("v"); }, "attend.format.missing_tensor");
+    auto msg =
+        expect_error<attend::format_error>([&] { (void)f.read<double, 2>("v"); }, "attend.format.missing_tensor");
     EXPECT_TRUE(contains(msg, "\"v\"") && contains(msg, "it holds: w")) << msg;
     msg = expect_error<attend::format_error>([&] { (void)f.read<double, 3>("w"); }, "attend.format.tensor_rank");
     EXPECT_TRUE(contains(msg, "[1,2] has rank 2, read as rank 3")) << msg;
 }
 
 TEST(SafetensorsErrors, AddBiasKvStateDictIsTorchUnsupported) {
-    const std::string path = write_file(
-        "bias_kv",
-        R"({"in_proj_weight": {"dtype": "F64", "shape": [3, 1], "data_offsets": [0, 24]},
+    const std::string path =
+        write_file("bias_kv",
+                   R"({"in_proj_weight": {"dtype": "F64", "shape": [3, 1], "data_offsets": [0, 24]},
             "bias_k": {"dtype": "F64", "shape": [1, 1, 1], "data_offsets": [24, 32]},
             "out_proj.weight": {"dtype": "F64", "shape": [1, 1], "data_offsets": [32, 40]}})",
-        f64_bytes({1, 2, 3, 4, 5}));
+                   f64_bytes({1, 2, 3, 4, 5}));
     const auto msg = expect_error<attend::format_error>(
         [&] { (void)attend::load_torch_mha<double>(path, attend::mha_config{}.with_model_dim(1).with_heads(1)); },
         "attend.format.torch_unsupported");

@@ -44,8 +44,8 @@ score_bias random_bias(attend_test::rng& g, int kind, index heads, alignment ali
 /// Runs add_tile on a random tile and checks every element became its old value + value(), exactly, and
 /// that the padding columns of the leading dimension stayed untouched.
 template <class T>
-void check_tile_equals_value(attend_test::rng& g, const score_bias& bias, index heads, index query_len,
-                             index key_len, index max_tile) {
+void check_tile_equals_value(attend_test::rng& g, const score_bias& bias, index heads, index query_len, index key_len,
+                             index max_tile) {
     const index head = g.uniform_int(0, heads - 1);
     const index query_begin = g.uniform_int(0, query_len - 1), key_begin = g.uniform_int(0, key_len - 1);
     const index rows = g.uniform_int(1, std::min(max_tile, query_len - query_begin));
@@ -63,9 +63,9 @@ void check_tile_equals_value(attend_test::rng& g, const score_bias& bias, index 
                 continue;
             }
             const T expected = before[k] + bias.value<T>(head, query_begin + r, key_begin + c, query_len, key_len);
-            ASSERT_EQ(scores[k], expected) << "head " << head << " query " << query_begin + r << " key "
-                                           << key_begin + c << " (L " << query_len << ", S " << key_len << ", tile "
-                                           << rows << 'x' << cols << ')';
+            ASSERT_EQ(scores[k], expected)
+                << "head " << head << " query " << query_begin + r << " key " << key_begin + c << " (L " << query_len
+                << ", S " << key_len << ", tile " << rows << 'x' << cols << ')';
         }
 }
 
@@ -220,13 +220,15 @@ TEST(ScoreBias, ValidateRejectsAHeadCountThatDoesNotMatch) {
     const auto relative = score_bias::relative(attend::relative_position_bias<double>(6, true));
     EXPECT_NO_THROW(relative.validate(6, 1, 1));
     expect_error<attend::shape_error>([&] { relative.validate(5, 1, 1); }, "attend.shape.score_bias_heads");
-    expect_error<attend::shape_error>([] { score_bias::alibi({}).validate(1, 1, 1); },
-                                      "attend.shape.score_bias_heads");
+    expect_error<attend::shape_error>([] { score_bias::alibi({}).validate(1, 1, 1); }, "attend.shape.score_bias_heads");
 }
 
 TEST(ScoreBias, RejectsNonFiniteSlopesAndNullTables) {
     expect_error<attend::value_error>(
-        [] { score_bias::alibi({0.5, std::numeric_limits<double>::infinity()}); }, "attend.value.alibi_slopes");
+        [] {
+            score_bias::alibi({0.5, std::numeric_limits<double>::infinity()});
+        },
+        "attend.value.alibi_slopes");
     expect_error<attend::value_error>([] { score_bias::alibi({std::numeric_limits<double>::quiet_NaN()}); },
                                       "attend.value.alibi_slopes");
     expect_error<attend::value_error>(

@@ -84,8 +84,8 @@ TYPED_TEST(SdpaProperty, EmptyRowUnderDefaultPolicyThrowsNamingFirstRowAndWrites
             const std::string what = e.what();
             EXPECT_EQ(e.id(), "attend.mask.empty_row");
             EXPECT_EQ(what.rfind("[attend.mask.empty_row]", 0), 0u) << what;
-            for (const std::string& part : {"batch " + std::to_string(b0), "head " + std::to_string(h0),
-                                            "query " + std::to_string(i0)})
+            for (const std::string& part :
+                 {"batch " + std::to_string(b0), "head " + std::to_string(h0), "query " + std::to_string(i0)})
                 EXPECT_NE(what.find(part), std::string::npos) << "message should name " << part << ": " << what;
         }
         EXPECT_TRUE(all_equal(out, sentinel)) << "out was written before the error";
@@ -153,9 +153,8 @@ TYPED_TEST(SdpaProperty, QueryPaddingRowsAreZeroUnderAnyPolicyAndRealRowsIgnoreP
         }
         const auto padded = [&](index b, index i) { return i >= q_lengths[at(b)]; };
         const auto mask = attend::query_padding(q_lengths) && attend::key_padding(k_lengths);
-        const bias_fn bias = allowed_if([&](index b, index, index i, index j) {
-            return i < q_lengths[at(b)] && j < k_lengths[at(b)];
-        });
+        const bias_fn bias =
+            allowed_if([&](index b, index, index i, index j) { return i < q_lengths[at(b)] && j < k_lengths[at(b)]; });
         for (const auto policy : {attend::empty_rows::error, attend::empty_rows::zero}) {
             SCOPED_TRACE(describe(c) + (policy == attend::empty_rows::error ? ", empty_rows::error" : ", zero"));
             attend::sdpa_options o;

@@ -106,8 +106,8 @@ template <class E, class Q, class K, class V, class Mask>
 void expect_call_error(const Q& q, const K& k, const V& v, const Mask& mask, const attend::sdpa_options& o,
                        const std::string& id, const std::vector<std::string>& fragments) {
     auto s = outputs_for(q, k, v);
-    expect_error<E>([&] { attend::scaled_dot_product_attention_into(q, k, v, mask, s.out, o, s.weights, s.lse); },
-                    id, fragments);
+    expect_error<E>([&] { attend::scaled_dot_product_attention_into(q, k, v, mask, s.out, o, s.weights, s.lse); }, id,
+                    fragments);
     EXPECT_TRUE(s.untouched()) << id << ": an output was written before the error";
     attend::sdpa_options with_outputs = o;
     with_outputs.need_weights = true;
@@ -128,7 +128,8 @@ void expect_call_error(const Q& q, const K& k, const V& v, const attend::sdpa_op
 TEST(SdpaErrors, RankDiffersBetweenQueryKeyAndValueIsShapeRank) {
     const auto q = random4<4>(1, {2, 3, 5, 4});
     const auto k = random4<3>(2, {2, 6, 4}), v = random4<3>(3, {2, 6, 7});
-    expect_call_error<attend::shape_error>(q, k, v, {}, "attend.shape.rank", {"4, 3, 3", "[2,3,5,4]", "[2,6,4]", "[2,6,7]"});
+    expect_call_error<attend::shape_error>(q, k, v, {}, "attend.shape.rank",
+                                           {"4, 3, 3", "[2,3,5,4]", "[2,6,4]", "[2,6,7]"});
     expect_error<attend::shape_error>([&] { (void)attend::check_shapes(q, k, v); }, "attend.shape.rank", {"[2,3,5,4]"});
 }
 
@@ -212,12 +213,15 @@ TEST(SdpaErrors, ElementCountsBeyondEigenIndexAreShapeOverflowBeforeAnyMemoryIsT
     {
         // Every tensor fits, the scores [2^20, 1, 2^21, 2^22] = 2^63 do not.
         const attend::const_tensor_view<float, 4> q(buffer.data(), index(1) << 20, 1, index(1) << 21, 1),
-            k(buffer.data(), index(1) << 20, 1, index(1) << 22, 1), v(buffer.data(), index(1) << 20, 1, index(1) << 22, 1);
+            k(buffer.data(), index(1) << 20, 1, index(1) << 22, 1),
+            v(buffer.data(), index(1) << 20, 1, index(1) << 22, 1);
         expect_error<attend::shape_error>([&] { (void)attend::check_shapes(q, k, v); }, "attend.shape.overflow",
                                           {"scores [1048576,1,2097152,4194304]"});
         attend::tensor_view<float, 4> out(out_buffer.data(), index(1) << 20, 1, index(1) << 21, 1);
         expect_error<attend::shape_error>(
-            [&] { attend::scaled_dot_product_attention_into(q, k, v, attend::causal(attend::alignment::top_left), out); },
+            [&] {
+                attend::scaled_dot_product_attention_into(q, k, v, attend::causal(attend::alignment::top_left), out);
+            },
             "attend.shape.overflow", {"scores"});
     }
     for (const float x : out_buffer) ASSERT_EQ(x, sentinel);
@@ -331,8 +335,9 @@ TEST(SdpaErrors, PaddingLengthOutsideZeroToLenIsMaskLengthRange) {
                                           {"6", "batch 1", "key_len = 5"});
     expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::key_padding({-1, 2}), {}, "attend.mask.length_range",
                                           {"-1", "batch 0"});
-    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::query_padding({5, 2}) && attend::causal(attend::alignment::top_left), {},
-                                          "attend.mask.length_range", {"5", "query_len = 4"});
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v,
+                                          attend::query_padding({5, 2}) && attend::causal(attend::alignment::top_left),
+                                          {}, "attend.mask.length_range", {"5", "query_len = 4"});
 }
 
 TEST(SdpaErrors, NegativeSlidingWindowIsMaskWindow) {
@@ -404,8 +409,8 @@ TEST(SdpaErrors, NaNOrInfinityInQueryKeyOrValueIsValueNonFinite) {
             attend::sdpa_options unchecked;
             unchecked.check_finite = false;
             auto s = outputs_for(x.q, x.k, x.v);
-            EXPECT_NO_THROW(
-                attend::scaled_dot_product_attention_into(x.q, x.k, x.v, attend::no_mask{}, s.out, unchecked, s.weights, s.lse));
+            EXPECT_NO_THROW(attend::scaled_dot_product_attention_into(x.q, x.k, x.v, attend::no_mask{}, s.out,
+                                                                      unchecked, s.weights, s.lse));
         }
     // Rank 3 names the rank-3 position.
     auto q3 = random4<3>(1, {2, 4, 3});
@@ -449,10 +454,11 @@ TEST(SdpaErrors, ScoreBiasForAnotherHeadCountIsShapeScoreBiasHeads) {
     const auto x = make(2, 2, 1, 4, 5, 3, 3);
     attend::sdpa_options o;
     o.score_bias = attend::score_bias::alibi({0.5, 0.25, 0.125});  // three slopes, two heads
-    expect_call_error<attend::shape_error>(x.q, x.k, x.v, o, "attend.shape.score_bias_heads",
-                                           {"3 slopes", "2 heads"});
+    expect_call_error<attend::shape_error>(x.q, x.k, x.v, o, "attend.shape.score_bias_heads", {"3 slopes", "2 heads"});
     expect_error<attend::value_error>(
-        [] { (void)attend::score_bias::alibi({0.5, std::numeric_limits<double>::infinity()}); },
+        [] {
+            (void)attend::score_bias::alibi({0.5, std::numeric_limits<double>::infinity()});
+        },
         "attend.value.alibi_slopes", {"head 1"});
 }
 

@@ -48,7 +48,8 @@ TYPED_TEST(SdpaProperty, ChangingKeyOrValueAtAForbiddenPositionLeavesThatQueryOu
             const bool use_huge = g.bernoulli(0.5);
             for (index d = 0; d < c.head_dim; ++d) y.k(b0, g0, j0, d) = static_cast<T>(g.uniform(-40.0, 40.0));
             for (index d = 0; d < c.value_dim; ++d)
-                y.v(b0, g0, j0, d) = static_cast<T>(use_huge ? (g.bernoulli(0.5) ? huge : -huge) : g.uniform(50.0, 100.0));
+                y.v(b0, g0, j0, d) =
+                    static_cast<T>(use_huge ? (g.bernoulli(0.5) ? huge : -huge) : g.uniform(50.0, 100.0));
             const auto r0 = run(c, x, mask, zero_rows());
             const auto r1 = run(c, y, mask, zero_rows());
             for (index b = 0; b < c.batch; ++b)
@@ -67,8 +68,8 @@ TYPED_TEST(SdpaProperty, ChangingKeyOrValueAtAForbiddenPositionLeavesThatQueryOu
                                                  << " whose K and V changed, yet its result did not move";
                         } else {
                             protected_rows += touched ? 1 : 0;
-                            ASSERT_FALSE(changed) << "row (" << b << ',' << h << ',' << i << ") does not see key "
-                                                  << j0 << " (or another kv head / batch) but its result changed";
+                            ASSERT_FALSE(changed) << "row (" << b << ',' << h << ',' << i << ") does not see key " << j0
+                                                  << " (or another kv head / batch) but its result changed";
                         }
                     }
         });

@@ -176,9 +176,9 @@ TYPED_TEST(SdpaProperty, SplitHeadsViewsEqualTransposedTensorsAndPlainReshapeDoe
         o.kernel = c.kernel;
         o.need_weights = true;
         const auto expected = attend::scaled_dot_product_attention(qt, kt, vt, mask, o);
-        const auto strided = attend::scaled_dot_product_attention(
-            attend::split_heads(xq.data(), B, L, H, D), attend::split_heads(xk.data(), B, S, G, D),
-            attend::split_heads(xv.data(), B, S, G, Dv), mask, o);
+        const auto strided = attend::scaled_dot_product_attention(attend::split_heads(xq.data(), B, L, H, D),
+                                                                  attend::split_heads(xk.data(), B, S, G, D),
+                                                                  attend::split_heads(xv.data(), B, S, G, Dv), mask, o);
         ASSERT_TRUE(near(strided.out, expected.out, tol_same<T>()));
         ASSERT_TRUE(near(strided.weights, expected.weights, tol_same<T>()));
         // The trap: reshape without transpose.

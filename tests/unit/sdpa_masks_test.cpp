@@ -34,7 +34,8 @@ using attend_test::rng;
 // ---------------------------------------------------------------------------------------------------------------
 
 /// A [query_len, key_len] allowed grid, or [batch, query_len, key_len] ... built by hand from a predicate.
-dense_grid hand_grid(const config& c, std::vector<index> dims, const std::function<bool(index, index, index)>& allowed) {
+dense_grid hand_grid(const config& c, std::vector<index> dims,
+                     const std::function<bool(index, index, index)>& allowed) {
     dense_grid m;
     m.rank3_call = c.rank3;
     m.dims = std::move(dims);
@@ -121,9 +122,8 @@ TYPED_TEST(SdpaProperty, CausalAndKeyPaddingEqualsHandBuiltIntersection) {
             // [batch, 1, query_len, key_len] (rank 4) or [batch, query_len, key_len] (rank 3).
             std::vector<index> dims = c.rank3 ? std::vector<index>{c.batch, c.query_len, c.key_len}
                                               : std::vector<index>{c.batch, 1, c.query_len, c.key_len};
-            const auto both = hand_grid(c, dims, [&](index b, index i, index j) {
-                return j <= i + shift && j < lengths[at(b)];
-            });
+            const auto both =
+                hand_grid(c, dims, [&](index b, index i, index j) { return j <= i + shift && j < lengths[at(b)]; });
             const auto rule = run(c, x, attend::causal(align) && attend::key_padding(lengths), zero_rows());
             const auto hand = run(c, x, as_allowed(both), zero_rows());
             ASSERT_TRUE(near(rule.out, hand.out, tol_same<T>()));
@@ -247,10 +247,10 @@ TYPED_TEST(SdpaProperty, FiniteLargeNegativeFillIsNotExactZeroButMinusInfinityIs
         tensor<T, 2> finite(1, 2), infinite(1, 2);
         finite.setValues({{T(0), static_cast<T>(fill)}});
         infinite.setValues({{T(0), -std::numeric_limits<T>::infinity()}});
-        const auto with_fill = attend::scaled_dot_product_attention(
-            q, k, v, attend::additive_mask<T>::from_values(finite), o);
-        const auto with_inf = attend::scaled_dot_product_attention(
-            q, k, v, attend::additive_mask<T>::from_values(infinite), o);
+        const auto with_fill =
+            attend::scaled_dot_product_attention(q, k, v, attend::additive_mask<T>::from_values(finite), o);
+        const auto with_inf =
+            attend::scaled_dot_product_attention(q, k, v, attend::additive_mask<T>::from_values(infinite), o);
         EXPECT_GT(with_fill.weights(0, 0, 1), T(0.1)) << "a finite fill only shifts the score; it does not forbid";
         EXPECT_EQ(with_inf.weights(0, 0, 1), T(0));
         EXPECT_EQ(with_inf.weights(0, 0, 0), T(1));
@@ -265,12 +265,13 @@ TYPED_TEST(SdpaProperty, FiniteLargeNegativeFillIsNotExactZeroButMinusInfinityIs
     tensor<T, 2> finite(1, 3), infinite(1, 3);
     finite.setConstant(T(-1e4));
     infinite.setConstant(-std::numeric_limits<T>::infinity());
-    const auto padded_row = attend::scaled_dot_product_attention(
-        q, k, v, attend::additive_mask<T>::from_values(finite), o);
+    const auto padded_row =
+        attend::scaled_dot_product_attention(q, k, v, attend::additive_mask<T>::from_values(finite), o);
     // (Loose on purpose: the point is "about 1/3, not 0"; accuracy is WeightsStayAccurateUnderALargeCommonOffset.)
     for (int j = 0; j < 3; ++j) EXPECT_NEAR(static_cast<double>(padded_row.weights(0, 0, j)), 1.0 / 3, 1e-3);
     EXPECT_NEAR(static_cast<double>(padded_row.out(0, 0, 0)), 3.0, 1e-3);
-    EXPECT_THROW((void)attend::scaled_dot_product_attention(q, k, v, attend::additive_mask<T>::from_values(infinite), o),
+    EXPECT_THROW((void)attend::scaled_dot_product_attention(q, k, v, attend::additive_mask<T>::from_values(infinite),
+                                                            o),
                  attend::mask_error);
 }
 
@@ -304,7 +305,8 @@ TYPED_TEST(SdpaProperty, WeightsStayAccurateUnderALargeCommonOffset) {
                             const double w = static_cast<double>(r.weights(b, h, i, j));
                             sum += w;
                             // exp and the division cost a few ulps; the row sum up to key_len / 2 more.
-                            ASSERT_NEAR(w, e.w(b, h, i, j), static_cast<double>(c.key_len + 8) * eps<T>() * e.w(b, h, i, j))
+                            ASSERT_NEAR(w, e.w(b, h, i, j),
+                                        static_cast<double>(c.key_len + 8) * eps<T>() * e.w(b, h, i, j))
                                 << "weight (" << b << ',' << h << ',' << i << ',' << j << ')';
                         }
                         ASSERT_NEAR(sum, 1.0, tol_row_sum<T>(c.key_len));

@@ -44,7 +44,8 @@ TYPED_TEST(SdpaProperty, ScaleOptionEqualsPremultiplyingQueryByTheScale) {
         const auto mask = random_bool_grid(g, c, 0.7, true);
         const auto run_scaled = [&](double factor, std::optional<double> scale) {
             auto y = x;
-            for (index e = 0; e < y.q.size(); ++e) y.q.data()[e] = static_cast<T>(y.q.data()[e] * static_cast<T>(factor));
+            for (index e = 0; e < y.q.size(); ++e)
+                y.q.data()[e] = static_cast<T>(y.q.data()[e] * static_cast<T>(factor));
             attend::sdpa_options o;
             o.scale = scale;
             return run(c, y, as_allowed(mask), o);
@@ -73,8 +74,8 @@ TYPED_TEST(SdpaProperty, ScaleOptionEqualsPremultiplyingQueryByTheScale) {
         const double any = g.uniform(0.1, 2.5);
         const auto a = run_scaled(1.0, any);
         ASSERT_TRUE(near(a.out, run_scaled(any, 1.0).out, tol_oracle<T>()));
-        ASSERT_TRUE(matches_oracle(a, oracle(c, x, any, boolean_grid_bias(mask)), boolean_grid_bias(mask),
-                                   tol_oracle<T>()));
+        ASSERT_TRUE(
+            matches_oracle(a, oracle(c, x, any, boolean_grid_bias(mask)), boolean_grid_bias(mask), tol_oracle<T>()));
     }
 }
 
@@ -178,8 +179,8 @@ TYPED_TEST(SdpaProperty, DropoutIsAPureFunctionOfSeedAndPosition) {
             ASSERT_TRUE(identical(a.weights, b.weights)) << threads << " threads";
         }
         config other_kernel = c;
-        other_kernel.kernel =
-            c.kernel == attend::kernel::reference ? attend::kernel::automatic : attend::kernel::reference;
+        other_kernel.kernel = c.kernel == attend::kernel::reference ? attend::kernel::automatic
+                                                                    : attend::kernel::reference;
         const auto k2 = run(other_kernel, x, attend::no_mask{}, o);
         for (index e = 0; e < a.weights.size(); ++e)
             ASSERT_EQ(a.weights.data()[e] == T(0), k2.weights.data()[e] == T(0)) << "kernels drop different weights";
@@ -256,7 +257,8 @@ TEST(SdpaDropoutStatistics, MeanOutputOverManySeedsEqualsNoDropoutOutputWithinFi
                     var += p / (1 - p) * wv * wv;
                 }
                 const double sigma = std::sqrt(var / seeds);
-                const double diff = std::abs(mean[at(((h * c.query_len) + i) * c.value_dim + d)] - plain.out(0, h, i, d));
+                const double diff =
+                    std::abs(mean[at(((h * c.query_len) + i) * c.value_dim + d)] - plain.out(0, h, i, d));
                 worst_sigmas = std::max(worst_sigmas, sigma > 0 ? diff / sigma : 0.0);
                 EXPECT_LE(diff, 5 * sigma + 1e-9) << "element (" << h << ',' << i << ',' << d << ')';
             }

@@ -172,7 +172,8 @@ TYPED_TEST(Sinks, PaddedQueriesKeepAZeroRowAndMinusInfinityLse) {
     for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
         auto o = c.options;
         o.kernel = kernel;
-        const auto r = attend::scaled_dot_product_attention(c.q, c.k, c.v, c.mask() && attend::query_padding({9, 5}), o);
+        const auto r =
+            attend::scaled_dot_product_attention(c.q, c.k, c.v, c.mask() && attend::query_padding({9, 5}), o);
         for (index h = 0; h < c.heads; ++h)
             for (index i = 5; i < c.query_len; ++i) {
                 EXPECT_EQ(r.lse(1, h, i), -std::numeric_limits<T>::infinity());
@@ -198,8 +199,8 @@ TYPED_TEST(Sinks, SinksOnOnePartOfASplitOverKeysMergeIntoTheWholeCall) {
     auto without = c.options;
     without.sinks = {};
     const auto a = attend::scaled_dot_product_attention(c.q, keys(c.k, 0, split), keys(c.v, 0, split), without);
-    const auto b = attend::scaled_dot_product_attention(c.q, keys(c.k, split, c.key_len), keys(c.v, split, c.key_len),
-                                                        c.options);
+    const auto b =
+        attend::scaled_dot_product_attention(c.q, keys(c.k, split, c.key_len), keys(c.v, split, c.key_len), c.options);
     const auto merged = attend::merge_partials(a.out, a.lse, b.out, b.lse);
     EXPECT_LE(attend_test::max_abs_diff(merged.out, whole.out), tolerance);
     EXPECT_LE(attend_test::max_abs_diff(merged.lse, whole.lse), tolerance * 10);
@@ -290,8 +291,8 @@ TEST(SinksErrors, WrongCountOrNonFiniteSinksAreRejectedBeforeAnyWrite) {
     d_sinks.setConstant(7.0f);
     attend_test::expect_error<attend::shape_error>(
         [&] {
-            attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, f.out, f.lse, f.out, c.mask(), dq, dk,
-                                                               dv, c.options, nullptr, d_sinks);
+            attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, f.out, f.lse, f.out, c.mask(), dq, dk, dv,
+                                                               c.options, nullptr, d_sinks);
         },
         "attend.shape.backward_sinks");
     EXPECT_TRUE(std::all_of(d_sinks.data(), d_sinks.data() + 3, [](float x) { return x == 7.0f; }));

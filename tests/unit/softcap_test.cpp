@@ -100,7 +100,8 @@ TYPED_TEST(Softcap, ForwardOfBothKernelsEqualsTheDefinitionInLongDouble) {
             }
     EXPECT_TRUE(bent);
     // Bit-identical for 1 and 2 threads, as every tiled result.
-    EXPECT_TRUE(std::equal(results[2].out.data(), results[2].out.data() + results[2].out.size(), results[3].out.data()));
+    EXPECT_TRUE(
+        std::equal(results[2].out.data(), results[2].out.data() + results[2].out.size(), results[3].out.data()));
 }
 
 TEST(SoftcapBackward, GradientsOfBothKernelsEqualFiniteDifferences) {

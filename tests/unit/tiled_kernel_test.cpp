@@ -11,8 +11,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -27,8 +27,8 @@
 
 namespace {
 
-using attend::index;
 using attend::alignment;
+using attend::index;
 using attend::detail::tile_config;
 using attend_test::bit_equal;
 
@@ -148,8 +148,7 @@ void compare(const config& c, const inputs<T>& in, const Mask& mask, tally& t) {
     attend::detail::reference_attention(in.q, in.k, in.v, s, call->mask, call->params, ref.o);
     if (c.default_tiles)
         attend::detail::tiled_attention(in.q, in.k, in.v, s, call->mask, call->params, til.o, c.threads);
-    else
-        attend::detail::tiled_attention(in.q, in.k, in.v, s, call->mask, call->params, til.o, c.threads, c.tiles);
+    else attend::detail::tiled_attention(in.q, in.k, in.v, s, call->mask, call->params, til.o, c.threads, c.tiles);
 
     const double tol = tolerance<T>();
     double ref_max = 0, diff = 0;
@@ -181,7 +180,8 @@ void compare(const config& c, const inputs<T>& in, const Mask& mask, tally& t) {
         for (std::size_t n = 0; n < ref.weights.size(); ++n) {
             ASSERT_FALSE(std::isnan(til.weights[n])) << "NaN in tiled weights at " << n;
             wmax = std::max(wmax, std::abs(static_cast<double>(ref.weights[n])));
-            wdiff = std::max(wdiff, std::abs(static_cast<double>(ref.weights[n]) - static_cast<double>(til.weights[n])));
+            wdiff =
+                std::max(wdiff, std::abs(static_cast<double>(ref.weights[n]) - static_cast<double>(til.weights[n])));
         }
         EXPECT_LE(wdiff / std::max(1.0, wmax), tol) << "weights";
         for (index b = 0; b < s.batch; ++b)
@@ -189,8 +189,8 @@ void compare(const config& c, const inputs<T>& in, const Mask& mask, tally& t) {
                 for (index i = 0; i < s.query_len; ++i)
                     for (index j = 0; j < s.key_len; ++j)
                         if (!call->mask.allowed(b, h, i, j) || call->mask.query_padded(b, i)) {
-                            ASSERT_EQ(til.weights[static_cast<std::size_t>(((b * s.heads + h) * s.query_len + i) *
-                                                                           s.key_len + j)],
+                            ASSERT_EQ(til.weights[static_cast<std::size_t>(
+                                          ((b * s.heads + h) * s.query_len + i) * s.key_len + j)],
                                       T(0))
                                 << "forbidden weight (" << b << ',' << h << ',' << i << ',' << j << ") is not 0";
                         }
@@ -253,8 +253,9 @@ attend::additive_mask<T> dense_additive(attend_test::rng& g, const config& c) {
     const auto fill = [&](auto& x) {
         for (index n = 0; n < x.size(); ++n) {
             const double u = g.uniform();
-            x.data()[n] = u < forbid ? -std::numeric_limits<T>::infinity()
-                                     : u < forbid + zero ? T(0) : static_cast<T>(g.uniform(-4.0, 4.0));
+            x.data()[n] = u < forbid          ? -std::numeric_limits<T>::infinity()
+                          : u < forbid + zero ? T(0)
+                                              : static_cast<T>(g.uniform(-4.0, 4.0));
         }
     };
     if (dims.size() == 2) {
@@ -278,7 +279,9 @@ std::vector<index> lengths(attend_test::rng& g, index batch, index max) {
     return n;
 }
 
-alignment any_alignment(attend_test::rng& g) { return g.bernoulli(0.5) ? alignment::top_left : alignment::bottom_right; }
+alignment any_alignment(attend_test::rng& g) {
+    return g.bernoulli(0.5) ? alignment::top_left : alignment::bottom_right;
+}
 
 attend::sliding_window_rule any_window(attend_test::rng& g, const config& c) {
     const index span = std::max(c.query_len, c.key_len);
@@ -326,15 +329,13 @@ void compare_random_mask(attend_test::rng& g, config& c, const inputs<T>& in, ta
         case 12:
             return run("sliding_window || prefix_lm",
                        any_window(g, c) || attend::prefix_lm(g.uniform_int(0, c.key_len), any_alignment(g)));
-        case 13:
-            return with_dense_boolean(g, c, false, [&](const auto& m) { run("!allowed_mask", !m); });
+        case 13: return with_dense_boolean(g, c, false, [&](const auto& m) { run("!allowed_mask", !m); });
         case 14: return run("additive + causal", dense_additive<T>(g, c) + attend::causal(any_alignment(g)));
         case 15:
             return with_dense_boolean(g, c, false, [&](const auto& m) {
                 run("query_padding && allowed_mask", attend::query_padding(lengths(g, c.batch, c.query_len)) && m);
             });
-        case 16:
-            return run("!causal || sliding_window", !attend::causal(any_alignment(g)) || any_window(g, c));
+        case 16: return run("!causal || sliding_window", !attend::causal(any_alignment(g)) || any_window(g, c));
         case 17:
             return with_dense_boolean(g, c, true, [&](const auto& m) {
                 run("additive + (to_allowed(forbidden) && sliding_window)",
@@ -433,8 +434,8 @@ TEST(TiledKernel, MatchesReferenceFloat) {
         random_configuration<float>(0x5eed0000ULL + static_cast<std::uint64_t>(i), t);
         if (HasFatalFailure()) return;
     }
-    std::printf("float: %d configurations compared, %d rejected as empty rows before either kernel ran\n",
-                t.compared, t.rejected);
+    std::printf("float: %d configurations compared, %d rejected as empty rows before either kernel ran\n", t.compared,
+                t.rejected);
     EXPECT_GT(t.compared, n / 2);
 }
 
@@ -445,8 +446,8 @@ TEST(TiledKernel, MatchesReferenceDouble) {
         random_configuration<double>(0xd0b1e000ULL + static_cast<std::uint64_t>(i), t);
         if (HasFatalFailure()) return;
     }
-    std::printf("double: %d configurations compared, %d rejected as empty rows before either kernel ran\n",
-                t.compared, t.rejected);
+    std::printf("double: %d configurations compared, %d rejected as empty rows before either kernel ran\n", t.compared,
+                t.rejected);
     EXPECT_GT(t.compared, n / 2);
 }
 
@@ -542,7 +543,8 @@ TEST(TiledKernel, DecodePathBitIdenticalForAnyThreadCount) {
         const auto ref = attend::scaled_dot_product_attention(q, k, v, mask, o);
         double diff = 0, lse_diff = 0;
         for (index n = 0; n < ref.out.size(); ++n)
-            diff = std::max(diff, static_cast<double>(std::abs(ref.out.data()[n] - outs[0][static_cast<std::size_t>(n)])));
+            diff =
+                std::max(diff, static_cast<double>(std::abs(ref.out.data()[n] - outs[0][static_cast<std::size_t>(n)])));
         for (index n = 0; n < ref.lse.size(); ++n)
             lse_diff = std::max(lse_diff, std::abs(static_cast<double>(ref.lse.data()[n]) -
                                                    static_cast<double>(lses[0][static_cast<std::size_t>(n)])) /

@@ -20,7 +20,7 @@ inline double dropout_uniform(std::uint64_t seed, index b, index h, index i, ind
 struct dropout_rule {
     std::uint64_t seed = 0;
     double probability = 0;
-    double keep_scale = 1;  ///< 1 / (1 - p), applied to kept weights
+    double keep_scale = 1;   ///< 1 / (1 - p), applied to kept weights
     index query_offset = 0;  ///< position of the call's query 0 in the sequence the decisions are drawn for
     index key_offset = 0;    ///< position of the call's key 0 in that sequence
 

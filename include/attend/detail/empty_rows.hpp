@@ -22,8 +22,7 @@ bool row_has_allowed_key(const Bound& mask, index b, index h, index i, index key
         return false;
     }
     const index middle = key_begin + (key_end - key_begin) / 2;
-    return row_has_allowed_key(mask, b, h, i, key_begin, middle) ||
-           row_has_allowed_key(mask, b, h, i, middle, key_end);
+    return row_has_allowed_key(mask, b, h, i, key_begin, middle) || row_has_allowed_key(mask, b, h, i, middle, key_end);
 }
 
 /// The first (batch, head, query) that is not a padded query and has no allowed key, in that order.

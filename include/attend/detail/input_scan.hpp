@@ -23,15 +23,15 @@
 #include <Eigen/Core>
 
 #include "../error.hpp"
-#include "memory.hpp"
 #include "../shape.hpp"
 #include "../tensor.hpp"
+#include "memory.hpp"
 
 namespace attend::detail {
 
 [[noreturn]] inline void throw_non_finite_at(const std::string& tensor, double value, const std::string& where) {
-    throw value_error("attend.value.non_finite", concat(tensor, " holds ", value, " at ", where,
-                                                        " (turn check_finite off to skip this scan)"));
+    throw value_error("attend.value.non_finite",
+                      concat(tensor, " holds ", value, " at ", where, " (turn check_finite off to skip this scan)"));
 }
 
 template <class T>

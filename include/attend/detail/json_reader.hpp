@@ -20,9 +20,9 @@ namespace attend::detail {
 struct json_value {
     enum class kind { null, boolean, number, string, array, object };
     kind type = kind::null;
-    std::string text;                ///< a string's contents (unescaped, UTF-8), a number's literal, "true"/"false"
-    std::vector<json_value> items;   ///< array elements, or object member values
-    std::vector<std::string> keys;   ///< object member names, parallel to items
+    std::string text;               ///< a string's contents (unescaped, UTF-8), a number's literal, "true"/"false"
+    std::vector<json_value> items;  ///< array elements, or object member values
+    std::vector<std::string> keys;  ///< object member names, parallel to items
 };
 
 /// Recursive-descent reader; `what` names the text in messages (e.g. "safetensors header of model.safetensors").

@@ -231,8 +231,8 @@ struct bound_packed_segments : interval_rule<bound_packed_segments> {
         const index first = std::max<index>(0, segment_of(t.query_begin));
         index last = segment_of(t.query_end - 1);
         if (last < 0) last = static_cast<index>(l.query_end.size()) - 1;
-        bool any = false, all = !query_padded(t.batch, t.query_begin) && !query_padded(t.batch, t.query_end - 1) &&
-                              first == last;
+        bool any = false,
+             all = !query_padded(t.batch, t.query_begin) && !query_padded(t.batch, t.query_end - 1) && first == last;
         for (index n = first; n <= last && !any; ++n) {
             const auto u = static_cast<std::size_t>(n);
             const index q0 = std::max(t.query_begin, l.query_slots[u]), q1 = std::min(t.query_end, l.query_end[u]);

@@ -28,7 +28,9 @@ struct memory_range {
     std::uintptr_t begin = 0;
     std::uintptr_t end = 0;
 
-    bool overlaps(const memory_range& o) const { return begin < end && o.begin < o.end && begin < o.end && o.begin < end; }
+    bool overlaps(const memory_range& o) const {
+        return begin < end && o.begin < o.end && begin < o.end && o.begin < end;
+    }
 };
 
 /// The range of `size` contiguous elements at `data`.
@@ -79,7 +81,8 @@ inline void check_no_aliasing(std::initializer_list<named_range> inputs, std::in
     const auto fail = [](const named_range& out, const char* kind, const named_range& other) {
         throw shape_error("attend.shape.aliasing",
                           concat("output ", out.name, ' ', out.shape, " overlaps ", kind, ' ', other.name, ' ',
-                                 other.shape, " in memory; outputs are written while inputs are still read, so an "
+                                 other.shape,
+                                 " in memory; outputs are written while inputs are still read, so an "
                                  "output may share no memory with an input or another output: pass separate buffers"));
     };
     for (auto out = outputs.begin(); out != outputs.end(); ++out) {
@@ -121,8 +124,8 @@ auto allocating(Allocate&& allocate, Describe&& describe, const char* hint) -> d
 /// t.resize(dims), guarded: `what` names t in the message.
 template <class Tensor, class Dims>
 void resize_guarded(Tensor& t, const Dims& dims, const char* what, const char* hint) {
-    allocating([&] { t.resize(dims); },
-               [&] { return allocation_text(what, dims, sizeof(typename Tensor::Scalar)); }, hint);
+    allocating([&] { t.resize(dims); }, [&] { return allocation_text(what, dims, sizeof(typename Tensor::Scalar)); },
+               hint);
 }
 
 }  // namespace attend::detail

@@ -37,7 +37,7 @@ inline double counter_normal(std::uint64_t seed, std::uint64_t k) {
     constexpr double two_pi = 6.283185307179586476925286766559;
     const auto splitmix = [seed](std::uint64_t n) { return mix64(seed + (n + 1) * 0x9E3779B97F4A7C15ULL); };
     const double u1 = unit_interval(splitmix(2 * k)) + 0x1.0p-53;  // (0, 1]: the log is finite
-    const double u2 = unit_interval(splitmix(2 * k + 1));         // [0, 1)
+    const double u2 = unit_interval(splitmix(2 * k + 1));          // [0, 1)
     return std::sqrt(-2.0 * std::log(u1)) * std::cos(two_pi * u2);
 }
 

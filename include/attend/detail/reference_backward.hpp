@@ -33,9 +33,11 @@ void reference_gradients(const backward_inputs<T>& in, const attention_shape& s,
             dp.resize(L, S);
             if (capped) slope.resize(L, S);
         },
-        [&] { return allocation_text(capped ? "the reference backward's score matrices (4 x query_len x key_len)"
-                                            : "the reference backward's score matrices (3 x query_len x key_len)",
-                                     std::array<index, 3>{capped ? 4 : 3, L, S}, sizeof(T)); },
+        [&] {
+            return allocation_text(capped ? "the reference backward's score matrices (4 x query_len x key_len)"
+                                          : "the reference backward's score matrices (3 x query_len x key_len)",
+                                   std::array<index, 3>{capped ? 4 : 3, L, S}, sizeof(T));
+        },
         "kernel::reference materializes the scores of one (batch, head); the tiled backward needs O(threads x tile)");
     for (index b = 0; b < s.batch; ++b) {
         for (index h = 0; h < s.heads; ++h) matrix_of(o.dq, b, h).setZero();
@@ -44,7 +46,8 @@ void reference_gradients(const backward_inputs<T>& in, const attention_shape& s,
             matrix_of(o.dv, b, h).setZero();
         }
     }
-    if (o.score_bias_gradient && bias) std::fill(o.score_bias_gradient, o.score_bias_gradient + s.heads * diagonals, T(0));
+    if (o.score_bias_gradient && bias)
+        std::fill(o.score_bias_gradient, o.score_bias_gradient + s.heads * diagonals, T(0));
     const bool sinks = p.has_sinks() && o.sink_gradient;
     if (sinks) std::fill(o.sink_gradient, o.sink_gradient + s.heads, T(0));
     std::vector<T> sink_probability(sinks ? static_cast<std::size_t>(L) : 0);  // [query_len] of one (batch, head)
@@ -116,9 +119,9 @@ void reference_backward(const backward_inputs<T>& in, const attention_shape& s, 
 }
 
 #if defined(ATTEND_KERNEL_INSTANCE)
-#define ATTEND_REFERENCE_BACKWARD_INSTANCE(T)                                                                        \
-    ATTEND_KERNEL_INSTANCE void reference_gradients<T>(const backward_inputs<T>&, const attention_shape&,           \
-                                                       const mask_tiles&, const kernel_params<T>&,                   \
+#define ATTEND_REFERENCE_BACKWARD_INSTANCE(T)                                                             \
+    ATTEND_KERNEL_INSTANCE void reference_gradients<T>(const backward_inputs<T>&, const attention_shape&, \
+                                                       const mask_tiles&, const kernel_params<T>&,        \
                                                        const gradient_outputs<T>&);
 ATTEND_REFERENCE_BACKWARD_INSTANCE(float)
 ATTEND_REFERENCE_BACKWARD_INSTANCE(double)

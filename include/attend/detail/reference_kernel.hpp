@@ -21,17 +21,17 @@ namespace attend::detail {
 
 /// The oracle on a type-erased mask, one instance per scalar type.
 template <class T>
-void reference_forward(const strided_view<const T>& q, const strided_view<const T>& k,
-                       const strided_view<const T>& v, const attention_shape& s, const mask_tiles& mask,
-                       const kernel_params<T>& p, const attention_outputs<T>& o) {
+void reference_forward(const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
+                       const attention_shape& s, const mask_tiles& mask, const kernel_params<T>& p,
+                       const attention_outputs<T>& o) {
     const index L = s.query_len, S = s.key_len;
-    row_matrix<T> scores = allocating([&] { return row_matrix<T>(L, S); },
-                                      [&] {
-                                          return allocation_text("the reference kernel's scores",
-                                                                 std::array<index, 2>{L, S}, sizeof(T));
-                                      },
-                                      "kernel::reference materializes the scores [query_len, key_len] of one "
-                                      "(batch, head); kernel::tiled needs O(threads x tile)");
+    row_matrix<T> scores =
+        allocating([&] { return row_matrix<T>(L, S); },
+                   [&] {
+                       return allocation_text("the reference kernel's scores", std::array<index, 2>{L, S}, sizeof(T));
+                   },
+                   "kernel::reference materializes the scores [query_len, key_len] of one "
+                   "(batch, head); kernel::tiled needs O(threads x tile)");
     for (index b = 0; b < s.batch; ++b)
         for (index h = 0; h < s.heads; ++h) {
             const index kvh = s.kv_head(h);
@@ -74,17 +74,18 @@ void reference_forward(const strided_view<const T>& q, const strided_view<const 
 
 /// The reference kernel for any bound mask: through the one type-erased instance, as the public API's calls go.
 template <class T, class Bound>
-void reference_attention(const strided_view<const T>& q, const strided_view<const T>& k,
-                         const strided_view<const T>& v, const attention_shape& s, const Bound& mask,
-                         const kernel_params<T>& p, const attention_outputs<T>& o) {
+void reference_attention(const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
+                         const attention_shape& s, const Bound& mask, const kernel_params<T>& p,
+                         const attention_outputs<T>& o) {
     with_mask_tiles(mask, [&](const mask_tiles& m) { reference_forward<T>(q, k, v, s, m, p, o); });
 }
 
 #if defined(ATTEND_KERNEL_INSTANCE)
-#define ATTEND_REFERENCE_FORWARD_INSTANCE(T)                                                                         \
-    ATTEND_KERNEL_INSTANCE void reference_forward<T>(                                                                \
-        const strided_view<const T>&, const strided_view<const T>&, const strided_view<const T>&,                  \
-        const attention_shape&, const mask_tiles&, const kernel_params<T>&, const attention_outputs<T>&);
+#define ATTEND_REFERENCE_FORWARD_INSTANCE(T)                                                                     \
+    ATTEND_KERNEL_INSTANCE void reference_forward<T>(const strided_view<const T>&, const strided_view<const T>&, \
+                                                     const strided_view<const T>&, const attention_shape&,       \
+                                                     const mask_tiles&, const kernel_params<T>&,                 \
+                                                     const attention_outputs<T>&);
 ATTEND_REFERENCE_FORWARD_INSTANCE(float)
 ATTEND_REFERENCE_FORWARD_INSTANCE(double)
 #undef ATTEND_REFERENCE_FORWARD_INSTANCE

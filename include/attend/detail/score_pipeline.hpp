@@ -67,8 +67,12 @@ template <class Acc>
 class score_pipeline {
 public:
     score_pipeline(const attention_shape& s, const mask_tiles& mask, const score_bias* bias, Acc scale, Acc softcap)
-        : mask_(mask), bias_(bias && !bias->empty() ? bias : nullptr), scale_(scale), softcap_(softcap),
-          query_len_(s.query_len), key_len_(s.key_len) {}
+        : mask_(mask),
+          bias_(bias && !bias->empty() ? bias : nullptr),
+          scale_(scale),
+          softcap_(softcap),
+          query_len_(s.query_len),
+          key_len_(s.key_len) {}
 
     /// The scale, applied once to the operand the kernel packs (queries forward, keys backward), not per score.
     Acc scale() const { return scale_; }
@@ -134,8 +138,10 @@ class online_softmax {
 public:
     online_softmax() = default;
     explicit online_softmax(index rows)
-        : max_(static_cast<std::size_t>(rows)), sum_(static_cast<std::size_t>(rows)),
-          new_max_(static_cast<std::size_t>(rows)), rescale_(static_cast<std::size_t>(rows)) {}
+        : max_(static_cast<std::size_t>(rows)),
+          sum_(static_cast<std::size_t>(rows)),
+          new_max_(static_cast<std::size_t>(rows)),
+          rescale_(static_cast<std::size_t>(rows)) {}
 
     /// Rows [0, rows): m = -inf, l = 0.
     void reset(index rows) {

@@ -49,17 +49,17 @@ backward_tiling default_backward_tiling(const attention_shape& s) {
 /// All in the accumulation type.
 template <class Acc>
 struct backward_workspace {
-    row_matrix<Acc> probs;        ///< [block_q, block_k]: scores, then P
-    row_matrix<Acc> dropped;      ///< [block_q, block_k]: P with dropout applied (dropout only)
-    row_matrix<Acc> keep;         ///< [block_q, block_k]: 0 or 1 / (1 - p) (dropout only)
-    row_matrix<Acc> grad;         ///< [block_q, block_k]: dP, then dS
-    row_matrix<Acc> slope;        ///< [block_q, block_k]: d score / d dot product (score modifiers only)
-    row_matrix<Acc> keys;         ///< [block_k, head_dim]: scale * K of the key tile
-    row_matrix<Acc> dk;           ///< [block_k, head_dim]: dK of the key tile, unscaled
-    row_matrix<Acc> dv;           ///< [block_k, value_dim]: dV of the key tile
-    std::vector<Acc> lse;         ///< [block_q]: what P = exp(s - lse) * inv_sum shifts by, +inf for zero rows
-    std::vector<Acc> inv_sum;     ///< [block_q]: 1, or 1 / sum for rows with exact statistics
-    std::vector<Acc> delta;       ///< [block_q]: rowsum(d_out * out)
+    row_matrix<Acc> probs;         ///< [block_q, block_k]: scores, then P
+    row_matrix<Acc> dropped;       ///< [block_q, block_k]: P with dropout applied (dropout only)
+    row_matrix<Acc> keep;          ///< [block_q, block_k]: 0 or 1 / (1 - p) (dropout only)
+    row_matrix<Acc> grad;          ///< [block_q, block_k]: dP, then dS
+    row_matrix<Acc> slope;         ///< [block_q, block_k]: d score / d dot product (score modifiers only)
+    row_matrix<Acc> keys;          ///< [block_k, head_dim]: scale * K of the key tile
+    row_matrix<Acc> dk;            ///< [block_k, head_dim]: dK of the key tile, unscaled
+    row_matrix<Acc> dv;            ///< [block_k, value_dim]: dV of the key tile
+    std::vector<Acc> lse;          ///< [block_q]: what P = exp(s - lse) * inv_sum shifts by, +inf for zero rows
+    std::vector<Acc> inv_sum;      ///< [block_q]: 1, or 1 / sum for rows with exact statistics
+    std::vector<Acc> delta;        ///< [block_q]: rowsum(d_out * out)
     std::vector<Acc> query_stage;  ///< [block_q, head_dim] converted queries, when storage is not Acc
     std::vector<Acc> d_out_stage;  ///< [block_q, value_dim] converted d_out, when storage is not Acc
     std::vector<Acc> value_stage;  ///< [block_k, value_dim] converted values, when storage is not Acc
@@ -136,8 +136,10 @@ public:
     void run(int threads) {
         const bool bias_grad = pipe_.has_bias() && o_.score_bias_gradient;
         if (s_.batch == 0) {  // nothing to attend; the bias gradient is still an output, and it is zero
-            if (bias_grad) std::fill(o_.score_bias_gradient, o_.score_bias_gradient + s_.heads * diagonals_, Storage(0));
-            if (p_.has_sinks() && o_.sink_gradient) std::fill(o_.sink_gradient, o_.sink_gradient + s_.heads, Storage(0));
+            if (bias_grad)
+                std::fill(o_.score_bias_gradient, o_.score_bias_gradient + s_.heads * diagonals_, Storage(0));
+            if (p_.has_sinks() && o_.sink_gradient)
+                std::fill(o_.sink_gradient, o_.sink_gradient + s_.heads, Storage(0));
             return;
         }
         const index units = s_.batch * s_.kv_heads * chunks_;
@@ -158,7 +160,8 @@ public:
                 partials_.assign(static_cast<std::size_t>(partial_buffers * dq_size), Acc(0));
                 if (bias_grad) bias_partials_.assign(static_cast<std::size_t>(units * group_ * diagonals_), Acc(0));
                 ws.reserve(static_cast<std::size_t>(workers));
-                for (int w = 0; w < workers; ++w) ws.emplace_back(t_, s_, p_.dropout.active(), staged, pipe_.modifies_scores());
+                for (int w = 0; w < workers; ++w)
+                    ws.emplace_back(t_, s_, p_.dropout.active(), staged, pipe_.modifies_scores());
             },
             [&] {
                 const index tile = t_.block_q * t_.block_k, dims = t_.block_k * (2 * s_.head_dim + s_.value_dim);
@@ -174,9 +177,11 @@ public:
         // Both passes index ws by worker, so neither may run more workers than ws has (exact_statistics has more
         // units than run_unit when the query tiles outnumber the key chunks).
         exact_statistics(ws, workers);
-        parallel_for(units, workers, [&](index unit, int worker) { run_unit(ws[static_cast<std::size_t>(worker)], unit); });
+        parallel_for(units, workers,
+                     [&](index unit, int worker) { run_unit(ws[static_cast<std::size_t>(worker)], unit); });
         if (partial_buffers > 0 && s_.query_len > 0)
-            parallel_for(s_.batch * s_.heads, threads, [&](index bh, int) { add_partials(bh / s_.heads, bh % s_.heads); });
+            parallel_for(s_.batch * s_.heads, threads,
+                         [&](index bh, int) { add_partials(bh / s_.heads, bh % s_.heads); });
         if (bias_grad) reduce_bias_gradient();
         if (p_.has_sinks() && o_.sink_gradient) sink_gradient();
     }
@@ -306,8 +311,8 @@ private:
 
     /// The tile's query rows in Acc (converted into w.query_stage when stored in another type).
     const_tile_map<Acc> query_rows(backward_workspace<Acc>& w, const tile& t) const {
-        return as_accumulator<Acc>(in_.q.row(t.batch, t.head, t.query_begin), t.query_end - t.query_begin,
-                                   s_.head_dim, in_.q.strides[2], w.query_stage);
+        return as_accumulator<Acc>(in_.q.row(t.batch, t.head, t.query_begin), t.query_end - t.query_begin, s_.head_dim,
+                                   in_.q.strides[2], w.query_stage);
     }
 
     /// Scores of tile t, whose scaled keys are in w.keys, through the score pipeline into w.probs (and the
@@ -445,9 +450,9 @@ void tiled_backward(const backward_inputs<Storage>& in, const attention_shape& s
 }
 
 #if defined(ATTEND_KERNEL_INSTANCE)
-#define ATTEND_TILED_BACKWARD_INSTANCE(S, A)                                                                         \
-    ATTEND_KERNEL_INSTANCE void tiled_backward<S, A>(const backward_inputs<S>&, const attention_shape&,              \
-                                                     const mask_tiles&, const kernel_params<A>&,                     \
+#define ATTEND_TILED_BACKWARD_INSTANCE(S, A)                                                            \
+    ATTEND_KERNEL_INSTANCE void tiled_backward<S, A>(const backward_inputs<S>&, const attention_shape&, \
+                                                     const mask_tiles&, const kernel_params<A>&,        \
                                                      const gradient_outputs<S>&, const backward_tiling&, int);
 ATTEND_TILED_BACKWARD_INSTANCE(float, float)
 ATTEND_TILED_BACKWARD_INSTANCE(double, double)

@@ -49,13 +49,13 @@ namespace attend::detail {
 /// Tile sizes of the tiled kernel. They depend only on the call's shape, never on the thread count, which is
 /// part of why results are bit-identical for any thread count.
 struct tile_config {
-    index query_rows = 128;      ///< rows of a query block: the group's heads x queries per head (about)
-    index key_tile = 512;        ///< keys per tile
-    index trim_step = 32;        ///< a mixed tile drops empty key columns from both ends in steps of this many
-    index slab_rows = 32;        ///< a mixed tile is processed in slabs of this many queries of one head
-    index gemv_rows = 8;         ///< slabs of at most this many rows use one GEMV per row instead of a GEMM
-    index decode_queries = 16;   ///< query_len at or below which keys are split into chunks (decode path)
-    index decode_chunk = 2048;   ///< keys per chunk of the decode path
+    index query_rows = 128;     ///< rows of a query block: the group's heads x queries per head (about)
+    index key_tile = 512;       ///< keys per tile
+    index trim_step = 32;       ///< a mixed tile drops empty key columns from both ends in steps of this many
+    index slab_rows = 32;       ///< a mixed tile is processed in slabs of this many queries of one head
+    index gemv_rows = 8;        ///< slabs of at most this many rows use one GEMV per row instead of a GEMM
+    index decode_queries = 16;  ///< query_len at or below which keys are split into chunks (decode path)
+    index decode_chunk = 2048;  ///< keys per chunk of the decode path
 };
 
 /// Tile sizes chosen by measurement (bench/README.md has the sweep, `attend_bench --benchmark_filter=tiled_tiles`)
@@ -99,9 +99,9 @@ const_tile_map<Acc> as_accumulator(const Storage* rows_begin, index rows, index 
 /// All in the accumulation type.
 template <class Acc>
 struct tiled_workspace {
-    std::vector<Acc> queries;   ///< [rows, head_dim], scaled
-    std::vector<Acc> scores;    ///< [rows, key_tile], scores then probabilities
-    std::vector<Acc> acc;       ///< [rows, value_dim]
+    std::vector<Acc> queries;         ///< [rows, head_dim], scaled
+    std::vector<Acc> scores;          ///< [rows, key_tile], scores then probabilities
+    std::vector<Acc> acc;             ///< [rows, value_dim]
     online_softmax<Acc> softmax;      ///< [rows] running max and sum
     std::vector<tile_class> classes;  ///< [group]
     std::vector<Acc> key_stage;       ///< [key_tile, head_dim] converted keys, when storage is not Acc
@@ -275,8 +275,9 @@ private:
     slab whole(const block& blk) const { return {0, group_, 0, blk.queries}; }
 
     tile query_tile(const block& blk, const slab& sl, index hh, index k0, index k1) const {
-        return tile{blk.batch, blk.kv_head * group_ + hh, blk.query_begin + sl.query_begin,
-                    blk.query_begin + sl.query_end, k0, k1};
+        return tile{
+            blk.batch, blk.kv_head * group_ + hh, blk.query_begin + sl.query_begin, blk.query_begin + sl.query_end, k0,
+            k1};
     }
 
     /// Classifies the slab's per-head tiles over keys [k0, k1) into w.classes; returns empty when all are empty,
@@ -308,8 +309,8 @@ private:
         const index r0 = sl.first_row(blk), rows = sl.rows(blk), nk = k1 - k0, ld = c_.key_tile;
         const_tile_map<Acc> queries(w.queries.data() + r0 * s_.head_dim, rows, s_.head_dim,
                                     Eigen::OuterStride<>(s_.head_dim));
-        const auto keys = as_accumulator<Acc>(k_.row(blk.batch, blk.kv_head, k0), nk, s_.head_dim, k_.strides[2],
-                                              w.key_stage);
+        const auto keys =
+            as_accumulator<Acc>(k_.row(blk.batch, blk.kv_head, k0), nk, s_.head_dim, k_.strides[2], w.key_stage);
         tile_map<Acc> scores(w.scores.data() + r0 * ld, rows, nk, Eigen::OuterStride<>(ld));
         if (rows <= c_.gemv_rows) {
             // Key slices small enough for L1, so every row after the first reads them from there.
@@ -355,8 +356,8 @@ private:
                     } else {
                         for (index hh = 0; hh < group_; ++hh)
                             for (index q = 0; q < blk.queries; q += c_.slab_rows)
-                                stream_tile(w, blk, slab{hh, hh + 1, q, std::min(blk.queries, q + c_.slab_rows)}, a,
-                                            b, true);
+                                stream_tile(w, blk, slab{hh, hh + 1, q, std::min(blk.queries, q + c_.slab_rows)}, a, b,
+                                            true);
                     }
                     a = b;
                 }
@@ -391,8 +392,8 @@ private:
                 p_.dropout.apply(w.scores.data() + r * ld, nk, blk.batch, head_of(blk, r), query_of(blk, r), k0);
         tile_map<Acc> acc(w.acc.data() + r0 * dv, rows, dv, Eigen::OuterStride<>(dv));
         const_tile_map<Acc> probabilities(w.scores.data() + r0 * ld, rows, nk, Eigen::OuterStride<>(ld));
-        const auto values = as_accumulator<Acc>(v_.row(blk.batch, blk.kv_head, k0), nk, dv, v_.strides[2],
-                                                w.value_stage);
+        const auto values =
+            as_accumulator<Acc>(v_.row(blk.batch, blk.kv_head, k0), nk, dv, v_.strides[2], w.value_stage);
         if (rows <= c_.gemv_rows) {
             const index step = gemv_keys(dv);
             for (index j0 = 0; j0 < nk; j0 += step) {
@@ -463,10 +464,10 @@ private:
     const kernel_params<Acc>& p_;
     const attention_outputs<Storage>& o_;
     tile_config c_;
-    index group_ = 1;           ///< query heads per kv head
-    index block_queries_ = 1;   ///< queries per head in a block
-    index query_blocks_ = 1;    ///< blocks per (batch, kv head)
-    index rows_ = 1;            ///< rows of a full block: group_ * block_queries_
+    index group_ = 1;          ///< query heads per kv head
+    index block_queries_ = 1;  ///< queries per head in a block
+    index query_blocks_ = 1;   ///< blocks per (batch, kv head)
+    index rows_ = 1;           ///< rows of a full block: group_ * block_queries_
 };
 
 /// The tiled forward kernel: `Storage` in memory, arithmetic in `Acc`, `threads` threads (>= 1), the given tile
@@ -499,11 +500,11 @@ void tiled_attention(const strided_view<const T>& q, const strided_view<const T>
 }
 
 #if defined(ATTEND_KERNEL_INSTANCE)
-#define ATTEND_TILED_FORWARD_INSTANCE(S, A)                                                                          \
-    ATTEND_KERNEL_INSTANCE void tiled_forward<S, A>(                                                                 \
-        const strided_view<const S>&, const strided_view<const S>&, const strided_view<const S>&,                  \
-        const attention_shape&, const mask_tiles&, const kernel_params<A>&, const attention_outputs<S>&, int,      \
-        const tile_config&);
+#define ATTEND_TILED_FORWARD_INSTANCE(S, A)                                                                     \
+    ATTEND_KERNEL_INSTANCE void tiled_forward<S, A>(const strided_view<const S>&, const strided_view<const S>&, \
+                                                    const strided_view<const S>&, const attention_shape&,       \
+                                                    const mask_tiles&, const kernel_params<A>&,                 \
+                                                    const attention_outputs<S>&, int, const tile_config&);
 ATTEND_TILED_FORWARD_INSTANCE(float, float)
 ATTEND_TILED_FORWARD_INSTANCE(double, double)
 ATTEND_TILED_FORWARD_INSTANCE(float, double)

@@ -47,14 +47,14 @@ namespace attend::distributed {
 /// Options of ring_attention and ring_attention_backward; the same on every rank (checked:
 /// attend.value.ring_options).
 struct ring_options {
-    std::optional<double> scale;                                ///< default 1 / sqrt(head_dim)
+    std::optional<double> scale;    ///< default 1 / sqrt(head_dim)
     std::optional<double> softcap;  ///< logit soft-capping of the scaled scores, as sdpa_options::softcap
     attend::empty_rows empty_rows = attend::empty_rows::error;  ///< judged on the full sequence, not per block
     dropout_options dropout;  ///< offsets, if any, are added to the global positions of the shards
     int threads = 1;          ///< threads of each rank's kernel calls; 1 suits one rank per core
     attend::kernel kernel = attend::kernel::automatic;  ///< of each block call
-    bool check_finite = true;  ///< reject NaN / Inf in every shard (agreed across ranks)
-    sharding layout = sharding::contiguous;  ///< how the shard lengths of the ranks map onto the sequence
+    bool check_finite = true;                           ///< reject NaN / Inf in every shard (agreed across ranks)
+    sharding layout = sharding::contiguous;             ///< how the shard lengths of the ranks map onto the sequence
 };
 
 /// What one rank did in one call. Everything but compute_seconds is deterministic (a function of shapes, mask and
@@ -313,11 +313,11 @@ ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm com
                        })));
     for (const rank_summary& s : all)
         if (s.head_dim != first.head_dim || s.value_dim != first.value_dim)
-            throw shape_error(
-                "attend.shape.ring_head_dim",
-                concat("head_dim and value_dim must be the same on every rank: ", spell([](const rank_summary& x) {
-                           return concat("head_dim ", x.head_dim, " value_dim ", x.value_dim);
-                       })));
+            throw shape_error("attend.shape.ring_head_dim",
+                              concat("head_dim and value_dim must be the same on every rank: ",
+                                     spell([](const rank_summary& x) {
+                                         return concat("head_dim ", x.head_dim, " value_dim ", x.value_dim);
+                                     })));
     std::vector<index> query_lengths, key_lengths;
     for (const rank_summary& s : all) {
         query_lengths.push_back(s.query_len);
@@ -572,10 +572,8 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
                             detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin),
                             detail::block_options(options, query_run, key_run, true));
                         auto& acc = partial[qi];
-                        if (!acc)
-                            acc = partial_attention<T, 4>{std::move(block.out), std::move(block.lse)};
-                        else
-                            acc = merge_partials(acc->out, acc->lse, block.out, block.lse);
+                        if (!acc) acc = partial_attention<T, 4>{std::move(block.out), std::move(block.lse)};
+                        else acc = merge_partials(acc->out, acc->lse, block.out, block.lse);
                     });
                 }
         };
@@ -768,8 +766,7 @@ ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q,
             if (contributed)
                 for (std::size_t n = 0; n < accumulator.size(); ++n)
                     accumulator[n] = accumulator_in[n] + accumulator[n];
-            else
-                std::swap(accumulator, accumulator_in);
+            else std::swap(accumulator, accumulator_in);
         }
         gradient_sends.wait();  // the accumulator sent last step has arrived; its buffer is free
         if (t < travel) {

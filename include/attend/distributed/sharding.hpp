@@ -100,10 +100,10 @@ tensor<T, Rank> take_shard(const tensor<T, Rank>& full, const shard_layout& layo
     static_assert(Rank == 3 || Rank == 4,
                   "attend: shards are cut from [batch, heads, len, dim] or [batch, heads, len]");
     if (full.dimension(2) != layout.total())
-        throw shape_error(
-            "attend.shape.shard_total",
-            attend::detail::concat("tensor ", attend::detail::format_shape(full.dimensions()), " has ",
-                                   full.dimension(2), " positions on axis 2, the layout ", layout.total()));
+        throw shape_error("attend.shape.shard_total",
+                          attend::detail::concat("tensor ", attend::detail::format_shape(full.dimensions()), " has ",
+                                                 full.dimension(2), " positions on axis 2, the layout ",
+                                                 layout.total()));
     auto dims = full.dimensions();
     dims[2] = layout.shard_length(rank);
     tensor<T, Rank> shard(dims);
@@ -133,10 +133,10 @@ tensor<T, Rank> join_shards(const std::vector<tensor<T, Rank>>& shards, const sh
         auto expected = dims;
         expected[2] = layout.shard_length(r);
         if (shard.dimensions() != expected)
-            throw shape_error(
-                "attend.shape.shard_total",
-                attend::detail::concat("shard of rank ", r, ' ', attend::detail::format_shape(shard.dimensions()),
-                                       " != expected ", attend::detail::format_shape(expected)));
+            throw shape_error("attend.shape.shard_total",
+                              attend::detail::concat("shard of rank ", r, ' ',
+                                                     attend::detail::format_shape(shard.dimensions()), " != expected ",
+                                                     attend::detail::format_shape(expected)));
         for (const shard_segment& s : layout.segments(r)) {
             std::array<index, Rank> from{}, to{}, extent = dims;
             from[2] = s.local_begin;

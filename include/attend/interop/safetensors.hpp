@@ -33,11 +33,11 @@ namespace attend {
 
 /// One tensor of a safetensors file as its header describes it.
 struct safetensors_entry {
-    std::string name;                  ///< as in the header, e.g. "out_proj.weight"
-    std::string dtype;                 ///< "F32", "F64", "BF16", ... as written in the file
-    std::vector<index> shape;          ///< row-major dims; empty for a scalar
-    std::uint64_t begin = 0;           ///< first byte in the data section
-    std::uint64_t end = 0;             ///< one past the last byte
+    std::string name;          ///< as in the header, e.g. "out_proj.weight"
+    std::string dtype;         ///< "F32", "F64", "BF16", ... as written in the file
+    std::vector<index> shape;  ///< row-major dims; empty for a scalar
+    std::uint64_t begin = 0;   ///< first byte in the data section
+    std::uint64_t end = 0;     ///< one past the last byte
 };
 
 namespace detail {
@@ -45,8 +45,8 @@ namespace detail {
 /// Bytes per element of the safetensors dtypes; 0 for a name the format does not define.
 inline std::uint64_t safetensors_dtype_bytes(std::string_view dtype) {
     static constexpr std::pair<std::string_view, std::uint64_t> sizes[] = {
-        {"BOOL", 1}, {"U8", 1},  {"I8", 1},   {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"I16", 2}, {"U16", 2}, {"F16", 2},
-        {"BF16", 2}, {"I32", 4}, {"U32", 4},  {"F32", 4},     {"F64", 8},     {"I64", 8}, {"U64", 8}};
+        {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"I16", 2}, {"U16", 2}, {"F16", 2},
+        {"BF16", 2}, {"I32", 4}, {"U32", 4}, {"F32", 4},     {"F64", 8},     {"I64", 8}, {"U64", 8}};
     for (const auto& [name, bytes] : sizes)
         if (name == dtype) return bytes;
     return 0;
@@ -130,8 +130,8 @@ public:
         std::string names;
         for (const auto& e : entries_) names += (names.empty() ? "" : ", ") + e.name;
         throw format_error("attend.format.missing_tensor",
-                           detail::concat(where(), " has no tensor \"", name, "\" (it holds: ",
-                                          names.empty() ? "nothing" : names, ')'));
+                           detail::concat(where(), " has no tensor \"", name,
+                                          "\" (it holds: ", names.empty() ? "nothing" : names, ')'));
     }
 
     /// Tensor `name` as a row-major `tensor<T, Rank>` of its shape, T float or double, converted from the file's
@@ -282,8 +282,10 @@ private:
         }
         if (expected != data_size)
             throw format_error("attend.format.data_offsets",
-                               detail::concat(where(), ": the tensors end at byte ", expected, " of the data, but the "
-                                              "file holds ", data_size, " bytes of data"));
+                               detail::concat(where(), ": the tensors end at byte ", expected,
+                                              " of the data, but the "
+                                              "file holds ",
+                                              data_size, " bytes of data"));
     }
 
     std::string path_;

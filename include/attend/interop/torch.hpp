@@ -102,8 +102,7 @@ void check_torch_parameters(const mha_config& c, bool packed, const torch_mha_pa
         expect_torch_shape<T, 2>(p.in_proj_weight, {3 * E, E}, "in_proj_weight", "[3 * embed_dim, embed_dim]");
     } else {
         expect_torch_shape<T, 2>(p.q_proj_weight, {q_rows, E}, "q_proj_weight", "[heads * head_dim, embed_dim]");
-        expect_torch_shape<T, 2>(p.k_proj_weight, {kv_rows, c.key_dim}, "k_proj_weight",
-                                 "[kv_heads * head_dim, kdim]");
+        expect_torch_shape<T, 2>(p.k_proj_weight, {kv_rows, c.key_dim}, "k_proj_weight", "[kv_heads * head_dim, kdim]");
         expect_torch_shape<T, 2>(p.v_proj_weight, {kv_rows, c.value_dim}, "v_proj_weight",
                                  "[kv_heads * head_dim, vdim]");
     }
@@ -184,10 +183,12 @@ multi_head_attention<T> multi_head_attention<T>::from_torch(const mha_config& co
 }
 
 template <class T>
-multi_head_attention<T> multi_head_attention<T>::from_torch(
-    const mha_config& config, const tensor<T, 2>& q_proj_weight, const tensor<T, 2>& k_proj_weight,
-    const tensor<T, 2>& v_proj_weight, const tensor<T, 1>& in_proj_bias, const tensor<T, 2>& out_proj_weight,
-    const tensor<T, 1>& out_proj_bias) {
+multi_head_attention<T> multi_head_attention<T>::from_torch(const mha_config& config, const tensor<T, 2>& q_proj_weight,
+                                                            const tensor<T, 2>& k_proj_weight,
+                                                            const tensor<T, 2>& v_proj_weight,
+                                                            const tensor<T, 1>& in_proj_bias,
+                                                            const tensor<T, 2>& out_proj_weight,
+                                                            const tensor<T, 1>& out_proj_bias) {
     torch_mha_parameters<T> p;
     p.q_proj_weight = q_proj_weight;
     p.k_proj_weight = k_proj_weight;

@@ -29,16 +29,11 @@ struct captured_error {
 
 inline captured_error capture(const attend::error& e) {
     captured_error c;
-    if (dynamic_cast<const shape_error*>(&e))
-        c.kind = error_kind::shape;
-    else if (dynamic_cast<const mask_error*>(&e))
-        c.kind = error_kind::mask;
-    else if (dynamic_cast<const value_error*>(&e))
-        c.kind = error_kind::value;
-    else if (dynamic_cast<const position_error*>(&e))
-        c.kind = error_kind::position;
-    else if (dynamic_cast<const resource_error*>(&e))
-        c.kind = error_kind::resource;
+    if (dynamic_cast<const shape_error*>(&e)) c.kind = error_kind::shape;
+    else if (dynamic_cast<const mask_error*>(&e)) c.kind = error_kind::mask;
+    else if (dynamic_cast<const value_error*>(&e)) c.kind = error_kind::value;
+    else if (dynamic_cast<const position_error*>(&e)) c.kind = error_kind::position;
+    else if (dynamic_cast<const resource_error*>(&e)) c.kind = error_kind::resource;
     c.id = e.id();
     const std::string what = e.what(), prefix = "[" + e.id() + "] ";
     c.message = what.compare(0, prefix.size(), prefix) == 0 ? what.substr(prefix.size()) : what;
@@ -62,18 +57,12 @@ std::optional<captured_error> capture_errors(F&& f) {
 
 [[noreturn]] inline void throw_captured(const captured_error& c) {
     switch (c.kind) {
-        case error_kind::shape:
-            throw shape_error(c.id, c.message);
-        case error_kind::mask:
-            throw mask_error(c.id, c.message);
-        case error_kind::value:
-            throw value_error(c.id, c.message);
-        case error_kind::position:
-            throw position_error(c.id, c.message);
-        case error_kind::resource:
-            throw resource_error(c.id, c.message);
-        case error_kind::other:
-            break;
+        case error_kind::shape: throw shape_error(c.id, c.message);
+        case error_kind::mask: throw mask_error(c.id, c.message);
+        case error_kind::value: throw value_error(c.id, c.message);
+        case error_kind::position: throw position_error(c.id, c.message);
+        case error_kind::resource: throw resource_error(c.id, c.message);
+        case error_kind::other: break;
     }
     throw attend::error(c.id, c.message);
 }
