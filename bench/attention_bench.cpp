@@ -8,6 +8,8 @@
 //   tiled_causal/L/threads             causal(top_left)
 //   tiled_window256/L/threads          sliding_window(255, 0): each query sees itself and 255 keys before it
 //   tiled_softcap/L/threads            softcap 30 on the scores of tiled<float> (its cost: the ratio of the two)
+//   alibi_builtin/L/threads            ALiBi as score_bias::alibi; alibi_score_mod/L/threads the same as a score_mod
+//   mask_mod_window256/L/threads       tiled_window256's window as a mask_mod function with a block rule
 //   packed_8x512/threads               8 sequences of 512 packed in 4096, packed_segments (skips cross tiles)
 //   packed_8x512_dense_mask/threads    the same as a dense block-diagonal allowed_mask [4096, 4096]
 //   tiled_tiles/query_rows/key_tile    tile-size sweep at L = 2048, 1 thread (how default_tile_config was chosen)
@@ -93,6 +95,40 @@ void tiled_softcap(benchmark::State& state) {
     run_tiled(state, p, attend::no_mask{}, static_cast<int>(state.range(1)),
               attend_bench::attention_flops(1, 8, len, len, 64), o);
 }
+
+/// tiled_window256's window as a mask_mod function with its exact block rule: what a user's function costs over
+/// the built-in rule.
+void mask_mod_window256(benchmark::State& state) {
+    const index len = state.range(0);
+    problem<float> p(8, 8, len, len, 64);
+    constexpr index left = 255;
+    const auto allowed = [](index, index, index i, index j) { return j <= i && j >= i - left; };
+    const auto blocks = [](const attend::tile& t) {
+        if (t.key_begin > t.query_end - 1 || t.key_end - 1 < t.query_begin - left) return attend::tile_class::empty;
+        if (t.key_end - 1 <= t.query_begin && t.key_begin >= t.query_end - 1 - left) return attend::tile_class::full;
+        return attend::tile_class::mixed;
+    };
+    run_tiled(state, p, attend::mask_mod(allowed, blocks), static_cast<int>(state.range(1)),
+              attend_bench::attention_flops(1, 8, len, 256, 64));
+}
+
+/// ALiBi (top-left) at L = S, built in (score_bias) or as a score_mod function: what a user's function costs.
+void alibi(benchmark::State& state, bool as_function) {
+    const index len = state.range(0);
+    problem<float> p(8, 8, len, len, 64);
+    const std::vector<double> slopes = attend::alibi_slopes(8);
+    attend::sdpa_options o;
+    if (as_function)
+        o.score_mod = attend::score_mod([slopes](auto s, index, index h, index i, index j) {
+            using S = decltype(s);
+            return s - static_cast<S>(slopes[static_cast<std::size_t>(h)]) * static_cast<S>(i > j ? i - j : j - i);
+        });
+    else o.score_bias = attend::score_bias::alibi(slopes);
+    run_tiled(state, p, attend::no_mask{}, static_cast<int>(state.range(1)),
+              attend_bench::attention_flops(1, 8, len, len, 64), o);
+}
+void alibi_builtin(benchmark::State& state) { alibi(state, false); }
+void alibi_score_mod(benchmark::State& state) { alibi(state, true); }
 
 constexpr index packed_segments_count = 8, packed_segment_len = 512;
 
@@ -192,6 +228,9 @@ BENCHMARK(tiled_window256)
     ->UseRealTime();
 BENCHMARK_TEMPLATE(tiled, float)->Args({16384, 1})->Args({16384, 2})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(tiled_softcap)->Args({2048, 1})->Args({2048, 2})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(alibi_builtin)->Args({2048, 1})->Args({2048, 2})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(alibi_score_mod)->Args({2048, 1})->Args({2048, 2})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(mask_mod_window256)->Apply(lengths_and_threads)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(packed_8x512)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(packed_8x512_dense_mask)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(tiled_tiles)

@@ -93,6 +93,11 @@ template <class T, class Mask>
 auto check_backward(const backward_inputs<T>& in, const gradient_outputs<T>* out, const Mask& mask,
                     const sdpa_options& o) {
     const attention_shape s = check_views(in.q, in.k, in.v);
+    if (!o.score_mod.empty() && !o.score_mod.has_derivative())
+        throw value_error(
+            "attend.value.score_mod_derivative",
+            "the call's score_mod has no derivative, which the backward needs: build it with "
+            "attend::score_mod(f, derivative), derivative(score, batch, head, query, key) = d f / d score");
     const int rank = s.rank;
     const std::string context =
         concat(" (query ", spell_view(in.q), ", key ", spell_view(in.k), ", value ", spell_view(in.v), ')');

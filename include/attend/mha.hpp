@@ -164,6 +164,7 @@ struct mha_options {
     attend::empty_rows empty_rows = attend::empty_rows::error;  ///< a query with no allowed key: throw or zero
     std::optional<double> scale;    ///< default 1 / sqrt(head_dim), as nn.MultiheadAttention
     std::optional<double> softcap;  ///< logit soft-capping of the scaled scores, as sdpa_options::softcap
+    score_function score_mod;       ///< a user's score modifier, as sdpa_options::score_mod
     int threads = 0;                ///< attention kernel threads, 0 = hardware concurrency
     attend::kernel kernel = attend::kernel::automatic;  ///< which attention kernel runs
     bool check_finite = true;  ///< reject NaN / Inf in the inputs and projections (value_error)
@@ -436,6 +437,7 @@ sdpa_options sdpa_options_for(const mha_config& c, const mha_options& o, const t
     if (sinks.size() != 0) s.sinks = sinks;
     s.scale = o.scale;
     s.softcap = o.softcap;
+    s.score_mod = o.score_mod;
     s.empty_rows = o.empty_rows;
     s.dropout.probability = c.dropout;
     s.dropout.seed = o.dropout_seed;

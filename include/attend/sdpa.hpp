@@ -21,6 +21,7 @@
 #include "error.hpp"
 #include "mask.hpp"
 #include "score_bias.hpp"
+#include "score_function.hpp"
 #include "shape.hpp"
 #include "sinks.hpp"
 #include "tensor.hpp"
@@ -67,6 +68,10 @@ struct sdpa_options {
     /// follows empty_rows: an error by default, and under empty_rows::zero a zero row whose lse is the sink (its
     /// whole mass), so merge_partials stays exact. Empty: none.
     attention_sinks sinks;
+    /// A user's score modifier (score_function.hpp, FlexAttention's score_mod): f(score, batch, head, query, key)
+    /// after the scale and softcap, before score_bias and the mask. The backward needs it built with its
+    /// derivative. Empty: none.
+    score_function score_mod;
     int threads = 0;  ///< tiled kernel threads; 0 = std::thread::hardware_concurrency(); same result
                       ///< bit for bit for any count
     attend::kernel kernel = attend::kernel::automatic;  ///< which implementation runs
@@ -136,6 +141,7 @@ kernel_params<T> checked_params(const attention_shape& s, const sdpa_options& o)
         p.bias = &o.score_bias;
     }
     p.weights_after_dropout = o.weights_after_dropout;
+    p.score_mod = o.score_mod.tiles();
     o.sinks.template validate<T>(s.heads);
     for (index h = 0; h < o.sinks.size(); ++h) p.sinks.push_back(static_cast<T>(o.sinks[h]));
     return p;

@@ -10,6 +10,7 @@
 #include <Eigen/Core>
 
 #include "../score_bias.hpp"
+#include "../score_function.hpp"
 #include "../shape.hpp"
 #include "dropout.hpp"
 
@@ -57,6 +58,7 @@ struct kernel_params {
     T softcap = 0;  ///< > 0: scaled scores become softcap * tanh(score / softcap) before bias and mask; 0: off
     dropout_rule dropout;
     const score_bias* bias = nullptr;
+    const score_tiles* score_mod = nullptr;  ///< the user's score modifier (score_function.hpp), or null
     bool weights_after_dropout = false;
     /// `[heads]` sink logits (sinks.hpp): each joins its head's softmax denominators with no value; empty: none.
     std::vector<T> sinks;

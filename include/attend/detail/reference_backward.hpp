@@ -24,8 +24,8 @@ void reference_gradients(const backward_inputs<T>& in, const attention_shape& s,
                          const kernel_params<T>& p, const gradient_outputs<T>& o) {
     const index L = s.query_len, S = s.key_len, diagonals = L + S - 1;
     const bool bias = p.bias && !p.bias->empty();
-    const bool capped = p.softcap > 0;
-    row_matrix<T> probs, dropped, dp, slope;  // allocated before the first write to an output
+    const bool capped = p.softcap > 0 || p.score_mod;  // a modifier whose slope is not 1: keep the slope
+    row_matrix<T> probs, dropped, dp, slope;           // allocated before the first write to an output
     allocating(
         [&] {
             probs.resize(L, S);
@@ -60,13 +60,15 @@ void reference_gradients(const backward_inputs<T>& in, const attention_shape& s,
             const auto d_out = matrix_of(in.d_out, b, h);
             probs.noalias() = q * k.transpose();
             probs *= p.scale;
-            if (capped)  // s -> c tanh(s / c), whose derivative is 1 - tanh(s / c)^2
+            if (capped) slope.setOnes();
+            if (p.softcap > 0)  // s -> c tanh(s / c), whose derivative is 1 - tanh(s / c)^2
                 for (index i = 0; i < L; ++i)
                     for (index j = 0; j < S; ++j) {
                         const T t = std::tanh(probs(i, j) / p.softcap);
                         probs(i, j) = p.softcap * t;
                         slope(i, j) = 1 - t * t;
                     }
+            if (p.score_mod) p.score_mod->apply(tile{b, h, 0, L, 0, S}, probs.data(), S, slope.data());
             if (bias) p.bias->add_tile(h, 0, 0, L, S, L, S, probs.data(), S);
             mask.apply(tile{b, h, 0, L, 0, S}, probs.data(), S);
             for (index i = 0; i < L; ++i) {

@@ -40,6 +40,7 @@ void reference_forward(const strided_view<const T>& q, const strided_view<const 
             scores.noalias() = matrix_of(q, b, h) * matrix_of(k, b, kvh).transpose();
             scores *= p.scale;
             if (p.softcap > 0) scores = scores.unaryExpr([&](T x) { return p.softcap * std::tanh(x / p.softcap); });
+            if (p.score_mod) p.score_mod->apply(tile{b, h, 0, L, 0, S}, scores.data(), S, nullptr);
             if (p.bias && !p.bias->empty()) p.bias->add_tile(h, 0, 0, L, S, L, S, scores.data(), S);
             mask.apply(tile{b, h, 0, L, 0, S}, scores.data(), S);
             for (index i = 0; i < L; ++i) {

@@ -61,16 +61,17 @@ void exp_shifted(T* x, index n, T shift) {
 }
 
 /// From dot products to scores, in this order: scale (folded into one GEMM operand by the kernels), soft-capping,
-/// score_bias, mask. Both tiled kernels call finish_tile on every tile they compute, so forward, backward and the
+/// the user's score_mod, score_bias, mask. Both tiled kernels call finish_tile on every tile they compute, so forward, backward and the
 /// weights pass see the same bits.
 template <class Acc>
 class score_pipeline {
 public:
-    score_pipeline(const attention_shape& s, const mask_tiles& mask, const score_bias* bias, Acc scale, Acc softcap)
+    score_pipeline(const attention_shape& s, const mask_tiles& mask, const kernel_params<Acc>& p)
         : mask_(mask),
-          bias_(bias && !bias->empty() ? bias : nullptr),
-          scale_(scale),
-          softcap_(softcap),
+          bias_(p.bias && !p.bias->empty() ? p.bias : nullptr),
+          mod_(p.score_mod),
+          scale_(p.scale),
+          softcap_(p.softcap),
           query_len_(s.query_len),
           key_len_(s.key_len) {}
 
@@ -78,7 +79,7 @@ public:
     Acc scale() const { return scale_; }
     bool has_bias() const { return bias_ != nullptr; }
     /// Whether the scores pass through a modifier whose derivative is not 1 (see finish_tile's `slope`).
-    bool modifies_scores() const { return softcap_ > 0; }
+    bool modifies_scores() const { return softcap_ > 0 || mod_ != nullptr; }
 
     /// Scores `[t.query_end - t.query_begin, t.key_end - t.key_begin]` at `scores` (row stride ld) hold the
     /// scaled dot products of one head's tile `t` of class `c` (the mask's classify(t)); afterwards they hold
@@ -99,6 +100,11 @@ public:
                 if (slope) row_array(slope + r * ld, cols) = Acc(1) - x.square();
                 x *= softcap_;
             }
+        if (mod_) {  // the user's function; its derivative multiplies into the slope (1 without a cap)
+            if (slope && softcap_ <= 0)
+                for (index r = 0; r < rows; ++r) std::fill(slope + r * ld, slope + r * ld + cols, Acc(1));
+            mod_->apply(t, scores, ld, slope);
+        }
         if (bias_) bias_->add_tile(t.head, t.query_begin, t.key_begin, rows, cols, query_len_, key_len_, scores, ld);
         if (c == tile_class::mixed) mask_.apply(t, scores, ld);
     }
@@ -125,6 +131,7 @@ public:
 private:
     const mask_tiles& mask_;
     const score_bias* bias_ = nullptr;
+    const score_tiles* mod_ = nullptr;
     Acc scale_ = 1;
     Acc softcap_ = 0;
     index query_len_ = 0, key_len_ = 0;

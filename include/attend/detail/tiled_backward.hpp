@@ -123,7 +123,7 @@ class tiled_backward_runner {
 public:
     tiled_backward_runner(const backward_inputs<Storage>& in, const attention_shape& s, const mask_tiles& mask,
                           const kernel_params<Acc>& p, const gradient_outputs<Storage>& o, const backward_tiling& t)
-        : in_(in), s_(s), mask_(mask), pipe_(s, mask, p.bias, p.scale, p.softcap), p_(p), o_(o), t_(t) {
+        : in_(in), s_(s), mask_(mask), pipe_(s, mask, p), p_(p), o_(o), t_(t) {
         group_ = s.group_size();
         diagonals_ = s.query_len + s.key_len - 1;
         key_tiles_ = (s.key_len + t.block_k - 1) / t.block_k;

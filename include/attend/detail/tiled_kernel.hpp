@@ -124,7 +124,7 @@ public:
     tiled_runner(const strided_view<const Storage>& q, const strided_view<const Storage>& k,
                  const strided_view<const Storage>& v, const attention_shape& s, const mask_tiles& mask,
                  const kernel_params<Acc>& p, const attention_outputs<Storage>& o, const tile_config& c)
-        : q_(q), k_(k), v_(v), s_(s), mask_(mask), pipe_(s, mask, p.bias, p.scale, p.softcap), p_(p), o_(o), c_(c) {
+        : q_(q), k_(k), v_(v), s_(s), mask_(mask), pipe_(s, mask, p), p_(p), o_(o), c_(c) {
         group_ = s.group_size();
         // At least 1 even for query_len == 0, where query_blocks_ becomes 0 and there is no work.
         block_queries_ = std::max<index>(1, std::min(s.query_len, (c.query_rows + group_ - 1) / group_));

@@ -1,0 +1,8 @@
+// SPDX-License-Identifier: MIT
+// Twin of score_mod_signature_ko.cpp: a score modifier takes the score and its (batch, head, query, key), for
+// float and double scores.
+#include <attend/score_function.hpp>
+
+attend::score_function halve() {
+    return attend::score_mod([](auto s, attend::index, attend::index, attend::index, attend::index) { return s / 2; });
+}
