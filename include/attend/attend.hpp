@@ -21,3 +21,4 @@
 #include "sinks.hpp"
 #include "tensor.hpp"
 #include "version.hpp"
+#include "views.hpp"

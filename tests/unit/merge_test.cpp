@@ -14,6 +14,8 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -21,6 +23,7 @@
 #include <attend/attend.hpp>
 
 #include "support/compare.hpp"
+#include "support/errors.hpp"
 #include "support/random.hpp"
 #include "support/scalar_names.hpp"
 
@@ -317,6 +320,48 @@ TEST(MergePartialsErrors, NaNOrPlusInfinityLseIsValueLse) {
                 },
                 "attend.value.lse", {"flat index 4"});
         }
+}
+
+// ---- split-KV through key_range views (views.hpp) ------------------------------------------------------------
+
+template <class T>
+class SplitKeyValue : public ::testing::Test {};
+TYPED_TEST_SUITE(SplitKeyValue, attend_test::scalar_types, attend_test::scalar_names);
+
+TYPED_TEST(SplitKeyValue, KeyRangesOfOneCacheMergeIntoTheWholeCallWithoutCopying) {
+    using T = TypeParam;
+    const double tolerance = std::is_same_v<T, float> ? 2e-6 : 1e-13;
+    const index B = 2, H = 8, G = 2, S = 300, D = 16;
+    const auto q = attend_test::random_tensor<T>(1, B, H, 1, D), k = attend_test::random_tensor<T>(2, B, G, S, D),
+               v = attend_test::random_tensor<T>(3, B, G, S, D);
+    attend::sdpa_options o;
+    o.sinks = attend::attention_sinks{0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8};  // on the first range only
+    const auto whole = attend::scaled_dot_product_attention(q, k, v, o);
+    attend::partial_attention<T, 4> merged;
+    const std::array<index, 4> bounds{0, 100, 250, S};
+    for (std::size_t n = 0; n + 1 < bounds.size(); ++n) {
+        const auto keys = attend::key_range(k, bounds[n], bounds[n + 1]);
+        const auto values = attend::key_range(v, bounds[n], bounds[n + 1]);
+        EXPECT_EQ(keys.data, k.data() + bounds[n] * D);  // a view into k, not a copy
+        EXPECT_EQ(keys.dims[2], bounds[n + 1] - bounds[n]);
+        auto part_options = o;
+        if (n > 0) part_options.sinks = {};
+        const auto part = attend::scaled_dot_product_attention(q, keys, values, part_options);
+        merged = n == 0 ? attend::partial_attention<T, 4>{part.out, part.lse}
+                        : attend::merge_partials(merged.out, merged.lse, part.out, part.lse);
+    }
+    EXPECT_LE(attend_test::max_abs_diff(merged.out, whole.out), tolerance);
+    EXPECT_LE(attend_test::max_abs_diff(merged.lse, whole.lse), 10 * tolerance);
+}
+
+TEST(SplitKeyValueErrors, RangesOutsideTheSequenceAreShapeRange) {
+    const auto k = attend_test::random_tensor<float>(1, 1, 2, 10, 4);
+    for (const auto& range : {std::pair<index, index>{-1, 3}, {4, 3}, {0, 11}, {11, 11}}) {
+        SCOPED_TRACE(range.first);
+        attend_test::expect_error<attend::shape_error>([&] { (void)attend::key_range(k, range.first, range.second); },
+                                                       "attend.shape.range");
+    }
+    EXPECT_EQ(attend::key_range(k, 10, 10).dims[2], 0);  // an empty range is a valid view
 }
 
 }  // namespace
