@@ -562,10 +562,57 @@ def build_score_features():
     add("sinks_gqa_H4_Hkv2_causal_bottom_right_L3_S5", 2, 4, 2, 3, 5, 4, 3, {"kind": "causal_bottom_right"})
     add("sinks_softcap_1.5_L4_S6", 1, 2, 2, 4, 6, 4, 4, {"kind": "none"}, softcap=1.5)
 
+    # FlexAttention (forward only on CPU): a score_mod and a mask_mod, checked against the explicit math, whose
+    # autograd gives the gradients.
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def wavy(score, b, h, i, j):
+        return score + 0.3 * torch.sin(score) * (h + 1) / (1 + (i - j).abs())
+
+    def add_flex(name, B, H, Hkv, L, S, D, allowed, score_mod=None):
+        q, k, v = random_qkv(B, H, Hkv, L, S, D, D)
+        d_out = torch.randn(B, H, L, D)
+        i = torch.arange(L).reshape(L, 1)
+        j = torch.arange(S).reshape(1, S)
+        allow = allowed(i, j)
+
+        def explicit(q, k, v):
+            scores = torch.matmul(q, expand_kv(k, H).transpose(-1, -2)) / math.sqrt(D)
+            if score_mod is not None:
+                h = torch.arange(H).reshape(1, H, 1, 1)
+                scores = score_mod(scores, 0, h, i, j)
+            scores = scores.masked_fill(~allow, -math.inf)
+            return torch.matmul(torch.softmax(scores, -1), expand_kv(v, H)), torch.logsumexp(scores, -1)
+
+        out, lse = explicit(q, k, v)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), d_out)
+        block = create_block_mask(lambda b, h, qi, kv: allowed(qi, kv), B, H, L, S, device="cpu")
+        fo, fl = flex_attention(q.detach(), k.detach(), v.detach(), score_mod=score_mod, block_mask=block,
+                                enable_gqa=H != Hkv, return_lse=True)
+        check(f"{name}: FlexAttention out", fo, out)
+        check(f"{name}: FlexAttention lse", fl, lse)
+        assert torch.autograd.gradcheck(lambda a, b, c: explicit(a, b, c)[0],
+                                        tuple(x.detach().clone().requires_grad_() for x in (q, k, v)),
+                                        eps=1e-6, atol=1e-8)
+        cases.append({
+            "name": name, "mask": {"kind": name}, "softcap": None,
+            "q": enc(q), "k": enc(k), "v": enc(v), "d_out": enc(d_out),
+            "out": enc(out), "lse": enc(lse), "dq": enc(dq), "dk": enc(dk), "dv": enc(dv),
+        })
+        print(f"  score_features {name}: ok (FlexAttention forward, autograd, gradcheck)")
+
+    add_flex("flex_score_mod_wavy_causal_bottom_right", 2, 4, 2, 5, 7, 4,
+             lambda i, j: j <= i + 2, score_mod=wavy)
+    documents = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2, 2])
+    add_flex("flex_mask_mod_documents_causal", 1, 2, 2, 10, 10, 4,
+             lambda i, j: (documents[i] == documents[j]) & (j <= i))
+
     write_golden("score_features.json", {
         "conventions": {
             "layout": "q [B,H,L,D], k [B,Hkv,S,D], v [B,Hkv,S,Dv], sinks [H], d_out/out [B,H,L,Dv], lse [B,H,L]",
             "sinks": "one logit per query head in every row's softmax denominator, no value; lse includes it",
+            "flex_score_mod_wavy_causal_bottom_right": "score + 0.3 sin(score) (h + 1) / (1 + |i - j|), keys j <= i + 2",
+            "flex_mask_mod_documents_causal": "documents [0,0,0,1,1,1,1,2,2,2], j <= i within a document",
             "softcap": "null = none; else scores = softcap * tanh(scale q.k / softcap) before the mask",
             "scale": "1/sqrt(D)",
             "mask.causal_bottom_right": "key j allowed iff j <= i + S - L",

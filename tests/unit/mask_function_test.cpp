@@ -15,6 +15,7 @@
 #include "support/compare.hpp"
 #include "support/random.hpp"
 #include "support/scalar_names.hpp"
+#include "support/score_feature_golden.hpp"
 
 namespace {
 
@@ -97,6 +98,18 @@ TEST(MaskFunctionBackward, DocumentMaskingAsAFunctionEqualsPackedSegmentsForward
         EXPECT_LE(attend_test::max_abs_diff(ga.dk, gb.dk), 1e-13);
         EXPECT_LE(attend_test::max_abs_diff(ga.dv, gb.dv), 1e-13);
     }
+}
+
+TEST(MaskFunctionGolden, DocumentMaskingAsAFunctionAndAsPackedSegmentsMatchesFlexAttentionInDouble) {
+    // Documents [0, 0, 0, 1, 1, 1, 1, 2, 2, 2], causal within each (FlexAttention's document mask).
+    const std::vector<index> document{0, 0, 0, 1, 1, 1, 1, 2, 2, 2};
+    const auto same_document = attend::mask_mod([document](index, index, index i, index j) {
+        return document[static_cast<std::size_t>(i)] == document[static_cast<std::size_t>(j)];
+    });
+    const char* name = "flex_mask_mod_documents_causal";
+    attend_test::expect_score_feature_golden(name, attend::causal(alignment::top_left) && same_document, {});
+    attend_test::expect_score_feature_golden(
+        name, attend::packed_segments({0, 3, 7, 10}, {0, 3, 7, 10}).causal(alignment::top_left), {});
 }
 
 TEST(MaskFunctionTiles, AnExactBlockRuleKeepsTheKernelFromTestingSkippedAndFullTiles) {

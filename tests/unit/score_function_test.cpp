@@ -20,6 +20,7 @@
 #include "support/kernel_agreement.hpp"
 #include "support/random.hpp"
 #include "support/scalar_names.hpp"
+#include "support/score_feature_golden.hpp"
 
 namespace {
 
@@ -124,6 +125,13 @@ TEST(ScoreModCombined, TiledEqualsReferenceWithSoftcapSinksAlibiPackedSegmentsGq
     o.need_weights = true;
     const auto mask = attend::packed_segments({0, 250, 600, 700}, {0, 250, 600, 700}).window(120, 0);
     attend_test::expect_kernels_agree(attend_test::run_every_kernel(q, k, v, d_out, mask, o));
+}
+
+TEST(ScoreModGolden, AScoreFunctionMatchesFlexAttentionAndPyTorchAutogradInDouble) {
+    attend::sdpa_options o;
+    o.score_mod = wavy();
+    attend_test::expect_score_feature_golden("flex_score_mod_wavy_causal_bottom_right",
+                                             attend::causal(alignment::bottom_right), o);
 }
 
 TEST(ScoreModErrors, BackwardWithoutADerivativeIsRejectedBeforeAnyWrite) {

@@ -347,6 +347,7 @@ TEST(SinksGolden, ForwardAndEveryGradientMatchPyTorchAutogradInDouble) {
     int cases = 0;
     for (const auto& c : doc.at("cases")) {
         const std::string name = c.at("name").get<std::string>();
+        if (name.rfind("sinks_", 0) != 0) continue;  // the file's other cases belong to other features
         const auto q = attend_test::tensor_at<double, 4>(c, "q"), k = attend_test::tensor_at<double, 4>(c, "k"),
                    v = attend_test::tensor_at<double, 4>(c, "v"), d_out = attend_test::tensor_at<double, 4>(c, "d_out");
         attend::sdpa_options o;

@@ -1,0 +1,43 @@
+// SPDX-License-Identifier: MIT
+#pragma once
+/// The cases of tests/data/score_features.json (tests/data/generate_goldens.py: PyTorch autograd, FlexAttention's
+/// forward) run through attend, both kernels, forward and backward, against the file's values.
+
+#include <algorithm>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include <attend/backward.hpp>
+#include <attend/sdpa.hpp>
+
+#include "compare.hpp"
+#include "golden.hpp"
+
+namespace attend_test {
+
+/// The case named `name` of score_features.json under `mask` and `options`: out, lse, dq, dk, dv within 1e-12 of
+/// the file, relative to the largest magnitude (at least 1), for the reference and the tiled kernel.
+template <class Mask>
+void expect_score_feature_golden(const std::string& name, const Mask& mask, attend::sdpa_options options) {
+    const auto doc = load_golden("score_features.json");
+    const auto& c = find_case(doc, name);
+    const auto q = tensor_at<double, 4>(c, "q"), k = tensor_at<double, 4>(c, "k"), v = tensor_at<double, 4>(c, "v"),
+               d_out = tensor_at<double, 4>(c, "d_out");
+    const auto close = [&](const auto& got, const char* key) {
+        const auto want = tensor_at<double, std::decay_t<decltype(got)>::NumIndices>(c, key);
+        EXPECT_LE(max_abs_diff(got, want), 1e-12 * std::max(1.0, max_abs(want))) << name << ' ' << key;
+    };
+    for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
+        options.kernel = kernel;
+        const auto f = attend::scaled_dot_product_attention(q, k, v, mask, options);
+        const auto g = attend::scaled_dot_product_attention_backward(q, k, v, f, d_out, mask, options);
+        close(f.out, "out");
+        close(f.lse, "lse");
+        close(g.dq, "dq");
+        close(g.dk, "dk");
+        close(g.dv, "dv");
+    }
+}
+
+}  // namespace attend_test
