@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include <gtest/gtest.h>
 
@@ -16,12 +17,17 @@
 
 namespace attend_test {
 
-/// The case named `name` of score_features.json under `mask` and `options`: out, lse, dq, dk, dv within 1e-12 of
-/// the file, relative to the largest magnitude (at least 1), for the reference and the tiled kernel.
+/// The case named `name` of score_features.json under `mask` and `options` (plus the case's sinks and softcap
+/// when it has them): out, lse, dq, dk, dv (and weights and the sinks' gradient when the case has them) within
+/// 1e-12 of the file, relative to the largest magnitude (at least 1), for the reference and the tiled kernel.
 template <class Mask>
 void expect_score_feature_golden(const std::string& name, const Mask& mask, attend::sdpa_options options) {
     const auto doc = load_golden("score_features.json");
     const auto& c = find_case(doc, name);
+    const bool sinks = c.contains("sinks");
+    if (sinks) options.sinks = tensor_at<double, 1>(c, "sinks");
+    if (const auto cap = to_optional_number(c.at("softcap"))) options.softcap = *cap;
+    options.need_weights = c.contains("weights");
     const auto q = tensor_at<double, 4>(c, "q"), k = tensor_at<double, 4>(c, "k"), v = tensor_at<double, 4>(c, "v"),
                d_out = tensor_at<double, 4>(c, "d_out");
     const auto close = [&](const auto& got, const char* key) {
@@ -37,6 +43,8 @@ void expect_score_feature_golden(const std::string& name, const Mask& mask, atte
         close(g.dq, "dq");
         close(g.dk, "dk");
         close(g.dv, "dv");
+        if (options.need_weights) close(f.weights, "weights");
+        if (sinks) close(g.sink_gradient, "d_sinks");
     }
 }
 

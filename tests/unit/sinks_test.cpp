@@ -24,6 +24,7 @@
 #include "support/kernel_agreement.hpp"
 #include "support/random.hpp"
 #include "support/scalar_names.hpp"
+#include "support/score_feature_golden.hpp"
 
 namespace {
 
@@ -343,46 +344,10 @@ TEST(MhaSinks, ForwardIsAttentionOfTheProjectedHeadsWithTheModulesSinksAndDecodi
 }
 
 TEST(SinksGolden, ForwardAndEveryGradientMatchPyTorchAutogradInDouble) {
-    const auto doc = attend_test::load_golden("score_features.json");
-    int cases = 0;
-    for (const auto& c : doc.at("cases")) {
-        const std::string name = c.at("name").get<std::string>();
-        if (name.rfind("sinks_", 0) != 0) continue;  // the file's other cases belong to other features
-        const auto q = attend_test::tensor_at<double, 4>(c, "q"), k = attend_test::tensor_at<double, 4>(c, "k"),
-                   v = attend_test::tensor_at<double, 4>(c, "v"), d_out = attend_test::tensor_at<double, 4>(c, "d_out");
-        attend::sdpa_options o;
-        o.sinks = attend_test::tensor_at<double, 1>(c, "sinks");
-        if (const auto cap = attend_test::to_optional_number(c.at("softcap"))) o.softcap = *cap;
-        o.need_weights = true;
-        const std::string kind = c.at("mask").at("kind").get<std::string>();
-        ASSERT_TRUE(kind == "causal_bottom_right" || kind == "none") << name;
-        const auto mask = [&](auto&& run) {
-            if (kind == "none") return run(attend::no_mask{});
-            return run(attend::causal(alignment::bottom_right));
-        };
-        const auto close = [&](const auto& got, const char* key) {
-            const auto want = attend_test::tensor_at<double, std::decay_t<decltype(got)>::NumIndices>(c, key);
-            EXPECT_LE(attend_test::max_abs_diff(got, want), 1e-12 * std::max(1.0, attend_test::max_abs(want)))
-                << name << ' ' << key;
-        };
-        for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
-            o.kernel = kernel;
-            mask([&](const auto& m) {
-                const auto f = attend::scaled_dot_product_attention(q, k, v, m, o);
-                const auto g = attend::scaled_dot_product_attention_backward(q, k, v, f, d_out, m, o);
-                close(f.out, "out");
-                close(f.weights, "weights");
-                close(f.lse, "lse");
-                close(g.dq, "dq");
-                close(g.dk, "dk");
-                close(g.dv, "dv");
-                close(g.sink_gradient, "d_sinks");
-                return 0;
-            });
-        }
-        ++cases;
-    }
-    EXPECT_EQ(cases, 2);
+    attend::sdpa_options o;  // the sinks, and softcap when the case has it, come from the file
+    attend_test::expect_score_feature_golden("sinks_gqa_H4_Hkv2_causal_bottom_right_L3_S5",
+                                             attend::causal(alignment::bottom_right), o);
+    attend_test::expect_score_feature_golden("sinks_softcap_1.5_L4_S6", attend::no_mask{}, o);
 }
 
 }  // namespace
