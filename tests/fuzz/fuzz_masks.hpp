@@ -23,6 +23,7 @@
 #include <vector>
 
 #include <attend/mask.hpp>
+#include <attend/mask_function.hpp>
 
 #include "fuzz_input.hpp"
 
@@ -166,8 +167,8 @@ public:
             case 3: return key_padding_leaf();
             case 4: return query_padding_leaf();
             case 5: return block_diagonal_leaf();
-            case 6:
-            case 7: return dense_boolean_leaf();
+            case 6: return dense_boolean_leaf();
+            case 7: return mask_function_leaf();
             case 8:
                 return leaf<runtime_allowed>(
                     attend::no_mask{}, [](const attention_shape&) { return boolean_meaning(everything); }, "no_mask");
@@ -247,6 +248,39 @@ private:
                 });
             },
             "sliding_window(" + std::to_string(left) + ", " + std::to_string(right) + ", " + spell(a) + ")");
+    }
+
+    /// mask_mod: a top-left band with its exact block rule, or a modular pattern with no block rule.
+    runtime_allowed mask_function_leaf() {
+        if (in_.chance(128)) {
+            const index left = in_.in_range(0, 40), right = in_.in_range(0, 40);
+            const auto band = [left, right](index, index, index i, index j) { return j >= i - left && j <= i + right; };
+            const auto blocks = [left, right](const attend::tile& t) {
+                // Row i sees [i - left, i + right]: the first row has the lowest bounds, the last the highest.
+                if (t.key_begin > t.query_end - 1 + right || t.key_end - 1 < t.query_begin - left)
+                    return attend::tile_class::empty;
+                if (t.key_begin >= t.query_end - 1 - left && t.key_end - 1 <= t.query_begin + right)
+                    return attend::tile_class::full;
+                return attend::tile_class::mixed;
+            };
+            return leaf<runtime_allowed>(
+                attend::mask_mod(band, blocks),
+                [=](const attention_shape&) {
+                    return boolean_meaning([=](index, index, index i, index j) {
+                        const long double key = static_cast<long double>(j), at = static_cast<long double>(i);
+                        return at - static_cast<long double>(left) <= key &&
+                               key <= at + static_cast<long double>(right);
+                    });
+                },
+                "mask_mod(band " + std::to_string(left) + ", " + std::to_string(right) + ", exact blocks)");
+        }
+        const index a = in_.in_range(0, 3), m = in_.in_range(2, 5);
+        return leaf<runtime_allowed>(
+            attend::mask_mod([a, m](index, index h, index i, index j) { return (a * i + j + h) % m != 0; }),
+            [=](const attention_shape&) {
+                return boolean_meaning([=](index, index h, index i, index j) { return (a * i + j + h) % m != 0; });
+            },
+            "mask_mod((" + std::to_string(a) + " i + j + h) % " + std::to_string(m) + " != 0)");
     }
 
     runtime_allowed prefix_leaf() {

@@ -2,7 +2,7 @@
 /// Differential fuzzer of scaled_dot_product_attention and its backward.
 ///
 /// One input decodes into a call: scalar type, rank, sizes (sometimes empty or inconsistent), a runtime mask
-/// expression (fuzz_masks.hpp), options (soft-capping and sinks among them) and values (sometimes huge, tiny,
+/// expression (fuzz_masks.hpp), options (soft-capping, sinks and a score_mod among them) and values (sometimes huge, tiny,
 /// subnormal or non-finite). The call runs
 /// through kernel::reference, kernel::tiled with the default tiles, and the tiled kernel with small random tiles
 /// on 1 and 2 threads, and the fuzzer checks:
@@ -118,7 +118,13 @@ attend::tensor<T, Rank> make_tensor(const std::array<index, 4>& dims4, const std
 
 index product(const std::array<index, 4>& d) { return d[0] * d[1] * d[2] * d[3]; }
 
-attend::sdpa_options decode_options(fuzz_input& in, index heads, std::string& text) {
+/// The score_mod a call drew, for the oracle: score -> alpha score + beta (j - i), derivative alpha.
+struct drawn_score_mod {
+    bool on = false;
+    double alpha = 1, beta = 0;
+};
+
+attend::sdpa_options decode_options(fuzz_input& in, index heads, std::string& text, drawn_score_mod& mod) {
     attend::sdpa_options o;
     std::ostringstream s;
     if (in.chance(64)) {
@@ -179,6 +185,17 @@ attend::sdpa_options decode_options(fuzz_input& in, index heads, std::string& te
         o.sinks = logits;
         s << " sinks(" << n << ")";
     }
+    if (in.chance(40)) {  // a contraction (alpha <= 1) plus a small position term, so scores that fit stay in range
+        mod = {true, in.chance(128) ? 0.5 : 1.0, static_cast<double>(in.in_range(-4, 4)) / 8};
+        const double alpha = mod.alpha, beta = mod.beta;
+        o.score_mod = attend::score_mod(
+            [alpha, beta](auto x, index, index, index i, index j) {
+                using S = decltype(x);
+                return static_cast<S>(alpha) * x + static_cast<S>(beta * static_cast<double>(j - i));
+            },
+            [alpha](auto x, index, index, index, index) { return static_cast<decltype(x)>(alpha); });
+        s << " score_mod(" << alpha << " s + " << beta << " (j - i))";
+    }
     o.need_weights = in.chance(128);
     o.need_lse = in.chance(128);
     o.weights_after_dropout = in.chance(32);
@@ -222,6 +239,7 @@ struct call_case {
     attention_shape s;
     std::vector<T> q, k, v;
     attend::sdpa_options options;
+    drawn_score_mod mod;
     meaning mask;
     bool finite_inputs = true;
     ld v_max = 0, keep_scale = 1;
@@ -293,14 +311,17 @@ row_oracle evaluate_row(const call_case<T>& c, index b, index h, index i) {
         // the error of tanh itself: a few ulps of the cap.
         const ld cap = c.options.softcap ? static_cast<ld>(*c.options.softcap) : 0;
         const ld capped = cap > 0 ? cap * std::tanh(scale * dot / cap) : scale * dot;
-        const ld score = capped + bias;
+        const ld modded = c.mod.on ? static_cast<ld>(c.mod.alpha) * capped +
+                                         static_cast<ld>(static_cast<T>(c.mod.beta * static_cast<double>(j - i)))
+                                   : capped;
+        const ld score = modded + bias;
         const ld total = score + added;
         t[static_cast<std::size_t>(j)] = total;
         // GEMM and scaling round each product and partial sum (subnormal products lose up to min() each); the
         // bias and the additive term add one rounding each of the running value.
         rounding[static_cast<std::size_t>(j)] =
-            eps * (static_cast<ld>(s.head_dim + 2) * scale * magnitude + std::abs(score) + std::abs(bias) +
-                   std::abs(added) + std::abs(total) + 8 * cap) +
+            eps * (static_cast<ld>(s.head_dim + 2) * scale * magnitude + std::abs(score) + std::abs(modded) +
+                   std::abs(bias) + std::abs(added) + std::abs(total) + 8 * cap) +
             static_cast<ld>(s.head_dim + 2) * static_cast<ld>(std::numeric_limits<T>::min()) * (1 + scale) *
                 (1 + q_max + k_max);
         if (std::max<ld>(1, scale) * magnitude + std::abs(bias) >= big) r.fits = false;
@@ -466,6 +487,7 @@ outputs<T> tiled_with(const attend::strided_view<const T>& q, const attend::stri
     params.dropout = call.params.dropout;
     params.bias = call.params.bias;
     params.weights_after_dropout = call.params.weights_after_dropout;
+    params.score_mod = call.params.score_mod;
     for (const T z : call.params.sinks) params.sinks.push_back(static_cast<Acc>(z));
     attend::detail::tiled_forward<T, Acc>(q, k, v, s, erased, params, views, threads, tiles);
     return o;
@@ -615,7 +637,7 @@ void run_case(fuzz_input& in) {
          << ',' << sizes.k[3] << "] v [" << sizes.v[0] << ',' << sizes.v[1] << ',' << sizes.v[2] << ',' << sizes.v[3]
          << ']';
     std::string description = text.str();
-    c.options = decode_options(in, sizes.q[1], description);
+    c.options = decode_options(in, sizes.q[1], description, c.mod);
 
     // The shape the call will have if the sizes are consistent: masks are generated for it.
     c.s.batch = sizes.q[0];
