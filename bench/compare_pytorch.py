@@ -2,9 +2,10 @@
 # SPDX-License-Identifier: MIT
 """Times PyTorch's CPU attention on the shapes of attend_bench, for side-by-side ratios in bench/README.md.
 
-Run with Debian's interpreter, which has torch 1.13 (`python3` on PATH may be another one without torch):
+Run with a python3 that has torch: PyTorch 2.x (the public F.scaled_dot_product_attention, CPU flash attention
+for float32; bench/peers/ installs it into a virtual environment) or Debian's torch 1.13:
 
-    /usr/bin/python3 bench/compare_pytorch.py --json /tmp/pytorch.json
+    python3 bench/compare_pytorch.py --json /tmp/pytorch.json
 
 PyTorch 1.13 has no public scaled_dot_product_attention (it arrived in 2.0); it has the private
 torch.nn.functional._scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, need_attn_weights, is_causal),
@@ -31,7 +32,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-SDPA = getattr(F, "_scaled_dot_product_attention", None)
+# PyTorch >= 2.0: the public entry point (CPU flash attention for float32); 1.13: the private one, which also
+# returns the weights.
+PUBLIC_SDPA = getattr(F, "scaled_dot_product_attention", None)
+SDPA = PUBLIC_SDPA or getattr(F, "_scaled_dot_product_attention", None)
+SDPA_NAME = ("torch.nn.functional.scaled_dot_product_attention" if PUBLIC_SDPA
+             else "torch.nn.functional._scaled_dot_product_attention")
 
 
 TIME_MATH = True
@@ -84,6 +90,8 @@ def case(name, b, h, l, s, d, threads, dtype=torch.float32, causal=False, kv_hea
         return torch.softmax(scores, dim=-1) @ v
 
     def sdpa_path():
+        if PUBLIC_SDPA:
+            return PUBLIC_SDPA(q, k, v, is_causal=causal)
         return SDPA(q, k, v, None, 0.0, False, causal)
 
     results = []
@@ -140,7 +148,7 @@ def main():
     global TIME_MATH
     TIME_MATH = not args.no_math
     print(f"torch {torch.__version__}; entry point: "
-          f"{'torch.nn.functional._scaled_dot_product_attention' if SDPA else 'none (math path only)'}; "
+          f"{SDPA_NAME if SDPA else 'none (math path only)'}; "
           f"BLAS: {blas()}")
     out = []
     for threads in args.threads:
@@ -156,7 +164,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__,
-                       "entry_point": "torch.nn.functional._scaled_dot_product_attention" if SDPA else None,
+                       "entry_point": SDPA_NAME if SDPA else None,
                        "results": out}, f, indent=1)
 
 

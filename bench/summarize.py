@@ -58,9 +58,12 @@ def main():
     torch_json = [a for a in args if "pytorch" in a]
     b = load_bench([a for a in args if a not in torch_json])
     torch = {}
+    torch_version = "PyTorch"
     if torch_json:
         with open(torch_json[0]) as f:
-            for r in json.load(f)["results"]:
+            doc = json.load(f)
+            torch_version = "PyTorch " + doc.get("torch", "").split("+")[0]
+            for r in doc["results"]:
                 torch[(r["name"], r["path"], r["threads"])] = r
 
     def rate(name, key="flops"):
@@ -92,7 +95,7 @@ def main():
                 f"| {length} | {threads} | {gf(tr)}{cpu} | {gf(rate(g))}{gcpu} | "
                 f"{tr / rate(g):.2f} | {gf(rate(sq))} | {tr / rate(sq):.2f} | "
                 f"{causal} | "
-                f"{py['gflops']:.2f} | {tr / 1e9 / py['gflops']:.0f}x |" if py else
+                f"{py['gflops']:.2f} | {tr / 1e9 / py['gflops']:.2f}x |" if py else
                 f"| {length} | {threads} | {gf(tr)}{cpu} | {gf(rate(g))}{gcpu} | "
                 f"{tr / rate(g):.2f} | {gf(rate(sq))} | {tr / rate(sq):.2f} | "
                 f"{b[c]['real'] / b[t]['real']:.3f} | not measured | - |")
@@ -154,24 +157,26 @@ def main():
                     row.append(f"{py['gflops']:.3f}" if py else "NaN")
                 f.write(" ".join(str(x) for x in row) + "\n")
         script = f"""
-set terminal pngcairo size 900,560 font ',11'
+set terminal pngcairo size 1100,560 font ',11'
 set output '{plot}'
 set title "attention fp32, B = 1, H = 8, D = 64 (Zen 4, 2 shared vCPUs)\\n1 thread: rate by thread CPU time; 2 threads and PyTorch: wall clock"
 set xlabel 'sequence length L = S'
 set ylabel 'GFLOP/s (4 B H L S D per call)'
 set logscale x 2
 set logscale y 10
+set yrange [20:300]
+set ytics (20, 30, 50, 70, 100, 150, 200, 300)
 set xtics (1024, 2048, 4096)
 set xrange [900:4600]
-set key at graph 0.98, graph 0.5 right box opaque font ',9'
+set key outside right center box font ',9'
 set grid
 plot '{data}' using 1:2 with linespoints lw 2 title 'attend tiled, 1 thread', \\
      '' using 1:3 with linespoints lw 2 title 'attend tiled, 2 threads', \\
      '' using 1:5 with linespoints dt 2 title 'Eigen sgemm (attention shape), 1 thread', \\
      '' using 1:6 with linespoints dt 2 title 'Eigen sgemm (attention shape), 2 threads', \\
      '' using 1:4 with linespoints title 'attend reference kernel', \\
-     '' using 1:7 with linespoints title 'PyTorch 1.13 SDPA, 1 thread', \\
-     '' using 1:8 with linespoints title 'PyTorch 1.13 SDPA, 2 threads'
+     '' using 1:7 with linespoints title '{torch_version} SDPA, 1 thread', \\
+     '' using 1:8 with linespoints title '{torch_version} SDPA, 2 threads'
 """
         subprocess.run(["gnuplot"], input=script, text=True, check=True)
 
