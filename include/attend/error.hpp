@@ -100,5 +100,11 @@ std::string concat(const Parts&... parts) {
     return s.str();
 }
 
+/// The name of a floating scalar type, for messages that say in which type a value failed.
+template <class T>
+constexpr const char* scalar_name() {
+    return sizeof(T) == sizeof(float) ? "float" : "double";
+}
+
 }  // namespace detail
 }  // namespace attend

@@ -444,19 +444,18 @@ inline block_diagonal_rule block_diagonal(std::vector<index> sequence_lengths) {
 /// cross no segment's band are skipped. Bad offsets or lengths: mask_error attend.mask.segments when bound.
 struct packed_segments_rule : detail::boolean_term {
     static constexpr bool has_query_padding = true;
-    std::vector<index> query_offsets;       ///< cu_seqlens_q: [segments + 1]
-    std::vector<index> key_offsets;         ///< cu_seqlens_k: [segments + 1]
-    std::vector<index> query_lengths;       ///< [segments] real queries at the start of each slot; empty: the slots
-    std::vector<index> key_lengths;         ///< [segments] real keys at the start of each slot; empty: the slots
-    bool banded = false;                    ///< causal or windowed within each segment
-    index left = 0;                         ///< keys before each segment's diagonal a query sees, when banded
-    index right = 0;                        ///< keys after it, when banded
-    alignment align = alignment::top_left;  ///< the corner of each segment its diagonal starts from
+    std::vector<index> query_offsets;  ///< cu_seqlens_q: [segments + 1]
+    std::vector<index> key_offsets;    ///< cu_seqlens_k: [segments + 1]
+    std::vector<index> query_lengths;  ///< [segments] real queries at the start of each slot; empty: the slots
+    std::vector<index> key_lengths;    ///< [segments] real keys at the start of each slot; empty: the slots
+    /// Keys before each segment's diagonal a query sees (unbounded unless causal or windowed).
+    index left = std::numeric_limits<index>::max();
+    index right = std::numeric_limits<index>::max();  ///< keys after it (unbounded unless causal or windowed)
+    alignment align = alignment::top_left;            ///< the corner of each segment its diagonal starts from
 
     /// Causal within each segment, aligned at corner `a` of the segment.
     packed_segments_rule causal(alignment a) const {
         auto r = *this;
-        r.banded = true;
         r.left = std::numeric_limits<index>::max();
         r.right = 0;
         r.align = a;
@@ -469,7 +468,6 @@ struct packed_segments_rule : detail::boolean_term {
             throw mask_error("attend.mask.window", detail::concat("packed_segments window(left ", left_keys, ", right ",
                                                                   right_keys, ") needs sizes >= 0"));
         auto r = *this;
-        r.banded = true;
         r.left = left_keys;
         r.right = right_keys;
         r.align = a;
@@ -525,8 +523,8 @@ struct packed_segments_rule : detail::boolean_term {
             layout->diagonal[k] = key_offsets[k] + shift;
         }
         const index cap = s.query_len + s.key_len;  // wider bands see no more, and the arithmetic stays in range
-        layout->left = banded ? std::min(left, cap) : cap;
-        layout->right = banded ? std::min(right, cap) : cap;
+        layout->left = std::min(left, cap);
+        layout->right = std::min(right, cap);
         detail::bound_packed_segments rule;
         rule.layout = std::move(layout);
         return rule;

@@ -51,18 +51,11 @@ struct mask_function_rule : detail::boolean_term {
     detail::bound_mask_function<Allowed, Block> bind(const attention_shape&) const { return {allowed, block}; }
 };
 
-/// A mask from a function `allowed(batch, head, query, key) -> bool` (true = may attend); every tile is tested.
-template <class Allowed>
-mask_function_rule<std::decay_t<Allowed>> mask_mod(Allowed&& allowed) {
-    static_assert(std::is_invocable_r_v<bool, const std::decay_t<Allowed>&, index, index, index, index>,
-                  "attend: mask_mod takes a function (batch, head, query, key) -> bool, true = may attend");
-    return {{}, std::forward<Allowed>(allowed), {}};
-}
-
-/// A mask from a function and a block rule `block(const attend::tile&) -> tile_class` that lets the kernels skip
-/// tiles the function allows nothing in, and take tiles it allows everything in untested.
-template <class Allowed, class Block>
-mask_function_rule<std::decay_t<Allowed>, std::decay_t<Block>> mask_mod(Allowed&& allowed, Block&& block) {
+/// A mask from a function `allowed(batch, head, query, key) -> bool` (true = may attend) and optionally a block
+/// rule `block(const attend::tile&) -> tile_class` that lets the kernels skip tiles the function allows nothing
+/// in, and take tiles it allows everything in untested; without one every tile is tested.
+template <class Allowed, class Block = every_tile_mixed>
+mask_function_rule<std::decay_t<Allowed>, std::decay_t<Block>> mask_mod(Allowed&& allowed, Block&& block = {}) {
     static_assert(std::is_invocable_r_v<bool, const std::decay_t<Allowed>&, index, index, index, index>,
                   "attend: mask_mod takes a function (batch, head, query, key) -> bool, true = may attend");
     static_assert(std::is_invocable_r_v<tile_class, const std::decay_t<Block>&, const tile&>,

@@ -104,7 +104,7 @@ public:
         // The bias must be finite in the scores' type T: a slope or table value beyond T's range becomes +-inf
         // there, and inf * 0 (the diagonal) or inf - inf is NaN.
         const double largest = static_cast<double>(std::numeric_limits<T>::max());
-        const char* type = sizeof(T) == sizeof(float) ? "float" : "double";
+        const char* type = detail::scalar_name<T>();
         if (kind_ == kind::alibi) {
             const double reach = static_cast<double>(query_len) + static_cast<double>(key_len);  // > |key - query|
             for (std::size_t h = 0; h < slopes_.size(); ++h)

@@ -82,29 +82,35 @@ private:
     std::shared_ptr<const detail::score_tiles> tiles_;
 };
 
+namespace detail {
+
+/// A score_function of f and its derivative df (no_score_derivative: none), once f is checked.
+template <class F, class DF>
+score_function make_score_function(F f, DF df) {
+    static_assert(is_score_function_v<F, float> && is_score_function_v<F, double>,
+                  "attend: score_mod takes a function (score, batch, head, query, key) -> score for float and double "
+                  "scores, e.g. [](auto s, attend::index b, attend::index h, attend::index i, attend::index j)");
+    return score_function(std::make_shared<score_function_tiles<F, DF>>(std::move(f), std::move(df)));
+}
+
+}  // namespace detail
+
 /// A forward-only score modifier `f(score, batch, head, query, key) -> score`, for float and double scores (a
 /// generic lambda, `[](auto s, index b, index h, index i, index j) { ... }`, serves both). It must be pure: the
 /// kernels call it from several threads, on some scores more than once.
 template <class F>
 score_function score_mod(F f) {
-    static_assert(detail::is_score_function_v<F, float> && detail::is_score_function_v<F, double>,
-                  "attend: score_mod takes a function (score, batch, head, query, key) -> score for float and double "
-                  "scores, e.g. [](auto s, attend::index b, attend::index h, attend::index i, attend::index j)");
-    return score_function(std::make_shared<detail::score_function_tiles<F, detail::no_score_derivative>>(
-        std::move(f), detail::no_score_derivative{}));
+    return detail::make_score_function(std::move(f), detail::no_score_derivative{});
 }
 
 /// A score modifier with its derivative `df(score, batch, head, query, key) -> d f / d score` (at the score f is
 /// given), which the backward multiplies into the gradient of the scores.
 template <class F, class DF>
 score_function score_mod(F f, DF derivative) {
-    static_assert(detail::is_score_function_v<F, float> && detail::is_score_function_v<F, double>,
-                  "attend: score_mod takes a function (score, batch, head, query, key) -> score for float and double "
-                  "scores, e.g. [](auto s, attend::index b, attend::index h, attend::index i, attend::index j)");
     static_assert(detail::is_score_function_v<DF, float> && detail::is_score_function_v<DF, double>,
                   "attend: a score_mod derivative is a function (score, batch, head, query, key) -> d f / d score for "
                   "float and double scores");
-    return score_function(std::make_shared<detail::score_function_tiles<F, DF>>(std::move(f), std::move(derivative)));
+    return detail::make_score_function(std::move(f), std::move(derivative));
 }
 
 }  // namespace attend

@@ -109,17 +109,15 @@ kernel_params<T> checked_params(const attention_shape& s, const sdpa_options& o)
     // Also in the inputs' scalar type: 1e300 is inf as a float and 1e-50 is 0, and either turns every score into
     // inf, NaN or 0 although the check in double passed.
     if (scale > static_cast<double>(std::numeric_limits<T>::max()) || static_cast<T>(scale) <= T(0))
-        throw value_error("attend.value.scale",
-                          concat("scale ", scale, " must be finite and > 0, also as ",
-                                 sizeof(T) == 4 ? "float" : "double", ", the scalar type of the inputs"));
+        throw value_error("attend.value.scale", concat("scale ", scale, " must be finite and > 0, also as ",
+                                                       scalar_name<T>(), ", the scalar type of the inputs"));
     p.scale = static_cast<T>(scale);
     if (o.softcap) {
         const double c = *o.softcap;
         if (!std::isfinite(c) || c <= 0 || c > static_cast<double>(std::numeric_limits<T>::max()) ||
             static_cast<T>(c) <= T(0))
-            throw value_error("attend.value.softcap",
-                              concat("softcap ", c, " must be finite and > 0, also as ",
-                                     sizeof(T) == 4 ? "float" : "double", ", the scalar type of the inputs"));
+            throw value_error("attend.value.softcap", concat("softcap ", c, " must be finite and > 0, also as ",
+                                                             scalar_name<T>(), ", the scalar type of the inputs"));
         p.softcap = static_cast<T>(c);
     }
     const double pd = o.dropout.probability;

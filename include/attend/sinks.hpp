@@ -57,8 +57,7 @@ public:
             if (!std::isfinite(z) || std::abs(z) > static_cast<double>(std::numeric_limits<T>::max()))
                 throw value_error("attend.value.sinks",
                                   detail::concat("sink of head ", h, " is ", z, "; sinks must be finite, also as ",
-                                                 sizeof(T) == 4 ? "float" : "double",
-                                                 ", the scalar type of the inputs"));
+                                                 detail::scalar_name<T>(), ", the scalar type of the inputs"));
         }
     }
 

@@ -124,31 +124,24 @@ struct drawn_score_mod {
     double alpha = 1, beta = 0;
 };
 
+/// A positive option (scale, softcap): mostly a power of two in [2^lo, 2^hi], sometimes a value the checks must
+/// reject (0, -1, inf, NaN, 1e300, 1e-300) or an edge (1e-3, `usual`).
+double drawn_positive(fuzz_input& in, double usual, index lo, index hi) {
+    const double choices[] = {
+        0.0,  -1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN(), 1e300, 1e-300,
+        1e-3, usual};
+    return in.chance(128) ? choices[in.choose(8)] : std::pow(2.0, static_cast<double>(in.in_range(lo, hi)));
+}
+
 attend::sdpa_options decode_options(fuzz_input& in, index heads, std::string& text, drawn_score_mod& mod) {
     attend::sdpa_options o;
     std::ostringstream s;
     if (in.chance(64)) {
-        const double choices[] = {0.0,
-                                  -1.0,
-                                  std::numeric_limits<double>::infinity(),
-                                  std::numeric_limits<double>::quiet_NaN(),
-                                  1e300,
-                                  1e-300,
-                                  1e-3,
-                                  10.0};
-        o.scale = in.chance(128) ? choices[in.choose(8)] : std::pow(2.0, static_cast<double>(in.in_range(-8, 8)));
+        o.scale = drawn_positive(in, 10.0, -8, 8);
         s << " scale " << *o.scale;
     }
     if (in.chance(48)) {
-        const double choices[] = {0.0,
-                                  -1.0,
-                                  std::numeric_limits<double>::infinity(),
-                                  std::numeric_limits<double>::quiet_NaN(),
-                                  1e300,
-                                  1e-300,
-                                  1e-3,
-                                  50.0};
-        o.softcap = in.chance(128) ? choices[in.choose(8)] : std::pow(2.0, static_cast<double>(in.in_range(-4, 6)));
+        o.softcap = drawn_positive(in, 50.0, -4, 6);
         s << " softcap " << *o.softcap;
     }
     o.empty_rows = in.chance(128) ? attend::empty_rows::zero : attend::empty_rows::error;
