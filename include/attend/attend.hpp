@@ -13,6 +13,8 @@
 #include "merge.hpp"
 #include "mha.hpp"
 #include "mha_backward.hpp"
+#include "paged_attention.hpp"
+#include "paged_cache.hpp"
 #include "position.hpp"
 #include "score_bias.hpp"
 #include "score_function.hpp"

@@ -29,6 +29,7 @@
 #include "detail/random.hpp"
 #include "error.hpp"
 #include "mask.hpp"
+#include "paged_attention.hpp"
 #include "position.hpp"
 #include "sdpa.hpp"
 #include "shape.hpp"
@@ -611,12 +612,7 @@ public:
         detail::require_mha_input<X, T>();
         const auto xd = detail::dims3(x);
         detail::check_width("x", xd, config_.model_dim, "model_dim", "[batch, new tokens, model_dim]");
-        if (config_.key_dim != config_.model_dim || config_.value_dim != config_.model_dim)
-            throw shape_error("attend.shape.self_attention",
-                              detail::concat("forward_cached is self-attention and needs key_dim == value_dim == "
-                                             "model_dim, got model_dim ",
-                                             config_.model_dim, ", key_dim ", config_.key_dim, ", value_dim ",
-                                             config_.value_dim));
+        check_self_attention();
         const index B = xd[0], L = xd[1], H = config_.heads, G = config_.kv_heads, D = head_dim();
         if (cache.batch() != B || cache.kv_heads() != G || cache.head_dim() != D || cache.value_dim() != D)
             throw shape_error("attend.shape.cache",
@@ -669,8 +665,133 @@ public:
         return forward_cached(x, cache, no_mask{}, options);
     }
 
+    /// Decoding step of a ragged batch over a paged cache (continuous batching): batch row n of x `[batch, max new
+    /// tokens, model_dim]` holds new_tokens[n] new tokens of sequence sequences[n] (rows past them are padding and
+    /// get zero output). Each sequence is projected, rotated at its own positions (position_offset +
+    /// cache.length(id) + i), appended and attended (causal over everything it holds; with the cache's rolling
+    /// window, its last window positions) as a call of its own, so its output is bit for bit what forward_cached
+    /// over a kv_cache holding only that sequence gives: which other sequences share the batch never changes it.
+    /// Needs key_dim == value_dim == model_dim and a cache with this module's kv_heads and head_dim (shape_error
+    /// `attend.shape.cache`). Throws shape_error `attend.shape.sequences` (list sizes, a count outside [0, max new
+    /// tokens]), value_error `attend.value.sequence`, `attend.value.need_weights`, position_error
+    /// `attend.position.cache_full`, and everything forward_cached throws. All or nothing: on a throw, also one from
+    /// the attention after the append, the cache is exactly as it was.
+    template <class X>
+    mha_result<T> forward_cached(const X& x, paged_kv_cache<T>& cache, const std::vector<index>& sequences,
+                                 const std::vector<index>& new_tokens, const mha_options& options = {}) const {
+        detail::require_mha_input<X, T>();
+        // Every allocation of the call (lists, buffers, messages) fails as a typed error, and the cache as it was.
+        return detail::allocating([&] { return forward_paged(x, cache, sequences, new_tokens, options); },
+                                  [] { return std::string("forward_cached's bookkeeping"); }, "Decode fewer sequences");
+    }
+
 private:
+    template <class X>
+    mha_result<T> forward_paged(const X& x, paged_kv_cache<T>& cache, const std::vector<index>& sequences,
+                                const std::vector<index>& new_tokens, const mha_options& options) const {
+        const auto xd = detail::dims3(x);
+        detail::check_width("x", xd, config_.model_dim, "model_dim", "[batch, new tokens, model_dim]");
+        const index B = xd[0], L = xd[1], E = config_.model_dim, H = config_.heads, G = config_.kv_heads,
+                    D = head_dim();
+        check_self_attention();
+        if (cache.kv_heads() != G || cache.head_dim() != D || cache.value_dim() != D)
+            throw shape_error("attend.shape.cache",
+                              detail::concat("paged cache [kv_heads ", cache.kv_heads(), ", head_dim ",
+                                             cache.head_dim(), ", value_dim ", cache.value_dim(),
+                                             "] does not fit the module: expected [kv_heads ", G, ", head_dim ", D,
+                                             ", value_dim ", D, "]"));
+        if (static_cast<index>(sequences.size()) != B || static_cast<index>(new_tokens.size()) != B)
+            throw shape_error("attend.shape.sequences",
+                              detail::concat("x ", detail::format_shape(xd), " has ", B, " batch rows but ",
+                                             sequences.size(), " sequences and ", new_tokens.size(),
+                                             " new-token counts are given (one each)"));
+        if (options.need_weights)
+            throw value_error("attend.value.need_weights",
+                              "need_weights is not available over a paged cache: key_len differs per sequence");
+        std::vector<index> first(sequences.size());
+        for (std::size_t n = 0; n < sequences.size(); ++n) {
+            const index t = new_tokens[n];
+            if (t < 0 || t > L)
+                throw shape_error("attend.shape.sequences",
+                                  detail::concat("sequence ", sequences[n], " (batch row ", n, ") has ", t,
+                                                 " new tokens, outside [0, ", L, "]"));
+            first[n] = detail::checked_position_sum(options.position_offset, cache.length(sequences[n]),
+                                                    "position_offset + cache length");
+            detail::checked_position_sum(first[n], t, "the position after the last new token");
+            detail::check_positions(config_, options, first[n]);
+        }
+        if (options.check_finite) detail::check_finite_input(x.data(), xd, "x");
+        // Each sequence projected alone, so its rows meet the same GEMM shapes as when it is decoded alone.
+        std::vector<projected_heads> p;
+        std::vector<strided_view<const T>> keys, values;
+        p.reserve(sequences.size());
+        keys.reserve(sequences.size());
+        values.reserve(sequences.size());
+        for (index n = 0; n < B; ++n) {
+            const index t = new_tokens[static_cast<std::size_t>(n)];
+            const T* rows = x.data() + n * L * E;
+            p.push_back(project_heads(rows, rows, rows, 1, t, t, options, first[static_cast<std::size_t>(n)]));
+            keys.push_back(split_heads(static_cast<const T*>(p.back().k.data()), 1, t, G, D));
+            values.push_back(split_heads(static_cast<const T*>(p.back().v.data()), 1, t, G, D));
+            if (options.check_finite)
+                detail::check_finite_projections(split_heads(static_cast<const T*>(p.back().q.data()), 1, t, H, D),
+                                                 keys.back(), values.back());
+        }
+        detail::paged_append<T> append(cache, sequences, keys, values);
+        mha_result<T> r;
+        r.out = detail::mha_buffer<T, 3>({B, L, E}, "out [batch, new tokens, model_dim]");
+        r.out.setZero();
+        auto o = detail::mha_buffer<T, 3>({1, L, H * D}, "attention output [1, new tokens, heads * head_dim]");
+        const sdpa_options attention = detail::sdpa_options_for(config_, options, sinks_);
+        append.commit();  // cannot fail; `append` takes it back out if anything below throws
+        using call_type = decltype(detail::check_call(keys[0], cache.key_blocks(0), cache.value_blocks(0),
+                                                      attention_shape{}, detail::cached_rule(0, 1), attention));
+        std::vector<call_type> calls;
+        calls.reserve(sequences.size());
+        for (index n = 0; n < B; ++n) {
+            const index id = sequences[static_cast<std::size_t>(n)], t = new_tokens[static_cast<std::size_t>(n)];
+            const auto qv = split_heads(static_cast<const T*>(p[static_cast<std::size_t>(n)].q.data()), 1, t, H, D);
+            const auto kv = cache.key_blocks(id), vv = cache.value_blocks(id);
+            calls.push_back(detail::check_call(qv, kv, vv, shape_of(t, kv.dims[2]),
+                                               detail::cached_rule(cache.window(), kv.dims[2]), attention));
+        }
+        for (index n = 0; n < B; ++n) {
+            const index id = sequences[static_cast<std::size_t>(n)], t = new_tokens[static_cast<std::size_t>(n)];
+            if (t == 0) continue;
+            const auto qv = split_heads(static_cast<const T*>(p[static_cast<std::size_t>(n)].q.data()), 1, t, H, D);
+            const auto kv = cache.key_blocks(id), vv = cache.value_blocks(id);
+            detail::attention_outputs<T> out;
+            out.out = split_heads(o.data(), 1, t, H, D);
+            detail::run_checked(qv, kv, vv, shape_of(t, kv.dims[2]), calls[static_cast<std::size_t>(n)], out);
+            detail::project(o.data(), t, wo_, bo_, r.out.data() + n * L * E);
+        }
+        append.done();
+        return r;
+    }
+
     struct no_init {};
+
+    void check_self_attention() const {
+        if (config_.key_dim != config_.model_dim || config_.value_dim != config_.model_dim)
+            throw shape_error("attend.shape.self_attention",
+                              detail::concat("forward_cached is self-attention and needs key_dim == value_dim == "
+                                             "model_dim, got model_dim ",
+                                             config_.model_dim, ", key_dim ", config_.key_dim, ", value_dim ",
+                                             config_.value_dim));
+    }
+
+    /// The shape of one sequence's call over a cache: t new queries over its key_len positions.
+    attention_shape shape_of(index t, index key_len) const {
+        attention_shape s;
+        s.batch = 1;
+        s.heads = config_.heads;
+        s.kv_heads = config_.kv_heads;
+        s.query_len = t;
+        s.key_len = key_len;
+        s.head_dim = head_dim();
+        s.value_dim = head_dim();
+        return s;
+    }
 
     multi_head_attention(const mha_config& config, no_init) : config_(validated(config)) { allocate(); }
 

@@ -6,6 +6,7 @@
 /// The data path reads in one direction: inputs -> checks -> mask tiles -> kernel -> outputs. Every check runs
 /// before the first output element is written.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -156,9 +157,9 @@ struct checked_call {
 
 /// Every check of an attention call, in data-path order: options, mask against the shape, finite inputs, empty
 /// rows. Nothing is allocated or written before it returns.
-template <class T, class Mask>
-auto check_call(const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
-                const attention_shape& s, const Mask& mask, const sdpa_options& o) {
+template <class T, class Rows, class Mask>
+auto check_call(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
+                const Mask& mask, const sdpa_options& o) {
     checked_call<T, decltype(mask.bind(s))> call{checked_params<T>(s, o), mask.bind(s), o.kernel,
                                                  resolve_threads(o.threads)};
     if (o.check_finite) {
@@ -180,6 +181,29 @@ void run_checked(const strided_view<const T>& q, const strided_view<const T>& k,
                  const attention_shape& s, const checked_call<T, Bound>& call, const attention_outputs<T>& out) {
     if (call.kernel == kernel::reference) reference_attention(q, k, v, s, call.mask, call.params, out);
     else tiled_attention(q, k, v, s, call.mask, call.params, out, call.threads);
+}
+
+/// Runs the kernel of a checked call over a paged cache's keys and values. The tiled kernel reads the blocks in
+/// place; the reference kernel, the oracle, gets them gathered into contiguous copies (it materializes the
+/// scores anyway).
+template <class T, class Bound>
+void run_checked(const strided_view<const T>& q, const paged_view<T>& k, const paged_view<T>& v,
+                 const attention_shape& s, const checked_call<T, Bound>& call, const attention_outputs<T>& out) {
+    if (call.kernel != kernel::reference) return tiled_attention(q, k, v, s, call.mask, call.params, out, call.threads);
+    const auto gathered = [&](const paged_view<T>& x, const char* what) {
+        auto copy = allocating([&] { return tensor<T, 4>(x.dims[0], x.dims[1], x.dims[2], x.dims[3]); },
+                               [&] { return allocation_text(what, x.dims, sizeof(T)); },
+                               "kernel::tiled reads the blocks in place");
+        for (index b = 0; b < x.dims[0]; ++b)
+            for (index h = 0; h < x.dims[1]; ++h)
+                for (index i = 0; i < x.dims[2]; ++i)
+                    std::copy(x.row(b, h, i), x.row(b, h, i) + x.dims[3],
+                              copy.data() + ((b * x.dims[1] + h) * x.dims[2] + i) * x.dims[3]);
+        return copy;
+    };
+    const auto keys = gathered(k, "the reference kernel's copy of the paged keys");
+    const auto values = gathered(v, "the reference kernel's copy of the paged values");
+    reference_attention(q, as_view(keys), as_view(values), s, call.mask, call.params, out);
 }
 
 template <class X>

@@ -21,20 +21,9 @@
 #include <new>
 #include <vector>
 
-#if defined(__SANITIZE_ADDRESS__)
-#define ATTEND_TEST_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define ATTEND_TEST_ASAN 1
-#endif
-#endif
+#include "support/malloc_hooks.hpp"
 
-#if defined(__GLIBC__) && !defined(ATTEND_TEST_ASAN)
-#define ATTEND_TEST_COUNTS_HEAP 1
-#include <malloc.h>
-#endif
-
-#ifdef ATTEND_TEST_COUNTS_HEAP
+#ifdef ATTEND_TEST_MALLOC_HOOKS
 
 namespace {
 
@@ -112,28 +101,6 @@ void free(void* p) noexcept {
     __libc_free(p);
 }
 }
-
-void* operator new(std::size_t n) {
-    if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-    throw std::bad_alloc();
-}
-void* operator new[](std::size_t n) { return operator new(n); }
-void* operator new(std::size_t n, std::align_val_t alignment) {
-    void* p = nullptr;
-    if (posix_memalign(&p, std::max(sizeof(void*), static_cast<std::size_t>(alignment)), n == 0 ? 1 : n) == 0) return p;
-    throw std::bad_alloc();
-}
-void* operator new[](std::size_t n, std::align_val_t alignment) { return operator new(n, alignment); }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return std::malloc(n == 0 ? 1 : n); }
-void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return std::malloc(n == 0 ? 1 : n); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 
 namespace {
 

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <Eigen/Core>
@@ -26,6 +27,7 @@
 #include "../shape.hpp"
 #include "../tensor.hpp"
 #include "memory.hpp"
+#include "paged_view.hpp"
 
 namespace attend::detail {
 
@@ -34,17 +36,18 @@ namespace attend::detail {
                       concat(tensor, " holds ", value, " at ", where, " (turn check_finite off to skip this scan)"));
 }
 
-template <class T>
-[[noreturn]] void throw_non_finite(const strided_view<const T>& x, index b, index h, index i, index d,
-                                   const char* name) {
+template <class View>
+[[noreturn]] void throw_non_finite(const View& x, index b, index h, index i, index d, const char* name) {
     const auto where = x.rank == 4 ? format_shape(std::array<index, 4>{b, h, i, d})
                                    : format_shape(std::array<index, 3>{b, i, d});
     throw_non_finite_at(concat(name, ' ', spell_view(x)), static_cast<double>(x.row(b, h, i)[d]), where);
 }
 
-/// Throws value_error attend.value.non_finite naming the first NaN or +-inf of x and where it is.
-template <class T>
-void check_finite(const strided_view<const T>& x, const char* name) {
+/// Throws value_error attend.value.non_finite naming the first NaN or +-inf of x (a strided or paged view) and
+/// where it is.
+template <class View>
+void check_finite(const View& x, const char* name) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(x.row(0, 0, 0))>>;
     for (index b = 0; b < x.dims[0]; ++b)
         for (index h = 0; h < x.dims[1]; ++h)
             for (index i = 0; i < x.dims[2]; ++i) {
@@ -65,8 +68,9 @@ struct row_magnitudes {
     long double max_l1 = 0;
 };
 
-template <class T>
-row_magnitudes scan_magnitudes(const strided_view<const T>& x, index b, index h, const char* name) {
+template <class View>
+row_magnitudes scan_magnitudes(const View& x, index b, index h, const char* name) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(x.row(0, 0, 0))>>;
     row_magnitudes m;
     // A sum of n non-negative terms rounded in T is at least (1 - n eps) times the exact one.
     const long double rounding = 1 + 2 * static_cast<long double>(x.dims[3]) * std::numeric_limits<T>::epsilon();
@@ -88,10 +92,10 @@ row_magnitudes scan_magnitudes(const strided_view<const T>& x, index b, index h,
 }
 
 /// check_finite of q and k and the rule of the file comment in the same pass: throws value_error
-/// attend.value.non_finite or attend.value.score_overflow. q, k are checked views of a call of shape s.
-template <class T>
-void check_scores_fit(const strided_view<const T>& q, const strided_view<const T>& k, const attention_shape& s,
-                      T scale) {
+/// attend.value.non_finite or attend.value.score_overflow. q, k are checked views of a call of shape s (k strided
+/// or paged).
+template <class T, class KeyView>
+void check_scores_fit(const strided_view<const T>& q, const KeyView& k, const attention_shape& s, T scale) {
     const long double limit = static_cast<long double>(std::numeric_limits<T>::max()) / 2;
     const long double sc = static_cast<long double>(scale), grow = std::max<long double>(1, sc);
     std::vector<row_magnitudes> queries, keys;

@@ -13,6 +13,7 @@
 #include "../score_function.hpp"
 #include "../shape.hpp"
 #include "dropout.hpp"
+#include "paged_view.hpp"
 
 /// Compiling the kernels once. A program that includes attend in many translation units compiles the float and
 /// double kernels in each of them; it can instead define ATTEND_SEPARATE_KERNELS everywhere and compile

@@ -263,8 +263,8 @@ private:
             w.delta[static_cast<std::size_t>(r)] = sum;
         }
         const auto queries = query_rows(w, t);
-        const auto d_out = as_accumulator<Acc>(in_.d_out.row(b, h, q0), nq, dv, in_.d_out.strides[2], w.d_out_stage);
-        const auto values = as_accumulator<Acc>(in_.v.row(b, kvh, k0), nk, dv, in_.v.strides[2], w.value_stage);
+        const auto d_out = rows_as_accumulator<Acc>(in_.d_out, b, h, q0, nq, w.d_out_stage);
+        const auto values = rows_as_accumulator<Acc>(in_.v, b, kvh, k0, nk, w.value_stage);
         auto probs = w.probs.topLeftCorner(nq, nk);
         auto grad = w.grad.topLeftCorner(nq, nk);
         // P = exp(scale q k^T + bias + mask - lse), the forward's probabilities, recomputed (exp(s - max) / sum
@@ -311,8 +311,8 @@ private:
 
     /// The tile's query rows in Acc (converted into w.query_stage when stored in another type).
     const_tile_map<Acc> query_rows(backward_workspace<Acc>& w, const tile& t) const {
-        return as_accumulator<Acc>(in_.q.row(t.batch, t.head, t.query_begin), t.query_end - t.query_begin, s_.head_dim,
-                                   in_.q.strides[2], w.query_stage);
+        return rows_as_accumulator<Acc>(in_.q, t.batch, t.head, t.query_begin, t.query_end - t.query_begin,
+                                        w.query_stage);
     }
 
     /// Scores of tile t, whose scaled keys are in w.keys, through the score pipeline into w.probs (and the

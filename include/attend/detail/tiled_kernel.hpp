@@ -78,21 +78,23 @@ tile_config default_tile_config(const attention_shape& s) {
     return c;
 }
 
-/// `rows` rows of `cols` values of a storage-type matrix (row stride `stride`) as a matrix of the accumulation
-/// type: the rows themselves when the two types agree, otherwise a converted copy in `stage` (one conversion per
-/// tile, shared by every query row of the block).
-template <class Acc, class Storage>
-const_tile_map<Acc> as_accumulator(const Storage* rows_begin, index rows, index cols, index stride,
-                                   std::vector<Acc>& stage) {
-    if constexpr (std::is_same_v<Acc, Storage>) {
-        (void)stage;
-        return const_tile_map<Acc>(rows_begin, rows, cols, Eigen::OuterStride<>(stride));
-    } else {
-        for (index r = 0; r < rows; ++r)
-            for (index c = 0; c < cols; ++c)
-                stage[static_cast<std::size_t>(r * cols + c)] = static_cast<Acc>(rows_begin[r * stride + c]);
-        return const_tile_map<Acc>(stage.data(), rows, cols, Eigen::OuterStride<>(cols));
+/// Rows [j0, j0 + n) of (b, h) of keys or values (a strided_view or a paged_view) as a matrix of the
+/// accumulation type: the rows themselves when they are contiguous and of that type, otherwise a copy in `stage`,
+/// converted (one conversion per tile or slice, shared by every query row of the block). Which of the two it is
+/// never changes a result: the same values reach the same products.
+template <class Acc, class Rows>
+const_tile_map<Acc> rows_as_accumulator(const Rows& x, index b, index h, index j0, index n, std::vector<Acc>& stage) {
+    using Storage = std::remove_const_t<std::remove_pointer_t<decltype(x.row(0, 0, 0))>>;
+    const index cols = x.dims[3];
+    if constexpr (std::is_same_v<Acc, Storage>)
+        if (contiguous_rows(x, j0) >= n)
+            return const_tile_map<Acc>(x.row(b, h, j0), n, cols, Eigen::OuterStride<>(row_stride(x)));
+    for (index r = 0; r < n; ++r) {
+        const Storage* src = x.row(b, h, j0 + r);
+        Acc* dst = stage.data() + r * cols;
+        for (index c = 0; c < cols; ++c) dst[c] = static_cast<Acc>(src[c]);
     }
+    return const_tile_map<Acc>(stage.data(), n, cols, Eigen::OuterStride<>(cols));
 }
 
 /// One worker's scratch memory, allocated once per call before the workers start (never inside the tile loop).
@@ -117,13 +119,14 @@ struct tiled_workspace {
           value_stage(stage ? static_cast<std::size_t>(key_tile * value_dim) : 0) {}
 };
 
-/// The tiled forward pass of one call; see the file comment. Reads Storage, computes in Acc.
-template <class Storage, class Acc>
+/// The tiled forward pass of one call; see the file comment. Reads Storage, computes in Acc; keys and values come
+/// as `Rows`: strided views, or the blocks of a paged cache (paged_view).
+template <class Storage, class Acc, class Rows = strided_view<const Storage>>
 class tiled_runner {
 public:
-    tiled_runner(const strided_view<const Storage>& q, const strided_view<const Storage>& k,
-                 const strided_view<const Storage>& v, const attention_shape& s, const mask_tiles& mask,
-                 const kernel_params<Acc>& p, const attention_outputs<Storage>& o, const tile_config& c)
+    tiled_runner(const strided_view<const Storage>& q, const Rows& k, const Rows& v, const attention_shape& s,
+                 const mask_tiles& mask, const kernel_params<Acc>& p, const attention_outputs<Storage>& o,
+                 const tile_config& c)
         : q_(q), k_(k), v_(v), s_(s), mask_(mask), pipe_(s, mask, p), p_(p), o_(o), c_(c) {
         group_ = s.group_size();
         // At least 1 even for query_len == 0, where query_blocks_ becomes 0 and there is no work.
@@ -140,7 +143,8 @@ public:
     }
 
 private:
-    static constexpr bool staged = !std::is_same_v<Storage, Acc>;
+    /// Rows reach the GEMMs through a copy when their type differs or they may cross a block edge.
+    static constexpr bool staged = !std::is_same_v<Storage, Acc> || !std::is_same_v<Rows, strided_view<const Storage>>;
 
     // ---- work units -------------------------------------------------------------------------------------------
     struct block {
@@ -309,18 +313,18 @@ private:
         const index r0 = sl.first_row(blk), rows = sl.rows(blk), nk = k1 - k0, ld = c_.key_tile;
         const_tile_map<Acc> queries(w.queries.data() + r0 * s_.head_dim, rows, s_.head_dim,
                                     Eigen::OuterStride<>(s_.head_dim));
-        const auto keys =
-            as_accumulator<Acc>(k_.row(blk.batch, blk.kv_head, k0), nk, s_.head_dim, k_.strides[2], w.key_stage);
         tile_map<Acc> scores(w.scores.data() + r0 * ld, rows, nk, Eigen::OuterStride<>(ld));
         if (rows <= c_.gemv_rows) {
             // Key slices small enough for L1, so every row after the first reads them from there.
             const index step = gemv_keys(s_.head_dim);
             for (index j0 = 0; j0 < nk; j0 += step) {
                 const index nj = std::min(step, nk - j0);
+                const auto keys = rows_as_accumulator<Acc>(k_, blk.batch, blk.kv_head, k0 + j0, nj, w.key_stage);
                 for (index r = 0; r < rows; ++r)
-                    scores.row(r).segment(j0, nj).noalias() = queries.row(r) * keys.middleRows(j0, nj).transpose();
+                    scores.row(r).segment(j0, nj).noalias() = queries.row(r) * keys.transpose();
             }
         } else {
+            const auto keys = rows_as_accumulator<Acc>(k_, blk.batch, blk.kv_head, k0, nk, w.key_stage);
             scores.noalias() = queries * keys.transpose();
         }
         for (index hh = sl.head_begin; hh < sl.head_end; ++hh)
@@ -392,17 +396,16 @@ private:
                 p_.dropout.apply(w.scores.data() + r * ld, nk, blk.batch, head_of(blk, r), query_of(blk, r), k0);
         tile_map<Acc> acc(w.acc.data() + r0 * dv, rows, dv, Eigen::OuterStride<>(dv));
         const_tile_map<Acc> probabilities(w.scores.data() + r0 * ld, rows, nk, Eigen::OuterStride<>(ld));
-        const auto values =
-            as_accumulator<Acc>(v_.row(blk.batch, blk.kv_head, k0), nk, dv, v_.strides[2], w.value_stage);
         if (rows <= c_.gemv_rows) {
             const index step = gemv_keys(dv);
             for (index j0 = 0; j0 < nk; j0 += step) {
                 const index nj = std::min(step, nk - j0);
-                for (index r = 0; r < rows; ++r)
-                    acc.row(r).noalias() += probabilities.row(r).segment(j0, nj) * values.middleRows(j0, nj);
+                const auto values = rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, k0 + j0, nj, w.value_stage);
+                for (index r = 0; r < rows; ++r) acc.row(r).noalias() += probabilities.row(r).segment(j0, nj) * values;
             }
         } else {
-            acc.noalias() += probabilities * values;
+            acc.noalias() +=
+                probabilities * rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, k0, nk, w.value_stage);
         }
     }
 
@@ -456,8 +459,8 @@ private:
     }
 
     const strided_view<const Storage>& q_;
-    const strided_view<const Storage>& k_;
-    const strided_view<const Storage>& v_;
+    const Rows& k_;
+    const Rows& v_;
     const attention_shape& s_;
     const mask_tiles& mask_;
     score_pipeline<Acc> pipe_;
@@ -470,44 +473,45 @@ private:
     index rows_ = 1;           ///< rows of a full block: group_ * block_queries_
 };
 
-/// The tiled forward kernel: `Storage` in memory, arithmetic in `Acc`, `threads` threads (>= 1), the given tile
-/// sizes; same contract as reference_attention. One instantiation per (Storage, Acc): masks come type-erased.
-template <class Storage, class Acc>
-void tiled_forward(const strided_view<const Storage>& q, const strided_view<const Storage>& k,
-                   const strided_view<const Storage>& v, const attention_shape& s, const mask_tiles& mask,
-                   const kernel_params<Acc>& p, const attention_outputs<Storage>& o, int threads,
-                   const tile_config& config) {
-    tiled_runner<Storage, Acc>(q, k, v, s, mask, p, o, config).run(threads);
+/// The tiled forward kernel: `Storage` in memory, arithmetic in `Acc`, keys and values as `Rows` (strided_view or
+/// paged_view), `threads` threads (>= 1), the given tile sizes; same contract as reference_attention. One
+/// instantiation per (Storage, Acc, Rows): masks come type-erased.
+template <class Storage, class Acc, class Rows>
+void tiled_forward(const strided_view<const Storage>& q, const Rows& k, const Rows& v, const attention_shape& s,
+                   const mask_tiles& mask, const kernel_params<Acc>& p, const attention_outputs<Storage>& o,
+                   int threads, const tile_config& config) {
+    tiled_runner<Storage, Acc, Rows>(q, k, v, s, mask, p, o, config).run(threads);
 }
 
 /// The tiled kernel on `threads` threads (>= 1) with the given tile sizes, for any bound mask; same contract as
-/// reference_attention.
-template <class T, class Bound>
-void tiled_attention(const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
-                     const attention_shape& s, const Bound& mask, const kernel_params<T>& p,
-                     const attention_outputs<T>& o, int threads, const tile_config& config) {
+/// reference_attention. Keys and values as `Rows`: strided views, or a paged cache's paged_view.
+template <class T, class Rows, class Bound>
+void tiled_attention(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
+                     const Bound& mask, const kernel_params<T>& p, const attention_outputs<T>& o, int threads,
+                     const tile_config& config) {
     with_mask_tiles(mask, [&](const mask_tiles& m) {
-        tiled_forward<T, accumulator_t<T>>(q, k, v, s, m, p, o, threads, config);
+        tiled_forward<T, accumulator_t<T>, Rows>(q, k, v, s, m, p, o, threads, config);
     });
 }
 
 /// The tiled kernel with the default tile sizes for this shape.
-template <class T, class Bound>
-void tiled_attention(const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
-                     const attention_shape& s, const Bound& mask, const kernel_params<T>& p,
-                     const attention_outputs<T>& o, int threads) {
+template <class T, class Rows, class Bound>
+void tiled_attention(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
+                     const Bound& mask, const kernel_params<T>& p, const attention_outputs<T>& o, int threads) {
     tiled_attention(q, k, v, s, mask, p, o, threads, default_tile_config<T>(s));
 }
 
 #if defined(ATTEND_KERNEL_INSTANCE)
-#define ATTEND_TILED_FORWARD_INSTANCE(S, A)                                                                     \
-    ATTEND_KERNEL_INSTANCE void tiled_forward<S, A>(const strided_view<const S>&, const strided_view<const S>&, \
-                                                    const strided_view<const S>&, const attention_shape&,       \
-                                                    const mask_tiles&, const kernel_params<A>&,                 \
-                                                    const attention_outputs<S>&, int, const tile_config&);
-ATTEND_TILED_FORWARD_INSTANCE(float, float)
-ATTEND_TILED_FORWARD_INSTANCE(double, double)
-ATTEND_TILED_FORWARD_INSTANCE(float, double)
+#define ATTEND_TILED_FORWARD_INSTANCE(S, A, R)                                                                    \
+    ATTEND_KERNEL_INSTANCE void tiled_forward<S, A, R>(const strided_view<const S>&, const R&, const R&,          \
+                                                       const attention_shape&, const mask_tiles&,                 \
+                                                       const kernel_params<A>&, const attention_outputs<S>&, int, \
+                                                       const tile_config&);
+ATTEND_TILED_FORWARD_INSTANCE(float, float, strided_view<const float>)
+ATTEND_TILED_FORWARD_INSTANCE(double, double, strided_view<const double>)
+ATTEND_TILED_FORWARD_INSTANCE(float, double, strided_view<const float>)
+ATTEND_TILED_FORWARD_INSTANCE(float, float, paged_view<float>)
+ATTEND_TILED_FORWARD_INSTANCE(double, double, paged_view<double>)
 #undef ATTEND_TILED_FORWARD_INSTANCE
 #endif
 

@@ -1,0 +1,148 @@
+// SPDX-License-Identifier: MIT
+#pragma once
+/// paged_attention: attention of new queries over the sequences of a paged_kv_cache (paged_cache.hpp), a ragged
+/// batch read in place through each sequence's block table. The data path is scaled_dot_product_attention's:
+/// inputs -> checks (every sequence, before anything is written) -> the tiled kernel on the blocks -> outputs.
+
+#include <algorithm>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "mask.hpp"
+#include "paged_cache.hpp"
+#include "sdpa.hpp"
+
+namespace attend {
+
+namespace detail {
+
+/// The rule of a query over its own sequence in a cache: causal, aligned at the bottom right (query i of
+/// query_len sits at position key_len - query_len + i), and with a rolling window only the last `window`
+/// positions. Without a window the band is unbounded, which classifies and masks exactly as causal alone.
+inline auto cached_rule(index window, index key_len) {
+    const index left = window > 0 ? window - 1 : std::max<index>(key_len, 1);
+    return causal(alignment::bottom_right) && sliding_window(left, 0, alignment::bottom_right);
+}
+
+/// Throws what a paged_attention call with these arguments throws for its shapes and sequences.
+template <class T>
+void check_paged_call(const strided_view<const T>& q, const paged_kv_cache<T>& cache,
+                      const std::vector<index>& sequences, const std::vector<index>& query_counts) {
+    check_view_sizes(q, "query");
+    const index B = q.dims[0], H = q.dims[1], L = q.dims[2];
+    if (static_cast<index>(sequences.size()) != B || static_cast<index>(query_counts.size()) != B)
+        throw shape_error("attend.shape.sequences",
+                          concat("query ", spell_view(q), " has ", B, " batch rows but ", sequences.size(),
+                                 " sequences and ", query_counts.size(), " query counts are given (one each)"));
+    if (q.dims[3] != cache.head_dim())
+        throw shape_error("attend.shape.key_dim", concat("query head_dim ", q.dims[3], " != cache head_dim ",
+                                                         cache.head_dim(), " (query ", spell_view(q), ')'));
+    if (H < 1 || H % cache.kv_heads() != 0)
+        throw shape_error("attend.shape.gqa",
+                          concat("heads ", H, " is not a positive multiple of the cache's kv_heads ", cache.kv_heads(),
+                                 " (query ", spell_view(q), ')'));
+    for (std::size_t n = 0; n < sequences.size(); ++n) {
+        const index id = sequences[n], count = query_counts[n], length = cache.length(id);
+        if (count < 0 || count > L || count > length)
+            throw shape_error("attend.shape.sequences",
+                              concat("sequence ", id, " (batch row ", n, ") has ", count,
+                                     " queries, outside [0, min(query_len ", L, ", its length ", length,
+                                     ")]: its queries are its last positions, appended before the call"));
+        if (count > 0) cache.check_window(id, length - count);
+    }
+}
+
+/// paged_attention on a checked view of q, inside its allocation guard.
+template <class T>
+attention_result<T, 4> paged_attention_views(const strided_view<const T>& qv, const paged_kv_cache<T>& cache,
+                                             const std::vector<index>& sequences,
+                                             const std::vector<index>& query_counts, const sdpa_options& options) {
+    check_paged_call(qv, cache, sequences, query_counts);
+    if (options.need_weights)
+        throw value_error("attend.value.need_weights",
+                          "need_weights is not available over a paged cache: key_len differs per sequence; use "
+                          "scaled_dot_product_attention over one sequence's keys for them");
+    const index B = qv.dims[0], H = qv.dims[1], L = qv.dims[2], Dv = cache.value_dim();
+    using call_type = decltype(check_call(qv, cache.key_blocks(0), cache.value_blocks(0), attention_shape{},
+                                          cached_rule(0, 1), options));
+    std::vector<call_type> calls;
+    std::vector<attention_shape> shapes;
+    allocating(
+        [&] {
+            calls.reserve(static_cast<std::size_t>(B));
+            shapes.reserve(static_cast<std::size_t>(B));
+        },
+        [&] { return std::string("the per-sequence calls of paged_attention"); }, "Attend fewer sequences at once");
+    for (index n = 0; n < B; ++n) {
+        const index id = sequences[static_cast<std::size_t>(n)];
+        const auto k = cache.key_blocks(id), v = cache.value_blocks(id);
+        attention_shape s;
+        s.batch = 1;
+        s.heads = H;
+        s.kv_heads = cache.kv_heads();
+        s.query_len = query_counts[static_cast<std::size_t>(n)];
+        s.key_len = k.dims[2];
+        s.head_dim = cache.head_dim();
+        s.value_dim = Dv;
+        shapes.push_back(s);
+        calls.push_back(
+            check_call(batch_rows(qv, n, s.query_len), k, v, s, cached_rule(cache.window(), s.key_len), options));
+    }
+    attention_result<T, 4> r;
+    const char* hint = "split the batch";
+    resize_guarded(r.out, std::array<index, 4>{B, H, L, Dv}, "out", hint);
+    if (options.need_lse) resize_guarded(r.lse, std::array<index, 3>{B, H, L}, "lse", hint);
+    tensor<T, 1> lse_rows;  // one sequence's lse [1, heads, queries], contiguous as the kernel writes it
+    if (options.need_lse) resize_guarded(lse_rows, std::array<index, 1>{H * L}, "lse scratch", hint);
+    r.out.setZero();
+    if (options.need_lse) r.lse.setConstant(-std::numeric_limits<T>::infinity());
+    const auto out = as_mutable_view(r.out);
+    for (index n = 0; n < B; ++n) {
+        const attention_shape& s = shapes[static_cast<std::size_t>(n)];
+        if (s.query_len == 0) continue;
+        const index id = sequences[static_cast<std::size_t>(n)];
+        attention_outputs<T> o;
+        o.out = batch_rows(out, n, s.query_len);
+        o.lse = options.need_lse ? lse_rows.data() : nullptr;
+        run_checked(batch_rows(qv, n, s.query_len), cache.key_blocks(id), cache.value_blocks(id), s,
+                    calls[static_cast<std::size_t>(n)], o);
+        if (options.need_lse)
+            for (index h = 0; h < H; ++h)
+                std::copy(lse_rows.data() + h * s.query_len, lse_rows.data() + (h + 1) * s.query_len,
+                          r.lse.data() + (n * H + h) * L);
+    }
+    return r;
+}
+
+}  // namespace detail
+
+/// Attention of the newest positions of several sequences of `cache` over everything each of them holds:
+/// q `[batch, heads, query_len, head_dim]`, batch row n for sequence sequences[n], whose first query_counts[n] rows
+/// are its last query_counts[n] positions (appended to the cache before this call, so query i sits at position
+/// length - query_counts[n] + i and sees positions up to its own: causal, bottom-right aligned; with a rolling
+/// window only the last window of them). Rows past query_counts[n] are padding: zero output, lse -inf. Returns out
+/// `[batch, heads, query_len, value_dim]` and lse `[batch, heads, query_len]` (options.need_lse).
+///
+/// Each sequence is computed as a call of its own over its blocks, read in place: its result is bit for bit what
+/// scaled_dot_product_attention gives for it alone over a contiguous cache (the batch never changes a sequence's
+/// bits), and options' score_mod, score_bias and dropout see batch 0 and the sequence's own query and key indices.
+/// Throws value_error `attend.value.sequence`, shape_error `attend.shape.sequences` (list sizes, a count outside
+/// [0, min(query_len, length)]), `attend.shape.key_dim`, `attend.shape.gqa`, position_error
+/// `attend.position.window` (a query would see positions the rolling window dropped), value_error
+/// `attend.value.need_weights` (weights are not available over a cache), and what scaled_dot_product_attention
+/// throws for the options and values; all before anything is written.
+template <class Q, class T>
+attention_result<T, 4> paged_attention(const Q& q, const paged_kv_cache<T>& cache, const std::vector<index>& sequences,
+                                       const std::vector<index>& query_counts, const sdpa_options& options = {}) {
+    static_assert(std::is_same_v<detail::scalar_of<Q>, T> && detail::rank_of<Q>() == 4,
+                  "attend: paged_attention takes a rank-4 query [batch, heads, query_len, head_dim] of the cache's "
+                  "scalar type");
+    const auto qv = detail::checked_input(q);
+    // Every allocation of the call (lists, scratch, messages) fails as a typed error, before anything is written.
+    return detail::allocating(
+        [&] { return detail::paged_attention_views(qv, cache, sequences, query_counts, options); },
+        [] { return std::string("paged_attention's bookkeeping"); }, "Attend fewer sequences");
+}
+
+}  // namespace attend

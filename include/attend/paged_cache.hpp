@@ -1,0 +1,607 @@
+// SPDX-License-Identifier: MIT
+#pragma once
+/// paged_kv_cache: the keys and values of many sequences of different lengths in one pool of fixed-size blocks,
+/// for serving. Sequences join and leave; each has its own length and positions; a block table per sequence maps
+/// its positions to blocks (vLLM's PagedAttention, FlashAttention's block_table); blocks are shared by reference
+/// count, so fork and reorder copy block numbers, never keys or values; a rolling window hands back the blocks
+/// no query can see any more; truncate rolls back rejected tokens. paged_attention.hpp attends over it in place.
+///
+/// Every operation is all or nothing: when it throws (a bad argument, a full pool, an allocation) the cache is
+/// exactly as it was, block numbers and free list included.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "detail/input_scan.hpp"
+#include "detail/memory.hpp"
+#include "detail/paged_view.hpp"
+#include "error.hpp"
+#include "shape.hpp"
+#include "tensor.hpp"
+
+namespace attend {
+
+/// Sizes of a paged_kv_cache, fixed at construction.
+struct paged_cache_config {
+    index kv_heads = 1;       ///< key/value heads
+    index head_dim = 0;       ///< width of a cached key
+    index value_dim = 0;      ///< width of a cached value; 0: head_dim
+    index block_size = 16;    ///< positions per block; multiples of 64 let decoding read every key in place
+    index blocks = 0;         ///< blocks in the pool: 2 x blocks x kv_heads x block_size x dim scalars, all allocated
+                              ///< at construction
+    index max_sequences = 1;  ///< sequence slots: ids 0 .. max_sequences - 1
+    /// > 0: a rolling window (Mistral, Gemma local layers): a query at position p sees positions p - window + 1 to
+    /// p, attention adds sliding_window(window - 1, 0), and each append hands back the blocks that only hold
+    /// positions no later query can see. 0: every position is kept.
+    index window = 0;
+};
+
+template <class T>
+class paged_kv_cache;
+
+namespace detail {
+template <class T>
+class paged_append;
+}
+
+/// Keys `[kv_heads, length, head_dim]` and values `[kv_heads, length, value_dim]` of up to max_sequences
+/// sequences in a pool of blocks `[kv_heads, block_size, dim]`. Position i of a sequence is row i % block_size of
+/// block block_table(id)[i / block_size]. Copyable (a copy owns its own pool).
+template <class T>
+class paged_kv_cache {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                  "attend: paged_kv_cache<T> is defined for float and double");
+
+public:
+    /// An empty cache. Throws value_error `attend.value.size` if kv_heads, head_dim, block_size, blocks or
+    /// max_sequences is < 1 (value_dim < 0, window < 0), shape_error `attend.shape.overflow` if the pool's size
+    /// overflows Eigen::Index, resource_error `attend.resource.allocation` if it cannot be allocated.
+    explicit paged_kv_cache(const paged_cache_config& config) : c_(resolved(config)) {
+        const index positions = c_.blocks + 1;  // + the zero block
+        detail::allocating(
+            [&] {
+                keys_.assign(static_cast<std::size_t>(positions * c_.kv_heads * c_.block_size * c_.head_dim), T(0));
+                values_.assign(static_cast<std::size_t>(positions * c_.kv_heads * c_.block_size * c_.value_dim), T(0));
+                refs_.assign(static_cast<std::size_t>(c_.blocks), 0);
+                free_.resize(static_cast<std::size_t>(c_.blocks));
+                for (index b = 0; b < c_.blocks; ++b) free_[static_cast<std::size_t>(b)] = c_.blocks - 1 - b;
+                free_count_ = c_.blocks;  // block 0 is handed out first
+                sequences_.resize(static_cast<std::size_t>(c_.max_sequences));
+            },
+            [&] {
+                return detail::allocation_text(
+                    "paged_kv_cache pool (keys and values x blocks x kv_heads x block_size x dim)",
+                    std::array<index, 5>{2, positions, c_.kv_heads, c_.block_size, std::max(c_.head_dim, c_.value_dim)},
+                    sizeof(T));
+            },
+            "Choose fewer or smaller blocks");
+    }
+
+    const paged_cache_config& config() const { return c_; }  ///< with value_dim resolved
+    index kv_heads() const { return c_.kv_heads; }           ///< key/value heads
+    index head_dim() const { return c_.head_dim; }           ///< width of a cached key
+    index value_dim() const { return c_.value_dim; }         ///< width of a cached value
+    index block_size() const { return c_.block_size; }       ///< positions per block
+    index blocks() const { return c_.blocks; }               ///< blocks in the pool
+    index window() const { return c_.window; }               ///< rolling window, 0: none
+    index free_blocks() const { return free_count_; }        ///< blocks no sequence holds
+    /// The block every dropped position maps to (rolling window): all zeros, never written, held by no one.
+    index zero_block() const { return c_.blocks; }
+
+    /// Ids of the sequences in the cache, ascending.
+    std::vector<index> sequences() const {
+        std::vector<index> ids;
+        for (index id = 0; id < c_.max_sequences; ++id)
+            if (slot(id).active) ids.push_back(id);
+        return ids;
+    }
+    /// True when `id` is a sequence in the cache.
+    bool contains(index id) const { return id >= 0 && id < c_.max_sequences && slot(id).active; }
+    /// Positions appended to sequence `id`: its next token has position length(id). Throws value_error
+    /// `attend.value.sequence` unless contains(id).
+    index length(index id) const { return checked(id).length; }
+    /// Positions below this were dropped by the rolling window (0 without one): they read as zeros.
+    index dropped(index id) const { return checked(id).dropped_blocks * c_.block_size; }
+    /// The blocks of sequence `id`, position i in entry i / block_size; dropped positions show zero_block().
+    const std::vector<index>& block_table(index id) const { return checked(id).table; }
+    /// How many sequences hold `block` (0: free).
+    index references(index block) const {
+        if (block < 0 || block >= c_.blocks)
+            throw value_error("attend.value.block",
+                              detail::concat("block ", block, " is not in the pool of ", c_.blocks, " blocks"));
+        return refs_[static_cast<std::size_t>(block)];
+    }
+
+    /// Key `[head_dim]` of (sequence, kv head, position) in the pool (a dropped position gives the zero block's
+    /// row). Throws value_error `attend.value.sequence` or position_error `attend.position.range`.
+    const T* key_row(index id, index head, index position) const {
+        return row_of(keys_.data(), c_.head_dim, id, head, position);
+    }
+    /// Value `[value_dim]` of (sequence, kv head, position), like key_row.
+    const T* value_row(index id, index head, index position) const {
+        return row_of(values_.data(), c_.value_dim, id, head, position);
+    }
+
+    /// Adds an empty sequence and returns its id (the lowest free slot). Throws position_error
+    /// `attend.position.sequence_slots` when all max_sequences slots are taken.
+    index add_sequence() {
+        const index id = free_slot();
+        sequence& s = slot(id);
+        s = sequence{};
+        s.active = true;
+        return id;
+    }
+
+    /// Removes sequence `id`, handing back the blocks no other sequence holds. Throws value_error
+    /// `attend.value.sequence` unless contains(id).
+    void remove_sequence(index id) {
+        sequence& s = checked_mut(id);
+        for (index b : s.table) release(b);
+        s.table.clear();
+        s.active = false;
+    }
+
+    /// A new sequence that shares every block of `from` (its prefix, as beam search and shared prompts need): block
+    /// numbers are copied and reference counts raised, no key or value is. The first append into a shared,
+    /// partly filled block copies that one block (copy on write). Returns the new id. Throws value_error
+    /// `attend.value.sequence`, position_error `attend.position.sequence_slots`.
+    index fork(index from) {
+        return detail::allocating([&] { return fork_unguarded(from); },
+                                  [] { return std::string("paged_kv_cache::fork's block table"); },
+                                  "Free sequences first");
+    }
+
+    /// Keeps the first `length` positions of sequence `id` (speculative decoding's rollback of rejected tokens).
+    /// Throws value_error `attend.value.sequence`, position_error `attend.position.truncate` unless
+    /// 0 <= length <= length(id), position_error `attend.position.window` when the rolling window already
+    /// dropped positions a query at `length` would see (a truncation back to the length before the last append is
+    /// always possible).
+    void truncate(index id, index length) {
+        sequence& s = checked_mut(id);
+        if (length < 0 || length > s.length)
+            throw position_error("attend.position.truncate",
+                                 detail::concat("cannot truncate sequence ", id, " of length ", s.length, " to length ",
+                                                length, " (a truncation keeps 0 .. length positions)"));
+        check_window(id, length);
+        const index keep = blocks_for(length);
+        while (static_cast<index>(s.table.size()) > keep) {
+            release(s.table.back());
+            s.table.pop_back();
+        }
+        s.length = length;
+        s.dropped_blocks = std::min(s.dropped_blocks, keep);
+    }
+
+    /// Beam search's reorder: sequence ids[n] becomes a copy of what sources[n] held (sources may repeat and may
+    /// be any sequences of the cache), by block numbers and reference counts. Throws value_error
+    /// `attend.value.sequence` (an id not in the cache, or listed twice in ids), shape_error
+    /// `attend.shape.sequences` if the two lists differ in size.
+    void reorder(const std::vector<index>& ids, const std::vector<index>& sources) {
+        if (ids.size() != sources.size())
+            throw shape_error("attend.shape.sequences",
+                              detail::concat("reorder takes one source per id, got ", ids.size(), " ids and ",
+                                             sources.size(), " sources"));
+        check_distinct(ids);
+        for (index id : sources) checked(id);
+        std::vector<sequence> next = detail::allocating(
+            [&] {
+                std::vector<sequence> n;
+                n.reserve(ids.size());
+                for (index id : sources) n.push_back(slot(id));
+                return n;
+            },
+            [&] { return table_text(); }, "Free sequences first");
+        for (const sequence& s : next)
+            for (index b : s.table) hold(b);
+        for (std::size_t n = 0; n < ids.size(); ++n) {
+            sequence& s = slot(ids[n]);
+            for (index b : s.table) release(b);
+            s = std::move(next[n]);
+        }
+    }
+
+    /// Appends new_tokens[n] positions to sequence ids[n] (ragged: each its own count): its first new_tokens[n]
+    /// rows of k_new `[ids.size(), kv_heads, max new tokens, head_dim]` and v_new `[..., value_dim]`
+    /// (attend::tensor, TensorMap or strided_view). With a rolling window, the blocks that hold only positions
+    /// the first new token cannot see are handed back after the new blocks are taken. Throws value_error
+    /// `attend.value.sequence`, shape_error `attend.shape.sequences` (list sizes, a count outside [0, max new
+    /// tokens]), shape_error `attend.shape.cache` (k_new or v_new does not fit), value_error
+    /// `attend.value.non_finite` (NaN or inf in what would be appended), shape_error `attend.shape.aliasing`
+    /// (k_new or v_new inside the pool), position_error `attend.position.cache_full` (not enough free blocks),
+    /// resource_error `attend.resource.allocation`; nothing is appended then.
+    template <class K, class V>
+    void append(const std::vector<index>& ids, const K& k_new, const V& v_new, const std::vector<index>& new_tokens) {
+        static_assert(std::is_same_v<detail::scalar_of<K>, T> && std::is_same_v<detail::scalar_of<V>, T>,
+                      "attend: paged_kv_cache<T>::append takes keys and values of scalar type T");
+        const auto k = detail::as_view(k_new), v = detail::as_view(v_new);
+        // Every allocation of the call (lists, messages) fails as a typed error; the cache changes only in commit.
+        detail::allocating([&] { append_views(ids, k, v, new_tokens); },
+                           [] { return std::string("paged_kv_cache::append's bookkeeping"); },
+                           "Append to fewer sequences at once");
+    }
+
+    /// Appends every row of k_new `[1, kv_heads, L, head_dim]` and v_new `[1, kv_heads, L, value_dim]` to sequence
+    /// `id`; throws what the ragged append throws.
+    template <class K, class V>
+    void append(index id, const K& k_new, const V& v_new) {
+        append(std::vector<index>{id}, k_new, v_new, std::vector<index>{detail::as_view(k_new).dims[2]});
+    }
+
+    /// Keys of sequence `id` as the kernels read them: `[1, kv_heads, length(id), head_dim]` through its block
+    /// table. Valid until the sequence's table changes (append, truncate, reorder, remove).
+    detail::paged_view<T> key_blocks(index id) const { return view(keys_.data(), c_.head_dim, checked(id)); }
+    /// Values of sequence `id` `[1, kv_heads, length(id), value_dim]`, like key_blocks.
+    detail::paged_view<T> value_blocks(index id) const { return view(values_.data(), c_.value_dim, checked(id)); }
+
+    /// Throws position_error `attend.position.window` when the rolling window already dropped positions that a
+    /// query at position `position` of sequence `id` would see.
+    void check_window(index id, index position) const {
+        const sequence& s = checked(id);
+        if (c_.window == 0 || s.dropped_blocks == 0) return;
+        const index first_needed = position - c_.window + 1;
+        if (first_needed < s.dropped_blocks * c_.block_size)
+            throw position_error(
+                "attend.position.window",
+                detail::concat("a query at position ", position, " of sequence ", id, " sees positions from ",
+                               std::max<index>(0, first_needed), " (window ", c_.window,
+                               "), but the rolling window has already dropped positions below ",
+                               s.dropped_blocks * c_.block_size,
+                               "; only the tokens of the last append can be rolled back or attended again"));
+    }
+
+private:
+    friend class detail::paged_append<T>;
+
+    index fork_unguarded(index from) {
+        const sequence& source = checked(from);
+        const index id = free_slot();
+        std::vector<index> table = source.table;
+        for (index b : table) hold(b);
+        sequence& s = slot(id);
+        s.active = true;
+        s.length = source.length;
+        s.dropped_blocks = source.dropped_blocks;
+        s.table = std::move(table);
+        return id;
+    }
+
+    /// append on views, inside its allocation guard.
+    void append_views(const std::vector<index>& ids, const strided_view<const T>& k, const strided_view<const T>& v,
+                      const std::vector<index>& new_tokens) {
+        detail::check_view_sizes(k, "new keys");
+        detail::check_view_sizes(v, "new values");
+        if (ids.size() != new_tokens.size() || k.dims[0] != static_cast<index>(ids.size()) || k.dims[0] != v.dims[0])
+            throw shape_error("attend.shape.sequences",
+                              detail::concat("append takes one new-token count and one batch row of k_new and v_new "
+                                             "per sequence, got ",
+                                             ids.size(), " ids, ", new_tokens.size(), " counts, k_new ",
+                                             detail::spell_view(k), " and v_new ", detail::spell_view(v)));
+        std::vector<strided_view<const T>> keys, values;
+        detail::allocating(
+            [&] {
+                keys.reserve(ids.size());
+                values.reserve(ids.size());
+            },
+            [&] { return std::string("the append's list of sequences"); }, "Append to fewer sequences at once");
+        for (std::size_t n = 0; n < ids.size(); ++n) {
+            const index t = new_tokens[n];
+            if (t < 0 || t > k.dims[2])
+                throw shape_error("attend.shape.sequences",
+                                  detail::concat("sequence ", ids[n], " appends ", t, " new tokens, outside [0, ",
+                                                 k.dims[2], "] (the rows of k_new)"));
+            keys.push_back(detail::batch_rows(k, static_cast<index>(n), t));
+            values.push_back(detail::batch_rows(v, static_cast<index>(n), t));
+        }
+        detail::paged_append<T> append(*this, ids, keys, values);
+        append.commit();
+        append.done();
+    }
+
+    struct sequence {
+        bool active = false;
+        index length = 0;
+        index dropped_blocks = 0;  ///< leading table entries that map to the zero block
+        std::vector<index> table;
+    };
+
+    static paged_cache_config resolved(paged_cache_config c) {
+        if (c.value_dim == 0) c.value_dim = c.head_dim;
+        if (c.kv_heads < 1 || c.head_dim < 1 || c.value_dim < 1 || c.block_size < 1 || c.blocks < 1 ||
+            c.max_sequences < 1 || c.window < 0)
+            throw value_error("attend.value.size",
+                              detail::concat("paged_kv_cache sizes must be >= 1 (window >= 0), got kv_heads ",
+                                             c.kv_heads, ", head_dim ", c.head_dim, ", value_dim ", c.value_dim,
+                                             ", block_size ", c.block_size, ", blocks ", c.blocks, ", max_sequences ",
+                                             c.max_sequences, ", window ", c.window));
+        if (detail::product_overflows(c.blocks + 1, c.kv_heads, c.block_size, std::max(c.head_dim, c.value_dim)))
+            throw shape_error("attend.shape.overflow",
+                              detail::concat("paged_kv_cache pool [", c.blocks + 1, ',', c.kv_heads, ',', c.block_size,
+                                             ',', std::max(c.head_dim, c.value_dim), "] overflows Eigen::Index"));
+        return c;
+    }
+
+    index blocks_for(index positions) const { return (positions + c_.block_size - 1) / c_.block_size; }
+    sequence& slot(index id) { return sequences_[static_cast<std::size_t>(id)]; }
+    const sequence& slot(index id) const { return sequences_[static_cast<std::size_t>(id)]; }
+
+    const sequence& checked(index id) const {
+        if (!contains(id))
+            throw value_error("attend.value.sequence",
+                              detail::concat("sequence ", id, " is not in the cache (ids 0 .. ", c_.max_sequences - 1,
+                                             "; add_sequence or fork make one)"));
+        return slot(id);
+    }
+    sequence& checked_mut(index id) {
+        checked(id);
+        return slot(id);
+    }
+    void check_distinct(const std::vector<index>& ids) const {
+        for (std::size_t n = 0; n < ids.size(); ++n) {
+            checked(ids[n]);
+            for (std::size_t m = 0; m < n; ++m)
+                if (ids[m] == ids[n])
+                    throw value_error("attend.value.sequence",
+                                      detail::concat("sequence ", ids[n], " is listed twice (entries ", m, " and ", n,
+                                                     ")"));
+        }
+    }
+    index free_slot() const {
+        for (index id = 0; id < c_.max_sequences; ++id)
+            if (!slot(id).active) return id;
+        throw position_error("attend.position.sequence_slots",
+                             detail::concat("all ", c_.max_sequences,
+                                            " sequence slots are taken; remove a sequence or make the cache with "
+                                            "more max_sequences"));
+    }
+    static std::string table_text() { return "a sequence's block table"; }
+
+    void hold(index block) noexcept {
+        if (block != zero_block()) ++refs_[static_cast<std::size_t>(block)];
+    }
+    void release(index block) noexcept {
+        if (block == zero_block()) return;
+        if (--refs_[static_cast<std::size_t>(block)] == 0) push_free(block);
+    }
+    index take() noexcept {
+        const index b = free_[static_cast<std::size_t>(--free_count_)];
+        refs_[static_cast<std::size_t>(b)] = 1;
+        return b;
+    }
+    /// The free list is a stack in a vector sized for every block, so handing a block back never allocates.
+    void push_free(index block) noexcept { free_[static_cast<std::size_t>(free_count_++)] = block; }
+
+    T* block_row(std::vector<T>& pool, index dim, index block, index head, index row) {
+        return pool.data() + ((block * c_.kv_heads + head) * c_.block_size + row) * dim;
+    }
+    const T* row_of(const T* pool, index dim, index id, index head, index position) const {
+        const sequence& s = checked(id);
+        if (head < 0 || head >= c_.kv_heads || position < 0 || position >= s.length)
+            throw position_error("attend.position.range",
+                                 detail::concat("(kv head ", head, ", position ", position, ") is outside sequence ",
+                                                id, " (kv_heads ", c_.kv_heads, ", length ", s.length, ")"));
+        const index block = s.table[static_cast<std::size_t>(position / c_.block_size)];
+        return pool + ((block * c_.kv_heads + head) * c_.block_size + position % c_.block_size) * dim;
+    }
+    detail::paged_view<T> view(const T* pool, index dim, const sequence& s) const {
+        detail::paged_view<T> v;
+        v.pool = pool;
+        v.table = s.table.data();
+        v.dims = {1, c_.kv_heads, s.length, dim};
+        v.block_size = c_.block_size;
+        return v;
+    }
+
+    paged_cache_config c_;
+    std::vector<T> keys_, values_;  ///< `[blocks + 1, kv_heads, block_size, dim]`; the last block is the zero block
+    std::vector<index> refs_;       ///< `[blocks]` sequences holding each block
+    std::vector<index> free_;       ///< `[blocks]`: free blocks in [0, free_count_), a stack
+    index free_count_ = 0;
+    std::vector<sequence> sequences_;
+};
+
+namespace detail {
+
+/// One append to a paged cache as a transaction: the constructor checks everything and reserves every byte it
+/// will need (nothing changes), commit() writes (it cannot fail), and until done() rollback() restores the cache
+/// exactly, block numbers and free list included. Multi-head attention appends, attends and only then calls
+/// done(), so a failure in between takes the new positions back out.
+template <class T>
+class paged_append {
+public:
+    /// keys[n] `[1, kv_heads, new tokens, head_dim]` and values[n] `[1, kv_heads, new tokens, value_dim]` go to
+    /// sequence ids[n] (the lists as long as ids).
+    paged_append(paged_kv_cache<T>& cache, const std::vector<index>& ids,
+                 const std::vector<strided_view<const T>>& keys, const std::vector<strided_view<const T>>& values)
+        : c_(cache), ids_(ids), k_(keys), v_(values) {
+        check();
+        allocating(
+            [&] {
+                journal_.resize(ids.size());
+                for (std::size_t n = 0; n < ids.size(); ++n) {
+                    const auto& s = c_.slot(ids[n]);
+                    const index grow = c_.blocks_for(s.length + tokens(n)) - static_cast<index>(s.table.size());
+                    c_.slot(ids[n]).table.reserve(s.table.size() + static_cast<std::size_t>(grow));
+                    journal_[n].released.reserve(static_cast<std::size_t>(droppable(s.length, s.dropped_blocks)));
+                }
+            },
+            [&] { return std::string("the append's block tables"); }, "Append fewer tokens at once");
+    }
+    paged_append(const paged_append&) = delete;
+    paged_append& operator=(const paged_append&) = delete;
+    ~paged_append() {
+        if (committed_ && !done_) rollback();
+    }
+
+    /// Writes the new positions: copies shared partly filled blocks (copy on write), takes new blocks, copies the
+    /// rows, then hands back the blocks the rolling window drops. Cannot fail.
+    void commit() noexcept {
+        for (std::size_t n = 0; n < ids_.size(); ++n) append_one(n);
+        for (std::size_t n = 0; n < ids_.size(); ++n) drop_out_of_window(n);
+        committed_ = true;
+    }
+    /// Keeps what commit wrote.
+    void done() noexcept { done_ = true; }
+
+    /// Undoes commit in reverse order: the cache is as it was before the constructor.
+    void rollback() noexcept {
+        for (std::size_t n = ids_.size(); n-- > 0;) {
+            auto& s = c_.slot(ids_[n]);
+            entry& e = journal_[n];
+            for (std::size_t r = e.released.size(); r-- > 0;) {
+                const auto [at, block, freed] = e.released[r];
+                if (freed) --c_.free_count_;
+                ++c_.refs_[static_cast<std::size_t>(block)];
+                s.table[static_cast<std::size_t>(at)] = block;
+            }
+            s.dropped_blocks = e.dropped_blocks;
+        }
+        for (std::size_t n = ids_.size(); n-- > 0;) {
+            auto& s = c_.slot(ids_[n]);
+            entry& e = journal_[n];
+            while (static_cast<index>(s.table.size()) > e.table_size) {
+                c_.refs_[static_cast<std::size_t>(s.table.back())] = 0;
+                c_.push_free(s.table.back());
+                s.table.pop_back();
+            }
+            if (e.copied >= 0) {
+                const index at = e.table_size - 1;
+                c_.refs_[static_cast<std::size_t>(s.table[static_cast<std::size_t>(at)])] = 0;
+                c_.push_free(s.table[static_cast<std::size_t>(at)]);
+                s.table[static_cast<std::size_t>(at)] = e.copied;
+                ++c_.refs_[static_cast<std::size_t>(e.copied)];
+            }
+            s.length = e.length;
+        }
+        done_ = true;
+    }
+
+private:
+    struct released_block {
+        index at, block;
+        bool freed;
+    };
+    struct entry {
+        index length = 0, table_size = 0, dropped_blocks = 0;
+        index copied = -1;  ///< the shared block replaced by a private copy, or -1
+        std::vector<released_block> released;
+    };
+
+    index tokens(std::size_t n) const { return k_[n].dims[2]; }
+
+    void check() {
+        c_.check_distinct(ids_);
+        index needed = 0;
+        for (std::size_t n = 0; n < ids_.size(); ++n) {
+            const auto &k = k_[n], &v = v_[n];
+            const index t = k.dims[2];
+            const std::array<index, 4> k_expected{1, c_.kv_heads(), t, c_.head_dim()};
+            const std::array<index, 4> v_expected{1, c_.kv_heads(), t, c_.value_dim()};
+            if (k.rank != 4 || k.dims != k_expected || v.rank != 4 || v.dims != v_expected)
+                throw shape_error("attend.shape.cache",
+                                  concat("new keys ", spell_view(k), " and values ", spell_view(v), " of sequence ",
+                                         ids_[n], " do not fit: expected ", format_shape(k_expected), " and ",
+                                         format_shape(v_expected),
+                                         " = [1, kv_heads, new tokens, head_dim / value_dim] per sequence"));
+            const auto& s = c_.slot(ids_[n]);
+            needed += c_.blocks_for(s.length + t) - static_cast<index>(s.table.size());
+            if (t > 0 && s.length % c_.block_size() != 0 && c_.refs_[static_cast<std::size_t>(s.table.back())] > 1)
+                ++needed;  // copy on write
+            for (index h = 0; h < c_.kv_heads(); ++h)
+                for (index i = 0; i < t; ++i) {
+                    check_finite_row(k, h, i, "new keys");
+                    check_finite_row(v, h, i, "new values");
+                }
+        }
+        if (needed > c_.free_blocks())
+            throw position_error("attend.position.cache_full",
+                                 concat("the pool has ", c_.free_blocks(), " free blocks of ", c_.block_size(),
+                                        " positions and this append needs ", needed,
+                                        " (nothing was appended; remove or truncate sequences, or make a larger "
+                                        "pool)"));
+        const std::array<index, 4> pool_k{c_.blocks() + 1, c_.kv_heads(), c_.block_size(), c_.head_dim()};
+        const std::array<index, 4> pool_v{c_.blocks() + 1, c_.kv_heads(), c_.block_size(), c_.value_dim()};
+        for (std::size_t n = 0; n < ids_.size(); ++n)
+            check_no_aliasing({named("new keys", k_[n]), named("new values", v_[n])},
+                              {named("cache keys", c_.keys_.data(), pool_k),
+                               named("cache values", c_.values_.data(), pool_v)});
+    }
+
+    static void check_finite_row(const strided_view<const T>& x, index h, index i, const char* name) {
+        const T* row = x.row(0, h, i);
+        for (index d = 0; d < x.dims[3]; ++d)
+            if (!std::isfinite(row[d])) throw_non_finite(x, 0, h, i, d, name);
+    }
+
+    /// Leading blocks, of a sequence of this length with this many blocks dropped, that hold only positions a
+    /// token appended next cannot see.
+    index droppable(index length, index dropped_blocks) const {
+        if (c_.window() == 0) return 0;
+        const index first_needed = length - c_.window() + 1;
+        return first_needed <= 0 ? 0 : first_needed / c_.block_size() - dropped_blocks;
+    }
+
+    void append_one(std::size_t n) noexcept {
+        const index id = ids_[n], t = tokens(n), bs = c_.block_size();
+        auto& s = c_.slot(id);
+        entry& e = journal_[n];
+        e.length = s.length;
+        e.table_size = static_cast<index>(s.table.size());
+        e.dropped_blocks = s.dropped_blocks;
+        if (t == 0) return;
+        if (s.length % bs != 0 && c_.refs_[static_cast<std::size_t>(s.table.back())] > 1) {
+            const index shared = s.table.back(), copy = c_.take();
+            for (index h = 0; h < c_.kv_heads(); ++h) {
+                std::copy(c_.block_row(c_.keys_, c_.head_dim(), shared, h, 0),
+                          c_.block_row(c_.keys_, c_.head_dim(), shared, h, s.length % bs),
+                          c_.block_row(c_.keys_, c_.head_dim(), copy, h, 0));
+                std::copy(c_.block_row(c_.values_, c_.value_dim(), shared, h, 0),
+                          c_.block_row(c_.values_, c_.value_dim(), shared, h, s.length % bs),
+                          c_.block_row(c_.values_, c_.value_dim(), copy, h, 0));
+            }
+            --c_.refs_[static_cast<std::size_t>(shared)];
+            s.table.back() = copy;
+            e.copied = shared;
+        }
+        for (index i = 0; i < t; ++i) {
+            const index p = s.length + i;
+            if (p % bs == 0) s.table.push_back(c_.take());  // capacity reserved: cannot throw
+            const index block = s.table[static_cast<std::size_t>(p / bs)];
+            for (index h = 0; h < c_.kv_heads(); ++h) {
+                const T* kr = k_[n].row(0, h, i);
+                const T* vr = v_[n].row(0, h, i);
+                std::copy(kr, kr + c_.head_dim(), c_.block_row(c_.keys_, c_.head_dim(), block, h, p % bs));
+                std::copy(vr, vr + c_.value_dim(), c_.block_row(c_.values_, c_.value_dim(), block, h, p % bs));
+            }
+        }
+        s.length += t;
+    }
+
+    void drop_out_of_window(std::size_t n) noexcept {
+        auto& s = c_.slot(ids_[n]);
+        entry& e = journal_[n];
+        const index drop = droppable(e.length, e.dropped_blocks);
+        for (index at = s.dropped_blocks; at < s.dropped_blocks + drop; ++at) {
+            const index block = s.table[static_cast<std::size_t>(at)];
+            const bool freed = c_.refs_[static_cast<std::size_t>(block)] == 1;
+            c_.release(block);
+            s.table[static_cast<std::size_t>(at)] = c_.zero_block();
+            e.released.push_back({at, block, freed});  // capacity reserved: cannot throw
+        }
+        s.dropped_blocks += drop;
+    }
+    paged_kv_cache<T>& c_;
+    const std::vector<index>& ids_;
+    const std::vector<strided_view<const T>>& k_;
+    const std::vector<strided_view<const T>>& v_;
+    std::vector<entry> journal_;
+    bool committed_ = false, done_ = false;
+};
+
+}  // namespace detail
+
+}  // namespace attend

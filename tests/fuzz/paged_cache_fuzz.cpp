@@ -1,0 +1,67 @@
+// SPDX-License-Identifier: MIT
+// Fuzz target: serving sessions over a paged KV cache, every decision drawn from the input. Sequences join,
+// leave, fork, roll back, reorder, and ragged batches append and attend (tests/support/paged_model.hpp); after
+// every operation the cache must equal a model that keeps each sequence in a plain kv_cache of its own, the
+// pool's bookkeeping must hold, a refused operation must be the right typed error and change nothing, and
+// attention over the batch must equal, bit for bit, attention over each sequence alone.
+#include <cstddef>
+#include <cstdint>
+#include <sstream>
+#include <string>
+
+#include "fuzz_check.hpp"
+#include "fuzz_input.hpp"
+#include "support/paged_model.hpp"
+
+namespace attend_fuzz {
+namespace {
+
+struct input_choice {
+    fuzz_input* in;
+    index operator()(index lo, index hi) const { return in->in_range(lo, hi); }
+};
+
+struct abort_failure {
+    void operator()(const std::string& what) const { fail(what); }
+};
+
+template <class T>
+void run_session(fuzz_input& in) {
+    typename attend_test::paged_session<T, input_choice, abort_failure>::sizes z;
+    static constexpr index head_layouts[][2] = {{1, 1}, {2, 1}, {4, 2}, {3, 3}};
+    const auto& heads = head_layouts[in.choose(4)];
+    z.heads = heads[0];
+    z.kv_heads = heads[1];
+    z.head_dim = in.in_range(1, 8);
+    z.block_size = in.in_range(1, 9);
+    z.blocks = in.in_range(1, 80);
+    z.max_sequences = in.in_range(1, 5);
+    z.window = in.chance(96) ? in.in_range(1, 40) : 0;
+    z.max_new = in.in_range(0, 6);
+    z.prefill = in.in_range(0, 60);
+    z.history = 400;
+    attend::sdpa_options o;
+    o.threads = 1 + in.choose(2);
+    if (in.chance(64)) o.softcap = 0.5 + static_cast<double>(in.in_range(0, 40)) / 8.0;
+    std::ostringstream text;
+    text << "paged session: " << (sizeof(T) == 4 ? "float" : "double") << ", heads " << z.heads << "/" << z.kv_heads
+         << ", head_dim " << z.head_dim << ", block_size " << z.block_size << ", blocks " << z.blocks
+         << ", max_sequences " << z.max_sequences << ", window " << z.window << ", threads " << o.threads;
+    case_description() = text.str();
+    attend_test::paged_session<T, input_choice, abort_failure> session(z, o, input_choice{&in}, abort_failure{},
+                                                                       in.word());
+    for (int step = 0; step < 64 && !in.exhausted(); ++step) {
+        session.step();
+        session.check_model();
+    }
+}
+
+}  // namespace
+}  // namespace attend_fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+    attend_fuzz::fuzz_input in(data, size);
+    if (in.chance(128)) attend_fuzz::run_session<float>(in);
+    else attend_fuzz::run_session<double>(in);
+    return 0;
+}

@@ -1,0 +1,531 @@
+// SPDX-License-Identifier: MIT
+// Tests of attend/paged_cache.hpp and attend/paged_attention.hpp: serving sessions of random joins, leaves,
+// forks, rollbacks, reorders and ragged appends, each checked against every sequence decoded alone in a plain
+// kv_cache (bit for bit); rolling windows against full attention with a sliding window; forks that copy block
+// numbers, not keys; and every error, which leaves the cache exactly as it was.
+#include <attend/attend.hpp>
+#include <attend/paged_attention.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "support/compare.hpp"
+#include "support/errors.hpp"
+#include "support/paged_model.hpp"
+#include "support/random.hpp"
+
+namespace {
+
+using attend::index;
+using attend::tensor;
+using attend_test::expect_error;
+using attend_test::state_of;
+
+/// An rng as the session's chooser.
+struct rng_choice {
+    attend_test::rng* g;
+    index operator()(index lo, index hi) const { return g->uniform_int(lo, hi); }
+};
+
+/// A session's problems as gtest failures.
+struct gtest_failure {
+    void operator()(const std::string& what) const { ADD_FAILURE() << what; }
+};
+
+template <class T>
+using session = attend_test::paged_session<T, rng_choice, gtest_failure>;
+
+/// `steps` random operations, the model checked after each; returns what the session did.
+template <class T>
+typename session<T>::tally run_session(const typename session<T>::sizes& z, const attend::sdpa_options& o,
+                                       std::uint64_t seed, int steps) {
+    attend_test::rng g(seed);
+    session<T> s(z, o, rng_choice{&g}, gtest_failure{}, seed + 1000);
+    for (int n = 0; n < steps && !s.failed(); ++n) {
+        s.step();
+        s.check_model();
+    }
+    return s.done();
+}
+
+TEST(PagedCache, RaggedSessionsAreBitIdenticalToEachSequenceDecodedAloneInAPlainCache) {
+    for (index block_size : {1, 4, 16, 64}) {
+        SCOPED_TRACE("block_size " + std::to_string(block_size));
+        session<double>::sizes z;
+        z.block_size = block_size;
+        z.blocks = 1000 / block_size + 8;
+        z.prefill = 250;
+        attend::sdpa_options o;
+        o.threads = 2;
+        const auto done =
+            run_session<double>(z, o, 7 + static_cast<std::uint64_t>(block_size), attend_test::repeat(250));
+        // The session reached what it is about: forks that later copied a shared block, rollbacks, reorders, a
+        // full pool or full slots refused, and sequences longer than one key tile (256 keys in double).
+        EXPECT_GT(done.attended_rows, 300);
+        EXPECT_GT(done.forks, 3);
+        if (block_size > 1) {  // a block of one position is never partly filled
+            EXPECT_GT(done.copies_on_write, 0);
+        }
+        EXPECT_GT(done.truncations, 3);
+        EXPECT_GT(done.reorders, 3);
+        EXPECT_GT(done.refusals, 0);
+        EXPECT_GT(done.longest, 256);
+    }
+}
+
+TEST(PagedCache, FloatSessionsWithSoftcapSinksAndOneThreadAreBitIdenticalToo) {
+    session<float>::sizes z;
+    z.block_size = 8;
+    z.blocks = 64;
+    z.heads = 6;
+    z.kv_heads = 3;
+    z.head_dim = 16;
+    attend::sdpa_options o;
+    o.threads = 1;
+    o.softcap = 3.0;
+    o.sinks = attend::attention_sinks{0.5, -1.0, 2.0, 0.0, 1.5, -0.25};
+    const auto done = run_session<float>(z, o, 11, attend_test::repeat(100));
+    EXPECT_GT(done.attended_rows, 200);
+    EXPECT_GT(done.copies_on_write, 0);
+}
+
+TEST(PagedCache, RollingWindowSessionsEqualFullAttentionWithASlidingWindowOverTheWholeHistory) {
+    for (index block_size : {4, 16}) {
+        SCOPED_TRACE("block_size " + std::to_string(block_size));
+        session<double>::sizes z;
+        z.block_size = block_size;
+        z.window = 23;
+        // Few blocks: the window has to hand blocks back for the sessions to go on.
+        z.blocks = 400 / block_size + 4;
+        z.prefill = 120;
+        z.history = 2048;
+        attend::sdpa_options o;
+        o.threads = 2;
+        const auto done =
+            run_session<double>(z, o, 23 + static_cast<std::uint64_t>(block_size), attend_test::repeat(200));
+        EXPECT_GT(done.dropped_blocks, 20);
+        EXPECT_GT(done.longest, 300);
+        EXPECT_GT(done.attended_rows, 300);
+    }
+}
+
+/// A cache with one sequence of `length` random positions; returns its id.
+template <class T>
+index fill_sequence(attend::paged_kv_cache<T>& c, index length, std::uint64_t seed) {
+    const index id = c.add_sequence();
+    tensor<T, 4> k(1, c.kv_heads(), length, c.head_dim()), v(1, c.kv_heads(), length, c.value_dim());
+    attend_test::fill_uniform(k, seed);
+    attend_test::fill_uniform(v, seed + 1);
+    c.append(id, k, v);
+    return id;
+}
+
+TEST(PagedCache, LongSequencesTakeTheSplitKeyDecodePathAndStayBitIdentical) {
+    // Past 2048 keys (float, head_dim < 128) one query is split into key chunks; block sizes that do and do not
+    // divide the GEMV slices, so some slices are read in place and some through the scratch copy.
+    for (index block_size : {16, 64, 48}) {
+        const auto cfg = attend_test::paged_config(2, 32, block_size, 3000 / block_size + 4, 2);
+        attend::paged_kv_cache<float> c(cfg);
+        const index id = fill_sequence(c, 2600, 5);
+        attend::kv_cache<float> plain(1, 2, 2600, 32, 32);
+        {
+            tensor<float, 4> k(1, 2, 2600, 32), v(1, 2, 2600, 32);
+            attend_test::fill_uniform(k, 5);
+            attend_test::fill_uniform(v, 6);
+            plain.append(k, v);
+        }
+        tensor<float, 4> q(1, 8, 1, 32);
+        attend_test::fill_uniform(q, 9);
+        for (int threads : {1, 2}) {
+            attend::sdpa_options o;
+            o.threads = threads;
+            const auto paged = attend::paged_attention(q, c, {id}, {1}, o);
+            const auto alone = attend::scaled_dot_product_attention(q, plain.keys(), plain.values(),
+                                                                    attend::causal(attend::alignment::bottom_right), o);
+            EXPECT_TRUE(attend_test::bit_equal(paged.out, alone.out)) << "block_size " << block_size;
+            EXPECT_TRUE(attend_test::bit_equal(paged.lse, alone.lse)) << "block_size " << block_size;
+        }
+    }
+}
+
+TEST(PagedCache, TheReferenceKernelReadsTheBlocksToo) {
+    const auto cfg = attend_test::paged_config(1, 8, 3, 20);
+    attend::paged_kv_cache<double> c(cfg);
+    const index id = fill_sequence(c, 40, 3);
+    tensor<double, 4> q(1, 2, 4, 8);
+    attend_test::fill_uniform(q, 4);
+    attend::sdpa_options tiled, reference;
+    reference.kernel = attend::kernel::reference;
+    const auto a = attend::paged_attention(q, c, {id}, {4}, tiled);
+    const auto b = attend::paged_attention(q, c, {id}, {4}, reference);
+    EXPECT_LT(attend_test::max_abs_diff(a.out, b.out), 1e-14);
+    EXPECT_LT(attend_test::max_abs_diff(a.lse, b.lse), 1e-14);
+}
+
+TEST(PagedCache, AForkCopiesBlockNumbersNotKeysAndAWriteCopiesOnlyTheSharedTailBlock) {
+    const auto cfg = attend_test::paged_config(2, 4, 8, 40, 4);
+    attend::paged_kv_cache<float> c(cfg);
+    const index parent = fill_sequence(c, 8 * 25 + 3, 1);  // 25 full blocks and 3 positions of a 26th
+    const index free_before = c.free_blocks();
+    const auto before = state_of(c);
+    const index child = c.fork(parent);
+    // No block taken, no key copied: the child's table is the parent's and every row is the same memory.
+    EXPECT_EQ(c.free_blocks(), free_before);
+    EXPECT_EQ(c.block_table(child), c.block_table(parent));
+    for (index p = 0; p < c.length(parent); ++p) EXPECT_EQ(c.key_row(child, 1, p), c.key_row(parent, 1, p));
+    for (index b : c.block_table(parent)) EXPECT_EQ(c.references(b), 2);
+    // The child appends into the shared, partly filled last block: that one block is copied, nothing else.
+    tensor<float, 4> k(1, 2, 1, 4), v(1, 2, 1, 4);
+    k.setConstant(0.5f);
+    v.setConstant(-0.5f);
+    c.append(child, k, v);
+    EXPECT_EQ(c.free_blocks(), free_before - 1);
+    const auto& pt = c.block_table(parent);
+    const auto& ct = c.block_table(child);
+    for (std::size_t n = 0; n + 1 < pt.size(); ++n) EXPECT_EQ(pt[n], ct[n]);
+    EXPECT_NE(pt.back(), ct.back());
+    EXPECT_EQ(c.references(pt.back()), 1);
+    for (index p = 0; p < c.length(parent); ++p) EXPECT_EQ(c.key_row(child, 0, p)[2], c.key_row(parent, 0, p)[2]);
+    // The parent is untouched, and removing the child hands back exactly its private block.
+    c.remove_sequence(child);
+    EXPECT_TRUE(state_of(c) == before);
+    EXPECT_EQ(attend_test::consistency_problem(c), "");
+}
+
+TEST(PagedCache, ARollingWindowHoldsABoundedNumberOfBlocks) {
+    // 7 blocks of 16: 112 positions for a sequence that reaches 1000 with a window of 64.
+    const auto cfg = attend_test::paged_config(1, 4, 16, 7, 1, 64);
+    attend::paged_kv_cache<double> c(cfg);
+    const index id = c.add_sequence();
+    tensor<double, 4> k(1, 1, 1, 4), v(1, 1, 1, 4);
+    for (index p = 0; p < 1000; ++p) {
+        k.setConstant(static_cast<double>(p));
+        v.setConstant(static_cast<double>(-p));
+        c.append(id, k, v);
+        // What a query at the next position sees is all there.
+        for (index seen = std::max<index>(0, p - 62); seen <= p; ++seen) ASSERT_EQ(c.key_row(id, 0, seen)[0], seen);
+        ASSERT_LE(c.length(id) - c.dropped(id), 64 + 16);
+    }
+    EXPECT_EQ(c.dropped(id), (999 - 64 + 1) / 16 * 16);
+    EXPECT_EQ(c.key_row(id, 0, 0)[3], 0.0);  // dropped positions read the zero block
+    EXPECT_EQ(attend_test::consistency_problem(c), "");
+}
+
+TEST(PagedCache, ReorderForBeamSearchSharesBlocks) {
+    const auto cfg = attend_test::paged_config(1, 4, 4, 16, 3);
+    attend::paged_kv_cache<float> c(cfg);
+    const index a = fill_sequence(c, 6, 1), b = fill_sequence(c, 9, 2), d = fill_sequence(c, 2, 3);
+    const auto table_a = c.block_table(a);
+    const auto table_b = c.block_table(b);
+    const float b0 = *c.key_row(b, 0, 0);
+    c.reorder({a, b, d}, {b, b, a});
+    EXPECT_EQ(c.block_table(a), table_b);
+    EXPECT_EQ(c.block_table(b), table_b);
+    EXPECT_EQ(c.block_table(d), table_a);
+    EXPECT_EQ(c.length(a), 9);
+    EXPECT_EQ(c.length(d), 6);
+    EXPECT_EQ(*c.key_row(a, 0, 0), b0);
+    EXPECT_EQ(c.free_blocks(), 16 - 3 - 2);  // d's old block went back; b's three and a's two are shared
+    EXPECT_EQ(attend_test::consistency_problem(c), "");
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Errors: each a typed error with its id, and the cache as it was.
+
+struct error_fixture {
+    attend::paged_cache_config cfg;
+    attend::paged_kv_cache<double> c;
+    index a, b;
+    error_fixture() : cfg(make()), c(cfg) {
+        a = fill_sequence(c, 10, 1);
+        b = c.fork(a);
+        fill_after(b, 3);
+    }
+    static attend::paged_cache_config make() { return attend_test::paged_config(2, 4, 4, 8, 3, 6); }
+    void fill_after(index id, index n) {
+        tensor<double, 4> k(1, 2, n, 4), v(1, 2, n, 4);
+        attend_test::fill_uniform(k, 7);
+        attend_test::fill_uniform(v, 8);
+        c.append(id, k, v);
+    }
+};
+
+template <class E, class F>
+void expect_unchanged_error(error_fixture& f, F&& call, const char* id) {
+    const auto before = state_of(f.c);
+    expect_error<E>(call, id);
+    EXPECT_TRUE(state_of(f.c) == before) << id;
+}
+
+TEST(PagedCacheErrors, BadSizesAreValueErrors) {
+    for (auto change : {+[](attend::paged_cache_config& c) { c.blocks = 0; },
+                        +[](attend::paged_cache_config& c) { c.block_size = 0; },
+                        +[](attend::paged_cache_config& c) { c.head_dim = 0; },
+                        +[](attend::paged_cache_config& c) { c.max_sequences = 0; },
+                        +[](attend::paged_cache_config& c) { c.window = -1; }}) {
+        auto cfg = error_fixture::make();
+        change(cfg);
+        expect_error<attend::value_error>([&] { attend::paged_kv_cache<float> c(cfg); }, "attend.value.size");
+    }
+    auto cfg = error_fixture::make();
+    cfg.blocks = std::numeric_limits<index>::max() / 2;
+    expect_error<attend::shape_error>([&] { attend::paged_kv_cache<float> c(cfg); }, "attend.shape.overflow");
+}
+
+TEST(PagedCacheErrors, UnknownRemovedAndRepeatedSequencesAreValueErrors) {
+    error_fixture f;
+    tensor<double, 4> k(1, 2, 1, 4), v(1, 2, 1, 4);
+    k.setZero();
+    v.setZero();
+    expect_unchanged_error<attend::value_error>(
+        f, [&] { f.c.append(7, k, v); }, "attend.value.sequence");
+    expect_unchanged_error<attend::value_error>(
+        f, [&] { f.c.fork(-1); }, "attend.value.sequence");
+    expect_unchanged_error<attend::value_error>(
+        f, [&] { f.c.truncate(2, 0); }, "attend.value.sequence");
+    expect_unchanged_error<attend::value_error>(
+        f,
+        [&] {
+            f.c.reorder({f.a, f.a}, {f.b, f.b});
+        },
+        "attend.value.sequence");
+    expect_unchanged_error<attend::value_error>(
+        f, [&] { f.c.reorder({f.a}, {2}); }, "attend.value.sequence");
+    tensor<double, 4> k2(2, 2, 1, 4), v2(2, 2, 1, 4);
+    k2.setZero();
+    v2.setZero();
+    expect_unchanged_error<attend::value_error>(
+        f,
+        [&] {
+            f.c.append({f.a, f.a}, k2, v2, {1, 1});
+        },
+        "attend.value.sequence");
+    expect_unchanged_error<attend::value_error>(
+        f, [&] { (void)f.c.references(8); }, "attend.value.block");
+    expect_unchanged_error<attend::position_error>(
+        f, [&] { (void)f.c.key_row(f.a, 2, 0); }, "attend.position.range");
+    expect_unchanged_error<attend::position_error>(
+        f, [&] { (void)f.c.value_row(f.a, 0, 10); }, "attend.position.range");
+    f.c.remove_sequence(f.b);
+    expect_unchanged_error<attend::value_error>(
+        f, [&] { (void)f.c.length(f.b); }, "attend.value.sequence");
+    expect_unchanged_error<attend::value_error>(
+        f, [&] { f.c.remove_sequence(f.b); }, "attend.value.sequence");
+}
+
+TEST(PagedCacheErrors, BadAppendsChangeNothing) {
+    error_fixture f;
+    tensor<double, 4> k(2, 2, 3, 4), v(2, 2, 3, 4);
+    attend_test::fill_uniform(k, 1);
+    attend_test::fill_uniform(v, 2);
+    expect_unchanged_error<attend::shape_error>(
+        f, [&] { f.c.append({f.a}, k, v, {1}); }, "attend.shape.sequences");
+    expect_unchanged_error<attend::shape_error>(
+        f,
+        [&] {
+            f.c.append({f.a, f.b}, k, v, {1});
+        },
+        "attend.shape.sequences");
+    expect_unchanged_error<attend::shape_error>(
+        f,
+        [&] {
+            f.c.append({f.a, f.b}, k, v, {1, 4});
+        },
+        "attend.shape.sequences");
+    expect_unchanged_error<attend::shape_error>(
+        f,
+        [&] {
+            f.c.append({f.a, f.b}, k, v, {-1, 0});
+        },
+        "attend.shape.sequences");
+    tensor<double, 4> wide(2, 2, 3, 5);
+    wide.setZero();
+    expect_unchanged_error<attend::shape_error>(
+        f,
+        [&] {
+            f.c.append({f.a, f.b}, k, wide, {1, 1});
+        },
+        "attend.shape.cache");
+    // The second sequence's second new key is NaN: neither sequence gets anything.
+    k(1, 1, 1, 2) = std::numeric_limits<double>::quiet_NaN();
+    expect_unchanged_error<attend::value_error>(
+        f,
+        [&] {
+            f.c.append({f.a, f.b}, k, v, {3, 3});
+        },
+        "attend.value.non_finite");
+    k(1, 1, 1, 2) = 0;
+    // 8 blocks: a holds 3, b shares 2 of them and holds 2 of its own (one a copy), so 3 are free; 17 more
+    // positions of a need 7 blocks in all, 4 new ones.
+    expect_unchanged_error<attend::position_error>(
+        f,
+        [&] {
+            tensor<double, 4> big(1, 2, 17, 4);
+            big.setZero();
+            f.c.append(f.a, big, big);
+        },
+        "attend.position.cache_full");
+    // Keys that live in the cache's own pool.
+    const auto pool_view = [&] {
+        attend::strided_view<const double> x;
+        x.data = f.c.key_row(f.a, 0, 0);
+        x.dims = {1, 2, 1, 4};
+        x.strides = {8 * 4, 4 * 4, 4, 1};
+        x.rank = 4;
+        return x;
+    }();
+    expect_unchanged_error<attend::shape_error>(
+        f, [&] { f.c.append(f.b, pool_view, pool_view); }, "attend.shape.aliasing");
+}
+
+TEST(PagedCacheErrors, FullSlotsTruncationsAndTheWindowAreTypedErrors) {
+    error_fixture f;
+    (void)f.c.add_sequence();
+    expect_unchanged_error<attend::position_error>(
+        f, [&] { (void)f.c.add_sequence(); }, "attend.position.sequence_slots");
+    expect_unchanged_error<attend::position_error>(
+        f, [&] { (void)f.c.fork(f.a); }, "attend.position.sequence_slots");
+    expect_unchanged_error<attend::position_error>(
+        f, [&] { f.c.truncate(f.a, 11); }, "attend.position.truncate");
+    expect_unchanged_error<attend::position_error>(
+        f, [&] { f.c.truncate(f.a, -1); }, "attend.position.truncate");
+    // b appended 3 tokens at length 10 with window 6: positions below 4 (one block) were dropped, so b can roll
+    // back to 10 but not to 8, where a query would see position 3.
+    ASSERT_EQ(f.c.dropped(f.b), 4);
+    expect_unchanged_error<attend::position_error>(
+        f, [&] { f.c.truncate(f.b, 8); }, "attend.position.window");
+    tensor<double, 4> q(1, 2, 5, 4);
+    q.setZero();
+    expect_unchanged_error<attend::position_error>(
+        f, [&] { (void)attend::paged_attention(q, f.c, {f.b}, {5}); }, "attend.position.window");
+    f.c.truncate(f.b, 10);
+    EXPECT_EQ(f.c.length(f.b), 10);
+}
+
+TEST(PagedCacheErrors, BadAttentionCallsAreTypedErrorsBeforeAnyWrite) {
+    error_fixture f;
+    tensor<double, 4> q(2, 4, 3, 4);
+    attend_test::fill_uniform(q, 3);
+    expect_error<attend::shape_error>([&] { (void)attend::paged_attention(q, f.c, {f.a}, {1}); },
+                                      "attend.shape.sequences");
+    expect_error<attend::shape_error>(
+        [&] {
+            (void)attend::paged_attention(q, f.c, {f.a, f.b}, {1, 4});
+        },
+        "attend.shape.sequences");
+    expect_error<attend::value_error>(
+        [&] {
+            (void)attend::paged_attention(q, f.c, {f.a, 2}, {1, 1});
+        },
+        "attend.value.sequence");
+    tensor<double, 4> q3(1, 3, 1, 4), q5(1, 2, 1, 5);
+    q3.setZero();
+    q5.setZero();
+    expect_error<attend::shape_error>([&] { (void)attend::paged_attention(q3, f.c, {f.a}, {1}); }, "attend.shape.gqa");
+    expect_error<attend::shape_error>([&] { (void)attend::paged_attention(q5, f.c, {f.a}, {1}); },
+                                      "attend.shape.key_dim");
+    attend::sdpa_options o;
+    o.need_weights = true;
+    expect_error<attend::value_error>(
+        [&] {
+            (void)attend::paged_attention(q, f.c, {f.a, f.b}, {1, 1}, o);
+        },
+        "attend.value.need_weights");
+    q(1, 2, 0, 1) = std::numeric_limits<double>::infinity();
+    expect_error<attend::value_error>(
+        [&] {
+            (void)attend::paged_attention(q, f.c, {f.a, f.b}, {1, 1});
+        },
+        "attend.value.non_finite");
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Multi-head attention over a paged cache
+
+TEST(PagedCacheMha, RaggedContinuousBatchingIsBitIdenticalToDecodingEachSequenceAlone) {
+    attend::mha_config cfg{32, 4};
+    cfg.kv_heads = 2;
+    const attend::multi_head_attention<double> m(cfg, 5);
+    attend::mha_options o;
+    o.rotary = attend::rotary_embedding{8};
+    o.threads = 2;
+    attend::paged_cache_config pc = attend_test::paged_config(2, 8, 4, 64, 4);
+    attend::paged_kv_cache<double> cache(pc);
+    std::map<index, attend::kv_cache<double>> alone;
+    attend_test::rng g(3);
+    for (int step = 0; step < attend_test::repeat(30); ++step) {
+        // Sequences join and leave between steps; one is forked and one rolled back now and then.
+        const auto ids = cache.sequences();
+        if (ids.size() < 3 && g.bernoulli(0.5)) alone.emplace(cache.add_sequence(), m.make_cache(1, 256));
+        if (!ids.empty() && g.bernoulli(0.15)) {
+            const index gone = ids[static_cast<std::size_t>(g.uniform_int(0, static_cast<index>(ids.size()) - 1))];
+            cache.remove_sequence(gone);
+            alone.erase(gone);
+        }
+        if (!cache.sequences().empty() && cache.sequences().size() < 4 && g.bernoulli(0.2)) {
+            const index from = cache.sequences().front();
+            alone.insert_or_assign(cache.fork(from), alone.at(from));
+        }
+        if (!cache.sequences().empty() && g.bernoulli(0.2)) {
+            const index id = cache.sequences().back();
+            const index keep = g.uniform_int(0, cache.length(id));
+            cache.truncate(id, keep);
+            alone.at(id).truncate(keep);
+        }
+        const auto batch = cache.sequences();
+        if (batch.empty()) continue;
+        std::vector<index> counts;
+        for (std::size_t n = 0; n < batch.size(); ++n) counts.push_back(g.bernoulli(0.2) ? g.uniform_int(0, 9) : 1);
+        const index L = *std::max_element(counts.begin(), counts.end());
+        tensor<double, 3> x(static_cast<index>(batch.size()), L, 32);
+        attend_test::fill_uniform(x, 100 + static_cast<std::uint64_t>(step));
+        const auto r = m.forward_cached(x, cache, batch, counts, o);
+        for (std::size_t n = 0; n < batch.size(); ++n) {
+            const index t = counts[n];
+            tensor<double, 3> xn(1, t, 32);
+            for (index i = 0; i < t; ++i)
+                for (index e = 0; e < 32; ++e) xn(0, i, e) = x(static_cast<index>(n), i, e);
+            const auto want = m.forward_cached(xn, alone.at(batch[n]), o);
+            ASSERT_EQ(cache.length(batch[n]), alone.at(batch[n]).length());
+            for (index i = 0; i < L; ++i)
+                for (index e = 0; e < 32; ++e) {
+                    const double expected = i < t ? want.out(0, i, e) : 0.0;
+                    ASSERT_EQ(std::memcmp(&r.out(static_cast<index>(n), i, e), &expected, sizeof(double)), 0)
+                        << "step " << step << " sequence " << batch[n] << " token " << i << ": "
+                        << r.out(static_cast<index>(n), i, e) << " != " << expected;
+                }
+        }
+        EXPECT_EQ(attend_test::consistency_problem(cache), "");
+    }
+}
+
+TEST(PagedCacheMha, ModuleAndCacheMustFit) {
+    const attend::multi_head_attention<float> m(attend::mha_config{8, 2}, 1);
+    attend::paged_cache_config pc = attend_test::paged_config(2, 3, 16, 4);
+    attend::paged_kv_cache<float> wrong(pc);
+    const index id = wrong.add_sequence();
+    tensor<float, 3> x(1, 1, 8);
+    x.setZero();
+    expect_error<attend::shape_error>([&] { (void)m.forward_cached(x, wrong, {id}, {1}); }, "attend.shape.cache");
+    pc.head_dim = 4;
+    attend::paged_kv_cache<float> cache(pc);
+    const index s = cache.add_sequence();
+    expect_error<attend::shape_error>(
+        [&] {
+            (void)m.forward_cached(x, cache, {s, s}, {1, 1});
+        },
+        "attend.shape.sequences");
+    expect_error<attend::shape_error>([&] { (void)m.forward_cached(x, cache, {s}, {2}); }, "attend.shape.sequences");
+    attend::mha_options o;
+    o.need_weights = true;
+    expect_error<attend::value_error>([&] { (void)m.forward_cached(x, cache, {s}, {1}, o); },
+                                      "attend.value.need_weights");
+    EXPECT_EQ(cache.length(s), 0);
+}
+
+}  // namespace
