@@ -316,7 +316,8 @@ private:
     void append_and_attend() {
         auto active = cache_.sequences();
         if (active.empty()) return add();
-        const auto n = static_cast<std::size_t>(choose_(1, std::min<attend::index>(4, active.size())));
+        const auto n =
+            static_cast<std::size_t>(choose_(1, std::min<attend::index>(4, static_cast<attend::index>(active.size()))));
         std::vector<attend::index> ids, counts;
         for (std::size_t k = 0; k < n; ++k) {
             const auto at = static_cast<std::size_t>(choose_(0, static_cast<attend::index>(active.size()) - 1));

@@ -126,31 +126,38 @@ index fill_sequence(attend::paged_kv_cache<T>& c, index length, std::uint64_t se
 }
 
 TEST(PagedCache, LongSequencesTakeTheSplitKeyDecodePathAndStayBitIdentical) {
-    // Past 2048 keys (float, head_dim < 128) one query is split into key chunks; block sizes that do and do not
-    // divide the GEMV slices, so some slices are read in place and some through the scratch copy.
-    for (index block_size : {16, 64, 48}) {
-        const auto cfg = attend_test::paged_config(2, 32, block_size, 3000 / block_size + 4, 2);
-        attend::paged_kv_cache<float> c(cfg);
-        const index id = fill_sequence(c, 2600, 5);
-        attend::kv_cache<float> plain(1, 2, 2600, 32, 32);
-        {
-            tensor<float, 4> k(1, 2, 2600, 32), v(1, 2, 2600, 32);
-            attend_test::fill_uniform(k, 5);
-            attend_test::fill_uniform(v, 6);
-            plain.append(k, v);
+    // Past 2048 keys (float, head_dim < 128) one query is split into key chunks. The sequence's blocks either
+    // follow each other in the pool (read in place as one stream) or alternate with another sequence's (every
+    // GEMV slice that crosses a block edge goes through the scratch copy); block sizes that do and do not divide
+    // the GEMV slices.
+    tensor<float, 4> k(1, 2, 2600, 32), v(1, 2, 2600, 32), q(1, 8, 1, 32);
+    attend_test::fill_uniform(k, 5);
+    attend_test::fill_uniform(v, 6);
+    attend_test::fill_uniform(q, 9);
+    attend::kv_cache<float> plain(1, 2, 2600, 32, 32);
+    plain.append(k, v);
+    for (index block_size : {16, 64, 48})
+        for (bool interleaved : {false, true}) {
+            attend::paged_kv_cache<float> c(attend_test::paged_config(2, 32, block_size, 6000 / block_size + 4, 2));
+            const index id = c.add_sequence(), other = c.add_sequence();
+            for (index at = 0; at < 2600; at += block_size) {
+                const index n = std::min<index>(block_size, 2600 - at);
+                const std::array<index, 4> from{0, 0, at, 0}, rows{1, 2, n, 32};
+                const tensor<float, 4> kn = k.slice(from, rows), vn = v.slice(from, rows);
+                c.append(id, kn, vn);
+                if (interleaved) c.append(other, kn, vn);  // takes the next block, so id's blocks do not follow
+            }
+            for (int threads : {1, 2}) {
+                attend::sdpa_options o;
+                o.threads = threads;
+                const auto paged = attend::paged_attention(q, c, {id}, {1}, o);
+                const auto alone = attend::scaled_dot_product_attention(
+                    q, plain.keys(), plain.values(), attend::causal(attend::alignment::bottom_right), o);
+                EXPECT_TRUE(attend_test::bit_equal(paged.out, alone.out))
+                    << "block_size " << block_size << (interleaved ? ", interleaved" : "");
+                EXPECT_TRUE(attend_test::bit_equal(paged.lse, alone.lse)) << "block_size " << block_size;
+            }
         }
-        tensor<float, 4> q(1, 8, 1, 32);
-        attend_test::fill_uniform(q, 9);
-        for (int threads : {1, 2}) {
-            attend::sdpa_options o;
-            o.threads = threads;
-            const auto paged = attend::paged_attention(q, c, {id}, {1}, o);
-            const auto alone = attend::scaled_dot_product_attention(q, plain.keys(), plain.values(),
-                                                                    attend::causal(attend::alignment::bottom_right), o);
-            EXPECT_TRUE(attend_test::bit_equal(paged.out, alone.out)) << "block_size " << block_size;
-            EXPECT_TRUE(attend_test::bit_equal(paged.lse, alone.lse)) << "block_size " << block_size;
-        }
-    }
 }
 
 TEST(PagedCache, TheReferenceKernelReadsTheBlocksToo) {

@@ -2,7 +2,9 @@
 #pragma once
 /// How the kernels and the input scans read the keys and values of a paged cache in place.
 
+#include <algorithm>
 #include <array>
+#include <cstddef>
 #include <string>
 
 #include "../shape.hpp"
@@ -11,30 +13,47 @@
 namespace attend::detail {
 
 /// Keys or values `[1, kv_heads, len, dim]` of one sequence of a paged cache (paged_cache.hpp), read in place:
-/// row i is row i % block_size of block table[i / block_size], and a block holds `[kv_heads, block_size, dim]`. Rows are contiguous only within a block, so the tiled kernel maps a run of rows in place when
-/// it lies in one block and copies it into its scratch when it crosses a block edge (the same values either way).
+/// row i is row i % block_size of block table[i / block_size]. The pool is `[kv_heads, blocks, block_size, dim]`,
+/// head-major, so one head's rows of consecutive blocks follow each other: a sequence whose blocks were handed
+/// out in order reads as one stream, as a contiguous cache does. Where a run of rows crosses to a block that
+/// does not follow, the tiled kernel copies the run into its scratch (the same values either way).
 template <class T>
 struct paged_view {
-    const T* pool = nullptr;       ///< block storage `[blocks, kv_heads, block_size, dim]`
+    const T* pool = nullptr;       ///< block storage `[kv_heads, pool_blocks, block_size, dim]`
     const index* table = nullptr;  ///< the sequence's block table
     std::array<index, 4> dims{};   ///< 1, kv_heads, len, dim
     index block_size = 1;
+    index pool_blocks = 1;  ///< blocks per head in the pool
     int rank = 4;
 
     const T* row(index /*batch: always 0*/, index h, index i) const {
-        return pool + ((table[i / block_size] * dims[1] + h) * block_size + i % block_size) * dims[3];
+        return pool + ((h * pool_blocks + table[i / block_size]) * block_size + i % block_size) * dims[3];
     }
 };
 
-/// Rows from i on that follow row i at row_stride(x): to the end of a strided view, or of a block.
+/// True when rows [i, i + n) of a (batch, head) follow each other at row_stride(x): always for a strided view;
+/// for a paged view when the blocks they span are consecutive in the pool.
 template <class T>
-index contiguous_rows(const strided_view<T>& x, index i) {
-    return x.dims[2] - i;
+bool rows_contiguous(const strided_view<T>&, index, index) {
+    return true;
 }
 template <class T>
-index contiguous_rows(const paged_view<T>& x, index i) {
+bool rows_contiguous(const paged_view<T>& x, index i, index n) {
+    for (index b = i / x.block_size; b < (i + n - 1) / x.block_size; ++b)
+        if (x.table[b + 1] != x.table[b] + 1) return false;
+    return true;
+}
+/// Rows from i on that are packed one after another (row stride == dim), so they copy as one span: to the end
+/// of a dense view (one row of a strided one), or of a block.
+template <class T>
+index packed_rows(const strided_view<T>& x, index i) {
+    return x.strides[2] == x.dims[3] ? x.dims[2] - i : 1;
+}
+template <class T>
+index packed_rows(const paged_view<T>& x, index i) {
     return x.block_size - i % x.block_size;
 }
+
 template <class T>
 index row_stride(const strided_view<T>& x) {
     return x.strides[2];

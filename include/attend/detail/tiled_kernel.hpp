@@ -87,12 +87,13 @@ const_tile_map<Acc> rows_as_accumulator(const Rows& x, index b, index h, index j
     using Storage = std::remove_const_t<std::remove_pointer_t<decltype(x.row(0, 0, 0))>>;
     const index cols = x.dims[3];
     if constexpr (std::is_same_v<Acc, Storage>)
-        if (contiguous_rows(x, j0) >= n)
+        if (n > 0 && rows_contiguous(x, j0, n))
             return const_tile_map<Acc>(x.row(b, h, j0), n, cols, Eigen::OuterStride<>(row_stride(x)));
-    for (index r = 0; r < n; ++r) {
+    for (index r = 0; r < n;) {  // run by run of rows packed one after another (a block, a dense view)
+        const index run = std::min(n - r, packed_rows(x, j0 + r));
         const Storage* src = x.row(b, h, j0 + r);
-        Acc* dst = stage.data() + r * cols;
-        for (index c = 0; c < cols; ++c) dst[c] = static_cast<Acc>(src[c]);
+        std::transform(src, src + run * cols, stage.data() + r * cols, [](Storage v) { return static_cast<Acc>(v); });
+        r += run;
     }
     return const_tile_map<Acc>(stage.data(), n, cols, Eigen::OuterStride<>(cols));
 }

@@ -1,0 +1,123 @@
+// SPDX-License-Identifier: MIT
+// Serving cases of attend_bench (issue #13): one decoding step of 16 sequences of different lengths (512 to 8192,
+// evenly spaced), 32 query heads on 8 kv heads, head_dim 128, fp32, check_finite off. Both cases read the same
+// K and V bytes and report them as the `bytes` rate counter; their ratio is the cost of the paging.
+//
+//   paged_decode/block_size/interleaved/threads
+//                                      paged_attention over a paged_kv_cache holding the 16 sequences, appended
+//                                      one after another (interleaved 0: each sequence's blocks follow each other
+//                                      in the pool) or one block of each in turn (1: as sequences that grow
+//                                      together during serving, no two blocks of a sequence adjacent)
+//   contiguous_decode/threads          the same sequences, each in its own contiguous tensors, one
+//                                      scaled_dot_product_attention call per sequence (what a kv_cache per
+//                                      sequence gives)
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <array>
+#include <vector>
+
+#include <attend/paged_attention.hpp>
+
+#include "bench_common.hpp"
+
+namespace {
+
+using attend_bench::index;
+
+constexpr index serving_sequences = 16, serving_heads = 32, serving_kv_heads = 8, serving_dim = 128;
+
+index serving_length(index n) { return 512 + n * (8192 - 512) / (serving_sequences - 1); }
+
+/// The 16 sequences' keys and values, each `[1, kv_heads, length, dim]`, and one query per sequence.
+struct serving_problem {
+    std::vector<attend::tensor<float, 4>> keys, values;
+    attend::tensor<float, 4> q = attend_bench::random_tensor<float, 4>(7, {serving_sequences, serving_heads, 1,
+                                                                           serving_dim});  // [sequences, heads, 1, dim]
+    double bytes = 0;
+
+    serving_problem() {
+        for (index n = 0; n < serving_sequences; ++n) {
+            const auto seed = static_cast<std::uint64_t>(2 * n);
+            keys.push_back(
+                attend_bench::random_tensor<float, 4>(seed, {1, serving_kv_heads, serving_length(n), serving_dim}));
+            values.push_back(
+                attend_bench::random_tensor<float, 4>(seed + 1, {1, serving_kv_heads, serving_length(n), serving_dim}));
+            bytes += 2.0 * static_cast<double>(keys.back().size()) * sizeof(float);
+        }
+    }
+};
+
+attend::sdpa_options decode_options(int threads) {
+    attend::sdpa_options o;
+    o.kernel = attend::kernel::tiled;
+    o.threads = threads;
+    o.check_finite = false;
+    o.need_lse = false;
+    return o;
+}
+
+void paged_decode(benchmark::State& state) {
+    const serving_problem p;
+    const index block_size = state.range(0);
+    index blocks = 0;
+    for (index n = 0; n < serving_sequences; ++n) blocks += (serving_length(n) + block_size - 1) / block_size;
+    attend::paged_cache_config c;
+    c.kv_heads = serving_kv_heads;
+    c.head_dim = serving_dim;
+    c.block_size = block_size;
+    c.blocks = blocks;
+    c.max_sequences = serving_sequences;
+    attend::paged_kv_cache<float> cache(c);
+    std::vector<index> ids, ones(static_cast<std::size_t>(serving_sequences), 1);
+    for (index n = 0; n < serving_sequences; ++n) ids.push_back(cache.add_sequence());
+    const bool interleaved = state.range(1) != 0;
+    const index step = interleaved ? block_size : serving_length(serving_sequences - 1);
+    for (index at = 0; at < serving_length(serving_sequences - 1); at += step)
+        for (index n = 0; n < serving_sequences; ++n) {
+            const auto& k = p.keys[static_cast<std::size_t>(n)];
+            const auto& v = p.values[static_cast<std::size_t>(n)];
+            const index rows = std::min(step, k.dimension(2) - at);
+            if (rows <= 0) continue;
+            const std::array<index, 4> from{0, 0, at, 0}, size{1, serving_kv_heads, rows, serving_dim};
+            cache.append(ids[static_cast<std::size_t>(n)], attend::tensor<float, 4>(k.slice(from, size)),
+                         attend::tensor<float, 4>(v.slice(from, size)));
+        }
+    const auto o = decode_options(static_cast<int>(state.range(2)));
+    for (auto _ : state) {
+        const auto r = attend::paged_attention(p.q, cache, ids, ones, o);
+        benchmark::DoNotOptimize(r.out.data());
+        benchmark::ClobberMemory();
+    }
+    attend_bench::set_bytes(state, p.bytes);
+}
+
+void contiguous_decode(benchmark::State& state) {
+    const serving_problem p;
+    std::vector<attend::tensor<float, 4>> queries, outs;
+    for (index n = 0; n < serving_sequences; ++n) {
+        attend::tensor<float, 4> q(1, serving_heads, 1, serving_dim);
+        for (index h = 0; h < serving_heads; ++h)
+            for (index d = 0; d < serving_dim; ++d) q(0, h, 0, d) = p.q(n, h, 0, d);
+        queries.push_back(q);
+        outs.emplace_back(1, serving_heads, 1, serving_dim);
+    }
+    const auto o = decode_options(static_cast<int>(state.range(0)));
+    for (auto _ : state) {
+        for (std::size_t n = 0; n < queries.size(); ++n)
+            attend::scaled_dot_product_attention_into(queries[n], p.keys[n], p.values[n],
+                                                      attend::causal(attend::alignment::bottom_right), outs[n], o);
+        benchmark::DoNotOptimize(outs.data());
+        benchmark::ClobberMemory();
+    }
+    attend_bench::set_bytes(state, p.bytes);
+}
+
+}  // namespace
+
+BENCHMARK(paged_decode)
+    ->ArgNames({"block_size", "interleaved", "threads"})
+    ->ArgsProduct({{16, 64, 256}, {0, 1}, {1, 2}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(contiguous_decode)->ArgName("threads")->Arg(1)->Arg(2)->Unit(benchmark::kMicrosecond)->UseRealTime();
