@@ -24,13 +24,18 @@
 
 #include "support/malloc_hooks.hpp"
 
+namespace {
+
+/// Armed: allocations count down and the one that reaches zero fails; the others succeed. (Without the hooks
+/// nothing reads them and the tests skip.)
+std::atomic<bool> armed{false};
+std::atomic<std::int64_t> countdown{0};
+
+}  // namespace
+
 #ifdef ATTEND_TEST_MALLOC_HOOKS
 
 namespace {
-
-/// Armed: allocations count down and the one that reaches zero fails; the others succeed.
-std::atomic<bool> armed{false};
-std::atomic<std::int64_t> countdown{0};
 
 bool fail_now() { return armed.load(std::memory_order_relaxed) && countdown.fetch_sub(1) == 0; }
 

@@ -511,6 +511,35 @@ TEST(PagedCacheMha, RaggedContinuousBatchingIsBitIdenticalToDecodingEachSequence
     }
 }
 
+TEST(PagedCacheMha, ARollingWindowKeepsAbsoluteRotaryPositionsAndEqualsASlidingWindowOverTheWholeHistory) {
+    // 300 tokens through 8 blocks of 8 positions with a window of 20: blocks are handed back and reused many
+    // times, while rotary positions keep counting from 0. A plain kv_cache holding the whole history, attended
+    // with sliding_window(19, 0), must give the same bits at every step, prefill chunks included.
+    attend::mha_config cfg{16, 4};
+    cfg.kv_heads = 2;
+    const attend::multi_head_attention<float> m(cfg, 9);
+    attend::mha_options o;
+    o.rotary = attend::rotary_embedding{4};
+    o.threads = 1;
+    attend::paged_kv_cache<float> cache(attend_test::paged_config(2, 4, 8, 8, 1, 20));
+    const index id = cache.add_sequence();
+    auto plain = m.make_cache(1, 300);
+    const auto window = attend::sliding_window(19, 0, attend::alignment::bottom_right);
+    attend_test::rng g(4);
+    for (index done = 0; done < 300;) {
+        const index t = std::min<index>(300 - done, g.bernoulli(0.1) ? g.uniform_int(2, 8) : 1);
+        tensor<float, 3> x(1, t, 16);
+        attend_test::fill_uniform(x, static_cast<std::uint64_t>(done));
+        const auto paged = m.forward_cached(x, cache, {id}, {t}, o);
+        const auto alone = m.forward_cached(x, plain, window, o);
+        ASSERT_TRUE(attend_test::bit_equal(paged.out, alone.out)) << "tokens " << done << " .. " << done + t;
+        done += t;
+        ASSERT_LE(static_cast<index>(cache.block_table(id).size()) - cache.dropped(id) / 8, 8);
+    }
+    EXPECT_GT(cache.dropped(id), 250);
+    EXPECT_EQ(attend_test::consistency_problem(cache), "");
+}
+
 TEST(PagedCacheMha, ModuleAndCacheMustFit) {
     const attend::multi_head_attention<float> m(attend::mha_config{8, 2}, 1);
     attend::paged_cache_config pc = attend_test::paged_config(2, 3, 16, 4);
