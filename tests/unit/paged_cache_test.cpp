@@ -62,10 +62,12 @@ TEST(PagedCache, RaggedSessionsAreBitIdenticalToEachSequenceDecodedAloneInAPlain
         z.prefill = 250;
         attend::sdpa_options o;
         o.threads = 2;
-        const auto done =
-            run_session<double>(z, o, 7 + static_cast<std::uint64_t>(block_size), attend_test::repeat(250));
+        const int steps = attend_test::repeat(250);
+        const auto done = run_session<double>(z, o, 7 + static_cast<std::uint64_t>(block_size), steps);
         // The session reached what it is about: forks that later copied a shared block, rollbacks, reorders, a
-        // full pool or full slots refused, and sequences longer than one key tile (256 keys in double).
+        // full pool or full slots refused, and sequences longer than one key tile (256 keys in double). A shortened
+        // run (the sanitizer pass scales repeats down) checks every step alike but need not reach them all.
+        if (steps < 250) continue;
         EXPECT_GT(done.attended_rows, 300);
         EXPECT_GT(done.forks, 3);
         if (block_size > 1) {  // a block of one position is never partly filled
@@ -89,7 +91,9 @@ TEST(PagedCache, FloatSessionsWithSoftcapSinksAndOneThreadAreBitIdenticalToo) {
     o.threads = 1;
     o.softcap = 3.0;
     o.sinks = attend::attention_sinks{0.5, -1.0, 2.0, 0.0, 1.5, -0.25};
-    const auto done = run_session<float>(z, o, 11, attend_test::repeat(100));
+    const int steps = attend_test::repeat(100);
+    const auto done = run_session<float>(z, o, 11, steps);
+    if (steps < 100) return;  // a shortened run need not reach every case
     EXPECT_GT(done.attended_rows, 200);
     EXPECT_GT(done.copies_on_write, 0);
 }
@@ -106,8 +110,9 @@ TEST(PagedCache, RollingWindowSessionsEqualFullAttentionWithASlidingWindowOverTh
         z.history = 2048;
         attend::sdpa_options o;
         o.threads = 2;
-        const auto done =
-            run_session<double>(z, o, 23 + static_cast<std::uint64_t>(block_size), attend_test::repeat(200));
+        const int steps = attend_test::repeat(200);
+        const auto done = run_session<double>(z, o, 23 + static_cast<std::uint64_t>(block_size), steps);
+        if (steps < 200) continue;  // a shortened run need not reach every case
         EXPECT_GT(done.dropped_blocks, 20);
         EXPECT_GT(done.longest, 300);
         EXPECT_GT(done.attended_rows, 300);
