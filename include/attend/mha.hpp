@@ -744,25 +744,19 @@ private:
         auto o = detail::mha_buffer<T, 3>({1, L, H * D}, "attention output [1, new tokens, heads * head_dim]");
         const sdpa_options attention = detail::sdpa_options_for(config_, options, sinks_);
         append.commit();  // cannot fail; `append` takes it back out if anything below throws
-        using call_type = decltype(detail::check_call(keys[0], cache.key_blocks(0), cache.value_blocks(0),
-                                                      attention_shape{}, detail::cached_rule(0, 1), attention));
-        std::vector<call_type> calls;
-        calls.reserve(sequences.size());
+        // Checked and run sequence by sequence: the result is local until it is returned, and a throw takes the
+        // append back out.
         for (index n = 0; n < B; ++n) {
             const index id = sequences[static_cast<std::size_t>(n)], t = new_tokens[static_cast<std::size_t>(n)];
             const auto qv = split_heads(static_cast<const T*>(p[static_cast<std::size_t>(n)].q.data()), 1, t, H, D);
             const auto kv = cache.key_blocks(id), vv = cache.value_blocks(id);
-            calls.push_back(detail::check_call(qv, kv, vv, shape_of(t, kv.dims[2]),
-                                               detail::cached_rule(cache.window(), kv.dims[2]), attention));
-        }
-        for (index n = 0; n < B; ++n) {
-            const index id = sequences[static_cast<std::size_t>(n)], t = new_tokens[static_cast<std::size_t>(n)];
+            const attention_shape s = shape_of(t, kv.dims[2]);
+            const auto call =
+                detail::check_call(qv, kv, vv, s, detail::cached_rule(cache.window(), kv.dims[2]), attention);
             if (t == 0) continue;
-            const auto qv = split_heads(static_cast<const T*>(p[static_cast<std::size_t>(n)].q.data()), 1, t, H, D);
-            const auto kv = cache.key_blocks(id), vv = cache.value_blocks(id);
             detail::attention_outputs<T> out;
             out.out = split_heads(o.data(), 1, t, H, D);
-            detail::run_checked(qv, kv, vv, shape_of(t, kv.dims[2]), calls[static_cast<std::size_t>(n)], out);
+            detail::run_checked(qv, kv, vv, s, call, out);
             detail::project(o.data(), t, wo_, bo_, r.out.data() + n * L * E);
         }
         append.done();
@@ -782,15 +776,7 @@ private:
 
     /// The shape of one sequence's call over a cache: t new queries over its key_len positions.
     attention_shape shape_of(index t, index key_len) const {
-        attention_shape s;
-        s.batch = 1;
-        s.heads = config_.heads;
-        s.kv_heads = config_.kv_heads;
-        s.query_len = t;
-        s.key_len = key_len;
-        s.head_dim = head_dim();
-        s.value_dim = head_dim();
-        return s;
+        return detail::sequence_shape(config_.heads, config_.kv_heads, t, key_len, head_dim(), head_dim());
     }
 
     multi_head_attention(const mha_config& config, no_init) : config_(validated(config)) { allocate(); }

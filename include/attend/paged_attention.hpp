@@ -25,6 +25,21 @@ inline auto cached_rule(index window, index key_len) {
     return causal(alignment::bottom_right) && sliding_window(left, 0, alignment::bottom_right);
 }
 
+/// The shape of one sequence's call over a cache: `queries` new queries of `heads` heads over its key_len
+/// positions of `kv_heads` heads (batch 1).
+inline attention_shape sequence_shape(index heads, index kv_heads, index queries, index key_len, index head_dim,
+                                      index value_dim) {
+    attention_shape s;
+    s.batch = 1;
+    s.heads = heads;
+    s.kv_heads = kv_heads;
+    s.query_len = queries;
+    s.key_len = key_len;
+    s.head_dim = head_dim;
+    s.value_dim = value_dim;
+    return s;
+}
+
 /// Throws what a paged_attention call with these arguments throws for its shapes and sequences.
 template <class T>
 void check_paged_call(const strided_view<const T>& q, const paged_kv_cache<T>& cache,
@@ -77,14 +92,8 @@ attention_result<T, 4> paged_attention_views(const strided_view<const T>& qv, co
     for (index n = 0; n < B; ++n) {
         const index id = sequences[static_cast<std::size_t>(n)];
         const auto k = cache.key_blocks(id), v = cache.value_blocks(id);
-        attention_shape s;
-        s.batch = 1;
-        s.heads = H;
-        s.kv_heads = cache.kv_heads();
-        s.query_len = query_counts[static_cast<std::size_t>(n)];
-        s.key_len = k.dims[2];
-        s.head_dim = cache.head_dim();
-        s.value_dim = Dv;
+        const attention_shape s = sequence_shape(H, cache.kv_heads(), query_counts[static_cast<std::size_t>(n)],
+                                                 k.dims[2], cache.head_dim(), Dv);
         shapes.push_back(s);
         calls.push_back(
             check_call(batch_rows(qv, n, s.query_len), k, v, s, cached_rule(cache.window(), s.key_len), options));

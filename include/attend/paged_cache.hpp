@@ -227,7 +227,7 @@ public:
                 for (index id : sources) n.push_back(slot(id));
                 return n;
             },
-            [&] { return table_text(); }, "Free sequences first");
+            [] { return std::string("the block tables of a reorder"); }, "Free sequences first");
         for (const sequence& s : next)
             for (index b : s.table) hold(b);
         for (std::size_t n = 0; n < ids.size(); ++n) {
@@ -390,7 +390,6 @@ private:
                                             " sequence slots are taken; remove a sequence or make the cache with "
                                             "more max_sequences"));
     }
-    static std::string table_text() { return "a sequence's block table"; }
 
     void hold(index block) noexcept {
         if (block != zero_block()) ++refs_[static_cast<std::size_t>(block)];

@@ -59,12 +59,6 @@ heap_counter& counter() {
 }  // namespace
 
 extern "C" {
-void* __libc_malloc(std::size_t);
-void* __libc_calloc(std::size_t, std::size_t);
-void* __libc_realloc(void*, std::size_t);
-void* __libc_memalign(std::size_t, std::size_t);
-void __libc_free(void*);
-
 void* malloc(std::size_t n) noexcept {
     void* p = __libc_malloc(n);
     counter().allocated(p);
@@ -88,13 +82,6 @@ void* memalign(std::size_t alignment, std::size_t n) noexcept {
     void* p = __libc_memalign(alignment, n);
     counter().allocated(p);
     return p;
-}
-void* aligned_alloc(std::size_t alignment, std::size_t n) noexcept { return memalign(alignment, n); }
-int posix_memalign(void** out, std::size_t alignment, std::size_t n) noexcept {
-    void* p = memalign(alignment, n);
-    if (!p) return ENOMEM;
-    *out = p;
-    return 0;
 }
 void free(void* p) noexcept {
     counter().released(p);

@@ -42,24 +42,11 @@ bool fail_now() { return armed.load(std::memory_order_relaxed) && countdown.fetc
 }  // namespace
 
 extern "C" {
-void* __libc_malloc(std::size_t);
-void* __libc_calloc(std::size_t, std::size_t);
-void* __libc_realloc(void*, std::size_t);
-void* __libc_memalign(std::size_t, std::size_t);
-void __libc_free(void*);
-
 void* malloc(std::size_t n) noexcept { return fail_now() ? nullptr : __libc_malloc(n); }
 void* calloc(std::size_t count, std::size_t n) noexcept { return fail_now() ? nullptr : __libc_calloc(count, n); }
 void* realloc(void* old, std::size_t n) noexcept { return fail_now() ? nullptr : __libc_realloc(old, n); }
 void* memalign(std::size_t alignment, std::size_t n) noexcept {
     return fail_now() ? nullptr : __libc_memalign(alignment, n);
-}
-void* aligned_alloc(std::size_t alignment, std::size_t n) noexcept { return memalign(alignment, n); }
-int posix_memalign(void** out, std::size_t alignment, std::size_t n) noexcept {
-    void* p = memalign(alignment, n);
-    if (!p) return ENOMEM;
-    *out = p;
-    return 0;
 }
 void free(void* p) noexcept { __libc_free(p); }
 }
