@@ -14,6 +14,11 @@
 //   packed_8x512_dense_mask/threads    the same as a dense block-diagonal allowed_mask [4096, 4096]
 //   tiled_tiles/query_rows/key_tile    tile-size sweep at L = 2048, 1 thread (how default_tile_config was chosen)
 //   decode/threads/check_finite        L = 1, S = 8192, 32 query heads on 8 kv heads, D = 128 (GQA decoding)
+//   decode_storage<KV>/threads/check_finite  the same, float queries over K and V stored as KV (a 16-bit cache);
+//                                      its `bytes` counter counts KV's bytes
+//   decode_q8/threads/check_finite     the same over an int8 cache (q8_kv_cache, ggml's q8_0 blocks); `bytes` counts
+//                                      its blocks (34 bytes per 32 values)
+//   tiled<half>, tiled<bfloat16>       tiled<float>'s case with q, k, v and out in 16 bits, float accumulation
 //   stream_kv/threads                  the same K and V read once, summed: the bandwidth decode is held to
 #include <benchmark/benchmark.h>
 
@@ -27,18 +32,21 @@ namespace {
 
 using attend_bench::index;
 
-template <class T>
+/// q and out in T, k and v in KV.
+template <class T, class KV = T>
 struct problem {
-    attend::tensor<T, 4> q, k, v, out;
+    attend::tensor<T, 4> q;
+    attend::tensor<KV, 4> k, v;
+    attend::tensor<T, 4> out;
     problem(index heads, index kv_heads, index query_len, index key_len, index dim)
         : q(attend_bench::random_tensor<T, 4>(1, {1, heads, query_len, dim})),
-          k(attend_bench::random_tensor<T, 4>(2, {1, kv_heads, key_len, dim})),
-          v(attend_bench::random_tensor<T, 4>(3, {1, kv_heads, key_len, dim})),
+          k(attend_bench::random_tensor<KV, 4>(2, {1, kv_heads, key_len, dim})),
+          v(attend_bench::random_tensor<KV, 4>(3, {1, kv_heads, key_len, dim})),
           out(1, heads, query_len, dim) {}
 };
 
-template <class T, class Mask>
-void run_tiled(benchmark::State& state, problem<T>& p, const Mask& mask, int threads, double flops,
+template <class T, class KV, class Mask>
+void run_tiled(benchmark::State& state, problem<T, KV>& p, const Mask& mask, int threads, double flops,
                attend::sdpa_options o = {}) {
     o.kernel = attend::kernel::tiled;
     o.threads = threads;
@@ -176,8 +184,9 @@ void tiled_tiles(benchmark::State& state) {
 constexpr index decode_heads = 32, decode_kv_heads = 8, decode_keys = 8192, decode_dim = 128;
 constexpr double decode_kv_bytes = 2.0 * decode_kv_heads * decode_keys * decode_dim * sizeof(float);
 
-void decode(benchmark::State& state) {
-    problem<float> p(decode_heads, decode_kv_heads, 1, decode_keys, decode_dim);
+template <class KV>
+void decode_storage(benchmark::State& state) {
+    problem<float, KV> p(decode_heads, decode_kv_heads, 1, decode_keys, decode_dim);
     attend::sdpa_options o;
     o.kernel = attend::kernel::tiled;
     o.threads = static_cast<int>(state.range(0));
@@ -188,7 +197,27 @@ void decode(benchmark::State& state) {
         benchmark::DoNotOptimize(p.out.data());
         benchmark::ClobberMemory();
     }
-    attend_bench::set_bytes(state, decode_kv_bytes);
+    attend_bench::set_bytes(state, decode_kv_bytes * sizeof(KV) / sizeof(float));
+    attend_bench::set_flops(state, attend_bench::attention_flops(1, decode_heads, 1, decode_keys, decode_dim));
+}
+
+void decode(benchmark::State& state) { decode_storage<float>(state); }
+
+void decode_q8(benchmark::State& state) {
+    problem<float> p(decode_heads, decode_kv_heads, 1, decode_keys, decode_dim);
+    attend::q8_kv_cache cache(1, decode_kv_heads, decode_keys, decode_dim, decode_dim);
+    cache.append(p.k, p.v);
+    attend::sdpa_options o;
+    o.kernel = attend::kernel::tiled;
+    o.threads = static_cast<int>(state.range(0));
+    o.check_finite = state.range(1) != 0;
+    for (auto _ : state) {
+        attend::scaled_dot_product_attention_into(p.q, cache.keys(), cache.values(),
+                                                  attend::causal(attend::alignment::bottom_right), p.out, o);
+        benchmark::DoNotOptimize(p.out.data());
+        benchmark::ClobberMemory();
+    }
+    attend_bench::set_bytes(state, decode_kv_bytes * 34.0 / 128.0);
     attend_bench::set_flops(state, attend_bench::attention_flops(1, decode_heads, 1, decode_keys, decode_dim));
 }
 
@@ -243,3 +272,24 @@ BENCHMARK(decode)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 BENCHMARK(stream_kv)->Arg(1)->Arg(2)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK_TEMPLATE(decode_storage, Eigen::bfloat16)
+    ->ArgNames({"threads", "check_finite"})
+    ->ArgsProduct({{1, 2}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(decode_storage, Eigen::half)
+    ->ArgNames({"threads", "check_finite"})
+    ->ArgsProduct({{1, 2}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(decode_q8)
+    ->ArgNames({"threads", "check_finite"})
+    ->ArgsProduct({{1, 2}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(tiled, Eigen::bfloat16)
+    ->Args({2048, 1})
+    ->Args({2048, 2})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(tiled, Eigen::half)->Args({2048, 1})->Args({2048, 2})->Unit(benchmark::kMillisecond)->UseRealTime();

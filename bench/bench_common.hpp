@@ -22,7 +22,8 @@ attend::tensor<T, Rank> random_tensor(std::uint64_t seed, const std::array<index
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
         z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
         z ^= z >> 31;
-        t.data()[n] = static_cast<T>(static_cast<double>(z >> 11) * 0x1.0p-52 - 1.0);
+        const double x = static_cast<double>(z >> 11) * 0x1.0p-52 - 1.0;
+        t.data()[n] = static_cast<T>(static_cast<attend::accumulator_t<T>>(x));  // 16-bit types convert from float
     }
     return t;
 }

@@ -16,6 +16,7 @@
 #include "paged_attention.hpp"
 #include "paged_cache.hpp"
 #include "position.hpp"
+#include "q8_cache.hpp"
 #include "score_bias.hpp"
 #include "score_function.hpp"
 #include "sdpa.hpp"

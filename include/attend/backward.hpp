@@ -183,6 +183,9 @@ constexpr void require_lse() {
 template <int Rank, class Q, class K, class V, class Out, class Lse, class DOut>
 auto backward_inputs_of(const Q& q, const K& k, const V& v, const Out& out, const Lse& lse, const DOut& d_out) {
     using T = scalar_of<Q>;
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                  "attend: the backward takes float or double tensors; 16-bit storage is forward only so far (widen "
+                  "q, k, v, out and d_out to float)");
     static_assert(std::is_same_v<T, scalar_of<K>> && std::is_same_v<T, scalar_of<V>> &&
                       std::is_same_v<T, scalar_of<Out>> && std::is_same_v<T, scalar_of<DOut>>,
                   "attend: query, key, value, out and d_out must have the same scalar type");

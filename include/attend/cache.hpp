@@ -18,12 +18,72 @@
 
 namespace attend {
 
+namespace detail {
+
+/// The sizes of a cache: batch, kv_heads, capacity, head_dim, value_dim.
+using cache_sizes = std::array<index, 5>;
+
+/// Throws shape_error `attend.shape.negative` or `attend.shape.cache` unless new keys k `[batch, kv_heads, L,
+/// head_dim]` and values v `[batch, kv_heads, L, value_dim]` fit a cache of these sizes.
+template <class KV>
+void check_append_shapes(const strided_view<const KV>& k, const strided_view<const KV>& v, const cache_sizes& c) {
+    check_view_sizes(k, "new keys");
+    check_view_sizes(v, "new values");
+    const auto cache_shape = [&] {
+        return concat(" (cache [batch ", c[0], ", kv_heads ", c[1], ", capacity ", c[2], ", head_dim ", c[3],
+                      ", value_dim ", c[4], "])");
+    };
+    const std::array<index, 4> k_expected{c[0], c[1], k.dims[2], c[3]};
+    const std::array<index, 4> v_expected{c[0], c[1], k.dims[2], c[4]};
+    if (k.dims != k_expected)
+        throw shape_error("attend.shape.cache",
+                          concat("new keys ", spell_view(k), " do not fit: expected ", format_shape(k_expected),
+                                 " = [batch, kv_heads, new tokens, head_dim]", cache_shape()));
+    if (v.dims != v_expected)
+        throw shape_error("attend.shape.cache",
+                          concat("new values ", spell_view(v), " do not fit: expected ", format_shape(v_expected),
+                                 " = [batch, kv_heads, new tokens (as the keys), value_dim]", cache_shape()));
+}
+
+/// Throws shape_error `attend.shape.negative` for new_tokens < 0 and position_error `attend.position.cache_full`
+/// if they do not fit after `length` positions.
+inline void check_cache_fits(index new_tokens, index length, index capacity) {
+    if (new_tokens < 0)
+        throw shape_error("attend.shape.negative",
+                          concat("new tokens ", new_tokens, " is negative; appending needs >= 0 tokens"));
+    if (new_tokens > capacity - length)
+        throw position_error("attend.position.cache_full",
+                             concat("cache is full: length ", length, " + ", new_tokens, " new tokens > capacity ",
+                                    capacity, " (the capacity is fixed at construction; nothing was appended)"));
+}
+
+/// Throws position_error `attend.position.truncate` unless 0 <= length <= current.
+inline void check_truncate(index length, index current) {
+    if (length < 0 || length > current)
+        throw position_error("attend.position.truncate",
+                             concat("cannot truncate a cache of length ", current, " to length ", length,
+                                    " (a truncation keeps 0 .. length() positions)"));
+}
+
+/// Throws value_error `attend.value.size` if a cache size is < 1.
+inline void check_cache_sizes(const cache_sizes& c) {
+    if (c[0] < 1 || c[1] < 1 || c[2] < 1 || c[3] < 1 || c[4] < 1)
+        throw value_error("attend.value.size",
+                          concat("kv_cache sizes must be >= 1, got batch ", c[0], ", kv_heads ", c[1], ", capacity ",
+                                 c[2], ", head_dim ", c[3], ", value_dim ", c[4]));
+}
+
+}  // namespace detail
+
 /// Keys `[batch, kv_heads, length, head_dim]` and values `[batch, kv_heads, length, value_dim]` of the positions
 /// seen so far, with a capacity fixed at construction. Copyable (a copy owns its own storage).
+/// T may be 16-bit (Eigen::half, Eigen::bfloat16): the cache then takes half the bytes of a float one, and
+/// attention over it accumulates in float (float queries over a 16-bit cache are a supported call).
 template <class T>
 class kv_cache {
-    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                  "attend: kv_cache<T> is defined for float and double");
+    static_assert(is_storage_type_v<T>,
+                  "attend: kv_cache<T> is defined for float, double, Eigen::half and "
+                  "Eigen::bfloat16");
 
 public:
     /// An empty cache for `capacity` positions. Throws value_error `attend.value.size` if a size is < 1,
@@ -31,10 +91,7 @@ public:
     /// `attend.resource.allocation` if the storage cannot be allocated.
     kv_cache(index batch, index kv_heads, index capacity, index head_dim, index value_dim)
         : batch_(batch), kv_heads_(kv_heads), capacity_(capacity), head_dim_(head_dim), value_dim_(value_dim) {
-        if (batch < 1 || kv_heads < 1 || capacity < 1 || head_dim < 1 || value_dim < 1)
-            throw value_error("attend.value.size", detail::concat("kv_cache sizes must be >= 1, got batch ", batch,
-                                                                  ", kv_heads ", kv_heads, ", capacity ", capacity,
-                                                                  ", head_dim ", head_dim, ", value_dim ", value_dim));
+        detail::check_cache_sizes({batch, kv_heads, capacity, head_dim, value_dim});
         if (detail::product_overflows(batch, kv_heads, capacity, head_dim) ||
             detail::product_overflows(batch, kv_heads, capacity, value_dim))
             throw shape_error("attend.shape.overflow",
@@ -89,25 +146,7 @@ public:
 
     /// Throws what append(k_new, v_new) would throw for views of these shapes, and changes nothing.
     void check_append(const strided_view<const T>& k, const strided_view<const T>& v) const {
-        detail::check_view_sizes(k, "new keys");
-        detail::check_view_sizes(v, "new values");
-        const auto cache_shape = [&] {
-            return detail::concat(" (cache [batch ", batch_, ", kv_heads ", kv_heads_, ", capacity ", capacity_,
-                                  ", head_dim ", head_dim_, ", value_dim ", value_dim_, "])");
-        };
-        const std::array<index, 4> k_expected{batch_, kv_heads_, k.dims[2], head_dim_};
-        const std::array<index, 4> v_expected{batch_, kv_heads_, k.dims[2], value_dim_};
-        if (k.dims != k_expected)
-            throw shape_error("attend.shape.cache",
-                              detail::concat("new keys ", detail::spell_view(k), " do not fit: expected ",
-                                             detail::format_shape(k_expected),
-                                             " = [batch, kv_heads, new tokens, head_dim]", cache_shape()));
-        if (v.dims != v_expected)
-            throw shape_error("attend.shape.cache",
-                              detail::concat("new values ", detail::spell_view(v), " do not fit: expected ",
-                                             detail::format_shape(v_expected),
-                                             " = [batch, kv_heads, new tokens (as the keys), value_dim]",
-                                             cache_shape()));
+        detail::check_append_shapes(k, v, {batch_, kv_heads_, capacity_, head_dim_, value_dim_});
         check_fits(k.dims[2]);
         const std::array<index, 4> keys_dims{batch_, kv_heads_, capacity_, head_dim_};
         const std::array<index, 4> values_dims{batch_, kv_heads_, capacity_, value_dim_};
@@ -118,22 +157,16 @@ public:
 
     /// Throws position_error `attend.position.cache_full` if `new_tokens` more positions do not fit, shape_error
     /// `attend.shape.negative` if new_tokens < 0.
-    void check_fits(index new_tokens) const {
-        if (new_tokens < 0)
-            throw shape_error("attend.shape.negative",
-                              detail::concat("new tokens ", new_tokens, " is negative; appending needs >= 0 tokens"));
-        if (new_tokens > capacity_ - length_)
-            throw position_error("attend.position.cache_full",
-                                 detail::concat("cache is full: length ", length_, " + ", new_tokens,
-                                                " new tokens > capacity ", capacity_,
-                                                " (the capacity is fixed at construction; nothing was appended)"));
-    }
+    void check_fits(index new_tokens) const { detail::check_cache_fits(new_tokens, length_, capacity_); }
 
     /// Keys `[batch, kv_heads, length(), head_dim]` over the cache's own storage (row stride head_dim, head
     /// stride capacity * head_dim). Stays valid, and shows the same positions, across later appends.
     strided_view<const T> keys() const { return view(keys_.data(), head_dim_, length_); }
     /// Values `[batch, kv_heads, length(), value_dim]`, like keys().
     strided_view<const T> values() const { return view(values_.data(), value_dim_, length_); }
+
+    /// Bytes of key and value storage the cache holds (allocated once, at construction).
+    std::size_t storage_bytes() const { return (keys_.capacity() + values_.capacity()) * sizeof(T); }
 
     /// Forgets every position (length() becomes 0); the storage and capacity stay.
     void clear() { length_ = 0; }
@@ -142,10 +175,7 @@ public:
     /// capacity stay. Throws position_error `attend.position.truncate` unless 0 <= length <= length(); the cache is
     /// unchanged then.
     void truncate(index length) {
-        if (length < 0 || length > length_)
-            throw position_error("attend.position.truncate",
-                                 detail::concat("cannot truncate a cache of length ", length_, " to length ", length,
-                                                " (a truncation keeps 0 .. length() positions)"));
+        detail::check_truncate(length, length_);
         length_ = length;
     }
 

@@ -5,6 +5,7 @@
 /// Every check runs before any output is written, so a throw leaves the caller's buffers as they were.
 
 #include <cassert>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -103,7 +104,8 @@ std::string concat(const Parts&... parts) {
 /// The name of a floating scalar type, for messages that say in which type a value failed.
 template <class T>
 constexpr const char* scalar_name() {
-    return sizeof(T) == sizeof(float) ? "float" : "double";
+    constexpr int digits = std::numeric_limits<T>::digits;  // significand bits tell the four types apart
+    return digits == 8 ? "bfloat16" : digits == 11 ? "half" : digits == 24 ? "float" : "double";
 }
 
 }  // namespace detail

@@ -3,9 +3,12 @@
 /// merge_partials: attention over two disjoint key sets combined into attention over their union, exactly,
 /// from each part's output and lse (split-KV decoding, ring attention across machines).
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "detail/memory.hpp"
 #include "detail/merge_rows.hpp"
@@ -17,8 +20,10 @@ namespace attend {
 /// Output and lse of attention over some set of keys. Rank is the rank of out (3 or 4); lse has one axis less.
 template <class T, int Rank>
 struct partial_attention {
-    tensor<T, Rank> out;      ///< `[batch, heads, query_len, value_dim]`
-    tensor<T, Rank - 1> lse;  ///< `[batch, heads, query_len]`; -inf where the part had no allowed key
+    tensor<T, Rank> out;  ///< `[batch, heads, query_len, value_dim]`
+    /// `[batch, heads, query_len]` in the accumulation type (float for 16-bit outs); -inf where the part had no
+    /// allowed key
+    tensor<accumulator_t<T>, Rank - 1> lse;
 };
 
 namespace detail {
@@ -57,8 +62,9 @@ auto merge_partials(const OutA& out_a, const LseA& lse_a, const OutB& out_b, con
     static_assert(Rank == 3 || Rank == 4, "attend: merge_partials takes outputs of rank 3 or 4");
     detail::require_partial<OutA, T, Rank>();
     detail::require_partial<OutB, T, Rank>();
-    detail::require_partial<LseA, T, Rank - 1>();
-    detail::require_partial<LseB, T, Rank - 1>();
+    using Acc = accumulator_t<T>;  // lse is kept in the accumulation type (float for 16-bit outputs)
+    detail::require_partial<LseA, Acc, Rank - 1>();
+    detail::require_partial<LseB, Acc, Rank - 1>();
     bool same = true;
     // dimensions()[a]: Tensor::dimension takes a std::size_t, TensorMap::dimension an Index.
     const auto &oa = out_a.dimensions(), &ob = out_b.dimensions();
@@ -72,10 +78,10 @@ auto merge_partials(const OutA& out_a, const LseA& lse_a, const OutB& out_b, con
                                          detail::format_shape(out_b.dimensions()), ", lse_b ",
                                          detail::format_shape(lse_b.dimensions()),
                                          " (lse is out's shape without the value_dim axis)"));
-    for (const T* lse : {lse_a.data(), lse_b.data()})
+    for (const Acc* lse : {lse_a.data(), lse_b.data()})
         for (index n = 0; n < lse_a.size(); ++n) {
-            const T x = lse[n];
-            if (std::isnan(x) || x == std::numeric_limits<T>::infinity())
+            const Acc x = lse[n];
+            if (std::isnan(x) || x == std::numeric_limits<Acc>::infinity())
                 throw value_error("attend.value.lse",
                                   detail::concat("lse holds ", x, " at flat index ", n, "; it must be finite or -inf"));
         }
@@ -84,9 +90,32 @@ auto merge_partials(const OutA& out_a, const LseA& lse_a, const OutB& out_b, con
     detail::resize_guarded(r.out, out_a.dimensions(), "out", hint);
     detail::resize_guarded(r.lse, lse_a.dimensions(), "lse", hint);
     const index dim = out_a.dimension(Rank - 1);
-    for (index row = 0; row < lse_a.size(); ++row)
-        r.lse.data()[row] = detail::merge_row(out_a.data() + row * dim, lse_a.data()[row], out_b.data() + row * dim,
-                                              lse_b.data()[row], r.out.data() + row * dim, dim);
+    if constexpr (std::is_same_v<T, Acc>) {
+        for (index row = 0; row < lse_a.size(); ++row)
+            r.lse.data()[row] = detail::merge_row(out_a.data() + row * dim, lse_a.data()[row], out_b.data() + row * dim,
+                                                  lse_b.data()[row], r.out.data() + row * dim, dim);
+    } else {  // 16-bit outs: each row widened to Acc, merged there, rounded back once
+        std::vector<Acc> a, b;
+        detail::allocating(
+            [&] {
+                a.resize(static_cast<std::size_t>(dim));
+                b.resize(static_cast<std::size_t>(dim));
+            },
+            [&] {
+                return detail::allocation_text("merge_partials' row buffers", std::array<index, 2>{2, dim},
+                                               sizeof(Acc));
+            },
+            "Split the call over the batch");
+        for (index row = 0; row < lse_a.size(); ++row) {
+            std::transform(out_a.data() + row * dim, out_a.data() + (row + 1) * dim, a.begin(),
+                           [](T x) { return static_cast<Acc>(x); });
+            std::transform(out_b.data() + row * dim, out_b.data() + (row + 1) * dim, b.begin(),
+                           [](T x) { return static_cast<Acc>(x); });
+            r.lse.data()[row] =
+                detail::merge_row(a.data(), lse_a.data()[row], b.data(), lse_b.data()[row], a.data(), dim);
+            std::transform(a.begin(), a.end(), r.out.data() + row * dim, [](Acc x) { return static_cast<T>(x); });
+        }
+    }
     return r;
 }
 

@@ -246,8 +246,9 @@ struct rotary_embedding {
 private:
     template <class T>
     void rotate(strided_view<T> x, index position_offset, double direction) const {
-        static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                      "attend: rotary embeddings are defined for float and double tensors");
+        static_assert(is_storage_type_v<T>,
+                      "attend: rotary embeddings are defined for float, double, Eigen::half and Eigen::bfloat16");
+        using Acc = accumulator_t<T>;  // 16-bit features rotate in float and are rounded back once
         validate(x.dims[3], position_offset);
         ATTEND_ASSERT(x.strides[3] == 1);
         const index half = dim / 2;
@@ -255,7 +256,7 @@ private:
         std::vector<double> inv_freq(h);
         for (std::size_t i = 0; i < h; ++i)
             inv_freq[i] = std::pow(base, -static_cast<double>(2 * i) / static_cast<double>(dim));
-        std::vector<T> cos_row(h), sin_row(h);
+        std::vector<Acc> cos_row(h), sin_row(h);
         // Features a[i] and b[i] form pair i: (x[i], x[i + half]) or (x[2i], x[2i + 1]).
         const index first_step = layout == rotary_layout::half_split ? 1 : 2;
         const index second_offset = layout == rotary_layout::half_split ? half : 1;
@@ -263,8 +264,8 @@ private:
             const double position = static_cast<double>(position_offset) + static_cast<double>(i);
             for (std::size_t k = 0; k < h; ++k) {
                 const double angle = position * inv_freq[k];
-                cos_row[k] = static_cast<T>(std::cos(angle));
-                sin_row[k] = static_cast<T>(direction * std::sin(angle));
+                cos_row[k] = static_cast<Acc>(std::cos(angle));
+                sin_row[k] = static_cast<Acc>(direction * std::sin(angle));
             }
             for (index b = 0; b < x.dims[0]; ++b) {
                 for (index hd = 0; hd < x.dims[1]; ++hd) {
@@ -272,11 +273,11 @@ private:
                     for (index k = 0; k < half; ++k) {
                         T& first = row[k * first_step];
                         T& second = row[k * first_step + second_offset];
-                        const T c = cos_row[static_cast<std::size_t>(k)];
-                        const T s = sin_row[static_cast<std::size_t>(k)];
-                        const T a = first, bb = second;
-                        first = a * c - bb * s;
-                        second = bb * c + a * s;
+                        const Acc c = cos_row[static_cast<std::size_t>(k)];
+                        const Acc s = sin_row[static_cast<std::size_t>(k)];
+                        const Acc a = static_cast<Acc>(first), bb = static_cast<Acc>(second);
+                        first = static_cast<T>(a * c - bb * s);
+                        second = static_cast<T>(bb * c + a * s);
                     }
                 }
             }

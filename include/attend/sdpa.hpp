@@ -86,12 +86,14 @@ struct sdpa_options {
                                          ///< detail/input_scan.hpp); off: the caller promises both
 };
 
-/// The result of scaled_dot_product_attention; Rank is the rank of the inputs (3 or 4).
+/// The result of scaled_dot_product_attention; T is the query's storage type, Rank the rank of the inputs (3 or 4).
 template <class T, int Rank>
 struct attention_result {
     tensor<T, Rank> out;      ///< `[batch, heads, query_len, value_dim]`
     tensor<T, Rank> weights;  ///< `[batch, heads, query_len, key_len]` when need_weights, else empty
-    tensor<T, Rank - 1> lse;  ///< `[batch, heads, query_len]`, natural-log sum-exp of masked scaled scores
+    /// `[batch, heads, query_len]`, natural-log sum-exp of masked scaled scores, in the accumulation type (float
+    /// for 16-bit storage, as PyTorch's flash kernels return it)
+    tensor<accumulator_t<T>, Rank - 1> lse;
 };
 
 namespace detail {
@@ -101,25 +103,28 @@ constexpr int rank_of() {
     return tensor_traits<std::decay_t<X>>::rank;
 }
 
+/// The options of a call with storage type T as kernel parameters in its accumulation type, checked.
 template <class T>
-kernel_params<T> checked_params(const attention_shape& s, const sdpa_options& o) {
-    kernel_params<T> p;
+kernel_params<accumulator_t<T>> checked_params(const attention_shape& s, const sdpa_options& o) {
+    using Acc = accumulator_t<T>;  // every value below is applied to scores, which are computed in Acc
+    kernel_params<Acc> p;
     const double scale = o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim));
     if (!std::isfinite(scale) || scale <= 0)
         throw value_error("attend.value.scale", concat("scale ", scale, " must be finite and > 0"));
-    // Also in the inputs' scalar type: 1e300 is inf as a float and 1e-50 is 0, and either turns every score into
-    // inf, NaN or 0 although the check in double passed.
-    if (scale > static_cast<double>(std::numeric_limits<T>::max()) || static_cast<T>(scale) <= T(0))
+    // Also in the scores' type: 1e300 is inf as a float and 1e-50 is 0, and either turns every score into inf, NaN
+    // or 0 although the check in double passed.
+    if (scale > static_cast<double>(std::numeric_limits<Acc>::max()) || static_cast<Acc>(scale) <= Acc(0))
         throw value_error("attend.value.scale", concat("scale ", scale, " must be finite and > 0, also as ",
-                                                       scalar_name<T>(), ", the scalar type of the inputs"));
-    p.scale = static_cast<T>(scale);
+                                                       scalar_name<Acc>(), ", the type the scores are computed in"));
+    p.scale = static_cast<Acc>(scale);
     if (o.softcap) {
         const double c = *o.softcap;
-        if (!std::isfinite(c) || c <= 0 || c > static_cast<double>(std::numeric_limits<T>::max()) ||
-            static_cast<T>(c) <= T(0))
-            throw value_error("attend.value.softcap", concat("softcap ", c, " must be finite and > 0, also as ",
-                                                             scalar_name<T>(), ", the scalar type of the inputs"));
-        p.softcap = static_cast<T>(c);
+        if (!std::isfinite(c) || c <= 0 || c > static_cast<double>(std::numeric_limits<Acc>::max()) ||
+            static_cast<Acc>(c) <= Acc(0))
+            throw value_error("attend.value.softcap",
+                              concat("softcap ", c, " must be finite and > 0, also as ", scalar_name<Acc>(),
+                                     ", the type the scores are computed in"));
+        p.softcap = static_cast<Acc>(c);
     }
     const double pd = o.dropout.probability;
     if (!(pd >= 0 && pd < 1))
@@ -136,20 +141,21 @@ kernel_params<T> checked_params(const attention_shape& s, const sdpa_options& o)
     }
     if (o.threads < 0) throw value_error("attend.value.threads", concat("threads ", o.threads, " must be >= 0"));
     if (!o.score_bias.empty()) {
-        o.score_bias.template validate<T>(s.heads, s.query_len, s.key_len);
+        o.score_bias.template validate<Acc>(s.heads, s.query_len, s.key_len);
         p.bias = &o.score_bias;
     }
     p.weights_after_dropout = o.weights_after_dropout;
     p.score_mod = o.score_mod.tiles();
-    o.sinks.template validate<T>(s.heads);
-    for (index h = 0; h < o.sinks.size(); ++h) p.sinks.push_back(static_cast<T>(o.sinks[h]));
+    o.sinks.template validate<Acc>(s.heads);
+    for (index h = 0; h < o.sinks.size(); ++h) p.sinks.push_back(static_cast<Acc>(o.sinks[h]));
     return p;
 }
 
-/// A call that passed every check: its kernel parameters and its mask bound to the shape.
+/// A call that passed every check: its kernel parameters (in the accumulation type of the query's storage type T)
+/// and its mask bound to the shape.
 template <class T, class Bound>
 struct checked_call {
-    kernel_params<T> params;
+    kernel_params<accumulator_t<T>> params;
     Bound mask;
     attend::kernel kernel = attend::kernel::automatic;
     int threads = 1;  ///< resolved: >= 1
@@ -175,35 +181,67 @@ auto check_call(const strided_view<const T>& q, const Rows& k, const Rows& v, co
     return call;
 }
 
-/// Runs the kernel of a checked call.
-template <class T, class Bound>
-void run_checked(const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
-                 const attention_shape& s, const checked_call<T, Bound>& call, const attention_outputs<T>& out) {
-    if (call.kernel == kernel::reference) reference_attention(q, k, v, s, call.mask, call.params, out);
-    else tiled_attention(q, k, v, s, call.mask, call.params, out, call.threads);
+/// Rows of a strided or paged view gathered into a dense `[batch, heads, len, dim]` tensor of type Acc, widened
+/// from 16-bit storage where it is that.
+template <class Acc, class Rows>
+tensor<Acc, 4> gathered(const Rows& x, const char* what) {
+    auto copy = allocating([&] { return tensor<Acc, 4>(x.dims[0], x.dims[1], x.dims[2], x.dims[3]); },
+                           [&] { return allocation_text(what, x.dims, sizeof(Acc)); },
+                           "kernel::tiled reads the inputs in place");
+    for (index b = 0; b < x.dims[0]; ++b)
+        for (index h = 0; h < x.dims[1]; ++h) {
+            Acc* dst = copy.data() + (b * x.dims[1] + h) * x.dims[2] * x.dims[3];
+            if constexpr (std::is_same_v<Rows, q8_view>) {
+                widen_rows(x, b, h, 0, x.dims[2], dst);
+            } else {
+                for (index i = 0; i < x.dims[2]; ++i)
+                    std::transform(x.row(b, h, i), x.row(b, h, i) + x.dims[3], dst + i * x.dims[3],
+                                   [](auto value) { return static_cast<Acc>(value); });
+            }
+        }
+    return copy;
 }
 
-/// Runs the kernel of a checked call over a paged cache's keys and values. The tiled kernel reads the blocks in
-/// place; the reference kernel, the oracle, gets them gathered into contiguous copies (it materializes the
-/// scores anyway).
-template <class T, class Bound>
-void run_checked(const strided_view<const T>& q, const paged_view<T>& k, const paged_view<T>& v,
-                 const attention_shape& s, const checked_call<T, Bound>& call, const attention_outputs<T>& out) {
+/// Runs the kernel of a checked call: queries and outputs in T, keys and values as `Rows` (strided views of T or
+/// of a 16-bit type, or a paged cache's blocks). The tiled kernel reads them all in place. The reference kernel,
+/// the oracle, computes in one type: what is not already a strided view of that type (paged blocks, 16-bit rows)
+/// it gets gathered into copies, and for 16-bit storage its results are rounded into the outputs once.
+template <class T, class Rows, class Bound>
+void run_checked(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
+                 const checked_call<T, Bound>& call, const attention_outputs<T>& out) {
+    using Acc = accumulator_t<T>;
     if (call.kernel != kernel::reference) return tiled_attention(q, k, v, s, call.mask, call.params, out, call.threads);
-    const auto gathered = [&](const paged_view<T>& x, const char* what) {
-        auto copy = allocating([&] { return tensor<T, 4>(x.dims[0], x.dims[1], x.dims[2], x.dims[3]); },
-                               [&] { return allocation_text(what, x.dims, sizeof(T)); },
-                               "kernel::tiled reads the blocks in place");
-        for (index b = 0; b < x.dims[0]; ++b)
-            for (index h = 0; h < x.dims[1]; ++h)
-                for (index i = 0; i < x.dims[2]; ++i)
-                    std::copy(x.row(b, h, i), x.row(b, h, i) + x.dims[3],
-                              copy.data() + ((b * x.dims[1] + h) * x.dims[2] + i) * x.dims[3]);
-        return copy;
-    };
-    const auto keys = gathered(k, "the reference kernel's copy of the paged keys");
-    const auto values = gathered(v, "the reference kernel's copy of the paged values");
-    reference_attention(q, as_view(keys), as_view(values), s, call.mask, call.params, out);
+    if constexpr (std::is_same_v<T, Acc> && std::is_same_v<Rows, strided_view<const T>>) {
+        reference_attention(q, k, v, s, call.mask, call.params, out);
+    } else {
+        const auto keys = gathered<Acc>(k, "the reference kernel's copy of the keys");
+        const auto values = gathered<Acc>(v, "the reference kernel's copy of the values");
+        if constexpr (std::is_same_v<T, Acc>) {
+            reference_attention(q, as_view(keys), as_view(values), s, call.mask, call.params, out);
+        } else {
+            const auto queries = gathered<Acc>(q, "the reference kernel's copy of the queries");
+            tensor<Acc, 4> wide_out;
+            resize_guarded(wide_out, std::array<index, 4>{s.batch, s.heads, s.query_len, s.value_dim},
+                           "the reference kernel's output", "kernel::tiled writes the outputs in place");
+            tensor<Acc, 1> wide_weights;
+            if (out.weights)
+                resize_guarded(wide_weights, std::array<index, 1>{s.batch * s.heads * s.query_len * s.key_len},
+                               "the reference kernel's weights", "leave need_weights off");
+            attention_outputs<Acc> o;
+            o.out = as_mutable_view(wide_out);
+            o.weights = out.weights ? wide_weights.data() : nullptr;
+            o.lse = out.lse;
+            reference_attention(as_view(queries), as_view(keys), as_view(values), s, call.mask, call.params, o);
+            const auto narrow = [](Acc x) { return static_cast<T>(x); };
+            for (index b = 0; b < s.batch; ++b)
+                for (index h = 0; h < s.heads; ++h)
+                    for (index i = 0; i < s.query_len; ++i)
+                        std::transform(o.out.row(b, h, i), o.out.row(b, h, i) + s.value_dim, out.out.row(b, h, i),
+                                       narrow);
+            if (out.weights)
+                std::transform(wide_weights.data(), wide_weights.data() + wide_weights.size(), out.weights, narrow);
+        }
+    }
 }
 
 template <class X>
@@ -247,8 +285,9 @@ auto scaled_dot_product_attention(const Q& q, const K& k, const V& v, const Mask
     using T = detail::scalar_of<Q>;
     constexpr int rank = detail::rank_of<Q>();
     const auto qv = detail::checked_input(q), kv = detail::checked_input(k), vv = detail::checked_input(v);
-    static_assert(std::is_same_v<T, detail::scalar_of<K>> && std::is_same_v<T, detail::scalar_of<V>>,
-                  "attend: query, key and value must have the same scalar type");
+    static_assert(std::is_same_v<detail::scalar_of<K>, detail::scalar_of<V>> &&
+                      detail::storage_pair_v<T, detail::scalar_of<K>>,
+                  ATTEND_STORAGE_PAIR_MESSAGE);
     const attention_shape s = detail::check_views(qv, kv, vv);
     const auto call = detail::check_call(qv, kv, vv, s, mask, options);
     attention_result<T, rank> r;
@@ -287,6 +326,9 @@ void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const
     static_assert(std::is_same_v<T, detail::scalar_of<Out>> && detail::rank_of<Out>() == rank,
                   "attend: out must have the scalar type and rank of the query");
     const auto qv = detail::checked_input(q), kv = detail::checked_input(k), vv = detail::checked_input(v);
+    static_assert(std::is_same_v<detail::scalar_of<K>, detail::scalar_of<V>> &&
+                      detail::storage_pair_v<T, detail::scalar_of<K>>,
+                  ATTEND_STORAGE_PAIR_MESSAGE);
     const attention_shape s = detail::check_views(qv, kv, vv);
     detail::check_output_dims(out, detail::rank_dims<rank>(s, s.value_dim), "attend.shape.output", "out");
     detail::attention_outputs<T> o;
@@ -303,10 +345,11 @@ void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const
     }
     if constexpr (!std::is_same_v<std::decay_t<Lse>, std::nullptr_t>) {
         static_assert(
-            std::is_same_v<T, detail::scalar_of<Lse>> && detail::rank_of<Lse>() == rank - 1 &&
+            std::is_same_v<accumulator_t<T>, detail::scalar_of<Lse>> && detail::rank_of<Lse>() == rank - 1 &&
                 detail::tensor_traits<std::decay_t<Lse>>::row_major,
-            "attend: lse must be row-major with the scalar type of the query and one rank less ([batch, heads, "
-            "query_len], or [batch, query_len] for rank-3 inputs)");
+            "attend: lse must be row-major in the accumulation type of the query (float for float, half and "
+            "bfloat16, double for double) and one rank less ([batch, heads, query_len], or [batch, query_len] for "
+            "rank-3 inputs)");
         detail::check_output_dims(lse, detail::lse_dims<rank>(s), "attend.shape.lse_output", "lse");
         o.lse = lse.data();
     }

@@ -47,9 +47,9 @@ void check_view_sizes(const strided_view<T>& x, const char* name) {
                           concat(name, ' ', spell_view(x), " has a negative size; sizes must be >= 0"));
 }
 
-template <class T>
-attention_shape check_views(const strided_view<const T>& q, const strided_view<const T>& k,
-                            const strided_view<const T>& v) {
+/// q strided, k and v strided or an int8 cache's q8_view (one kind for both).
+template <class T, class KeyView>
+attention_shape check_views(const strided_view<const T>& q, const KeyView& k, const KeyView& v) {
     const auto qs = spell_view(q), ks = spell_view(k), vs = spell_view(v);
     check_view_sizes(q, "query");
     check_view_sizes(k, "key");
@@ -116,9 +116,9 @@ attention_shape check_views(const strided_view<const T>& q, const strided_view<c
 /// empty_head_dim, overflow, negative}. Zero batch or query_len is valid and gives an empty result.
 template <class Q, class K, class V>
 attention_shape check_shapes(const Q& q, const K& k, const V& v) {
-    static_assert(std::is_same_v<detail::scalar_of<Q>, detail::scalar_of<K>> &&
-                      std::is_same_v<detail::scalar_of<Q>, detail::scalar_of<V>>,
-                  "attend: query, key and value must have the same scalar type");
+    static_assert(std::is_same_v<detail::scalar_of<K>, detail::scalar_of<V>> &&
+                      detail::storage_pair_v<detail::scalar_of<Q>, detail::scalar_of<K>>,
+                  ATTEND_STORAGE_PAIR_MESSAGE);
     return detail::check_views(detail::as_view(q), detail::as_view(k), detail::as_view(v));
 }
 

@@ -14,6 +14,33 @@ namespace attend {
 /// Sizes, positions and indices: Eigen's, signed.
 using index = Eigen::Index;
 
+/// The storage types attend reads and writes: `float`, `double`, and the 16-bit `Eigen::half` (IEEE fp16) and
+/// `Eigen::bfloat16`, in which inference stacks keep activations and KV caches.
+template <class T>
+inline constexpr bool is_storage_type_v = std::is_same_v<T, float> || std::is_same_v<T, double> ||
+                                          std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>;
+
+/// What a storage type computes in: scores, softmax, P·V and lse of 16-bit storage run in float, so scores past
+/// fp16's 65504 stay finite and the output is rounded to 16 bits once, at the end; float and double compute in
+/// themselves.
+template <class Storage>
+struct accumulator_of {
+    using type = Storage;  ///< float and double compute in themselves
+};
+/// fp16 storage computes in float.
+template <>
+struct accumulator_of<Eigen::half> {
+    using type = float;  ///< float
+};
+/// bfloat16 storage computes in float.
+template <>
+struct accumulator_of<Eigen::bfloat16> {
+    using type = float;  ///< float
+};
+/// The accumulation type of a storage type: float for float, half and bfloat16; double for double.
+template <class Storage>
+using accumulator_t = typename accumulator_of<Storage>::type;
+
 /// Row-major tensor, PyTorch's layout: the last axis is contiguous.
 template <class T, int Rank>
 using tensor = Eigen::Tensor<T, Rank, Eigen::RowMajor>;
@@ -54,7 +81,22 @@ strided_view<T> split_heads(T* data, index batch, index len, index heads, index 
     return v;
 }
 
+struct q8_0_block;  // q8_rows.hpp: int8 blocks of an int8 cache
+
 namespace detail {
+
+/// Storage types one attention call may combine: one type throughout, or float queries and outputs over 16-bit
+/// or q8_0 keys and values (a decoder with an fp16, bf16 or int8 cache). Keys and values always share a type.
+template <class Q, class KV>
+inline constexpr bool storage_pair_v = std::is_same_v<Q, KV> ||
+                                       (std::is_same_v<Q, float> &&
+                                        (std::is_same_v<KV, Eigen::half> || std::is_same_v<KV, Eigen::bfloat16> ||
+                                         std::is_same_v<KV, q8_0_block>));
+
+/// The static_assert message of every call that takes q, k and v.
+#define ATTEND_STORAGE_PAIR_MESSAGE                                                                                 \
+    "attend: query, key and value must have one scalar type, or float queries with Eigen::half or Eigen::bfloat16 " \
+    "keys and values (of one type), or with an int8 cache's q8_view keys and values"
 
 template <class X>
 struct tensor_traits {
@@ -101,8 +143,8 @@ constexpr void require_row_major_tensor() {
                       "column-major tensor would read heads and positions transposed");
         static_assert(traits::rank == 3 || traits::rank == 4,
                       "attend: attention inputs are rank 4 [batch, heads, len, dim] or rank 3 [batch, len, dim]");
-        static_assert(std::is_same_v<typename traits::scalar, float> || std::is_same_v<typename traits::scalar, double>,
-                      "attend: the scalar type must be float or double");
+        static_assert(is_storage_type_v<typename traits::scalar>,
+                      "attend: the scalar type must be float, double, Eigen::half or Eigen::bfloat16");
     }
 }
 

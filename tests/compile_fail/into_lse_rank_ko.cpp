@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 // Twin of into_lse_rank_ok.cpp: an lse of the query's rank would be read past its end at run time; the rank is
 // part of the type, so it is refused at compile time.
-// expect-error: lse must be row-major with the scalar type of the query and one rank less
+// expect-error: lse must be row-major in the accumulation type of the query
 #include <attend/sdpa.hpp>
 
 void attend_into() {

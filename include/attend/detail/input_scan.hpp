@@ -28,6 +28,7 @@
 #include "../tensor.hpp"
 #include "memory.hpp"
 #include "paged_view.hpp"
+#include "q8_rows.hpp"
 
 namespace attend::detail {
 
@@ -40,7 +41,9 @@ template <class View>
 [[noreturn]] void throw_non_finite(const View& x, index b, index h, index i, index d, const char* name) {
     const auto where = x.rank == 4 ? format_shape(std::array<index, 4>{b, h, i, d})
                                    : format_shape(std::array<index, 3>{b, i, d});
-    throw_non_finite_at(concat(name, ' ', spell_view(x)), static_cast<double>(x.row(b, h, i)[d]), where);
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(x.row(0, 0, 0))>>;
+    const auto value = static_cast<double>(static_cast<accumulator_t<T>>(x.row(b, h, i)[d]));
+    throw_non_finite_at(concat(name, ' ', spell_view(x)), value, where);
 }
 
 /// Throws value_error attend.value.non_finite naming the first NaN or +-inf of x (a strided or paged view) and
@@ -48,18 +51,24 @@ template <class View>
 template <class View>
 void check_finite(const View& x, const char* name) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(x.row(0, 0, 0))>>;
+    using Acc = accumulator_t<T>;  // 16-bit values widen to float, exactly: NaN stays NaN, inf stays inf
     for (index b = 0; b < x.dims[0]; ++b)
         for (index h = 0; h < x.dims[1]; ++h)
             for (index i = 0; i < x.dims[2]; ++i) {
                 const T* row = x.row(b, h, i);
+                const auto a =
+                    Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, x.dims[3]).template cast<Acc>();
                 // x * 0 is 0 for every finite x and NaN for NaN and +-inf: one vectorized sum per row finds out
                 // (a scalar isfinite scan cost as much as the tiled kernel itself when decoding).
-                if (!std::isnan((Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, x.dims[3]) * T(0)).sum()))
-                    continue;
+                if (!std::isnan((a * Acc(0)).sum())) continue;
                 for (index d = 0; d < x.dims[3]; ++d)
-                    if (!std::isfinite(row[d])) throw_non_finite(x, b, h, i, d, name);
+                    if (!std::isfinite(static_cast<Acc>(row[d]))) throw_non_finite(x, b, h, i, d, name);
             }
 }
+
+/// q8_0 blocks are finite by construction: the cache rejected non-finite values when it quantized them, and a
+/// scale of a finite block is finite.
+inline void check_finite(const q8_view&, const char*) {}
 
 /// The largest |x_d| and an upper bound of the largest row sum of |x_d| of one (batch, head) of a view. The same
 /// pass is check_finite's for q and k: a non-finite element throws attend.value.non_finite naming it.
@@ -71,16 +80,17 @@ struct row_magnitudes {
 template <class View>
 row_magnitudes scan_magnitudes(const View& x, index b, index h, const char* name) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(x.row(0, 0, 0))>>;
+    using Acc = accumulator_t<T>;  // 16-bit rows are summed in float: 4096 x 60000 overflows half, not float
     row_magnitudes m;
-    // A sum of n non-negative terms rounded in T is at least (1 - n eps) times the exact one.
-    const long double rounding = 1 + 2 * static_cast<long double>(x.dims[3]) * std::numeric_limits<T>::epsilon();
+    // A sum of n non-negative terms rounded in Acc is at least (1 - n eps) times the exact one.
+    const long double rounding = 1 + 2 * static_cast<long double>(x.dims[3]) * std::numeric_limits<Acc>::epsilon();
     for (index i = 0; i < x.dims[2]; ++i) {
         const T* row = x.row(b, h, i);
-        const auto a = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, x.dims[3]).abs();
-        const T l1 = a.sum();
-        if (!(l1 <= std::numeric_limits<T>::max())) {  // NaN, inf, or finite terms whose sum overflows T
+        const auto a = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, x.dims[3]).template cast<Acc>().abs();
+        const Acc l1 = a.sum();
+        if (!(l1 <= std::numeric_limits<Acc>::max())) {  // NaN, inf, or finite terms whose sum overflows Acc
             for (index d = 0; d < x.dims[3]; ++d)
-                if (!std::isfinite(row[d])) throw_non_finite(x, b, h, i, d, name);
+                if (!std::isfinite(static_cast<Acc>(row[d]))) throw_non_finite(x, b, h, i, d, name);
             m.max_abs = std::max(m.max_abs, static_cast<long double>(a.maxCoeff()));
             m.max_l1 = std::numeric_limits<long double>::infinity();
             continue;
@@ -91,12 +101,47 @@ row_magnitudes scan_magnitudes(const View& x, index b, index h, const char* name
     return m;
 }
 
+/// The same for q8_0 rows, exactly: per block |d| times the integer sum and maximum of |q|.
+inline row_magnitudes scan_magnitudes(const q8_view& x, index b, index h, const char*) {
+    row_magnitudes m;
+    for (index i = 0; i < x.dims[2]; ++i) {
+        const q8_0_block* row = x.row(b, h, i);
+        long double l1 = 0;
+        for (index k = 0; k < x.dims[3] / q8_0_block::size; ++k) {
+            int sum = 0, largest = 0;
+            for (const std::int8_t q : row[k].values) {
+                const int a = q < 0 ? -q : q;
+                sum += a;
+                largest = std::max(largest, a);
+            }
+            const long double d = std::fabs(static_cast<long double>(static_cast<float>(row[k].scale)));
+            l1 += d * sum;
+            m.max_abs = std::max(m.max_abs, d * largest);
+        }
+        m.max_l1 = std::max(m.max_l1, l1);
+    }
+    return m;
+}
+
+/// Element d of row (b, h, i) of a view as the kernels see it (widened to Acc), in long double.
+template <class Acc, class View>
+long double element(const View& x, index b, index h, index i, index d) {
+    return static_cast<long double>(static_cast<Acc>(x.row(b, h, i)[d]));
+}
+template <class Acc>
+long double element(const q8_view& x, index b, index h, index i, index d) {
+    const q8_0_block& block = x.row(b, h, i)[d / q8_0_block::size];
+    return static_cast<long double>(static_cast<float>(block.scale)) *
+           static_cast<long double>(block.values[d % q8_0_block::size]);
+}
+
 /// check_finite of q and k and the rule of the file comment in the same pass: throws value_error
 /// attend.value.non_finite or attend.value.score_overflow. q, k are checked views of a call of shape s (k strided
-/// or paged).
-template <class T, class KeyView>
-void check_scores_fit(const strided_view<const T>& q, const KeyView& k, const attention_shape& s, T scale) {
-    const long double limit = static_cast<long double>(std::numeric_limits<T>::max()) / 2;
+/// or paged, of q's type or 16-bit); the scores are computed in Acc, which sets the range (float for 16-bit
+/// storage: fp16 scores beyond 65504 are normal and fine).
+template <class T, class KeyView, class Acc>
+void check_scores_fit(const strided_view<const T>& q, const KeyView& k, const attention_shape& s, Acc scale) {
+    const long double limit = static_cast<long double>(std::numeric_limits<Acc>::max()) / 2;
     const long double sc = static_cast<long double>(scale), grow = std::max<long double>(1, sc);
     std::vector<row_magnitudes> queries, keys;
     allocating(
@@ -130,11 +175,9 @@ void check_scores_fit(const strided_view<const T>& q, const KeyView& k, const at
             if (grow * qm.max_l1 * km.max_abs <= limit) continue;
             for (index i = 0; i < s.query_len; ++i)
                 for (index j = 0; j < s.key_len; ++j) {
-                    const T* qi = q.row(b, h, i);
-                    const T* kj = k.row(b, kvh, j);
                     long double sum = 0;
                     for (index d = 0; d < s.head_dim; ++d)
-                        sum += std::fabs(static_cast<long double>(qi[d]) * static_cast<long double>(kj[d]));
+                        sum += std::fabs(element<Acc>(q, b, h, i, d) * element<Acc>(k, b, kvh, j, d));
                     if (grow * sum > limit)
                         throw value_error("attend.value.score_overflow",
                                           concat("the score of query ", i, " and key ", j, " (batch ", b, ", head ", h,

@@ -44,12 +44,14 @@ auto matrix_of(const strided_view<T>& x, index b, index h) {
 }
 
 /// Where the results go: out `[batch, heads, query_len, value_dim]` (strided), and when not null the contiguous
-/// weights `[batch, heads, query_len, key_len]` and lse `[batch, heads, query_len]`.
+/// weights `[batch, heads, query_len, key_len]` in the storage type T, and lse `[batch, heads, query_len]` in the
+/// accumulation type (float for 16-bit storage, as PyTorch's flash kernels keep it: a 16-bit lse would lose the
+/// precision merge_partials and the backward need).
 template <class T>
 struct attention_outputs {
     strided_view<T> out;
     T* weights = nullptr;
-    T* lse = nullptr;
+    accumulator_t<T>* lse = nullptr;
 };
 
 /// Everything a kernel needs besides tensors and mask, already validated.

@@ -14,12 +14,22 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <vector>
+
+#include <Eigen/Core>
 
 #include "../error.hpp"
 #include "../shape.hpp"
 #include "../tensor.hpp"
 
 namespace attend::detail {
+
+/// A vector whose data is aligned for the widest SIMD packet of the target (Eigen's EIGEN_MAX_ALIGN_BYTES). The
+/// kernels' scratch is one: Eigen's vectorized sums and exps handle a buffer's unaligned head element by element,
+/// so with malloc's 16-byte alignment an AVX build would sum and exponentiate in an order, and with a precision,
+/// that depend on where the heap put the buffer, and the same call could give different bits twice in a row.
+template <class T>
+using aligned_vector = std::vector<T, Eigen::aligned_allocator<T>>;
 
 /// The bytes [begin, end) from a tensor's lowest to its highest element address (empty: begin == end). For a
 /// strided view this is conservative: two views whose rows interleave (two heads of one projected buffer)

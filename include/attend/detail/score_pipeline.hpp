@@ -10,8 +10,8 @@
 /// the tiled kernels are tested against, so they stay written out on their own.
 ///
 /// Storage and accumulation. Inputs and outputs are stored in a storage type; everything here (scores,
-/// probabilities, running max and sum, accumulators) is in the accumulation type accumulator_t<Storage>. Today
-/// both are float or both double; 16-bit storage accumulates in float.
+/// probabilities, running max and sum, accumulators) is in the accumulation type accumulator_t<Storage> (tensor.hpp):
+/// float for float, Eigen::half and Eigen::bfloat16 storage, double for double.
 
 #include <algorithm>
 #include <cmath>
@@ -26,17 +26,9 @@
 #include "../shape.hpp"
 #include "kernel_interface.hpp"
 #include "mask_nodes.hpp"
+#include "memory.hpp"
 
 namespace attend::detail {
-
-/// What a storage type accumulates in: scores, softmax and P·V of float storage run in float, of double in
-/// double.
-template <class Storage>
-struct accumulator_of {
-    using type = Storage;
-};
-template <class Storage>
-using accumulator_t = typename accumulator_of<Storage>::type;
 
 /// A contiguous run of scores as an Eigen array, for Eigen's vectorized reductions.
 template <class T>
@@ -229,10 +221,10 @@ public:
     }
 
 private:
-    std::vector<Acc> max_;      ///< [rows] m
-    std::vector<Acc> sum_;      ///< [rows] l
-    std::vector<Acc> new_max_;  ///< [rows] m after the current tile
-    std::vector<Acc> rescale_;  ///< [rows] exp(m_old - m_new)
+    aligned_vector<Acc> max_;      ///< [rows] m
+    aligned_vector<Acc> sum_;      ///< [rows] l
+    aligned_vector<Acc> new_max_;  ///< [rows] m after the current tile
+    aligned_vector<Acc> rescale_;  ///< [rows] exp(m_old - m_new)
 };
 
 }  // namespace attend::detail

@@ -49,20 +49,20 @@ backward_tiling default_backward_tiling(const attention_shape& s) {
 /// All in the accumulation type.
 template <class Acc>
 struct backward_workspace {
-    row_matrix<Acc> probs;         ///< [block_q, block_k]: scores, then P
-    row_matrix<Acc> dropped;       ///< [block_q, block_k]: P with dropout applied (dropout only)
-    row_matrix<Acc> keep;          ///< [block_q, block_k]: 0 or 1 / (1 - p) (dropout only)
-    row_matrix<Acc> grad;          ///< [block_q, block_k]: dP, then dS
-    row_matrix<Acc> slope;         ///< [block_q, block_k]: d score / d dot product (score modifiers only)
-    row_matrix<Acc> keys;          ///< [block_k, head_dim]: scale * K of the key tile
-    row_matrix<Acc> dk;            ///< [block_k, head_dim]: dK of the key tile, unscaled
-    row_matrix<Acc> dv;            ///< [block_k, value_dim]: dV of the key tile
-    std::vector<Acc> lse;          ///< [block_q]: what P = exp(s - lse) * inv_sum shifts by, +inf for zero rows
-    std::vector<Acc> inv_sum;      ///< [block_q]: 1, or 1 / sum for rows with exact statistics
-    std::vector<Acc> delta;        ///< [block_q]: rowsum(d_out * out)
-    std::vector<Acc> query_stage;  ///< [block_q, head_dim] converted queries, when storage is not Acc
-    std::vector<Acc> d_out_stage;  ///< [block_q, value_dim] converted d_out, when storage is not Acc
-    std::vector<Acc> value_stage;  ///< [block_k, value_dim] converted values, when storage is not Acc
+    row_matrix<Acc> probs;            ///< [block_q, block_k]: scores, then P
+    row_matrix<Acc> dropped;          ///< [block_q, block_k]: P with dropout applied (dropout only)
+    row_matrix<Acc> keep;             ///< [block_q, block_k]: 0 or 1 / (1 - p) (dropout only)
+    row_matrix<Acc> grad;             ///< [block_q, block_k]: dP, then dS
+    row_matrix<Acc> slope;            ///< [block_q, block_k]: d score / d dot product (score modifiers only)
+    row_matrix<Acc> keys;             ///< [block_k, head_dim]: scale * K of the key tile
+    row_matrix<Acc> dk;               ///< [block_k, head_dim]: dK of the key tile, unscaled
+    row_matrix<Acc> dv;               ///< [block_k, value_dim]: dV of the key tile
+    aligned_vector<Acc> lse;          ///< [block_q]: what P = exp(s - lse) * inv_sum shifts by, +inf for zero rows
+    aligned_vector<Acc> inv_sum;      ///< [block_q]: 1, or 1 / sum for rows with exact statistics
+    aligned_vector<Acc> delta;        ///< [block_q]: rowsum(d_out * out)
+    aligned_vector<Acc> query_stage;  ///< [block_q, head_dim] converted queries, when storage is not Acc
+    aligned_vector<Acc> d_out_stage;  ///< [block_q, value_dim] converted d_out, when storage is not Acc
+    aligned_vector<Acc> value_stage;  ///< [block_k, value_dim] converted values, when storage is not Acc
 
     backward_workspace(const backward_tiling& t, const attention_shape& s, bool dropout, bool stage, bool modifiers)
         : probs(t.block_q, t.block_k),
@@ -434,10 +434,11 @@ private:
     const gradient_outputs<Storage>& o_;
     backward_tiling t_;
     index group_ = 1, diagonals_ = 0, key_tiles_ = 0, query_tiles_ = 0, chunks_ = 1, tiles_per_chunk_ = 1;
-    std::vector<Acc> row_shift_;      ///< [batch, heads, query_len]: lse, or the row max (exact_statistics); or empty
-    std::vector<Acc> row_inv_sum_;    ///< [batch, heads, query_len]: 1, or 1 / the row sum (exact_statistics); or empty
-    std::vector<Acc> partials_;       ///< dq-sized buffers [batch, heads, query_len, head_dim] (see dq_rows)
-    std::vector<Acc> bias_partials_;  ///< per unit [group, diagonals]
+    aligned_vector<Acc> row_shift_;  ///< [batch, heads, query_len]: lse, or the row max (exact_statistics); or empty
+    aligned_vector<Acc>
+        row_inv_sum_;               ///< [batch, heads, query_len]: 1, or 1 / the row sum (exact_statistics); or empty
+    aligned_vector<Acc> partials_;  ///< dq-sized buffers [batch, heads, query_len, head_dim] (see dq_rows)
+    aligned_vector<Acc> bias_partials_;  ///< per unit [group, diagonals]
 };
 
 /// The tiled backward: `Storage` in memory, arithmetic in `Acc`; one instantiation per (Storage, Acc), masks

@@ -42,6 +42,7 @@
 #include "memory.hpp"
 #include "merge_rows.hpp"
 #include "parallel_for.hpp"
+#include "q8_rows.hpp"
 #include "score_pipeline.hpp"
 
 namespace attend::detail {
@@ -72,7 +73,7 @@ template <class T>
 tile_config default_tile_config(const attention_shape& s) {
     tile_config c;
     c.query_rows = 128;
-    c.key_tile = sizeof(T) == 4 ? 512 : 256;
+    c.key_tile = sizeof(accumulator_t<T>) == 4 ? 512 : 256;  // tiles hold the accumulation type
     if (std::max(s.head_dim, s.value_dim) >= 128) c.key_tile /= 2;
     c.decode_chunk = 4 * c.key_tile;
     return c;
@@ -80,10 +81,12 @@ tile_config default_tile_config(const attention_shape& s) {
 
 /// Rows [j0, j0 + n) of (b, h) of keys or values (a strided_view or a paged_view) as a matrix of the
 /// accumulation type: the rows themselves when they are contiguous and of that type, otherwise a copy in `stage`,
-/// converted (one conversion per tile or slice, shared by every query row of the block). Which of the two it is
-/// never changes a result: the same values reach the same products.
+/// converted (one conversion per tile or slice, shared by every query row of the block; 16-bit rows widen to float
+/// with Eigen's vectorized casts, F16C or AVX-512 where the target has them). Which of the two it is never changes
+/// a result: the same values reach the same products.
 template <class Acc, class Rows>
-const_tile_map<Acc> rows_as_accumulator(const Rows& x, index b, index h, index j0, index n, std::vector<Acc>& stage) {
+const_tile_map<Acc> rows_as_accumulator(const Rows& x, index b, index h, index j0, index n,
+                                        aligned_vector<Acc>& stage) {
     using Storage = std::remove_const_t<std::remove_pointer_t<decltype(x.row(0, 0, 0))>>;
     const index cols = x.dims[3];
     if constexpr (std::is_same_v<Acc, Storage>)
@@ -91,24 +94,33 @@ const_tile_map<Acc> rows_as_accumulator(const Rows& x, index b, index h, index j
             return const_tile_map<Acc>(x.row(b, h, j0), n, cols, Eigen::OuterStride<>(row_stride(x)));
     for (index r = 0; r < n;) {  // run by run of rows packed one after another (a block, a dense view)
         const index run = std::min(n - r, packed_rows(x, j0 + r));
-        const Storage* src = x.row(b, h, j0 + r);
-        std::transform(src, src + run * cols, stage.data() + r * cols, [](Storage v) { return static_cast<Acc>(v); });
+        row_array(stage.data() + r * cols, run * cols) =
+            row_array(x.row(b, h, j0 + r), run * cols).template cast<Acc>();
         r += run;
     }
     return const_tile_map<Acc>(stage.data(), n, cols, Eigen::OuterStride<>(cols));
+}
+
+/// q8_0 rows (an int8 cache) are always widened into `stage`, exactly: a scale of 11 significant bits times an
+/// integer of 7 is a float without rounding.
+template <class Acc>
+const_tile_map<Acc> rows_as_accumulator(const q8_view& x, index b, index h, index j0, index n,
+                                        aligned_vector<Acc>& stage) {
+    widen_rows(x, b, h, j0, n, stage.data());
+    return const_tile_map<Acc>(stage.data(), n, x.dims[3], Eigen::OuterStride<>(x.dims[3]));
 }
 
 /// One worker's scratch memory, allocated once per call before the workers start (never inside the tile loop).
 /// All in the accumulation type.
 template <class Acc>
 struct tiled_workspace {
-    std::vector<Acc> queries;         ///< [rows, head_dim], scaled
-    std::vector<Acc> scores;          ///< [rows, key_tile], scores then probabilities
-    std::vector<Acc> acc;             ///< [rows, value_dim]
+    aligned_vector<Acc> queries;      ///< [rows, head_dim], scaled
+    aligned_vector<Acc> scores;       ///< [rows, key_tile], scores then probabilities
+    aligned_vector<Acc> acc;          ///< [rows, value_dim]
     online_softmax<Acc> softmax;      ///< [rows] running max and sum
     std::vector<tile_class> classes;  ///< [group]
-    std::vector<Acc> key_stage;       ///< [key_tile, head_dim] converted keys, when storage is not Acc
-    std::vector<Acc> value_stage;     ///< [key_tile, value_dim] converted values, when storage is not Acc
+    aligned_vector<Acc> key_stage;    ///< [key_tile, head_dim] converted keys, when storage is not Acc
+    aligned_vector<Acc> value_stage;  ///< [key_tile, value_dim] converted values, when storage is not Acc
 
     tiled_workspace(index rows, index head_dim, index key_tile, index value_dim, index group, bool stage)
         : queries(static_cast<std::size_t>(rows * head_dim)),
@@ -144,8 +156,8 @@ public:
     }
 
 private:
-    /// Rows reach the GEMMs through a copy when their type differs or they may cross a block edge.
-    static constexpr bool staged = !std::is_same_v<Storage, Acc> || !std::is_same_v<Rows, strided_view<const Storage>>;
+    /// Rows reach the GEMMs through a copy when their type is not Acc or they may cross a block edge.
+    static constexpr bool staged = !std::is_same_v<Rows, strided_view<const Acc>>;
 
     // ---- work units -------------------------------------------------------------------------------------------
     struct block {
@@ -198,7 +210,7 @@ private:
         const index blocks = block_count(), units = blocks * chunks;
         const index dv = s_.value_dim;
         // Partial results of every (block, chunk), normalized: out = acc / sum, lse = max + log(sum).
-        std::vector<Acc> part_out, part_lse;
+        aligned_vector<Acc> part_out, part_lse;
         allocating(
             [&] {
                 part_out.resize(static_cast<std::size_t>(units * rows_ * dv));
@@ -251,7 +263,8 @@ private:
     }
 
     void write_lse(index b, index h, index i, Acc lse) const {
-        if (o_.lse) o_.lse[(b * s_.heads + h) * s_.query_len + i] = static_cast<Storage>(lse);
+        // In the storage's accumulation type: float for 16-bit storage (and for float storage accumulated in double).
+        if (o_.lse) o_.lse[(b * s_.heads + h) * s_.query_len + i] = static_cast<accumulator_t<Storage>>(lse);
     }
 
     // ---- one block --------------------------------------------------------------------------------------------
@@ -485,11 +498,12 @@ void tiled_forward(const strided_view<const Storage>& q, const Rows& k, const Ro
 }
 
 /// The tiled kernel on `threads` threads (>= 1) with the given tile sizes, for any bound mask; same contract as
-/// reference_attention. Keys and values as `Rows`: strided views, or a paged cache's paged_view.
+/// reference_attention. Queries and outputs in T, keys and values as `Rows`: strided views (of T, or of a 16-bit
+/// type under float queries), or a paged cache's paged_view; arithmetic in accumulator_t<T>.
 template <class T, class Rows, class Bound>
 void tiled_attention(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
-                     const Bound& mask, const kernel_params<T>& p, const attention_outputs<T>& o, int threads,
-                     const tile_config& config) {
+                     const Bound& mask, const kernel_params<accumulator_t<T>>& p, const attention_outputs<T>& o,
+                     int threads, const tile_config& config) {
     with_mask_tiles(mask, [&](const mask_tiles& m) {
         tiled_forward<T, accumulator_t<T>, Rows>(q, k, v, s, m, p, o, threads, config);
     });
@@ -498,7 +512,8 @@ void tiled_attention(const strided_view<const T>& q, const Rows& k, const Rows& 
 /// The tiled kernel with the default tile sizes for this shape.
 template <class T, class Rows, class Bound>
 void tiled_attention(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
-                     const Bound& mask, const kernel_params<T>& p, const attention_outputs<T>& o, int threads) {
+                     const Bound& mask, const kernel_params<accumulator_t<T>>& p, const attention_outputs<T>& o,
+                     int threads) {
     tiled_attention(q, k, v, s, mask, p, o, threads, default_tile_config<T>(s));
 }
 
@@ -513,6 +528,11 @@ ATTEND_TILED_FORWARD_INSTANCE(double, double, strided_view<const double>)
 ATTEND_TILED_FORWARD_INSTANCE(float, double, strided_view<const float>)
 ATTEND_TILED_FORWARD_INSTANCE(float, float, paged_view<float>)
 ATTEND_TILED_FORWARD_INSTANCE(double, double, paged_view<double>)
+ATTEND_TILED_FORWARD_INSTANCE(Eigen::half, float, strided_view<const Eigen::half>)
+ATTEND_TILED_FORWARD_INSTANCE(Eigen::bfloat16, float, strided_view<const Eigen::bfloat16>)
+ATTEND_TILED_FORWARD_INSTANCE(float, float, strided_view<const Eigen::half>)
+ATTEND_TILED_FORWARD_INSTANCE(float, float, strided_view<const Eigen::bfloat16>)
+ATTEND_TILED_FORWARD_INSTANCE(float, float, q8_view)
 #undef ATTEND_TILED_FORWARD_INSTANCE
 #endif
 

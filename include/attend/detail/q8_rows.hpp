@@ -1,0 +1,108 @@
+// SPDX-License-Identifier: MIT
+#pragma once
+/// Rows stored as int8 blocks with one fp16 scale each (ggml's q8_0), and how the kernels and the input scans read
+/// them: widened to float a run of rows at a time, never a whole tensor.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include <Eigen/Core>
+
+#include "../error.hpp"
+#include "../tensor.hpp"
+#include "memory.hpp"
+
+namespace attend {
+
+/// 32 values x ~ scale * values[j]: ggml's block_q8_0 (`ggml_half d; int8_t qs[32]`), byte for byte, so a
+/// llama.cpp q8_0 K or V cache maps onto these blocks.
+struct q8_0_block {
+    static constexpr index size = 32;  ///< values per block
+    Eigen::half scale;                 ///< d
+    std::int8_t values[size];          ///< q, in [-127, 127]
+};
+static_assert(sizeof(q8_0_block) == 34, "attend: q8_0_block must have ggml's 34-byte layout");
+
+namespace detail {
+
+/// Keys or values `[batch, heads, len, dim]` stored as q8_0 blocks: row (b, h, i) is dim / 32 blocks in a row,
+/// starting at block b * strides[0] + h * strides[1] + i * strides[2] (strides in blocks). Read-only. An int8 cache's keys() and values()
+/// (q8_cache.hpp); in detail, so the kernels' overloads for it are found by argument-dependent lookup.
+struct q8_view {
+    const q8_0_block* data = nullptr;
+    std::array<index, 4> dims{};     ///< batch, heads, len, dim (values; dim is a multiple of 32)
+    std::array<index, 3> strides{};  ///< blocks
+    int rank = 4;
+
+    /// The first block of row (b, h, i).
+    const q8_0_block* row(index b, index h, index i) const {
+        return data + b * strides[0] + h * strides[1] + i * strides[2];
+    }
+};
+
+/// q8_0 of one row of `dim` values (dim a multiple of 32) into dim / 32 blocks. Per block: d = fp16(amax / 127),
+/// q = round(x / d) clamped to [-127, 127], computed with d as stored, so |x - d q| <= d / 2 for each value. A
+/// block whose amax / 127 rounds to 0 in fp16 (amax below 127 x 2^-25) is stored as zeros. The values must be
+/// finite and below 127 x 65504 in magnitude (the caller checks).
+template <class T>
+void quantize_q8_0(const T* x, index dim, q8_0_block* out) {
+    for (index b = 0; b < dim / q8_0_block::size; ++b) {
+        const T* in = x + b * q8_0_block::size;
+        float amax = 0;
+        for (index j = 0; j < q8_0_block::size; ++j) amax = std::max(amax, std::abs(static_cast<float>(in[j])));
+        const Eigen::half d(amax / 127.0f);
+        const float scale = static_cast<float>(d);
+        out[b].scale = d;
+        const float inverse = scale > 0 ? 1.0f / scale : 0.0f;
+        for (index j = 0; j < q8_0_block::size; ++j) {
+            const float q = std::round(static_cast<float>(in[j]) * inverse);  // half away from zero, as ggml
+            out[b].values[j] = static_cast<std::int8_t>(std::clamp(q, -127.0f, 127.0f));
+        }
+    }
+}
+
+/// Rows [i, i + n) of (b, h) widened to float, dims[3] values per row, into dst.
+template <class Acc>
+void widen_rows(const q8_view& x, index b, index h, index i, index n, Acc* dst) {
+    const index blocks = x.dims[3] / q8_0_block::size;
+    for (index r = 0; r < n; ++r) {
+        const q8_0_block* row = x.row(b, h, i + r);
+        for (index k = 0; k < blocks; ++k) {
+            const auto d = static_cast<Acc>(static_cast<float>(row[k].scale));
+            Acc* out = dst + (r * blocks + k) * q8_0_block::size;
+            for (index j = 0; j < q8_0_block::size; ++j) out[j] = d * static_cast<Acc>(row[k].values[j]);
+        }
+    }
+}
+
+inline std::string spell_view(const q8_view& v) { return concat(format_shape(v.dims), " (q8_0 blocks)"); }
+
+/// The view's size checks: a q8 view comes from a cache, which made it well formed.
+inline void check_view_sizes(const q8_view&, const char*) {}
+
+/// The memory a q8 view spans, for the aliasing check of the `_into` forms (strides are >= 0).
+inline named_range named(const char* name, const q8_view& v) {
+    index last = 0;  // the block after the last one
+    for (std::size_t a = 0; a < 3; ++a) {
+        if (v.dims[a] <= 0) return {name, spell_view(v), {}};
+        last += (v.dims[a] - 1) * v.strides[a];
+    }
+    return {name, spell_view(v), range_of(v.data, last + v.dims[3] / q8_0_block::size)};
+}
+
+template <>
+struct tensor_traits<q8_view> {
+    static constexpr bool supported = true;
+    static constexpr bool row_major = true;
+    static constexpr int rank = 4;
+    using scalar = q8_0_block;
+};
+
+/// A q8 view is read as it is.
+inline q8_view checked_input(const q8_view& x) { return x; }
+
+}  // namespace detail
+}  // namespace attend

@@ -1,0 +1,170 @@
+// SPDX-License-Identifier: MIT
+#pragma once
+/// q8_kv_cache: a KV cache stored in int8, in ggml's q8_0 layout. Each row of keys or values is cut into blocks of
+/// 32 values, each block one fp16 scale d and 32 int8 values q (attend::q8_0_block, byte for byte ggml's
+/// block_q8_0), x ~ d q. Values are quantized when appended and widened to float inside the tile loop, a K or V
+/// tile at a time into the worker's scratch; they are never materialized whole in float. 34 bytes per 32 values:
+/// 0.27 of a float cache.
+///
+/// Error bound, per value: d = fp16(amax / 127), amax the largest |x| of its block, and q = round(x / d) with d as
+/// stored, so |x - d q| <= d / 2 ~ amax / 254. A block whose amax is below 127 x 2^-25 (d rounds to 0) is stored as
+/// zeros. Attention over the cache is then exactly float attention over the values d q: the only error is the
+/// quantization, tests/unit/q8_cache_test.cpp checks both.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "cache.hpp"
+#include "detail/input_scan.hpp"
+#include "detail/memory.hpp"
+#include "detail/q8_rows.hpp"
+#include "error.hpp"
+#include "shape.hpp"
+#include "tensor.hpp"
+
+namespace attend {
+
+/// Keys `[batch, kv_heads, length, head_dim]` and values `[batch, kv_heads, length, value_dim]` of the positions
+/// seen so far, as q8_0 blocks, with a capacity fixed at construction. Float queries attend over it:
+/// `scaled_dot_product_attention(q, cache.keys(), cache.values(), mask, options)`, and `_into`.
+class q8_kv_cache {
+public:
+    /// The largest |value| a block can hold: 127 x fp16's largest scale.
+    static constexpr double max_magnitude = 127.0 * 65504.0;
+
+    /// An empty cache for `capacity` positions. Throws value_error `attend.value.size` if a size is < 1,
+    /// `attend.value.quantized_dim` if head_dim or value_dim is not a multiple of 32 (the block size), shape_error
+    /// `attend.shape.overflow` if the storage size overflows Eigen::Index and resource_error
+    /// `attend.resource.allocation` if it cannot be allocated.
+    q8_kv_cache(index batch, index kv_heads, index capacity, index head_dim, index value_dim)
+        : batch_(batch), kv_heads_(kv_heads), capacity_(capacity), head_dim_(head_dim), value_dim_(value_dim) {
+        detail::check_cache_sizes({batch, kv_heads, capacity, head_dim, value_dim});
+        if (head_dim % q8_0_block::size != 0 || value_dim % q8_0_block::size != 0)
+            throw value_error("attend.value.quantized_dim",
+                              detail::concat("an int8 (q8_0) cache stores blocks of 32 values: head_dim ", head_dim,
+                                             " and value_dim ", value_dim, " must be multiples of 32"));
+        if (detail::product_overflows(batch, kv_heads, capacity, head_dim) ||
+            detail::product_overflows(batch, kv_heads, capacity, value_dim))
+            throw shape_error("attend.shape.overflow",
+                              detail::concat("q8_kv_cache storage [", batch, ',', kv_heads, ',', capacity, ',',
+                                             std::max(head_dim, value_dim), "] overflows Eigen::Index"));
+        detail::allocating(
+            [&] {
+                keys_.resize(static_cast<std::size_t>(batch * kv_heads * capacity * (head_dim / q8_0_block::size)));
+                values_.resize(static_cast<std::size_t>(batch * kv_heads * capacity * (value_dim / q8_0_block::size)));
+            },
+            [&] {
+                return detail::allocation_text(
+                    "q8_kv_cache storage (keys and values x batch x kv_heads x capacity x blocks)",
+                    std::array<index, 5>{2, batch, kv_heads, capacity, std::max(head_dim, value_dim) / 32},
+                    sizeof(q8_0_block));
+            },
+            "Choose a smaller capacity");
+    }
+
+    index batch() const { return batch_; }                   ///< sequences
+    index kv_heads() const { return kv_heads_; }             ///< key/value heads
+    index head_dim() const { return head_dim_; }             ///< width of a cached key
+    index value_dim() const { return value_dim_; }           ///< width of a cached value
+    index capacity() const { return capacity_; }             ///< positions the cache can hold; fixed
+    index length() const { return length_; }                 ///< positions held now
+    index remaining() const { return capacity_ - length_; }  ///< capacity() - length()
+
+    /// Quantizes and appends L positions: k_new `[batch, kv_heads, L, head_dim]`, v_new `[batch, kv_heads, L,
+    /// value_dim]` of float, double, Eigen::half or Eigen::bfloat16 (tensors, TensorMaps or strided views).
+    /// Throws shape_error `attend.shape.cache` / `attend.shape.negative`, position_error
+    /// `attend.position.cache_full`, value_error `attend.value.non_finite` for NaN or +-inf and
+    /// `attend.value.quantized_range` for a magnitude above max_magnitude; nothing is appended then.
+    template <class K, class V>
+    void append(const K& k_new, const V& v_new) {
+        static_assert(std::is_same_v<detail::scalar_of<K>, detail::scalar_of<V>>,
+                      "attend: q8_kv_cache::append takes keys and values of one scalar type");
+        const auto k = detail::as_view(k_new);
+        const auto v = detail::as_view(v_new);
+        detail::check_append_shapes(k, v, {batch_, kv_heads_, capacity_, head_dim_, value_dim_});
+        detail::check_cache_fits(k.dims[2], length_, capacity_);
+        check_values(k, "new keys");
+        check_values(v, "new values");
+        const index L = k.dims[2];
+        for (index b = 0; b < batch_; ++b)
+            for (index h = 0; h < kv_heads_; ++h)
+                for (index i = 0; i < L; ++i) {
+                    detail::quantize_q8_0(k.row(b, h, i), head_dim_, key_row(b, h, length_ + i));
+                    detail::quantize_q8_0(v.row(b, h, i), value_dim_, value_row(b, h, length_ + i));
+                }
+        length_ += L;
+    }
+
+    /// Throws position_error `attend.position.cache_full` if `new_tokens` more positions do not fit, shape_error
+    /// `attend.shape.negative` if new_tokens < 0.
+    void check_fits(index new_tokens) const { detail::check_cache_fits(new_tokens, length_, capacity_); }
+
+    /// Keys `[batch, kv_heads, length(), head_dim]` over the cache's own blocks; valid across later appends.
+    detail::q8_view keys() const { return view(keys_.data(), head_dim_); }
+    /// Values `[batch, kv_heads, length(), value_dim]`, like keys().
+    detail::q8_view values() const { return view(values_.data(), value_dim_); }
+
+    /// The blocks of keys `[batch, kv_heads, capacity, head_dim / 32]`, ggml's q8_0 layout, for mapping a
+    /// llama.cpp cache or reading what was stored.
+    const std::vector<q8_0_block>& key_blocks() const { return keys_; }
+    /// The blocks of values `[batch, kv_heads, capacity, value_dim / 32]`.
+    const std::vector<q8_0_block>& value_blocks() const { return values_; }
+
+    /// Bytes of key and value storage the cache holds (allocated once, at construction).
+    std::size_t storage_bytes() const { return (keys_.capacity() + values_.capacity()) * sizeof(q8_0_block); }
+
+    /// Forgets every position; storage and capacity stay.
+    void clear() { length_ = 0; }
+
+    /// Keeps the first `length` positions (rolling back rejected tokens). Throws position_error
+    /// `attend.position.truncate` unless 0 <= length <= length(); the cache is unchanged then.
+    void truncate(index length) {
+        detail::check_truncate(length, length_);
+        length_ = length;
+    }
+
+private:
+    template <class T>
+    static void check_values(const strided_view<const T>& x, const char* name) {
+        static_assert(is_storage_type_v<T>,
+                      "attend: q8_kv_cache::append takes float, double, Eigen::half or Eigen::bfloat16 values");
+        detail::check_finite(x, name);
+        for (index b = 0; b < x.dims[0]; ++b)
+            for (index h = 0; h < x.dims[1]; ++h)
+                for (index i = 0; i < x.dims[2]; ++i)
+                    for (index d = 0; d < x.dims[3]; ++d) {
+                        const auto value = static_cast<double>(static_cast<accumulator_t<T>>(x.row(b, h, i)[d]));
+                        if (std::abs(value) > max_magnitude)
+                            throw value_error("attend.value.quantized_range",
+                                              detail::concat(name, ' ', detail::spell_view(x), " holds ", value, " at ",
+                                                             detail::format_shape(std::array<index, 4>{b, h, i, d}),
+                                                             ", beyond the ", max_magnitude,
+                                                             " an int8 block with an fp16 scale can hold"));
+                    }
+    }
+
+    detail::q8_view view(const q8_0_block* data, index dim) const {
+        detail::q8_view v;
+        v.data = data;
+        v.dims = {batch_, kv_heads_, length_, dim};
+        const index blocks = dim / q8_0_block::size;
+        v.strides = {kv_heads_ * capacity_ * blocks, capacity_ * blocks, blocks};
+        return v;
+    }
+    q8_0_block* key_row(index b, index h, index i) {
+        return keys_.data() + ((b * kv_heads_ + h) * capacity_ + i) * (head_dim_ / q8_0_block::size);
+    }
+    q8_0_block* value_row(index b, index h, index i) {
+        return values_.data() + ((b * kv_heads_ + h) * capacity_ + i) * (value_dim_ / q8_0_block::size);
+    }
+
+    index batch_, kv_heads_, capacity_, head_dim_, value_dim_;
+    index length_ = 0;
+    std::vector<q8_0_block> keys_;
+    std::vector<q8_0_block> values_;
+};
+
+}  // namespace attend

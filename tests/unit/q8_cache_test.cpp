@@ -1,0 +1,191 @@
+// SPDX-License-Identifier: MIT
+// The int8 KV cache (q8_cache.hpp, ggml's q8_0 layout). The invariants:
+// - attention over it is float attention over its dequantized values d q, bit for bit, for the tiled kernel's
+//   block, GEMV and split-key decode paths and for the reference kernel: the int8 storage changes the inputs
+//   (quantization), never the arithmetic;
+// - each value is within d / 2 of what was appended (the documented bound), and blocks are ggml's bytes;
+// - it takes 34 / 128 of a float cache's bytes;
+// - every bad append is refused before anything changes.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include <attend/attend.hpp>
+
+#include "support/compare.hpp"
+#include "support/errors.hpp"
+#include "support/random.hpp"
+
+namespace {
+
+using attend::index;
+using attend::q8_0_block;
+using attend_test::bit_equal;
+
+/// Values in [-1, 1) times a magnitude that changes from row to row (1e-3 .. 1e3), so blocks get very different
+/// scales.
+attend::tensor<float, 4> random_rows(std::uint64_t seed, index b, index h, index len, index dim) {
+    attend::tensor<float, 4> t(b, h, len, dim);
+    attend_test::fill_uniform(t, seed);
+    for (index r = 0; r < b * h * len; ++r) {
+        const float magnitude = std::pow(10.0f, static_cast<float>(r % 7) - 3.0f);
+        for (index d = 0; d < dim; ++d) t.data()[r * dim + d] *= magnitude;
+    }
+    return t;
+}
+
+/// The cache's keys (or values) `[batch, kv_heads, length, dim]` widened to float by hand: d q per value.
+attend::tensor<float, 4> dequantized(const attend::q8_kv_cache& c, bool keys) {
+    const index dim = keys ? c.head_dim() : c.value_dim(), blocks = dim / q8_0_block::size;
+    const auto& storage = keys ? c.key_blocks() : c.value_blocks();
+    attend::tensor<float, 4> t(c.batch(), c.kv_heads(), c.length(), dim);
+    for (index b = 0; b < c.batch(); ++b)
+        for (index h = 0; h < c.kv_heads(); ++h)
+            for (index i = 0; i < c.length(); ++i)
+                for (index d = 0; d < dim; ++d) {
+                    const q8_0_block& block = storage[static_cast<std::size_t>(
+                        ((b * c.kv_heads() + h) * c.capacity() + i) * blocks + d / q8_0_block::size)];
+                    t(b, h, i, d) = static_cast<float>(block.scale) * static_cast<float>(block.values[d % 32]);
+                }
+    return t;
+}
+
+TEST(Q8Cache, AttentionOverTheCacheIsFloatAttentionOverItsDequantizedValues) {
+    const index B = 2, G = 2, H = 8, D = 64;
+    attend::q8_kv_cache cache(B, G, 6000, D, D);
+    cache.append(random_rows(1, B, G, 5000, D), random_rows(2, B, G, 5000, D));
+    const auto keys = dequantized(cache, true), values = dequantized(cache, false);
+    const auto mask = attend::causal(attend::alignment::bottom_right);
+    // 1 query: split-key decode with GEMV rows; 40 queries: GEMM blocks over causal tiles.
+    for (const index L : {1, 40})
+        for (const auto kernel : {attend::kernel::tiled, attend::kernel::reference}) {
+            attend::tensor<float, 4> q(B, H, L, D);
+            attend_test::fill_uniform(q, 10 + static_cast<std::uint64_t>(L), -2, 2);
+            attend::sdpa_options o;
+            o.kernel = kernel;
+            o.threads = 2;
+            const auto got = attend::scaled_dot_product_attention(q, cache.keys(), cache.values(), mask, o);
+            const auto want = attend::scaled_dot_product_attention(q, keys, values, mask, o);
+            EXPECT_TRUE(bit_equal(got.out, want.out)) << "L " << L;
+            EXPECT_TRUE(bit_equal(got.lse, want.lse)) << "L " << L;
+            attend::tensor<float, 4> into(B, H, L, D);
+            attend::scaled_dot_product_attention_into(q, cache.keys(), cache.values(), mask, into, o);
+            EXPECT_TRUE(bit_equal(into, want.out)) << "L " << L;
+        }
+}
+
+TEST(Q8Cache, EveryValueIsWithinHalfItsBlockScaleOfWhatWasAppended) {
+    const index D = 96;
+    attend::q8_kv_cache cache(1, 3, 50, D, D);
+    auto k = random_rows(3, 1, 3, 50, D);
+    k(0, 1, 7, 40) = 1e-9f;  // a block of tiny and zero values: stored as zeros
+    for (index d = 32; d < 64; ++d) k(0, 2, 9, d) = d == 40 ? 1e-9f : 0.0f;
+    cache.append(k, random_rows(4, 1, 3, 50, D));
+    const auto widened = dequantized(cache, true);
+    double worst = 0;  // error in units of the block's scale
+    for (index h = 0; h < 3; ++h)
+        for (index i = 0; i < 50; ++i)
+            for (index blk = 0; blk < D / 32; ++blk) {
+                const q8_0_block& block = cache.key_blocks()[static_cast<std::size_t>((h * 50 + i) * (D / 32) + blk)];
+                const double d = static_cast<double>(static_cast<float>(block.scale));
+                double amax = 0;
+                for (index j = 0; j < 32; ++j) amax = std::max(amax, std::abs(double(k(0, h, i, blk * 32 + j))));
+                EXPECT_LE(d, amax / 127 * (1 + std::ldexp(1.0, -11)) + std::ldexp(1.0, -24));
+                for (index j = 0; j < 32; ++j) {
+                    const double error = std::abs(double(widened(0, h, i, blk * 32 + j)) - k(0, h, i, blk * 32 + j));
+                    if (d == 0) {
+                        EXPECT_LE(error, amax);
+                        EXPECT_LT(amax, 127 * std::ldexp(1.0, -25));
+                        continue;
+                    }
+                    EXPECT_LE(error, d / 2) << h << ' ' << i << ' ' << blk << ' ' << j;
+                    worst = std::max(worst, error / d);
+                }
+            }
+    EXPECT_GT(worst, 0.45);  // the bound is the real one: rounding to the nearest step reaches about half a step
+    EXPECT_EQ(static_cast<float>(cache.key_blocks()[(2 * 50 + 9) * 3 + 1].scale), 0.0f);
+}
+
+TEST(Q8Cache, BlocksAreGgmlsQ8_0Bytes) {
+    EXPECT_EQ(sizeof(q8_0_block), 34u);
+    EXPECT_EQ(offsetof(q8_0_block, values), 2u);  // ggml_half d, then int8_t qs[32]
+    attend::q8_kv_cache cache(1, 1, 4, 32, 32);
+    attend::tensor<float, 4> k(1, 1, 1, 32), v(1, 1, 1, 32);
+    for (index j = 0; j < 32; ++j) {
+        k(0, 0, 0, j) = 0.5f * static_cast<float>(j) - 3.0f;  // -3 .. 12.5: amax 12.5
+        v(0, 0, 0, j) = -static_cast<float>(j);
+    }
+    cache.append(k, v);
+    const q8_0_block& block = cache.key_blocks()[0];
+    const Eigen::half d(12.5f / 127.0f);
+    EXPECT_EQ(std::memcmp(&block.scale, &d, 2), 0);
+    for (index j = 0; j < 32; ++j)
+        EXPECT_EQ(block.values[j], static_cast<std::int8_t>(std::round(k(0, 0, 0, j) / static_cast<float>(d))));
+    EXPECT_EQ(block.values[31], 127);
+    EXPECT_EQ(cache.value_blocks()[0].values[31], -127);
+}
+
+TEST(Q8Cache, TakesAboutAQuarterOfAFloatCachesBytes) {
+    const attend::kv_cache<float> f(2, 4, 1000, 128, 64);
+    const attend::q8_kv_cache q(2, 4, 1000, 128, 64);
+    EXPECT_EQ(q.storage_bytes() * 128, f.storage_bytes() * 34);
+}
+
+TEST(Q8Cache, SixteenBitInputsQuantizeAsTheirFloatValues) {
+    attend::q8_kv_cache from_float(1, 2, 10, 64, 32), from_bf16(1, 2, 10, 64, 32);
+    const attend::tensor<Eigen::bfloat16, 4> k = random_rows(5, 1, 2, 10, 64).cast<Eigen::bfloat16>();
+    const attend::tensor<Eigen::bfloat16, 4> v = random_rows(6, 1, 2, 10, 32).cast<Eigen::bfloat16>();
+    from_bf16.append(k, v);
+    from_float.append(attend::tensor<float, 4>(k.cast<float>()), attend::tensor<float, 4>(v.cast<float>()));
+    EXPECT_EQ(std::memcmp(from_bf16.key_blocks().data(), from_float.key_blocks().data(),
+                          from_float.key_blocks().size() * sizeof(q8_0_block)),
+              0);
+}
+
+/// The cache's state, to show that a refused call changed nothing.
+std::vector<unsigned char> state_of(const attend::q8_kv_cache& c) {
+    std::vector<unsigned char> bytes(sizeof(index));
+    const index length = c.length();
+    std::memcpy(bytes.data(), &length, sizeof(index));
+    for (const auto* blocks : {&c.key_blocks(), &c.value_blocks()}) {
+        const auto* p = reinterpret_cast<const unsigned char*>(blocks->data());
+        bytes.insert(bytes.end(), p, p + blocks->size() * sizeof(q8_0_block));
+    }
+    return bytes;
+}
+
+TEST(Q8Cache, EveryBadAppendIsRefusedBeforeAnythingChanges) {
+    using attend_test::expect_error;
+    expect_error<attend::value_error>([] { attend::q8_kv_cache(1, 2, 8, 48, 64); }, "attend.value.quantized_dim");
+    expect_error<attend::value_error>([] { attend::q8_kv_cache(1, 2, 8, 64, 40); }, "attend.value.quantized_dim");
+    expect_error<attend::value_error>([] { attend::q8_kv_cache(1, 0, 8, 64, 64); }, "attend.value.size");
+    attend::q8_kv_cache cache(1, 2, 8, 32, 64);
+    cache.append(random_rows(7, 1, 2, 3, 32), random_rows(8, 1, 2, 3, 64));
+    const auto before = state_of(cache);
+    const auto k = random_rows(9, 1, 2, 2, 32), v = random_rows(10, 1, 2, 2, 64);
+    auto huge = v;
+    huge(0, 1, 1, 5) = 1e7f;
+    std::string message =
+        expect_error<attend::value_error>([&] { cache.append(k, huge); }, "attend.value.quantized_range");
+    EXPECT_NE(message.find("[0,1,1,5]"), std::string::npos) << message;
+    auto nan = k;
+    nan(0, 0, 1, 3) = std::numeric_limits<float>::quiet_NaN();
+    expect_error<attend::value_error>([&] { cache.append(nan, v); }, "attend.value.non_finite");
+    expect_error<attend::shape_error>([&] { cache.append(v, v); }, "attend.shape.cache");
+    expect_error<attend::position_error>(
+        [&] { cache.append(random_rows(11, 1, 2, 6, 32), random_rows(12, 1, 2, 6, 64)); },
+        "attend.position.cache_full");
+    expect_error<attend::position_error>([&] { cache.truncate(4); }, "attend.position.truncate");
+    EXPECT_EQ(state_of(cache), before);
+    // What was refused did not half-happen: the next good append lands right after the first three positions.
+    cache.truncate(2);
+    cache.append(k, v);
+    EXPECT_EQ(cache.length(), 4);
+}
+
+}  // namespace

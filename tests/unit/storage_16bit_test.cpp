@@ -1,0 +1,272 @@
+// SPDX-License-Identifier: MIT
+// 16-bit storage (Eigen::half, Eigen::bfloat16) with float accumulation. The invariants:
+// - 16-bit q, k, v give the float computation on the same (already rounded) values, rounded to 16 bits once:
+//   out and weights are bit for bit the float results cast to the storage type, lse is the float lse itself. So
+//   nothing is accumulated in 16 bits, and the only 16-bit rounding after the inputs is the one of the output;
+// - against double on the same rounded inputs that meets the accuracy targets (bf16 2^-7, fp16 2^-10 of each
+//   output row's largest magnitude);
+// - fp16 scores beyond 65504 are fine: accumulated in float, neither an error nor inf;
+// - float queries over 16-bit keys and values (a 16-bit kv_cache) equal float keys and values holding the same
+//   values, bit for bit, and a 16-bit kv_cache takes half the bytes;
+// - rotary embeddings rotate 16-bit features in float and round them once;
+// - non-finite 16-bit inputs are rejected before anything is written;
+// - and, for every instruction set this file is built for (tests/CMakeLists.txt builds it for the default target,
+//   x86-64-v3 and native): the same call gives the same bits wherever the heap puts the kernels' scratch (AVX
+//   builds once summed an unaligned buffer's head element by element).
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include <attend/attend.hpp>
+
+#include "support/compare.hpp"
+#include "support/errors.hpp"
+#include "support/random.hpp"
+
+namespace {
+
+using attend::index;
+using attend_test::bit_equal;
+using bf16 = Eigen::bfloat16;
+using half = Eigen::half;
+
+/// A tensor of uniform values in [lo, hi), rounded to T.
+template <class T>
+attend::tensor<T, 4> random16(std::uint64_t seed, index b, index h, index len, index dim, double lo = -1,
+                              double hi = 1) {
+    attend::tensor<float, 4> t(b, h, len, dim);
+    attend_test::fill_uniform(t, seed, lo, hi);
+    return t.cast<T>();
+}
+
+template <class T>
+attend::tensor<float, 4> widen(const attend::tensor<T, 4>& t) {
+    return t.template cast<float>();
+}
+
+/// One case of attention inputs in storage type T: q `[batch, heads, query_len, dim]`, k and v `[batch, kv_heads,
+/// key_len, dim]`.
+template <class T>
+struct inputs16 {
+    attend::tensor<T, 4> q, k, v;
+    inputs16(index heads, index kv_heads, index L, index S, index dim, std::uint64_t seed, double range = 2)
+        : q(random16<T>(seed, 2, heads, L, dim, -range, range)),
+          k(random16<T>(seed + 1, 2, kv_heads, S, dim, -range, range)),
+          v(random16<T>(seed + 2, 2, kv_heads, S, dim)) {}
+};
+
+/// The option sets every invariant runs under: plain, causal tiles with sinks and soft-capping, and weights.
+std::vector<attend::sdpa_options> option_sets(index heads) {
+    std::vector<attend::sdpa_options> sets(3);
+    sets[1].softcap = 5.0;
+    std::vector<double> sinks;
+    for (index h = 0; h < heads; ++h) sinks.push_back(0.5 * static_cast<double>(h));
+    sets[1].sinks = attend::attention_sinks(sinks);
+    sets[2].need_weights = true;
+    sets[2].kernel = attend::kernel::reference;
+    return sets;
+}
+
+template <class T>
+void expect_float_result_rounded_once(const inputs16<T>& in, const attend::sdpa_options& options) {
+    const auto mask = attend::causal(attend::alignment::bottom_right);
+    for (const int threads : {1, 2}) {
+        attend::sdpa_options o = options;
+        o.threads = threads;
+        const auto got = attend::scaled_dot_product_attention(in.q, in.k, in.v, mask, o);
+        const auto want = attend::scaled_dot_product_attention(widen(in.q), widen(in.k), widen(in.v), mask, o);
+        const attend::tensor<T, 4> rounded = want.out.template cast<T>();
+        EXPECT_TRUE(bit_equal(got.out, rounded)) << "threads " << threads;
+        EXPECT_TRUE(bit_equal(got.lse, want.lse)) << "threads " << threads;  // lse stays float
+        if (o.need_weights) {
+            const attend::tensor<T, 4> weights = want.weights.template cast<T>();
+            EXPECT_TRUE(bit_equal(got.weights, weights)) << "threads " << threads;
+        }
+    }
+}
+
+template <class T>
+class Storage16 : public ::testing::Test {};
+using storage_types = ::testing::Types<half, bf16>;
+TYPED_TEST_SUITE(Storage16, storage_types);
+
+TYPED_TEST(Storage16, OutputIsTheFloatResultOnTheSameValuesRoundedOnce) {
+    using T = TypeParam;
+    const inputs16<T> prefill(4, 2, 300, 700, 64, 11);  // causal tiles: full, mixed, skipped; GQA groups of 2
+    const inputs16<T> decode(8, 2, 1, 5000, 64, 12);    // split-key decode path, GEMV rows
+    for (const auto& options : option_sets(4)) expect_float_result_rounded_once(prefill, options);
+    for (const auto& options : option_sets(8)) expect_float_result_rounded_once(decode, options);
+}
+
+/// Largest |got - want| over a row of values, relative to the row's largest |want|, over all rows.
+template <class T>
+double worst_row_error(const attend::tensor<T, 4>& got, const attend::tensor<double, 4>& want) {
+    const index dim = want.dimension(3), rows = want.size() / dim;
+    double worst = 0;
+    for (index r = 0; r < rows; ++r) {
+        double norm = 0, err = 0;
+        for (index d = 0; d < dim; ++d) {
+            const double w = want.data()[r * dim + d];
+            norm = std::max(norm, std::abs(w));
+            err = std::max(err, std::abs(static_cast<double>(static_cast<float>(got.data()[r * dim + d])) - w));
+        }
+        if (norm > 0) worst = std::max(worst, err / norm);
+    }
+    return worst;
+}
+
+TYPED_TEST(Storage16, MeetsItsAccuracyTargetAgainstDoubleOnTheSameInputs) {
+    using T = TypeParam;
+    const double target = std::is_same_v<T, bf16> ? std::ldexp(1.0, -7) : std::ldexp(1.0, -10);
+    const inputs16<T> in(4, 2, 257, 3000, 64, 21);
+    for (const auto& options : option_sets(4)) {
+        const auto mask = attend::causal(attend::alignment::bottom_right);
+        const auto got = attend::scaled_dot_product_attention(in.q, in.k, in.v, mask, options);
+        const attend::tensor<double, 4> qd = in.q.template cast<double>(), kd = in.k.template cast<double>(),
+                                        vd = in.v.template cast<double>();
+        const auto want = attend::scaled_dot_product_attention(qd, kd, vd, mask, options);
+        const double error = worst_row_error(got.out, want.out);
+        EXPECT_LE(error, target);
+        // Not vacuous: the error is the 16-bit rounding of the output, not float's (which is 2^-24).
+        EXPECT_GE(error, target / 8);
+        for (index n = 0; n < want.lse.size(); ++n)
+            ASSERT_NEAR(static_cast<double>(got.lse.data()[n]), want.lse.data()[n],
+                        1e-5 * std::max(1.0, std::abs(want.lse.data()[n])));
+    }
+}
+
+TEST(Storage16Half, ScoresBeyondTheHalfRangeStayFiniteInFloat) {
+    // Entries up to 400: scaled scores up to 64 x 400 x 400 / 8 = 1.3e6, and the largest reached (the lse checked
+    // below) beyond fp16's 65504: infinite in fp16 arithmetic, fine in float.
+    const inputs16<half> in(2, 2, 40, 90, 64, 31, 400.0);
+    const auto got = attend::scaled_dot_product_attention(in.q, in.k, in.v);
+    const auto want = attend::scaled_dot_product_attention(widen(in.q), widen(in.k), widen(in.v));
+    EXPECT_GT(attend_test::max_abs(want.lse), 65504.0);
+    EXPECT_TRUE(attend_test::all_finite(got.lse));
+    const attend::tensor<half, 4> rounded = want.out.cast<half>();
+    EXPECT_TRUE(bit_equal(got.out, rounded));
+}
+
+template <class T>
+void expect_float_queries_over_16bit_keys_equal_float_keys(std::uint64_t seed) {
+    const attend::tensor<float, 4> q = widen(random16<T>(seed, 2, 8, 3, 64));
+    const inputs16<T> kv(8, 2, 1, 6000, 64, seed + 10);
+    for (const auto kernel : {attend::kernel::tiled, attend::kernel::reference}) {
+        attend::sdpa_options o;
+        o.kernel = kernel;
+        const auto got =
+            attend::scaled_dot_product_attention(q, kv.k, kv.v, attend::causal(attend::alignment::bottom_right), o);
+        const auto want = attend::scaled_dot_product_attention(q, widen(kv.k), widen(kv.v),
+                                                               attend::causal(attend::alignment::bottom_right), o);
+        EXPECT_TRUE(bit_equal(got.out, want.out));
+        EXPECT_TRUE(bit_equal(got.lse, want.lse));
+    }
+}
+
+TEST(Storage16Mixed, FloatQueriesOverSixteenBitKeysEqualFloatKeysHoldingTheSameValues) {
+    expect_float_queries_over_16bit_keys_equal_float_keys<half>(41);
+    expect_float_queries_over_16bit_keys_equal_float_keys<bf16>(42);
+}
+
+TEST(Storage16Mixed, DecodingOverASixteenBitCacheEqualsAFloatCacheOfTheSameValues) {
+    const index B = 2, G = 2, H = 8, D = 64, prompt = 3000;
+    attend::kv_cache<bf16> cache16(B, G, 4096, D, D);
+    attend::kv_cache<float> cache32(B, G, 4096, D, D);
+    const auto k = random16<bf16>(51, B, G, prompt, D), v = random16<bf16>(52, B, G, prompt, D);
+    cache16.append(k, v);
+    cache32.append(widen(k), widen(v));
+    for (index step = 0; step < 3; ++step) {
+        const auto k1 = random16<bf16>(60 + 2 * step, B, G, 1, D), v1 = random16<bf16>(61 + 2 * step, B, G, 1, D);
+        cache16.append(k1, v1);
+        cache32.append(widen(k1), widen(v1));
+        const auto q = widen(random16<bf16>(70 + step, B, H, 1, D));
+        const auto got = attend::scaled_dot_product_attention(q, cache16.keys(), cache16.values());
+        const auto want = attend::scaled_dot_product_attention(q, cache32.keys(), cache32.values());
+        EXPECT_TRUE(bit_equal(got.out, want.out)) << "step " << step;
+    }
+}
+
+TEST(Storage16Mixed, ASixteenBitCacheTakesHalfTheBytesOfAFloatOne) {
+    const attend::kv_cache<float> f(2, 4, 1000, 64, 32);
+    const attend::kv_cache<double> d(2, 4, 1000, 64, 32);
+    const attend::kv_cache<half> h(2, 4, 1000, 64, 32);
+    const attend::kv_cache<bf16> b(2, 4, 1000, 64, 32);
+    EXPECT_EQ(f.storage_bytes(), std::size_t{2 * 4 * 1000 * (64 + 32) * 4});
+    EXPECT_EQ(d.storage_bytes(), 2 * f.storage_bytes());
+    EXPECT_EQ(h.storage_bytes(), f.storage_bytes() / 2);
+    EXPECT_EQ(b.storage_bytes(), f.storage_bytes() / 2);
+}
+
+TYPED_TEST(Storage16, RotaryRotatesInFloatAndRoundsOnce) {
+    using T = TypeParam;
+    for (const auto layout : {attend::rotary_layout::half_split, attend::rotary_layout::interleaved}) {
+        const attend::rotary_embedding rope{48, 10000, layout};
+        attend::tensor<T, 4> x = random16<T>(71, 2, 3, 17, 64, -3, 3);
+        attend::tensor<float, 4> wide = widen(x);
+        rope.apply(x, 1000);
+        rope.apply(wide, 1000);
+        const attend::tensor<T, 4> rounded = wide.cast<T>();
+        EXPECT_TRUE(bit_equal(x, rounded));
+    }
+}
+
+TYPED_TEST(Storage16, NonFiniteInputsAreRejectedBeforeAnyWrite) {
+    using T = TypeParam;
+    const T sentinel(0.75f);
+    for (const int which : {0, 1, 2})
+        for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+            inputs16<T> in(2, 1, 5, 7, 8, 81);
+            attend::tensor<T, 4>& target = which == 0 ? in.q : which == 1 ? in.k : in.v;
+            target(1, 0, 3, 2) = T(bad);
+            attend::tensor<T, 4> out(2, 2, 5, 8);
+            out.setConstant(sentinel);
+            const std::string message = attend_test::expect_error<attend::value_error>(
+                [&] { attend::scaled_dot_product_attention_into(in.q, in.k, in.v, attend::no_mask{}, out); },
+                "attend.value.non_finite");
+            EXPECT_NE(message.find("[1,0,3,2]"), std::string::npos) << message;
+            for (index n = 0; n < out.size(); ++n) ASSERT_TRUE(out.data()[n] == sentinel);
+        }
+}
+
+TYPED_TEST(Storage16, MergingTwoKeyHalvesEqualsAttentionOverAllKeys) {
+    using T = TypeParam;
+    const inputs16<T> in(4, 2, 6, 800, 32, 91);
+    const Eigen::array<index, 4> at{0, 0, 0, 0}, half_keys{2, 2, 400, 32}, rest{0, 0, 400, 0};
+    const attend::tensor<T, 4> k0 = in.k.slice(at, half_keys), k1 = in.k.slice(rest, half_keys);
+    const attend::tensor<T, 4> v0 = in.v.slice(at, half_keys), v1 = in.v.slice(rest, half_keys);
+    const auto a = attend::scaled_dot_product_attention(in.q, k0, v0);
+    const auto b = attend::scaled_dot_product_attention(in.q, k1, v1);
+    const auto merged = attend::merge_partials(a.out, a.lse, b.out, b.lse);
+    const auto whole = attend::scaled_dot_product_attention(in.q, in.k, in.v);
+    const attend::tensor<double, 4> want = whole.out.template cast<double>();
+    // Three 16-bit roundings (each part's output, the merged output) against one.
+    const double target = std::is_same_v<T, bf16> ? std::ldexp(1.0, -7) : std::ldexp(1.0, -10);
+    EXPECT_LE(worst_row_error(merged.out, want), 2 * target);
+    for (index n = 0; n < whole.lse.size(); ++n)
+        EXPECT_NEAR(merged.lse.data()[n], whole.lse.data()[n], 1e-5 * std::abs(whole.lse.data()[n]));
+}
+
+template <class T>
+void expect_same_bits_wherever_the_scratch_lands(std::uint64_t seed) {
+    const inputs16<T> in(4, 2, 300, 700, 64, seed);
+    attend::sdpa_options o;
+    o.threads = 1;
+    const auto mask = attend::causal(attend::alignment::bottom_right);
+    const auto first = attend::scaled_dot_product_attention(in.q, in.k, in.v, mask, o);
+    for (std::size_t shift = 8; shift <= 56; shift += 16) {
+        const std::vector<char> moves_the_heap(4096 + shift);  // the next allocations land elsewhere
+        const auto again = attend::scaled_dot_product_attention(in.q, in.k, in.v, mask, o);
+        EXPECT_TRUE(bit_equal(again.out, first.out)) << "shift " << shift << ", " << moves_the_heap.size();
+        EXPECT_TRUE(bit_equal(again.lse, first.lse)) << "shift " << shift;
+    }
+}
+
+TEST(Storage16Determinism, TheSameCallGivesTheSameBitsWhereverTheHeapPutsItsScratch) {
+    expect_same_bits_wherever_the_scratch_lands<float>(101);
+    expect_same_bits_wherever_the_scratch_lands<bf16>(102);
+}
+
+}  // namespace
