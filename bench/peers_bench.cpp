@@ -5,6 +5,8 @@
 // inputs either (the scan is O(L D) against O(L^2 D) of attention, so it hardly matters here).
 //
 //   prefill<float>/L:L/D:D/threads:T/causal:C   C = 1: causal(top_left); flops 4 H L^2 D, halved for causal
+//   prefill<Eigen::half>/..., prefill<Eigen::bfloat16>/...   the same with q, k, v and out in 16 bits (L = 2048,
+//                                                D = 64), float accumulation
 #include <benchmark/benchmark.h>
 
 #include "bench_common.hpp"
@@ -39,5 +41,15 @@ void prefill(benchmark::State& state) {
 BENCHMARK_TEMPLATE(prefill, float)
     ->ArgNames({"L", "D", "threads", "causal"})
     ->ArgsProduct({{1024, 2048, 4096}, {64, 128}, {1, 2}, {0, 1}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(prefill, Eigen::half)
+    ->ArgNames({"L", "D", "threads", "causal"})
+    ->ArgsProduct({{2048}, {64}, {1, 2}, {0, 1}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(prefill, Eigen::bfloat16)
+    ->ArgNames({"L", "D", "threads", "causal"})
+    ->ArgsProduct({{2048}, {64}, {1, 2}, {0, 1}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();

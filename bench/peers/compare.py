@@ -282,10 +282,17 @@ def median_time(fn, min_runs, min_time):
     return float(np.median(times)), len(times)
 
 
+ATTEND_TYPES = {"fp32": "float", "fp16": "Eigen::half", "bf16": "Eigen::bfloat16"}
+
+
 def attend_name(case, check_finite=False):
+    """attend_bench's case: 16-bit prefill stores q, k, v and out in 16 bits; 16-bit decode keeps the query in float
+    over a 16-bit K and V (attend's decoding call: float activations, a 16-bit kv_cache)."""
     if case.kind == "decode":
-        return f"decode/threads:{case.threads}/check_finite:{int(check_finite)}/"
-    return f"prefill<float>/L:{case.query_len}/D:{case.dim}/threads:{case.threads}/causal:{int(case.causal)}/"
+        prefix = "decode" if case.dtype == "fp32" else f"decode_storage<{ATTEND_TYPES[case.dtype]}>"
+        return f"{prefix}/threads:{case.threads}/check_finite:{int(check_finite)}/"
+    return (f"prefill<{ATTEND_TYPES[case.dtype]}>/L:{case.query_len}/D:{case.dim}/threads:{case.threads}/"
+            f"causal:{int(case.causal)}/")
 
 
 def attend_time(binary, name, min_runs, min_time):
@@ -304,10 +311,9 @@ def attend_time(binary, name, min_runs, min_time):
 def run_case(case, args):
     results = {}
     if args.attend_bench:
-        # attend computes in float and double only: other dtypes show attend's fp32 time for the same shape.
         variants = [("attend", False)] + ([("attend check_finite", True)] if case.kind == "decode" else [])
         for label, check in variants:
-            label += "" if case.dtype == "fp32" else " (fp32)"
+            label += " (fp32 q)" if case.kind == "decode" and case.dtype != "fp32" else ""
             try:
                 t, n = attend_time(args.attend_bench, attend_name(case, check), args.min_runs, args.min_time)
                 results[label] = {"seconds": t, "runs": n}

@@ -18,7 +18,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 #include <attend/attend.hpp>
 
@@ -198,6 +200,32 @@ TEST(Storage16Mixed, ASixteenBitCacheTakesHalfTheBytesOfAFloatOne) {
     EXPECT_EQ(d.storage_bytes(), 2 * f.storage_bytes());
     EXPECT_EQ(h.storage_bytes(), f.storage_bytes() / 2);
     EXPECT_EQ(b.storage_bytes(), f.storage_bytes() / 2);
+}
+
+TYPED_TEST(Storage16, EveryBitPatternWidensToItsExactFloat) {
+    // All 65536 values through the kernels' widening loops (F16C, or the integer rebias where the target has no
+    // F16C; bf16's shift), against Eigen's scalar conversion; NaN payloads as NaN.
+    using T = TypeParam;
+    std::vector<T> all(65536);
+    for (std::uint32_t b = 0; b < 65536; ++b) {
+        const auto bits = static_cast<std::uint16_t>(b);
+        std::memcpy(static_cast<void*>(&all[b]), &bits, 2);
+    }
+    std::vector<float> wide(all.size());
+    attend::detail::widen(all.data(), static_cast<index>(all.size()), wide.data());
+    for (std::size_t b = 0; b < all.size(); ++b) {
+        const auto want = static_cast<float>(all[b]);
+        float one = 0;  // alone: the loops' tail (a q8_0 block's scale is widened this way)
+        attend::detail::widen(&all[b], 1, &one);
+        if (std::isnan(want)) {
+            ASSERT_TRUE(std::isnan(wide[b]) && std::isnan(one)) << b;
+            ASSERT_TRUE(attend::detail::any_non_finite_16(&all[b], 1)) << b;
+            continue;
+        }
+        ASSERT_EQ(std::memcmp(&wide[b], &want, 4), 0) << "bits " << b << ": " << wide[b] << " vs " << want;
+        ASSERT_EQ(std::memcmp(&one, &want, 4), 0) << "bits " << b << " alone: " << one << " vs " << want;
+        ASSERT_EQ(attend::detail::any_non_finite_16(&all[b], 1), std::isinf(want)) << b;
+    }
 }
 
 TYPED_TEST(Storage16, RotaryRotatesInFloatAndRoundsOnce) {

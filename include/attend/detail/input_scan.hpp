@@ -29,6 +29,7 @@
 #include "memory.hpp"
 #include "paged_view.hpp"
 #include "q8_rows.hpp"
+#include "widen.hpp"
 
 namespace attend::detail {
 
@@ -56,11 +57,14 @@ void check_finite(const View& x, const char* name) {
         for (index h = 0; h < x.dims[1]; ++h)
             for (index i = 0; i < x.dims[2]; ++i) {
                 const T* row = x.row(b, h, i);
-                const auto a =
-                    Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, x.dims[3]).template cast<Acc>();
-                // x * 0 is 0 for every finite x and NaN for NaN and +-inf: one vectorized sum per row finds out
-                // (a scalar isfinite scan cost as much as the tiled kernel itself when decoding).
-                if (!std::isnan((a * Acc(0)).sum())) continue;
+                if constexpr (sizeof(T) == 2) {  // 16-bit: an all-ones exponent, found on the bits
+                    if (!any_non_finite_16(row, x.dims[3])) continue;
+                } else {
+                    // x * 0 is 0 for every finite x and NaN for NaN and +-inf: one vectorized sum per row finds
+                    // out (a scalar isfinite scan cost as much as the tiled kernel itself when decoding).
+                    const auto a = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, x.dims[3]);
+                    if (!std::isnan((a * T(0)).sum())) continue;
+                }
                 for (index d = 0; d < x.dims[3]; ++d)
                     if (!std::isfinite(static_cast<Acc>(row[d]))) throw_non_finite(x, b, h, i, d, name);
             }
@@ -84,9 +88,23 @@ row_magnitudes scan_magnitudes(const View& x, index b, index h, const char* name
     row_magnitudes m;
     // A sum of n non-negative terms rounded in Acc is at least (1 - n eps) times the exact one.
     const long double rounding = 1 + 2 * static_cast<long double>(x.dims[3]) * std::numeric_limits<Acc>::epsilon();
+    aligned_vector<Acc> wide;  // a 16-bit row widened (widen.hpp), one at a time
+    if constexpr (!std::is_same_v<T, Acc>)
+        allocating([&] { wide.resize(static_cast<std::size_t>(x.dims[3])); },
+                   [&] {
+                       return allocation_text("the input scan's row", std::array<index, 1>{x.dims[3]}, sizeof(Acc));
+                   },
+                   "Use a smaller head_dim");
     for (index i = 0; i < x.dims[2]; ++i) {
         const T* row = x.row(b, h, i);
-        const auto a = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, x.dims[3]).template cast<Acc>().abs();
+        const Acc* values = nullptr;
+        if constexpr (std::is_same_v<T, Acc>) {
+            values = row;
+        } else {
+            widen(row, x.dims[3], wide.data());
+            values = wide.data();
+        }
+        const auto a = Eigen::Map<const Eigen::Array<Acc, Eigen::Dynamic, 1>>(values, x.dims[3]).abs();
         const Acc l1 = a.sum();
         if (!(l1 <= std::numeric_limits<Acc>::max())) {  // NaN, inf, or finite terms whose sum overflows Acc
             for (index d = 0; d < x.dims[3]; ++d)

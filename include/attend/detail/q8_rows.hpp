@@ -14,6 +14,7 @@
 #include "../error.hpp"
 #include "../tensor.hpp"
 #include "memory.hpp"
+#include "widen.hpp"
 
 namespace attend {
 
@@ -71,7 +72,9 @@ void widen_rows(const q8_view& x, index b, index h, index i, index n, Acc* dst) 
     for (index r = 0; r < n; ++r) {
         const q8_0_block* row = x.row(b, h, i + r);
         for (index k = 0; k < blocks; ++k) {
-            const auto d = static_cast<Acc>(static_cast<float>(row[k].scale));
+            float scale;
+            widen(&row[k].scale, 1, &scale);
+            const auto d = static_cast<Acc>(scale);
             Acc* out = dst + (r * blocks + k) * q8_0_block::size;
             for (index j = 0; j < q8_0_block::size; ++j) out[j] = d * static_cast<Acc>(row[k].values[j]);
         }

@@ -44,6 +44,7 @@
 #include "parallel_for.hpp"
 #include "q8_rows.hpp"
 #include "score_pipeline.hpp"
+#include "widen.hpp"
 
 namespace attend::detail {
 
@@ -82,7 +83,7 @@ tile_config default_tile_config(const attention_shape& s) {
 /// Rows [j0, j0 + n) of (b, h) of keys or values (a strided_view or a paged_view) as a matrix of the
 /// accumulation type: the rows themselves when they are contiguous and of that type, otherwise a copy in `stage`,
 /// converted (one conversion per tile or slice, shared by every query row of the block; 16-bit rows widen to float
-/// with Eigen's vectorized casts, F16C or AVX-512 where the target has them). Which of the two it is never changes
+/// in widen.hpp's vectorized loops). Which of the two it is never changes
 /// a result: the same values reach the same products.
 template <class Acc, class Rows>
 const_tile_map<Acc> rows_as_accumulator(const Rows& x, index b, index h, index j0, index n,
@@ -94,8 +95,7 @@ const_tile_map<Acc> rows_as_accumulator(const Rows& x, index b, index h, index j
             return const_tile_map<Acc>(x.row(b, h, j0), n, cols, Eigen::OuterStride<>(row_stride(x)));
     for (index r = 0; r < n;) {  // run by run of rows packed one after another (a block, a dense view)
         const index run = std::min(n - r, packed_rows(x, j0 + r));
-        row_array(stage.data() + r * cols, run * cols) =
-            row_array(x.row(b, h, j0 + r), run * cols).template cast<Acc>();
+        widen(x.row(b, h, j0 + r), run * cols, stage.data() + r * cols);
         r += run;
     }
     return const_tile_map<Acc>(stage.data(), n, cols, Eigen::OuterStride<>(cols));
@@ -276,7 +276,8 @@ private:
             for (index r = 0; r < blk.queries; ++r) {
                 const Storage* src = q_.row(blk.batch, blk.kv_head * group_ + hh, blk.query_begin + r);
                 Acc* dst = w.queries.data() + (hh * blk.queries + r) * d;
-                for (index x = 0; x < d; ++x) dst[x] = scale * static_cast<Acc>(src[x]);
+                widen(src, d, dst);
+                for (index x = 0; x < d; ++x) dst[x] *= scale;
             }
     }
 

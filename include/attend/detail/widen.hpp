@@ -1,0 +1,88 @@
+// SPDX-License-Identifier: MIT
+#pragma once
+/// Widening a run of stored values to the accumulation type, exactly, in loops the compiler vectorizes. Eigen 3.4
+/// converts half and bfloat16 one element at a time inside expressions (its cast is not vectorized there), which
+/// made a decode over a 16-bit cache slower than over a float one; these are what the kernels and the input scans
+/// use instead.
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "../tensor.hpp"
+
+namespace attend::detail {
+
+/// dst[j] = src[j] for j < n, converted (float to double, or a copy).
+template <class S, class A>
+void widen(const S* src, index n, A* dst) {
+    for (index j = 0; j < n; ++j) dst[j] = static_cast<A>(src[j]);
+}
+
+/// The bits of a 16-bit value.
+template <class T>
+std::uint16_t bits_of(T x) {
+    static_assert(sizeof(T) == 2, "attend: bits_of takes a 16-bit type");
+    std::uint16_t b;
+    std::memcpy(&b, &x, 2);
+    return b;
+}
+
+/// bfloat16 is the upper half of a float: shift the bits up.
+inline void widen(const Eigen::bfloat16* src, index n, float* dst) {
+    for (index j = 0; j < n; ++j) {
+        const std::uint32_t bits = static_cast<std::uint32_t>(bits_of(src[j])) << 16;
+        std::memcpy(dst + j, &bits, 4);
+    }
+}
+
+/// fp16 to float: F16C eight at a time where the target has it; otherwise the exponent is rebiased in integer
+/// arithmetic (infinities and NaN keep an all-ones exponent, subnormals are renormalized through one float
+/// subtraction), branch-free so the loop vectorizes.
+inline void widen(const Eigen::half* src, index n, float* dst) {
+    index j = 0;
+#if defined(__F16C__)
+    for (; j + 8 <= n; j += 8) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j));
+        _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(h));
+    }
+    for (; j < n; ++j) dst[j] = _cvtsh_ss(bits_of(src[j]));  // the tail (a q8_0 block's scale: one value)
+#endif
+    constexpr std::uint32_t shifted_exponent = 0x7c00u << 13;  // fp16's exponent field, where float keeps it
+    constexpr float magic = 0x1p-14f;                          // 2^-14: fp16's smallest normal
+    for (; j < n; ++j) {
+        const std::uint32_t h = bits_of(src[j]);
+        std::uint32_t u = (h & 0x7fffu) << 13;  // exponent and mantissa in float's place
+        const std::uint32_t exponent = u & shifted_exponent;
+        u += (127u - 15u) << 23;                                      // rebias
+        u += exponent == shifted_exponent ? (128u - 16u) << 23 : 0u;  // inf and NaN: all ones
+        float f;
+        const std::uint32_t sub = u + (1u << 23);  // zero and subnormals: as 2^-14 (1 + m) - 2^-14
+        std::memcpy(&f, &sub, 4);
+        f -= magic;
+        float normal;
+        std::memcpy(&normal, &u, 4);
+        float result = exponent == 0 ? f : normal;
+        std::uint32_t r;
+        std::memcpy(&r, &result, 4);
+        r |= (h & 0x8000u) << 16;  // the sign
+        std::memcpy(dst + j, &r, 4);
+    }
+}
+
+/// Whether any of n 16-bit values is NaN or +-inf (an all-ones exponent), on the bits: one vectorized pass.
+template <class T>
+bool any_non_finite_16(const T* x, index n) {
+    const std::uint16_t exponent = std::is_same_v<T, Eigen::half> ? 0x7c00 : 0x7f80;
+    std::uint32_t found = 0;
+    for (index j = 0; j < n; ++j) found |= (bits_of(x[j]) & exponent) == exponent ? 1u : 0u;
+    return found != 0;
+}
+
+}  // namespace attend::detail
