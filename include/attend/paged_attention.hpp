@@ -41,8 +41,8 @@ inline attention_shape sequence_shape(index heads, index kv_heads, index queries
 }
 
 /// Throws what a paged_attention call with these arguments throws for its shapes and sequences.
-template <class T>
-void check_paged_call(const strided_view<const T>& q, const paged_kv_cache<T>& cache,
+template <class Q, class T>
+void check_paged_call(const strided_view<const Q>& q, const paged_kv_cache<T>& cache,
                       const std::vector<index>& sequences, const std::vector<index>& query_counts) {
     check_view_sizes(q, "query");
     const index B = q.dims[0], H = q.dims[1], L = q.dims[2];
@@ -68,11 +68,12 @@ void check_paged_call(const strided_view<const T>& q, const paged_kv_cache<T>& c
     }
 }
 
-/// paged_attention on a checked view of q, inside its allocation guard.
-template <class T>
-attention_result<T, 4> paged_attention_views(const strided_view<const T>& qv, const paged_kv_cache<T>& cache,
+/// paged_attention on a checked view of q (of T, or float over a 16-bit cache), inside its allocation guard.
+template <class Q, class T>
+attention_result<Q, 4> paged_attention_views(const strided_view<const Q>& qv, const paged_kv_cache<T>& cache,
                                              const std::vector<index>& sequences,
                                              const std::vector<index>& query_counts, const sdpa_options& options) {
+    using Acc = accumulator_t<Q>;
     check_paged_call(qv, cache, sequences, query_counts);
     if (options.need_weights)
         throw value_error("attend.value.need_weights",
@@ -98,20 +99,20 @@ attention_result<T, 4> paged_attention_views(const strided_view<const T>& qv, co
         calls.push_back(
             check_call(batch_rows(qv, n, s.query_len), k, v, s, cached_rule(cache.window(), s.key_len), options));
     }
-    attention_result<T, 4> r;
+    attention_result<Q, 4> r;
     const char* hint = "split the batch";
     resize_guarded(r.out, std::array<index, 4>{B, H, L, Dv}, "out", hint);
     if (options.need_lse) resize_guarded(r.lse, std::array<index, 3>{B, H, L}, "lse", hint);
-    tensor<T, 1> lse_rows;  // one sequence's lse [1, heads, queries], contiguous as the kernel writes it
+    tensor<Acc, 1> lse_rows;  // one sequence's lse [1, heads, queries], contiguous as the kernel writes it
     if (options.need_lse) resize_guarded(lse_rows, std::array<index, 1>{H * L}, "lse scratch", hint);
-    r.out.setZero();
-    if (options.need_lse) r.lse.setConstant(-std::numeric_limits<T>::infinity());
+    r.out.setConstant(Q(0));
+    if (options.need_lse) r.lse.setConstant(-std::numeric_limits<Acc>::infinity());
     const auto out = as_mutable_view(r.out);
     for (index n = 0; n < B; ++n) {
         const attention_shape& s = shapes[static_cast<std::size_t>(n)];
         if (s.query_len == 0) continue;
         const index id = sequences[static_cast<std::size_t>(n)];
-        attention_outputs<T> o;
+        attention_outputs<Q> o;
         o.out = batch_rows(out, n, s.query_len);
         o.lse = options.need_lse ? lse_rows.data() : nullptr;
         run_checked(batch_rows(qv, n, s.query_len), cache.key_blocks(id), cache.value_blocks(id), s,
@@ -142,11 +143,11 @@ attention_result<T, 4> paged_attention_views(const strided_view<const T>& qv, co
 /// `attend.value.need_weights` (weights are not available over a cache), and what scaled_dot_product_attention
 /// throws for the options and values; all before anything is written.
 template <class Q, class T>
-attention_result<T, 4> paged_attention(const Q& q, const paged_kv_cache<T>& cache, const std::vector<index>& sequences,
-                                       const std::vector<index>& query_counts, const sdpa_options& options = {}) {
-    static_assert(std::is_same_v<detail::scalar_of<Q>, T> && detail::rank_of<Q>() == 4,
+auto paged_attention(const Q& q, const paged_kv_cache<T>& cache, const std::vector<index>& sequences,
+                     const std::vector<index>& query_counts, const sdpa_options& options = {}) {
+    static_assert(detail::storage_pair_v<detail::scalar_of<Q>, T> && detail::rank_of<Q>() == 4,
                   "attend: paged_attention takes a rank-4 query [batch, heads, query_len, head_dim] of the cache's "
-                  "scalar type");
+                  "scalar type, or a float query over an Eigen::half or Eigen::bfloat16 cache");
     const auto qv = detail::checked_input(q);
     // Every allocation of the call (lists, scratch, messages) fails as a typed error, before anything is written.
     return detail::allocating(

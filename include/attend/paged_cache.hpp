@@ -81,8 +81,8 @@ class paged_append;
 /// block block_table(id)[i / block_size]. Copyable (a copy owns its own pool).
 template <class T>
 class paged_kv_cache {
-    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                  "attend: paged_kv_cache<T> is defined for float and double");
+    static_assert(is_storage_type_v<T>,
+                  "attend: paged_kv_cache<T> is defined for float, double, Eigen::half and Eigen::bfloat16");
 
 public:
     /// An empty cache. Throws value_error `attend.value.size` if kv_heads, head_dim, block_size, blocks or

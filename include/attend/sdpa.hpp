@@ -284,7 +284,8 @@ auto scaled_dot_product_attention(const Q& q, const K& k, const V& v, const Mask
     detail::require_mask<Mask>();
     using T = detail::scalar_of<Q>;
     constexpr int rank = detail::rank_of<Q>();
-    const auto qv = detail::checked_input(q), kv = detail::checked_input(k), vv = detail::checked_input(v);
+    const auto qv = detail::checked_input(q);
+    const auto kv = detail::checked_input(k), vv = detail::checked_input(v);  // of q's type, or 16-bit, or q8_0
     static_assert(std::is_same_v<detail::scalar_of<K>, detail::scalar_of<V>> &&
                       detail::storage_pair_v<T, detail::scalar_of<K>>,
                   ATTEND_STORAGE_PAIR_MESSAGE);
@@ -325,7 +326,8 @@ void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const
     constexpr int rank = detail::rank_of<Q>();
     static_assert(std::is_same_v<T, detail::scalar_of<Out>> && detail::rank_of<Out>() == rank,
                   "attend: out must have the scalar type and rank of the query");
-    const auto qv = detail::checked_input(q), kv = detail::checked_input(k), vv = detail::checked_input(v);
+    const auto qv = detail::checked_input(q);
+    const auto kv = detail::checked_input(k), vv = detail::checked_input(v);  // of q's type, or 16-bit, or q8_0
     static_assert(std::is_same_v<detail::scalar_of<K>, detail::scalar_of<V>> &&
                       detail::storage_pair_v<T, detail::scalar_of<K>>,
                   ATTEND_STORAGE_PAIR_MESSAGE);

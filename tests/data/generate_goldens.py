@@ -14,6 +14,8 @@ It writes, next to this script:
     mha.json            nn.MultiheadAttention forward and backward, parameters by their PyTorch names
     positions.json      sinusoidal table, T5 relative_position_bucket, ALiBi slopes, rotary embedding
     score_features.json attention sinks (with soft-capping): out, weights, lse, dq, dk, dv, d_sinks by autograd
+    storage16.json      fp16 / bf16 inputs as PyTorch rounds them, float64 attention on them, PyTorch's own 16-bit
+                        CPU attention
 
 Name files on the command line to write only those (e.g. `generate_goldens.py score_features.json`).
 
@@ -960,12 +962,69 @@ def build_positions():
     write_golden("positions.json", body)
 
 
+# ----------------------------------------------------------------------------------------------
+# 16-bit storage: PyTorch's rounding of the inputs, the float64 result on the rounded values, and PyTorch's own
+# 16-bit CPU attention
+# ----------------------------------------------------------------------------------------------
+
+def bits_of(x16):
+    """The raw 16-bit patterns of a float16 / bfloat16 tensor, as non-negative ints."""
+    return (x16.view(torch.int16).to(torch.int64) & 0xFFFF)
+
+
+def build_storage16():
+    torch.manual_seed(20261202)
+    cases = []
+    B, H, Hkv, L, S, D = 1, 4, 2, 5, 21, 16
+    allowed = tril_allowed(L, S, S - L)
+
+    def add(name, dtype, magnitude):
+        source = [(torch.randn(B, n, length, D) * magnitude).to(torch.float32)
+                  for n, length in ((H, L), (Hkv, S), (Hkv, S))]
+        rounded = [x.to(dtype) for x in source]
+        q, k, v = (x.to(DTYPE) for x in rounded)
+        scores = torch.matmul(q, expand_kv(k, H).transpose(-1, -2)) / math.sqrt(D)
+        scores = scores.masked_fill(~allowed, -math.inf)
+        out = torch.matmul(torch.softmax(scores, -1), expand_kv(v, H))
+        lse = torch.logsumexp(scores, -1)
+        # route 2: PyTorch's SDPA in float64 on the same rounded values, GQA expanded the other way
+        o2 = F.scaled_dot_product_attention(q, repeat_kv(k, H), repeat_kv(v, H), attn_mask=allowed)
+        check(f"{name}: torch SDPA float64", o2, out)
+        # PyTorch's own 16-bit CPU attention on the rounded inputs, for the interop check (not an oracle)
+        theirs = F.scaled_dot_product_attention(rounded[0], repeat_kv(rounded[1], H), repeat_kv(rounded[2], H),
+                                                attn_mask=allowed)
+        assert torch.isfinite(theirs.to(DTYPE)).all(), f"{name}: PyTorch's {dtype} attention is not finite"
+        cases.append({
+            "name": name, "dtype": "half" if dtype == torch.float16 else "bfloat16",
+            "q_source": enc(source[0]), "k_source": enc(source[1]), "v_source": enc(source[2]),
+            "q_bits": enc(bits_of(rounded[0])), "k_bits": enc(bits_of(rounded[1])),
+            "v_bits": enc(bits_of(rounded[2])),
+            "out": enc(out), "lse": enc(lse), "torch_out_bits": enc(bits_of(theirs)),
+            "max_score": float(scores[torch.isfinite(scores)].abs().max()),
+        })
+        print(f"  storage16 {name}: ok (torch SDPA float64; largest |score| {cases[-1]['max_score']:.3g})")
+
+    add("half_gqa_causal_bottom_right", torch.float16, 1.0)
+    add("bfloat16_gqa_causal_bottom_right", torch.bfloat16, 1.0)
+    add("half_scores_beyond_65504", torch.float16, 150.0)
+    write_golden("storage16.json", {
+        "conventions": {
+            "layout": "q [B,H,L,D], k [B,Hkv,S,D], v [B,Hkv,S,D], out [B,H,L,D], lse [B,H,L]",
+            "sources": "*_source: float32 values; *_bits: PyTorch's .to(dtype) of them (round to nearest even)",
+            "out": "float64 attention on the rounded values (causal bottom-right, scale 1/sqrt(D))",
+            "torch_out_bits": "PyTorch's scaled_dot_product_attention on the 16-bit inputs, CPU, as 16-bit bits",
+        },
+        "cases": cases,
+    })
+
+
 BUILDERS = {
     "sdpa.json": lambda: build_sdpa(),
     "sdpa_backward.json": lambda: build_sdpa_backward(),
     "mha.json": lambda: build_mha(),
     "positions.json": lambda: build_positions(),
     "score_features.json": lambda: build_score_features(),
+    "storage16.json": lambda: build_storage16(),
 }
 
 

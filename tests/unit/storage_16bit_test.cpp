@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include <attend/attend.hpp>
@@ -93,7 +95,13 @@ void expect_float_result_rounded_once(const inputs16<T>& in, const attend::sdpa_
 template <class T>
 class Storage16 : public ::testing::Test {};
 using storage_types = ::testing::Types<half, bf16>;
-TYPED_TEST_SUITE(Storage16, storage_types);
+struct storage_names {
+    template <class T>
+    static std::string GetName(int) {
+        return std::is_same_v<T, half> ? "half" : "bfloat16";
+    }
+};
+TYPED_TEST_SUITE(Storage16, storage_types, storage_names);
 
 TYPED_TEST(Storage16, OutputIsTheFloatResultOnTheSameValuesRoundedOnce) {
     using T = TypeParam;
@@ -181,14 +189,52 @@ TEST(Storage16Mixed, DecodingOverASixteenBitCacheEqualsAFloatCacheOfTheSameValue
     cache16.append(k, v);
     cache32.append(widen(k), widen(v));
     for (index step = 0; step < 3; ++step) {
-        const auto k1 = random16<bf16>(60 + 2 * step, B, G, 1, D), v1 = random16<bf16>(61 + 2 * step, B, G, 1, D);
+        const auto seed = static_cast<std::uint64_t>(60 + 2 * step);
+        const auto k1 = random16<bf16>(seed, B, G, 1, D), v1 = random16<bf16>(seed + 1, B, G, 1, D);
         cache16.append(k1, v1);
         cache32.append(widen(k1), widen(v1));
-        const auto q = widen(random16<bf16>(70 + step, B, H, 1, D));
+        const auto q = widen(random16<bf16>(seed + 10, B, H, 1, D));
         const auto got = attend::scaled_dot_product_attention(q, cache16.keys(), cache16.values());
         const auto want = attend::scaled_dot_product_attention(q, cache32.keys(), cache32.values());
         EXPECT_TRUE(bit_equal(got.out, want.out)) << "step " << step;
     }
+}
+
+template <class T>
+void expect_paged_16bit_cache_equals_float_cache(std::uint64_t seed) {
+    attend::paged_cache_config config;
+    config.kv_heads = 2;
+    config.head_dim = 64;
+    config.block_size = 16;
+    config.blocks = 400;
+    config.max_sequences = 2;
+    attend::paged_kv_cache<T> cache16(config);
+    attend::paged_kv_cache<float> cache32(config);
+    const std::vector<index> lengths{3000, 700}, counts{1, 3};
+    std::vector<index> ids;
+    for (std::size_t n = 0; n < lengths.size(); ++n) {
+        ids.push_back(cache16.add_sequence());
+        cache32.add_sequence();
+        const auto k = random16<T>(seed + n, 1, 2, lengths[n], 64), v = random16<T>(seed + 9 + n, 1, 2, lengths[n], 64);
+        cache16.append(ids.back(), k, v);
+        cache32.append(ids.back(), widen(k), widen(v));
+    }
+    const auto q16 = random16<T>(seed + 20, 2, 8, 3, 64);
+    // Float queries over the 16-bit blocks: exactly the float cache of the same values.
+    const auto got = attend::paged_attention(widen(q16), cache16, ids, counts);
+    const auto want = attend::paged_attention(widen(q16), cache32, ids, counts);
+    EXPECT_TRUE(bit_equal(got.out, want.out));
+    EXPECT_TRUE(bit_equal(got.lse, want.lse));
+    // 16-bit queries: the float result rounded once.
+    const auto got16 = attend::paged_attention(q16, cache16, ids, counts);
+    const attend::tensor<T, 4> rounded = want.out.template cast<T>();
+    EXPECT_TRUE(bit_equal(got16.out, rounded));
+    EXPECT_TRUE(bit_equal(got16.lse, want.lse));
+}
+
+TEST(Storage16Mixed, APagedSixteenBitCacheEqualsAPagedFloatCacheOfTheSameValues) {
+    expect_paged_16bit_cache_equals_float_cache<half>(111);
+    expect_paged_16bit_cache_equals_float_cache<bf16>(112);
 }
 
 TEST(Storage16Mixed, ASixteenBitCacheTakesHalfTheBytesOfAFloatOne) {

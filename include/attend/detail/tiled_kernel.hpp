@@ -534,6 +534,10 @@ ATTEND_TILED_FORWARD_INSTANCE(Eigen::bfloat16, float, strided_view<const Eigen::
 ATTEND_TILED_FORWARD_INSTANCE(float, float, strided_view<const Eigen::half>)
 ATTEND_TILED_FORWARD_INSTANCE(float, float, strided_view<const Eigen::bfloat16>)
 ATTEND_TILED_FORWARD_INSTANCE(float, float, q8_view)
+ATTEND_TILED_FORWARD_INSTANCE(float, float, paged_view<Eigen::half>)
+ATTEND_TILED_FORWARD_INSTANCE(float, float, paged_view<Eigen::bfloat16>)
+ATTEND_TILED_FORWARD_INSTANCE(Eigen::half, float, paged_view<Eigen::half>)
+ATTEND_TILED_FORWARD_INSTANCE(Eigen::bfloat16, float, paged_view<Eigen::bfloat16>)
 #undef ATTEND_TILED_FORWARD_INSTANCE
 #endif
 
