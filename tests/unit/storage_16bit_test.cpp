@@ -10,9 +10,9 @@
 //   values, bit for bit, and a 16-bit kv_cache takes half the bytes;
 // - rotary embeddings rotate 16-bit features in float and round them once;
 // - non-finite 16-bit inputs are rejected before anything is written;
-// - and, for every instruction set this file is built for (tests/CMakeLists.txt builds it for the default target,
-//   x86-64-v3 and native): the same call gives the same bits wherever the heap puts the kernels' scratch (AVX
-//   builds once summed an unaligned buffer's head element by element).
+// - and, for every instruction set this file is built for (tests/CMakeLists.txt: the default target, x86-64-v3,
+//   and native where it has AVX-512): the same call gives the same bits wherever the heap puts the kernels'
+//   scratch (AVX builds once summed an unaligned buffer's head element by element).
 
 #include <gtest/gtest.h>
 
