@@ -83,7 +83,8 @@ struct sdpa_options {
     bool weights_after_dropout = false;  ///< weights as used (dropped and rescaled) instead of probabilities
     bool check_finite = true;            ///< reject NaN / Inf in q, k, v (value_error attend.value.non_finite) and
                                          ///< scores beyond half of T's range (attend.value.score_overflow,
-                                         ///< detail/input_scan.hpp); off: the caller promises both
+                                         ///< detail/input_scan.hpp); off: the caller promises both. A decode
+                                         ///< scans K and V in the kernel's own pass, so they are read once
 };
 
 /// The result of scaled_dot_product_attention; T is the query's storage type, Rank the rank of the inputs (3 or 4).
@@ -158,17 +159,24 @@ struct checked_call {
     kernel_params<accumulator_t<T>> params;
     Bound mask;
     attend::kernel kernel = attend::kernel::automatic;
-    int threads = 1;  ///< resolved: >= 1
+    int threads = 1;                ///< resolved: >= 1
+    bool kv_scan_deferred = false;  ///< check_finite's scan of k and v is left to run_checked (deferred_kv_scan)
 };
 
 /// Every check of an attention call, in data-path order: options, mask against the shape, finite inputs, empty
-/// rows. Nothing is allocated or written before it returns.
+/// rows. Nothing is allocated or written before it returns. With `defer_kv_scan` (a caller that runs the call
+/// with run_checked right away and writes nothing before) check_finite's scan of k and v is left to run_checked,
+/// which has the kernel do it in its own pass where it can and throws before any output is written either way;
+/// then a mask's attend.mask.empty_row comes before a non-finite key or value.
 template <class T, class Rows, class Mask>
 auto check_call(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
-                const Mask& mask, const sdpa_options& o) {
+                const Mask& mask, const sdpa_options& o, bool defer_kv_scan = false) {
     checked_call<T, decltype(mask.bind(s))> call{checked_params<T>(s, o), mask.bind(s), o.kernel,
                                                  resolve_threads(o.threads)};
-    if (o.check_finite) {
+    if (o.check_finite && defer_kv_scan) {
+        check_finite(q, "query");
+        call.kv_scan_deferred = true;
+    } else if (o.check_finite) {
         check_scores_fit(q, k, s, call.params.scale);
         check_finite(v, "value");
     }
@@ -210,6 +218,13 @@ template <class T, class Rows, class Bound>
 void run_checked(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
                  const checked_call<T, Bound>& call, const attention_outputs<T>& out) {
     using Acc = accumulator_t<T>;
+    const kv_scan_of<T, Rows> kv_scan(q, k, v, s, call.params.scale);
+    if (call.kv_scan_deferred && call.kernel != kernel::reference) {
+        auto params = call.params;
+        params.kv_scan = &kv_scan;
+        return tiled_attention(q, k, v, s, call.mask, params, out, call.threads);
+    }
+    if (call.kv_scan_deferred) kv_scan.scan_now();
     if (call.kernel != kernel::reference) return tiled_attention(q, k, v, s, call.mask, call.params, out, call.threads);
     if constexpr (std::is_same_v<T, Acc> && std::is_same_v<Rows, strided_view<const T>>) {
         reference_attention(q, k, v, s, call.mask, call.params, out);
@@ -290,7 +305,7 @@ auto scaled_dot_product_attention(const Q& q, const K& k, const V& v, const Mask
                       detail::storage_pair_v<T, detail::scalar_of<K>>,
                   ATTEND_STORAGE_PAIR_MESSAGE);
     const attention_shape s = detail::check_views(qv, kv, vv);
-    const auto call = detail::check_call(qv, kv, vv, s, mask, options);
+    const auto call = detail::check_call(qv, kv, vv, s, mask, options, true);
     attention_result<T, rank> r;
     const char* hint = "need_weights materializes [batch, heads, query_len, key_len]; leave it off or split the call";
     detail::resize_guarded(r.out, detail::rank_dims<rank>(s, s.value_dim), "out", hint);
@@ -359,7 +374,7 @@ void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const
                               {detail::named("out", o.out),
                                detail::named("weights", o.weights, detail::rank_dims<rank>(s, s.key_len)),
                                detail::named("lse", o.lse, detail::lse_dims<rank>(s))});
-    const auto call = detail::check_call(qv, kv, vv, s, mask, options);
+    const auto call = detail::check_call(qv, kv, vv, s, mask, options, true);
     detail::run_checked(qv, kv, vv, s, call, o);
 }
 

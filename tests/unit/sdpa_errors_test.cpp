@@ -419,6 +419,95 @@ TEST(SdpaErrors, NaNOrInfinityInQueryKeyOrValueIsValueNonFinite) {
     expect_call_error<attend::value_error>(q3, k3, v3, {}, "attend.value.non_finite", {"query", "[1,3,2]"});
 }
 
+// The decode path (one query per head, more keys than one decode chunk, no weights asked) scans k and v in its
+// own pass instead of before it (tiled_kernel.hpp, deferred_kv_scan). It must reject what the scan before the kernel
+// rejects, with the same message, before writing out or lse, also where the mask makes it skip the rows.
+
+/// The message of the error `run` throws (value_error expected), or "" when it throws nothing.
+template <class F>
+std::string value_error_text(F&& run) {
+    try {
+        run();
+    } catch (const attend::value_error& e) {
+        return e.what();
+    }
+    return "";
+}
+
+/// q [1, 4, 1, 8] over k, v [1, 2, 2600, 8]: 2600 keys are two decode chunks (2048 keys at this size).
+qkv decode_inputs() { return make(1, 4, 2, 1, 2600, 8, 8); }
+
+/// Runs a decode call with `mask` in both kernels (the reference scans before it computes) and expects the same
+/// value error from both, `id` with `fragment`, and nothing written by the tiled kernel's decode path.
+template <class K, class Mask>
+void expect_decode_error(const tensor<float, 4>& q, const K& k, const K& v, const Mask& mask, const std::string& id,
+                         const std::string& fragment) {
+    tensor<float, 4> out(1, 4, 1, v.dimension(3));
+    tensor<float, 3> lse(1, 4, 1);
+    out.setConstant(sentinel);
+    lse.setConstant(sentinel);
+    attend::sdpa_options decode, reference;
+    reference.kernel = attend::kernel::reference;
+    const std::string found =
+        value_error_text([&] { attend::scaled_dot_product_attention_into(q, k, v, mask, out, decode, nullptr, lse); });
+    const std::string scanned =
+        value_error_text([&] { (void)attend::scaled_dot_product_attention(q, k, v, mask, reference); });
+    EXPECT_EQ(found.rfind("[" + id + "] ", 0), 0u) << found;
+    EXPECT_NE(found.find(fragment), std::string::npos) << found;
+    EXPECT_EQ(found, scanned);
+    for (index n = 0; n < out.size(); ++n) ASSERT_EQ(out.data()[n], sentinel) << "out written before the error";
+    for (index n = 0; n < lse.size(); ++n) ASSERT_EQ(lse.data()[n], sentinel) << "lse written before the error";
+}
+
+TEST(SdpaErrors, DecodeRejectsANonFiniteKeyOrValueItsPassMetOrSkippedWithTheScansMessageBeforeWriting) {
+    const auto masks = [](const auto& check) {
+        check(attend::no_mask{});
+        check(attend::key_padding({700}));  // keys >= 700 skipped: a trimmed tile, then empty tiles and chunks
+        check(attend::sliding_window(100, 0, attend::alignment::bottom_right));  // only the last 101 keys read
+    };
+    for (const bool in_values : {false, true})
+        for (const index key : {index(5), index(1023), index(2048), index(2599)})
+            for (const float bad : {nan_f, inf_f, -inf_f}) {
+                SCOPED_TRACE((in_values ? "value " : "key ") + std::to_string(key) + " holds " + std::to_string(bad));
+                auto x = decode_inputs();
+                (in_values ? x.v : x.k)(0, 1, key, 3) = bad;
+                (in_values ? x.v : x.k)(0, 1, 2599, 7) = bad;  // a later one is not the one named
+                masks([&](const auto& mask) {
+                    expect_decode_error(x.q, x.k, x.v, mask, "attend.value.non_finite",
+                                        "[0,1," + std::to_string(key) + ",3]");
+                });
+            }
+    // Keys and values in 16 bits are scanned after they are widened, also where the mask skips them (head_dim 4:
+    // a slice of the scan is as long as a key tile); the error names the same element.
+    auto x = make(1, 4, 2, 1, 2600, 4, 4);
+    tensor<Eigen::bfloat16, 4> k = x.k.cast<Eigen::bfloat16>(), v = x.v.cast<Eigen::bfloat16>();
+    v(0, 0, 2300, 2) = Eigen::bfloat16(nan_f);
+    expect_decode_error(x.q, k, v, attend::no_mask{}, "attend.value.non_finite", "[0,0,2300,2]");
+    expect_decode_error(x.q, k, v, attend::key_padding({700}), "attend.value.non_finite", "[0,0,2300,2]");
+}
+
+TEST(SdpaErrors, DecodeRejectsScoresThatOverflowAsTheScanDoesAndComputesPairsThatFit) {
+    // q.k = 8 x 1e19 x 1e19 x scale 1/sqrt(8) = 2.8e38, beyond half of float's range, for key 2400 only; the
+    // sliding window never reads that key, and the rule holds for every pair, masked or not.
+    auto x = decode_inputs();
+    x.q.setConstant(1e19f);
+    for (index d = 0; d < 8; ++d) x.k(0, 0, 2400, d) = 1e19f;
+    expect_decode_error(x.q, x.k, x.v, attend::no_mask{}, "attend.value.score_overflow", "key 2400");
+    expect_decode_error(x.q, x.k, x.v, attend::sliding_window(10, 0, attend::alignment::bottom_right),
+                        "attend.value.score_overflow", "key 2400");
+    // Rows that look dangerous by their magnitudes (||q||_1 max|k| = 2.25e38) but never meet: q on feature 0, the
+    // large key on feature 1 only. Computed, and as the reference computes it.
+    auto y = decode_inputs();
+    y.q.setZero();
+    for (index h = 0; h < 4; ++h) y.q(0, h, 0, 0) = 1.5e19f;
+    for (index d = 0; d < 8; ++d) y.k(0, 1, 2400, d) = d == 1 ? 1.5e19f : 0.0f;
+    attend::sdpa_options reference;
+    reference.kernel = attend::kernel::reference;
+    const auto decoded = attend::scaled_dot_product_attention(y.q, y.k, y.v);
+    const auto expected = attend::scaled_dot_product_attention(y.q, y.k, y.v, reference);
+    for (index n = 0; n < expected.out.size(); ++n) EXPECT_NEAR(decoded.out.data()[n], expected.out.data()[n], 1e-5);
+}
+
 TEST(SdpaErrors, ScaleZeroNegativeNaNOrInfiniteIsValueScale) {
     const auto x = make(2, 2, 2, 4, 5, 3, 3);
     for (const double bad : {0.0, -0.0, -0.5, std::nan(""), std::numeric_limits<double>::infinity(),

@@ -26,6 +26,7 @@
 #include "../error.hpp"
 #include "../shape.hpp"
 #include "../tensor.hpp"
+#include "kernel_interface.hpp"
 #include "memory.hpp"
 #include "paged_view.hpp"
 #include "q8_rows.hpp"
@@ -153,6 +154,14 @@ long double element(const q8_view& x, index b, index h, index i, index d) {
            static_cast<long double>(block.values[d % q8_0_block::size]);
 }
 
+/// The cheap bound of the file comment for one query head: |q.k| <= sum_d |q_d| |k_d| <= ||q||_1 max_d |k_d|, so
+/// one product bounds every pair of the head. False: the pairs need checking one by one.
+template <class Acc>
+bool pairs_fit(const row_magnitudes& queries, long double key_max_abs, Acc scale) {
+    const long double limit = static_cast<long double>(std::numeric_limits<Acc>::max()) / 2;
+    return std::max<long double>(1, static_cast<long double>(scale)) * queries.max_l1 * key_max_abs <= limit;
+}
+
 /// check_finite of q and k and the rule of the file comment in the same pass: throws value_error
 /// attend.value.non_finite or attend.value.score_overflow. q, k are checked views of a call of shape s (k strided
 /// or paged, of q's type or 16-bit); the scores are computed in Acc, which sets the range (float for 16-bit
@@ -189,8 +198,7 @@ void check_scores_fit(const strided_view<const T>& q, const KeyView& k, const at
                                          static_cast<double>(qm.max_abs), " (batch ", b, ", head ", h,
                                          ") leaves half the range of the scores' type (", static_cast<double>(limit),
                                          "); rescale the inputs"));
-            // |q.k| <= sum_d |q_d| |k_d| <= ||q||_1 max_d |k_d|: one product bounds every pair of this head.
-            if (grow * qm.max_l1 * km.max_abs <= limit) continue;
+            if (pairs_fit(qm, km.max_abs, scale)) continue;
             for (index i = 0; i < s.query_len; ++i)
                 for (index j = 0; j < s.key_len; ++j) {
                     long double sum = 0;
@@ -206,5 +214,41 @@ void check_scores_fit(const strided_view<const T>& q, const KeyView& k, const at
                 }
         }
 }
+
+/// check_finite's scan of k and v for a kernel that reads them anyway (deferred_kv_scan): the call's q, k, v and
+/// scale, kept for the verdict. verify needs only q's magnitudes (a decode's few rows) besides what the kernel
+/// found; whenever those findings do not settle the call it runs the whole scan, so a call is rejected with the
+/// same error and message either way.
+template <class T, class Rows>
+class kv_scan_of final : public deferred_kv_scan {
+public:
+    kv_scan_of(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
+               accumulator_t<T> scale)
+        : q_(q), k_(k), v_(v), s_(s), scale_(scale) {}
+
+    void scan_now() const override {
+        check_scores_fit(q_, k_, s_, scale_);
+        check_finite(v_, "value");
+    }
+
+    void verify(const std::vector<double>& key_max_abs, bool non_finite) const override {
+        if (non_finite) return scan_now();  // finds the first bad element and names it
+        const long double limit = static_cast<long double>(std::numeric_limits<accumulator_t<T>>::max()) / 2;
+        for (index b = 0; b < s_.batch; ++b)
+            for (index h = 0; h < s_.heads; ++h) {
+                const row_magnitudes qm = scan_magnitudes(q_, b, h, "query");
+                const auto km =
+                    static_cast<long double>(key_max_abs[static_cast<std::size_t>(b * s_.kv_heads + s_.kv_head(h))]);
+                if (static_cast<long double>(scale_) * qm.max_abs > limit || !pairs_fit(qm, km, scale_))
+                    return scan_now();
+            }
+    }
+
+private:
+    strided_view<const T> q_;
+    Rows k_, v_;
+    attention_shape s_;
+    accumulator_t<T> scale_;
+};
 
 }  // namespace attend::detail

@@ -54,6 +54,24 @@ struct attention_outputs {
     accumulator_t<T>* lse = nullptr;
 };
 
+/// check_finite's scan of the keys and values (input_scan.hpp), handed to a kernel that reads them once anyway:
+/// the tiled kernel's decode path notes what it sees while it streams them and asks for the verdict before it
+/// writes any output, so the default options do not read K and V twice; any other path runs the scan first.
+class deferred_kv_scan {
+public:
+    /// The scan as check_call runs it before a kernel: throws value_error attend.value.non_finite or
+    /// attend.value.score_overflow.
+    virtual void scan_now() const = 0;
+    /// The verdict from what a pass over every key and value row found: `key_max_abs` `[batch * kv_heads]` the
+    /// largest |k| of each (batch, kv head) as the kernel computes with it, `non_finite` whether any key or value
+    /// was NaN or +-inf. Throws exactly what scan_now would throw (it runs scan_now whenever the findings do not
+    /// settle the call), otherwise returns.
+    virtual void verify(const std::vector<double>& key_max_abs, bool non_finite) const = 0;
+
+protected:
+    ~deferred_kv_scan() = default;
+};
+
 /// Everything a kernel needs besides tensors and mask, already validated.
 template <class T>
 struct kernel_params {
@@ -65,6 +83,8 @@ struct kernel_params {
     bool weights_after_dropout = false;
     /// `[heads]` sink logits (sinks.hpp): each joins its head's softmax denominators with no value; empty: none.
     std::vector<T> sinks;
+    /// Not null: check_finite's scan of k and v is left to the forward kernel (deferred_kv_scan); null: done.
+    const deferred_kv_scan* kv_scan = nullptr;
     bool has_sinks() const { return !sinks.empty(); }
     T sink(index head) const { return sinks[static_cast<std::size_t>(head)]; }
 };

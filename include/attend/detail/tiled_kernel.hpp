@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -110,6 +111,45 @@ const_tile_map<Acc> rows_as_accumulator(const q8_view& x, index b, index h, inde
     return const_tile_map<Acc>(stage.data(), n, x.dims[3], Eigen::OuterStride<>(x.dims[3]));
 }
 
+/// What one decode unit's pass saw of its keys and values, for check_finite (deferred_kv_scan): the largest |k| and
+/// whether any key or value was NaN or +-inf, over every row from the chunk's first key to `scanned_to`. Rows the
+/// pass reads are noted while they are hot (in L1 on the GEMV path); rows it skips (tiles the mask empties, the
+/// trimmed ends of mixed tiles) are read for the scan alone.
+template <class Acc>
+struct kv_findings {
+    bool active = false;
+    Acc key_max_abs = 0;
+    bool non_finite = false;
+    index scanned_to = 0;
+
+    void reset(bool on, index key_begin) {
+        active = on;
+        key_max_abs = 0;
+        non_finite = false;
+        scanned_to = key_begin;
+    }
+    /// Notes a tile of keys: its largest |k|, or that it holds a NaN or an inf.
+    void keys(const const_tile_map<Acc>& k) {
+        const auto m = max_magnitude(k);
+        if (m >= infinity_bits<Acc>()) {
+            non_finite = true;
+        } else {
+            Acc largest;
+            std::memcpy(&largest, &m, sizeof(Acc));
+            key_max_abs = std::max(key_max_abs, largest);
+        }
+    }
+    /// Notes a tile of values: whether it holds a NaN or an inf.
+    void values(const const_tile_map<Acc>& v) { non_finite = non_finite || max_magnitude(v) >= infinity_bits<Acc>(); }
+
+private:
+    static auto max_magnitude(const const_tile_map<Acc>& x) {
+        decltype(max_magnitude_bits(x.data(), 0)) m = 0;
+        for (index r = 0; r < x.rows(); ++r) m = std::max(m, max_magnitude_bits(x.row(r).data(), x.cols()));
+        return m;
+    }
+};
+
 /// One worker's scratch memory, allocated once per call before the workers start (never inside the tile loop).
 /// All in the accumulation type.
 template <class Acc>
@@ -121,6 +161,7 @@ struct tiled_workspace {
     std::vector<tile_class> classes;  ///< [group]
     aligned_vector<Acc> key_stage;    ///< [key_tile, head_dim] converted keys, when storage is not Acc
     aligned_vector<Acc> value_stage;  ///< [key_tile, value_dim] converted values, when storage is not Acc
+    kv_findings<Acc> found;           ///< the decode path's check_finite findings, when it scans
 
     tiled_workspace(index rows, index head_dim, index key_tile, index value_dim, index group, bool stage)
         : queries(static_cast<std::size_t>(rows * head_dim)),
@@ -149,8 +190,10 @@ public:
     }
 
     void run(int threads) {
-        if (s_.batch == 0 || s_.query_len == 0) return;
         const bool decode = s_.query_len <= c_.decode_queries && o_.weights == nullptr && s_.key_len > c_.decode_chunk;
+        // Only the decode path scans keys and values in its own pass: elsewhere the scan goes first.
+        if (p_.kv_scan && !(decode && s_.batch > 0 && s_.query_len > 0)) p_.kv_scan->scan_now();
+        if (s_.batch == 0 || s_.query_len == 0) return;
         if (decode) run_decode(threads);
         else run_blocks(threads);
     }
@@ -221,19 +264,23 @@ private:
                                        std::array<index, 3>{units, rows_, dv + 1}, sizeof(Acc));
             },
             "Split the call over the batch");
+        std::vector<kv_findings<Acc>> found(p_.kv_scan ? static_cast<std::size_t>(units) : 0);
         auto ws = workspaces(units, threads);
         parallel_for(units, threads, [&](index unit, int worker) {
             auto& w = ws[static_cast<std::size_t>(worker)];
             const block blk = block_of(unit / chunks);
             const index chunk = unit % chunks;
             const index k0 = chunk * c_.decode_chunk, k1 = std::min(s_.key_len, k0 + c_.decode_chunk);
+            w.found.reset(p_.kv_scan != nullptr, k0);
             load_queries(w, blk);
             stream_keys(w, blk, k0, k1);
+            if (w.found.active) found[static_cast<std::size_t>(unit)] = w.found;
             const index rows = group_ * blk.queries;
             for (index r = 0; r < rows; ++r)
                 part_lse[static_cast<std::size_t>(unit * rows_ + r)] =
                     w.softmax.normalize_into(r, w.acc.data() + r * dv, dv, part_out.data() + (unit * rows_ + r) * dv);
         });
+        if (p_.kv_scan) verify_scan(found, chunks);  // throws before the first output is written
         // Combine the chunks of each block in chunk order, one block per unit.
         parallel_for(blocks, threads, [&](index n, int) {
             const block blk = block_of(n);
@@ -251,6 +298,32 @@ private:
                 write_merged_row(blk.batch, h, i, lse == minus_infinity<Acc>() ? nullptr : first, lse);
             }
         });
+    }
+
+    /// Hands what the decode units found to the deferred scan: the largest |k| per (batch, kv head), whether any
+    /// key or value was not finite.
+    void verify_scan(const std::vector<kv_findings<Acc>>& found, index chunks) const {
+        std::vector<double> key_max_abs(static_cast<std::size_t>(s_.batch * s_.kv_heads), 0.0);
+        bool non_finite = false;
+        for (index unit = 0; unit < static_cast<index>(found.size()); ++unit) {
+            const block blk = block_of(unit / chunks);
+            double& m = key_max_abs[static_cast<std::size_t>(blk.batch * s_.kv_heads + blk.kv_head)];
+            m = std::max(m, static_cast<double>(found[static_cast<std::size_t>(unit)].key_max_abs));
+            non_finite = non_finite || found[static_cast<std::size_t>(unit)].non_finite;
+        }
+        p_.kv_scan->verify(key_max_abs, non_finite);
+    }
+
+    /// Keys and values [w.found.scanned_to, upto) of the block's (batch, kv head) read for the scan alone: the
+    /// decode pass skipped them (an empty tile, the trimmed end of a mixed one).
+    void scan_skipped(tiled_workspace<Acc>& w, const block& blk, index upto) const {
+        const index step = std::min(c_.key_tile, gemv_keys(std::max(s_.head_dim, s_.value_dim)));  // fits the stages
+        for (index j0 = w.found.scanned_to; j0 < upto; j0 += step) {
+            const index nj = std::min(step, upto - j0);
+            w.found.keys(rows_as_accumulator<Acc>(k_, blk.batch, blk.kv_head, j0, nj, w.key_stage));
+            w.found.values(rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, j0, nj, w.value_stage));
+        }
+        w.found.scanned_to = std::max(w.found.scanned_to, upto);
     }
 
     /// Row (b, h, i) of out from a merged, normalized row (Acc, value_dim long; nullptr for a zero row), rounded
@@ -337,10 +410,12 @@ private:
                 const auto keys = rows_as_accumulator<Acc>(k_, blk.batch, blk.kv_head, k0 + j0, nj, w.key_stage);
                 for (index r = 0; r < rows; ++r)
                     scores.row(r).segment(j0, nj).noalias() = queries.row(r) * keys.transpose();
+                if (w.found.active) w.found.keys(keys);  // in L1 now
             }
         } else {
             const auto keys = rows_as_accumulator<Acc>(k_, blk.batch, blk.kv_head, k0, nk, w.key_stage);
             scores.noalias() = queries * keys.transpose();
+            if (w.found.active) w.found.keys(keys);
         }
         for (index hh = sl.head_begin; hh < sl.head_end; ++hh)
             pipe_.finish_tile(query_tile(blk, sl, hh, k0, k1), w.classes[static_cast<std::size_t>(hh)],
@@ -384,6 +459,7 @@ private:
                 stream_tile(w, blk, all, k0, k1, c == tile_class::mixed);
             }
         }
+        if (w.found.active) scan_skipped(w, blk, key_end);
         // The sinks join the softmax of the first key range only, so the decode path's chunks count them once.
         if (key_begin == 0 && p_.has_sinks())
             for (index r = 0; r < rows; ++r)
@@ -404,6 +480,7 @@ private:
         }
         classify(w, blk, sl, k0, k1);
         const index r0 = sl.first_row(blk), rows = sl.rows(blk), nk = k1 - k0, ld = c_.key_tile, dv = s_.value_dim;
+        if (w.found.active) scan_skipped(w, blk, k0);
         compute_scores(w, blk, sl, k0, k1);
         w.softmax.absorb(w.scores.data() + r0 * ld, ld, r0, rows, nk, w.acc.data() + r0 * dv, dv);
         if (p_.dropout.active())
@@ -417,11 +494,14 @@ private:
                 const index nj = std::min(step, nk - j0);
                 const auto values = rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, k0 + j0, nj, w.value_stage);
                 for (index r = 0; r < rows; ++r) acc.row(r).noalias() += probabilities.row(r).segment(j0, nj) * values;
+                if (w.found.active) w.found.values(values);
             }
         } else {
-            acc.noalias() +=
-                probabilities * rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, k0, nk, w.value_stage);
+            const auto values = rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, k0, nk, w.value_stage);
+            acc.noalias() += probabilities * values;
+            if (w.found.active) w.found.values(values);
         }
+        if (w.found.active) w.found.scanned_to = std::max(w.found.scanned_to, k1);
     }
 
     /// Keys per slice of the GEMV path: 16 KiB of K or V rows, half of a 32 KiB L1.
