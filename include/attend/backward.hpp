@@ -14,6 +14,11 @@
 /// any score_bias per key - query offset is returned, and relative_bias_gradient turns it into the gradient of
 /// a T5 relative-position table. With sinks (sinks.hpp) P's rows sum to 1 - p_sink, lse includes the sink, the
 /// formulas above hold as written, and d sink = -sum over rows of p_sink D (the sink is a score with no value).
+///
+/// 16-bit storage (Eigen::half, Eigen::bfloat16 q, k, v, out, d_out, with the forward's float lse): the inputs are
+/// widened to float copies, the float kernels compute everything in float, and the gradients are rounded to the
+/// storage type once (or, with float outputs passed to the _into form, not at all). The copies cost as much
+/// memory again as the inputs, in float.
 
 #include <algorithm>
 #include <array>
@@ -59,6 +64,35 @@ struct attention_gradients {
 };
 
 namespace detail {
+
+template <class T>
+inline constexpr bool is_16bit_v = std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>;
+
+/// A 16-bit input of the backward widened to a float tensor of its shape, exactly (widen.hpp).
+template <class X>
+tensor<float, rank_of<X>()> widened_input(const X& x, const char* what) {
+    require_row_major_tensor<X>();
+    tensor<float, rank_of<X>()> copy;
+    resize_guarded(copy, x.dimensions(), what, "the 16-bit backward widens its inputs to float copies first");
+    widen(x.data(), x.size(), copy.data());
+    return copy;
+}
+
+/// y = x, element by element, rounded once to y's type (same shape and size).
+template <class X, class Y>
+void round_into(const X& x, Y&& y) {
+    using U = scalar_of<std::decay_t<Y>>;
+    std::transform(x.data(), x.data() + x.size(), y.data(), [](const auto v) { return static_cast<U>(v); });
+}
+
+/// A float tensor rounded once to U, in a new tensor.
+template <class U, int Rank>
+tensor<U, Rank> rounded(const tensor<float, Rank>& x) {
+    tensor<U, Rank> y;
+    resize_guarded(y, x.dimensions(), "a 16-bit gradient", "the gradients are as large as q, k and v");
+    round_into(x, y);
+    return y;
+}
 
 /// A backward call that passed every check.
 template <class T, class Bound>
@@ -176,16 +210,15 @@ constexpr void require_lse() {
         static_assert(traits::rank == Rank - 1,
                       "attend: lse has one axis less than the query: [batch, heads, query_len] for rank-4 inputs, "
                       "[batch, query_len] for rank 3");
-        static_assert(std::is_same_v<typename traits::scalar, T>, "attend: lse must have the query's scalar type");
+        static_assert(std::is_same_v<typename traits::scalar, T>,
+                      "attend: lse must have the query's accumulation type (float for float, half and bfloat16 "
+                      "inputs; double for double), as scaled_dot_product_attention returns it");
     }
 }
 
 template <int Rank, class Q, class K, class V, class Out, class Lse, class DOut>
 auto backward_inputs_of(const Q& q, const K& k, const V& v, const Out& out, const Lse& lse, const DOut& d_out) {
     using T = scalar_of<Q>;
-    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                  "attend: the backward takes float or double tensors; 16-bit storage is forward only so far (widen "
-                  "q, k, v, out and d_out to float)");
     static_assert(std::is_same_v<T, scalar_of<K>> && std::is_same_v<T, scalar_of<V>> &&
                       std::is_same_v<T, scalar_of<Out>> && std::is_same_v<T, scalar_of<DOut>>,
                   "attend: query, key, value, out and d_out must have the same scalar type");
@@ -205,24 +238,11 @@ auto backward_inputs_of(const Q& q, const K& k, const V& v, const Out& out, cons
     return in;
 }
 
-}  // namespace detail
-
-/// Gradients of scaled_dot_product_attention(q, k, v, mask, options) for d_out = d loss / d out, given that
-/// call's out `[batch, heads, query_len, value_dim]` and lse `[batch, heads, query_len]` (need_lse, on by
-/// default; or pass the forward's result whole, below). Pass the forward's options: scale, empty_rows, score_bias and dropout (replayed from its seed, so
-/// the same weights are dropped) must be the same; threads and kernel may differ (kernel::reference is the
-/// oracle, anything else the tiled path, O(threads x tile) memory). Returns dq, dk, dv (dk and dv summed over
-/// the query heads of each group) and, with a score_bias, score_bias_gradient.
-/// Throws before computing anything: everything scaled_dot_product_attention throws, shape_error
-/// attend.shape.backward_out / backward_lse / backward_d_out for out, lse, d_out of the wrong shape, value_error
-/// attend.value.non_finite for NaN / Inf in out or d_out and attend.value.lse for NaN / +inf in lse (both
-/// when check_finite).
-template <class Q, class K, class V, class Out, class Lse, class DOut, class Mask>
-auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, const Out& out, const Lse& lse,
-                                           const DOut& d_out, const Mask& mask, const sdpa_options& options = {}) {
-    detail::require_mask<Mask>();
+/// The allocating backward of float and double inputs.
+template <int rank, class Q, class K, class V, class Out, class Lse, class DOut, class Mask>
+auto backward_allocating(const Q& q, const K& k, const V& v, const Out& out, const Lse& lse, const DOut& d_out,
+                         const Mask& mask, const sdpa_options& options) {
     using T = detail::scalar_of<Q>;
-    constexpr int rank = detail::rank_of<Q>();
     const auto in = detail::backward_inputs_of<rank>(q, k, v, out, lse, d_out);
     const auto checked =
         detail::check_backward(in, static_cast<const detail::gradient_outputs<T>*>(nullptr), mask, options);
@@ -254,6 +274,40 @@ auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, c
     return g;
 }
 
+}  // namespace detail
+
+/// Gradients of scaled_dot_product_attention(q, k, v, mask, options) for d_out = d loss / d out, given that
+/// call's out `[batch, heads, query_len, value_dim]` and lse `[batch, heads, query_len]` (need_lse, on by
+/// default; or pass the forward's result whole, below). Pass the forward's options: scale, empty_rows, score_bias and dropout (replayed from its seed, so
+/// the same weights are dropped) must be the same; threads and kernel may differ (kernel::reference is the
+/// oracle, anything else the tiled path, O(threads x tile) memory). Returns dq, dk, dv (dk and dv summed over
+/// the query heads of each group) and, with a score_bias, score_bias_gradient.
+/// Throws before computing anything: everything scaled_dot_product_attention throws, shape_error
+/// attend.shape.backward_out / backward_lse / backward_d_out for out, lse, d_out of the wrong shape, value_error
+/// attend.value.non_finite for NaN / Inf in out or d_out and attend.value.lse for NaN / +inf in lse (both
+/// when check_finite).
+template <class Q, class K, class V, class Out, class Lse, class DOut, class Mask>
+auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, const Out& out, const Lse& lse,
+                                           const DOut& d_out, const Mask& mask, const sdpa_options& options = {}) {
+    detail::require_mask<Mask>();
+    using T = detail::scalar_of<Q>;
+    constexpr int rank = detail::rank_of<Q>();
+    if constexpr (detail::is_16bit_v<T>) {  // float copies through the float backward, rounded once (file comment)
+        static_assert(std::is_same_v<T, detail::scalar_of<K>> && std::is_same_v<T, detail::scalar_of<V>> &&
+                          std::is_same_v<T, detail::scalar_of<Out>> && std::is_same_v<T, detail::scalar_of<DOut>>,
+                      "attend: query, key, value, out and d_out must have the same scalar type");
+        const auto g =
+            scaled_dot_product_attention_backward(detail::widened_input(q, "query"), detail::widened_input(k, "key"),
+                                                  detail::widened_input(v, "value"), detail::widened_input(out, "out"),
+                                                  lse, detail::widened_input(d_out, "d_out"), mask, options);
+        return attention_gradients<T, rank>{detail::rounded<T>(g.dq), detail::rounded<T>(g.dk),
+                                            detail::rounded<T>(g.dv), detail::rounded<T>(g.score_bias_gradient),
+                                            detail::rounded<T>(g.sink_gradient)};
+    } else {
+        return detail::backward_allocating<rank>(q, k, v, out, lse, d_out, mask, options);
+    }
+}
+
 /// Gradients of attention without a mask.
 template <class Q, class K, class V, class Out, class Lse, class DOut>
 auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, const Out& out, const Lse& lse,
@@ -283,7 +337,7 @@ auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, c
 }
 
 /// Writes the gradients into caller-owned tensors of the inputs' rank (attend::tensor or TensorMap):
-/// dq like q, dk like k, dv like v, and unless nullptr score_bias_gradient `[heads, query_len + key_len - 1]`
+/// dq like q, dk like k, dv like v (for 16-bit inputs: all in their type, rounded once, or all float, unrounded), and unless nullptr score_bias_gradient `[heads, query_len + key_len - 1]`
 /// (written only when options.score_bias is not none). On any error nothing is written: the throws of
 /// scaled_dot_product_attention_backward and shape_error attend.shape.backward_dq / backward_dk / backward_dv /
 /// backward_score_bias for outputs of the wrong shape, and attend.shape.aliasing, naming both tensors, when an
@@ -299,46 +353,102 @@ void scaled_dot_product_attention_backward_into(const Q& q, const K& k, const V&
     detail::require_mask<Mask>();
     using T = detail::scalar_of<Q>;
     constexpr int rank = detail::rank_of<Q>();
-    static_assert(std::is_same_v<T, detail::scalar_of<DQ>> && std::is_same_v<T, detail::scalar_of<DK>> &&
-                      std::is_same_v<T, detail::scalar_of<DV>>,
-                  "attend: dq, dk and dv must have the query's scalar type");
-    static_assert(detail::rank_of<DQ>() == rank && detail::rank_of<DK>() == rank && detail::rank_of<DV>() == rank,
-                  "attend: dq, dk and dv must have the query's rank");
-    const auto in = detail::backward_inputs_of<rank>(q, k, v, out, lse, d_out);
-    detail::gradient_outputs<T> o;
-    o.dq = detail::as_mutable_view(dq);
-    o.dk = detail::as_mutable_view(dk);
-    o.dv = detail::as_mutable_view(dv);
-    if constexpr (!std::is_same_v<std::decay_t<BiasGrad>, std::nullptr_t>) {
-        static_assert(std::is_same_v<T, detail::scalar_of<BiasGrad>> && detail::rank_of<BiasGrad>() == 2,
-                      "attend: score_bias_gradient is a rank-2 tensor [heads, query_len + key_len - 1] of the "
-                      "query's scalar type");
-        const std::array<index, 2> expected{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1};
-        const std::array<index, 2> got{score_bias_gradient.dimension(0), score_bias_gradient.dimension(1)};
-        if (!options.score_bias.empty() && got != expected)
-            throw shape_error("attend.shape.backward_score_bias",
-                              detail::concat("score_bias_gradient ", detail::format_shape(got), " != expected ",
-                                             detail::format_shape(expected), " [heads, query_len + key_len - 1]"));
-        o.score_bias_gradient = options.score_bias.empty() ? nullptr : score_bias_gradient.data();
+    if constexpr (detail::is_16bit_v<T>) {
+        // Float copies through the float backward (file comment); gradients rounded once into 16-bit outputs, or
+        // written straight into float ones.
+        using G = detail::scalar_of<std::decay_t<DQ>>;
+        static_assert(std::is_same_v<T, detail::scalar_of<K>> && std::is_same_v<T, detail::scalar_of<V>> &&
+                          std::is_same_v<T, detail::scalar_of<Out>> && std::is_same_v<T, detail::scalar_of<DOut>>,
+                      "attend: query, key, value, out and d_out must have the same scalar type");
+        static_assert((std::is_same_v<G, T> ||
+                       std::is_same_v<G, float>)&&std::is_same_v<G, detail::scalar_of<std::decay_t<DK>>> &&
+                          std::is_same_v<G, detail::scalar_of<std::decay_t<DV>>>,
+                      "attend: with 16-bit inputs, dq, dk and dv are all of the inputs' type or all float");
+        detail::check_no_aliasing(
+            {detail::named("query", detail::checked_input(q)), detail::named("key", detail::checked_input(k)),
+             detail::named("value", detail::checked_input(v)), detail::named("out", detail::checked_input(out)),
+             detail::named("d_out", detail::checked_input(d_out)),
+             detail::named("lse", lse.data(), std::array<index, 1>{lse.size()})},
+            {detail::named("dq", detail::as_mutable_view(dq)), detail::named("dk", detail::as_mutable_view(dk)),
+             detail::named("dv", detail::as_mutable_view(dv))});
+        const auto wq = detail::widened_input(q, "query"), wk = detail::widened_input(k, "key");
+        const auto wv = detail::widened_input(v, "value"), wout = detail::widened_input(out, "out");
+        const auto wd_out = detail::widened_input(d_out, "d_out");
+        if constexpr (std::is_same_v<G, float>) {
+            scaled_dot_product_attention_backward_into(wq, wk, wv, wout, lse, wd_out, mask, dq, dk, dv, options,
+                                                       score_bias_gradient, sink_gradient);
+        } else {
+            const char* hint = "16-bit gradients are computed in float copies first; pass float dq, dk, dv";
+            tensor<float, rank> fq, fk, fv;
+            detail::resize_guarded(fq, dq.dimensions(), "float dq", hint);
+            detail::resize_guarded(fk, dk.dimensions(), "float dk", hint);
+            detail::resize_guarded(fv, dv.dimensions(), "float dv", hint);
+            tensor<float, 2> f_bias;
+            tensor<float, 1> f_sink;
+            if constexpr (!std::is_same_v<std::decay_t<BiasGrad>, std::nullptr_t>)
+                detail::resize_guarded(f_bias, score_bias_gradient.dimensions(), "float score_bias_gradient", hint);
+            if constexpr (!std::is_same_v<std::decay_t<SinkGrad>, std::nullptr_t>)
+                detail::resize_guarded(f_sink, sink_gradient.dimensions(), "float sink_gradient", hint);
+            const auto bias_out = [&]() -> auto& {
+                if constexpr (std::is_same_v<std::decay_t<BiasGrad>, std::nullptr_t>) return score_bias_gradient;
+                else return f_bias;
+            };
+            const auto sink_out = [&]() -> auto& {
+                if constexpr (std::is_same_v<std::decay_t<SinkGrad>, std::nullptr_t>) return sink_gradient;
+                else return f_sink;
+            };
+            scaled_dot_product_attention_backward_into(wq, wk, wv, wout, lse, wd_out, mask, fq, fk, fv, options,
+                                                       bias_out(), sink_out());
+            detail::round_into(fq, dq);
+            detail::round_into(fk, dk);
+            detail::round_into(fv, dv);
+            if constexpr (!std::is_same_v<std::decay_t<BiasGrad>, std::nullptr_t>)
+                if (!options.score_bias.empty()) detail::round_into(f_bias, score_bias_gradient);
+            if constexpr (!std::is_same_v<std::decay_t<SinkGrad>, std::nullptr_t>)
+                if (!options.sinks.empty()) detail::round_into(f_sink, sink_gradient);
+        }
+    } else {
+        static_assert(std::is_same_v<T, detail::scalar_of<DQ>> && std::is_same_v<T, detail::scalar_of<DK>> &&
+                          std::is_same_v<T, detail::scalar_of<DV>>,
+                      "attend: dq, dk and dv must have the query's scalar type");
+        static_assert(detail::rank_of<DQ>() == rank && detail::rank_of<DK>() == rank && detail::rank_of<DV>() == rank,
+                      "attend: dq, dk and dv must have the query's rank");
+        const auto in = detail::backward_inputs_of<rank>(q, k, v, out, lse, d_out);
+        detail::gradient_outputs<T> o;
+        o.dq = detail::as_mutable_view(dq);
+        o.dk = detail::as_mutable_view(dk);
+        o.dv = detail::as_mutable_view(dv);
+        if constexpr (!std::is_same_v<std::decay_t<BiasGrad>, std::nullptr_t>) {
+            static_assert(std::is_same_v<T, detail::scalar_of<BiasGrad>> && detail::rank_of<BiasGrad>() == 2,
+                          "attend: score_bias_gradient is a rank-2 tensor [heads, query_len + key_len - 1] of the "
+                          "query's scalar type");
+            const std::array<index, 2> expected{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1};
+            const std::array<index, 2> got{score_bias_gradient.dimension(0), score_bias_gradient.dimension(1)};
+            if (!options.score_bias.empty() && got != expected)
+                throw shape_error("attend.shape.backward_score_bias",
+                                  detail::concat("score_bias_gradient ", detail::format_shape(got), " != expected ",
+                                                 detail::format_shape(expected), " [heads, query_len + key_len - 1]"));
+            o.score_bias_gradient = options.score_bias.empty() ? nullptr : score_bias_gradient.data();
+        }
+        if constexpr (!std::is_same_v<std::decay_t<SinkGrad>, std::nullptr_t>) {
+            static_assert(std::is_same_v<T, detail::scalar_of<SinkGrad>> && detail::rank_of<SinkGrad>() == 1,
+                          "attend: sink_gradient is a rank-1 tensor [heads] of the query's scalar type");
+            if (!options.sinks.empty() && sink_gradient.dimension(0) != in.q.dims[1])
+                throw shape_error("attend.shape.backward_sinks",
+                                  detail::concat("sink_gradient [", sink_gradient.dimension(0), "] != expected [",
+                                                 in.q.dims[1], "] [heads]"));
+            o.sink_gradient = options.sinks.empty() ? nullptr : sink_gradient.data();
+        }
+        detail::check_no_aliasing(
+            {detail::named("query", in.q), detail::named("key", in.k), detail::named("value", in.v),
+             detail::named("out", in.out), detail::named("d_out", in.d_out), detail::named("lse", in.lse, in.lse_dims)},
+            {detail::named("dq", o.dq), detail::named("dk", o.dk), detail::named("dv", o.dv),
+             detail::named("score_bias_gradient", o.score_bias_gradient,
+                           std::array<index, 2>{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1}),
+             detail::named("sink_gradient", o.sink_gradient, std::array<index, 1>{in.q.dims[1]})});
+        const auto checked = detail::check_backward(in, &o, mask, options);
+        detail::run_backward(in, checked, o);
     }
-    if constexpr (!std::is_same_v<std::decay_t<SinkGrad>, std::nullptr_t>) {
-        static_assert(std::is_same_v<T, detail::scalar_of<SinkGrad>> && detail::rank_of<SinkGrad>() == 1,
-                      "attend: sink_gradient is a rank-1 tensor [heads] of the query's scalar type");
-        if (!options.sinks.empty() && sink_gradient.dimension(0) != in.q.dims[1])
-            throw shape_error("attend.shape.backward_sinks",
-                              detail::concat("sink_gradient [", sink_gradient.dimension(0), "] != expected [",
-                                             in.q.dims[1], "] [heads]"));
-        o.sink_gradient = options.sinks.empty() ? nullptr : sink_gradient.data();
-    }
-    detail::check_no_aliasing({detail::named("query", in.q), detail::named("key", in.k), detail::named("value", in.v),
-                               detail::named("out", in.out), detail::named("d_out", in.d_out),
-                               detail::named("lse", in.lse, in.lse_dims)},
-                              {detail::named("dq", o.dq), detail::named("dk", o.dk), detail::named("dv", o.dv),
-                               detail::named("score_bias_gradient", o.score_bias_gradient,
-                                             std::array<index, 2>{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1}),
-                               detail::named("sink_gradient", o.sink_gradient, std::array<index, 1>{in.q.dims[1]})});
-    const auto checked = detail::check_backward(in, &o, mask, options);
-    detail::run_backward(in, checked, o);
 }
 
 /// The gradient of a T5 relative-position bias table `[num_buckets, heads]` (d loss / d table(bucket, h)) from

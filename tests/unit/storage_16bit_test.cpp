@@ -29,22 +29,16 @@
 #include "support/compare.hpp"
 #include "support/errors.hpp"
 #include "support/random.hpp"
+#include "support/storage16.hpp"
 
 namespace {
 
 using attend::index;
 using attend_test::bit_equal;
+using attend_test::random16;
+using attend_test::worst_row_error;
 using bf16 = Eigen::bfloat16;
 using half = Eigen::half;
-
-/// A tensor of uniform values in [lo, hi), rounded to T.
-template <class T>
-attend::tensor<T, 4> random16(std::uint64_t seed, index b, index h, index len, index dim, double lo = -1,
-                              double hi = 1) {
-    attend::tensor<float, 4> t(b, h, len, dim);
-    attend_test::fill_uniform(t, seed, lo, hi);
-    return t.cast<T>();
-}
 
 template <class T>
 attend::tensor<float, 4> widen(const attend::tensor<T, 4>& t) {
@@ -95,13 +89,7 @@ void expect_float_result_rounded_once(const inputs16<T>& in, const attend::sdpa_
 template <class T>
 class Storage16 : public ::testing::Test {};
 using storage_types = ::testing::Types<half, bf16>;
-struct storage_names {
-    template <class T>
-    static std::string GetName(int) {
-        return std::is_same_v<T, half> ? "half" : "bfloat16";
-    }
-};
-TYPED_TEST_SUITE(Storage16, storage_types, storage_names);
+TYPED_TEST_SUITE(Storage16, storage_types, attend_test::storage16_names);
 
 TYPED_TEST(Storage16, OutputIsTheFloatResultOnTheSameValuesRoundedOnce) {
     using T = TypeParam;
@@ -109,23 +97,6 @@ TYPED_TEST(Storage16, OutputIsTheFloatResultOnTheSameValuesRoundedOnce) {
     const inputs16<T> decode(8, 2, 1, 5000, 64, 12);    // split-key decode path, GEMV rows
     for (const auto& options : option_sets(4)) expect_float_result_rounded_once(prefill, options);
     for (const auto& options : option_sets(8)) expect_float_result_rounded_once(decode, options);
-}
-
-/// Largest |got - want| over a row of values, relative to the row's largest |want|, over all rows.
-template <class T>
-double worst_row_error(const attend::tensor<T, 4>& got, const attend::tensor<double, 4>& want) {
-    const index dim = want.dimension(3), rows = want.size() / dim;
-    double worst = 0;
-    for (index r = 0; r < rows; ++r) {
-        double norm = 0, err = 0;
-        for (index d = 0; d < dim; ++d) {
-            const double w = want.data()[r * dim + d];
-            norm = std::max(norm, std::abs(w));
-            err = std::max(err, std::abs(static_cast<double>(static_cast<float>(got.data()[r * dim + d])) - w));
-        }
-        if (norm > 0) worst = std::max(worst, err / norm);
-    }
-    return worst;
 }
 
 TYPED_TEST(Storage16, MeetsItsAccuracyTargetAgainstDoubleOnTheSameInputs) {

@@ -1,0 +1,179 @@
+// SPDX-License-Identifier: MIT
+// The backward of 16-bit attention (Eigen::half, Eigen::bfloat16 q, k, v, out, d_out with the forward's float lse;
+// backward.hpp). The invariants:
+// - the gradients are the float backward's on the same (already rounded) values, rounded to 16 bits once, bit for
+//   bit, in both kernels and with sinks, soft-capping and GQA; float outputs passed to the _into form get the float
+//   gradients themselves, unrounded;
+// - against double on the same rounded inputs that is within one 16-bit rounding of each gradient row's largest
+//   magnitude (bf16 2^-7, fp16 2^-10), and not better than float would be (the rounding is really 16-bit);
+// - bad input is rejected as in float, naming the same element, before any gradient is written.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <attend/attend.hpp>
+
+#include "support/compare.hpp"
+#include "support/errors.hpp"
+#include "support/random.hpp"
+#include "support/storage16.hpp"
+
+namespace {
+
+using attend::index;
+using attend_test::bit_equal;
+using attend_test::random16;
+using attend_test::worst_row_error;
+using bf16 = Eigen::bfloat16;
+using half = Eigen::half;
+
+/// A backward case in storage type T: inputs, the 16-bit forward's out and float lse, and d_out.
+template <class T>
+struct case16 {
+    attend::tensor<T, 4> q, k, v, out, d_out;
+    attend::tensor<float, 3> lse;
+
+    case16(index heads, index kv_heads, index L, index S, index dim, std::uint64_t seed,
+           const attend::sdpa_options& options)
+        : q(random16<T>(seed, 2, heads, L, dim)),
+          k(random16<T>(seed + 1, 2, kv_heads, S, dim)),
+          v(random16<T>(seed + 2, 2, kv_heads, S, dim)),
+          d_out(random16<T>(seed + 3, 2, heads, L, dim)) {
+        auto forward = attend::scaled_dot_product_attention(q, k, v, mask(), options);
+        out = forward.out;
+        lse = forward.lse;
+    }
+    static auto mask() { return attend::causal(attend::alignment::bottom_right); }
+    /// The _into form's gradients in caller-owned tensors of type G (the heads' sink gradients too).
+    template <class G>
+    attend::attention_gradients<G, 4> gradients_into(const attend::sdpa_options& options) const {
+        attend::attention_gradients<G, 4> g{attend::tensor<G, 4>(q.dimensions()),
+                                            attend::tensor<G, 4>(k.dimensions()),
+                                            attend::tensor<G, 4>(v.dimensions()),
+                                            {},
+                                            attend::tensor<G, 1>(q.dimension(1))};
+        attend::scaled_dot_product_attention_backward_into(q, k, v, out, lse, d_out, mask(), g.dq, g.dk, g.dv, options,
+                                                           nullptr, g.sink_gradient);
+        return g;
+    }
+    template <class U>
+    static attend::tensor<U, 4> as(const attend::tensor<T, 4>& x) {
+        return x.template cast<U>();
+    }
+};
+
+/// Plain, and sinks with soft-capping on the reference kernel at 2 threads.
+std::vector<attend::sdpa_options> option_sets(index heads) {
+    std::vector<attend::sdpa_options> sets(2);
+    sets[1].softcap = 5.0;
+    std::vector<double> sinks;
+    for (index h = 0; h < heads; ++h) sinks.push_back(0.25 * static_cast<double>(h));
+    sets[1].sinks = attend::attention_sinks(sinks);
+    sets[1].kernel = attend::kernel::reference;
+    sets[1].threads = 2;
+    return sets;
+}
+
+template <class T>
+class Backward16 : public ::testing::Test {};
+using storage_types = ::testing::Types<half, bf16>;
+TYPED_TEST_SUITE(Backward16, storage_types, attend_test::storage16_names);
+
+TYPED_TEST(Backward16, GradientsAreTheFloatBackwardOnTheSameValuesRoundedOnce) {
+    using T = TypeParam;
+    for (const auto& options : option_sets(4)) {
+        const case16<T> c(4, 2, 40, 70, 16, 5, options);
+        const auto got =
+            attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, c.out, c.lse, c.d_out, c.mask(), options);
+        const auto want =
+            attend::scaled_dot_product_attention_backward(c.template as<float>(c.q), c.template as<float>(c.k),
+                                                          c.template as<float>(c.v), c.template as<float>(c.out), c.lse,
+                                                          c.template as<float>(c.d_out), c.mask(), options);
+        EXPECT_TRUE(bit_equal(got.dq, attend::tensor<T, 4>(want.dq.template cast<T>())));
+        EXPECT_TRUE(bit_equal(got.dk, attend::tensor<T, 4>(want.dk.template cast<T>())));
+        EXPECT_TRUE(bit_equal(got.dv, attend::tensor<T, 4>(want.dv.template cast<T>())));
+        EXPECT_EQ(got.sink_gradient.size(), want.sink_gradient.size());
+        for (index h = 0; h < want.sink_gradient.size(); ++h)
+            EXPECT_TRUE(got.sink_gradient(h) == static_cast<T>(want.sink_gradient(h)));
+
+        // Float outputs on request: the float gradients themselves; 16-bit outputs: the allocating form's.
+        const auto f = c.template gradients_into<float>(options);
+        EXPECT_TRUE(bit_equal(f.dq, want.dq));
+        EXPECT_TRUE(bit_equal(f.dk, want.dk));
+        EXPECT_TRUE(bit_equal(f.dv, want.dv));
+        const auto h = c.template gradients_into<T>(options);
+        EXPECT_TRUE(bit_equal(h.dq, got.dq));
+        EXPECT_TRUE(bit_equal(h.dk, got.dk));
+        EXPECT_TRUE(bit_equal(h.dv, got.dv));
+        if (!options.sinks.empty()) {
+            for (index n = 0; n < 4; ++n) EXPECT_EQ(f.sink_gradient(n), want.sink_gradient(n));
+            for (index n = 0; n < 4; ++n) EXPECT_TRUE(h.sink_gradient(n) == got.sink_gradient(n));
+        }
+    }
+}
+
+TYPED_TEST(Backward16, MeetsItsAccuracyTargetAgainstDoubleOnTheSameInputs) {
+    using T = TypeParam;
+    const double target = std::is_same_v<T, bf16> ? std::ldexp(1.0, -7) : std::ldexp(1.0, -10);
+    const attend::sdpa_options options;
+    const case16<T> c(4, 2, 60, 130, 32, 9, options);
+    const auto got =
+        attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, c.out, c.lse, c.d_out, c.mask(), options);
+    const attend::tensor<double, 3> lse = c.lse.template cast<double>();
+    const auto want =
+        attend::scaled_dot_product_attention_backward(c.template as<double>(c.q), c.template as<double>(c.k),
+                                                      c.template as<double>(c.v), c.template as<double>(c.out), lse,
+                                                      c.template as<double>(c.d_out), c.mask(), options);
+    for (const auto& [name, error] : {std::pair<const char*, double>{"dq", worst_row_error(got.dq, want.dq)},
+                                      {"dk", worst_row_error(got.dk, want.dk)},
+                                      {"dv", worst_row_error(got.dv, want.dv)}}) {
+        EXPECT_LE(error, target) << name;
+        EXPECT_GE(error, target / 16) << name << ": a float-sized error would mean nothing was rounded to 16 bits";
+    }
+}
+
+TYPED_TEST(Backward16, BadInputIsRejectedAsInFloatBeforeAnyGradientIsWritten) {
+    using T = TypeParam;
+    const T sentinel(0.75f);
+    const attend::sdpa_options options;
+    for (const int which : {0, 1, 2}) {
+        case16<T> c(2, 1, 5, 7, 8, 31, options);
+        attend::tensor<T, 4>& bad = which == 0 ? c.q : which == 1 ? c.v : c.d_out;
+        bad(1, 0, 3, 2) = T(std::numeric_limits<float>::quiet_NaN());
+        attend::tensor<T, 4> dq(c.q.dimensions()), dk(c.k.dimensions()), dv(c.v.dimensions());
+        for (auto* g : {&dq, &dk, &dv}) g->setConstant(sentinel);
+        const std::string message = attend_test::expect_error<attend::value_error>(
+            [&] {
+                attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, c.out, c.lse, c.d_out, c.mask(), dq,
+                                                                   dk, dv, options);
+            },
+            "attend.value.non_finite");
+        EXPECT_NE(message.find(which == 0 ? "query" : which == 1 ? "value" : "d_out"), std::string::npos) << message;
+        EXPECT_NE(message.find("[1,0,3,2]"), std::string::npos) << message;
+        for (const auto* g : {&dq, &dk, &dv})
+            for (index n = 0; n < g->size(); ++n) ASSERT_TRUE(g->data()[n] == sentinel);
+    }
+    // A dq of the wrong shape is the float backward's shape error, and a dq over the query is aliasing.
+    case16<T> c(2, 1, 5, 7, 8, 41, options);
+    attend::tensor<T, 4> dq(2, 2, 5, 9), dk(c.k.dimensions()), dv(c.v.dimensions());
+    attend_test::expect_error<attend::shape_error>(
+        [&] {
+            attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, c.out, c.lse, c.d_out, c.mask(), dq, dk,
+                                                               dv, options);
+        },
+        "attend.shape.backward_dq");
+    attend_test::expect_error<attend::shape_error>(
+        [&] {
+            attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, c.out, c.lse, c.d_out, c.mask(), c.q, dk,
+                                                               dv, options);
+        },
+        "attend.shape.aliasing");
+}
+
+}  // namespace
