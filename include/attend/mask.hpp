@@ -94,15 +94,24 @@ struct dense_dims {
     }
 };
 
+/// float, double, long double, Eigen::half and Eigen::bfloat16: the types an additive mask may hold.
+template <class T>
+inline constexpr bool is_floating_like_v =
+    std::is_floating_point_v<T> || std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>;
+
 /// A number of another floating-point type as V: finite values beyond V's range saturate at V's lowest() / max()
-/// (what the kernels do with finite biases, so -1e300 from a double mask stays a finite fill in a float one and
-/// never empties a row); infinities and NaN keep their meaning.
+/// (what the kernels do with finite biases, so -1e300 from a double mask stays a finite fill in a float one, and
+/// -1e9 in an fp16 one, and never empties a row); infinities and NaN keep their meaning.
 template <class V, class X>
 V saturating_cast(X x) {
-    if constexpr (std::is_floating_point_v<X> && std::is_floating_point_v<V> && (sizeof(X) > sizeof(V))) {
-        if (std::isfinite(x)) {
-            if (x > static_cast<X>(std::numeric_limits<V>::max())) return std::numeric_limits<V>::max();
-            if (x < static_cast<X>(std::numeric_limits<V>::lowest())) return std::numeric_limits<V>::lowest();
+    if constexpr (is_floating_like_v<X> && is_floating_like_v<V>) {
+        const auto wide = [](auto y) -> long double {  // exact: 16-bit values through float
+            if constexpr (std::is_floating_point_v<decltype(y)>) return y;
+            else return static_cast<float>(y);
+        };
+        if (std::isfinite(wide(x))) {
+            if (wide(x) > wide(std::numeric_limits<V>::max())) return std::numeric_limits<V>::max();
+            if (wide(x) < wide(std::numeric_limits<V>::lowest())) return std::numeric_limits<V>::lowest();
         }
     }
     return static_cast<V>(x);
@@ -230,7 +239,8 @@ inline forbidden_mask to_forbidden(const allowed_mask& m) { return forbidden_mas
 template <class T>
 class additive_mask : public detail::additive_term {
 public:
-    static_assert(std::is_floating_point_v<T>, "attend: additive_mask<T> needs a floating-point T");
+    static_assert(detail::is_floating_like_v<T>,
+                  "attend: additive_mask<T> needs a floating-point T (float, double, Eigen::half, Eigen::bfloat16)");
     static constexpr bool has_query_padding = false;
 
     /// From values to add to the scores (PyTorch's float attn_mask in both SDPA and nn.MultiheadAttention).
@@ -238,7 +248,7 @@ public:
     static additive_mask from_values(const Tensor& t) {
         auto [values, dims] = detail::read_dense<T>(t, "additive mask");
         for (std::size_t n = 0; n < values.size(); ++n)
-            if (std::isnan(values[n]) || values[n] == std::numeric_limits<T>::infinity())
+            if ((Eigen::numext::isnan)(values[n]) || values[n] == std::numeric_limits<T>::infinity())
                 throw value_error("attend.value.additive_mask", concat_position(values[n], n, dims.dims));
         return additive_mask(std::make_shared<const std::vector<T>>(std::move(values)), std::move(dims));
     }

@@ -9,6 +9,7 @@
 // - float queries over 16-bit keys and values (a 16-bit kv_cache) equal float keys and values holding the same
 //   values, bit for bit, and a 16-bit kv_cache takes half the bytes;
 // - rotary embeddings rotate 16-bit features in float and round them once;
+// - a 16-bit additive mask is the float mask of the same values, and finite fills beyond the 16-bit range saturate;
 // - non-finite 16-bit inputs are rejected before anything is written;
 // - and, for every instruction set this file is built for (tests/CMakeLists.txt: the default target, x86-64-v3,
 //   and native where it has AVX-512): the same call gives the same bits wherever the heap puts the kernels'
@@ -274,6 +275,44 @@ TYPED_TEST(Storage16, NonFiniteInputsAreRejectedBeforeAnyWrite) {
             EXPECT_NE(message.find("[1,0,3,2]"), std::string::npos) << message;
             for (index n = 0; n < out.size(); ++n) ASSERT_TRUE(out.data()[n] == sentinel);
         }
+}
+
+TYPED_TEST(Storage16, ASixteenBitAdditiveMaskIsTheFloatMaskOfTheSameValues) {
+    using T = TypeParam;
+    const inputs16<T> in(4, 2, 70, 90, 16, 61);
+    attend::tensor<T, 4> bias = random16<T>(62, 2, 4, 70, 90, -4, 4);
+    for (index n = 0; n < bias.size(); n += 7) bias.data()[n] = T(-std::numeric_limits<float>::infinity());
+    for (index i = 0; i < 70; ++i) bias(0, 0, i, 0) = T(0);  // every row keeps a key
+    for (index i = 0; i < 70; ++i) bias(1, 3, i, 0) = T(0);
+    const attend::tensor<float, 4> wide = bias.template cast<float>();
+    for (const auto kernel : {attend::kernel::tiled, attend::kernel::reference}) {
+        attend::sdpa_options o;
+        o.kernel = kernel;
+        o.empty_rows = attend::empty_rows::zero;
+        const auto got =
+            attend::scaled_dot_product_attention(in.q, in.k, in.v, attend::additive_mask<T>::from_values(bias), o);
+        const auto want =
+            attend::scaled_dot_product_attention(in.q, in.k, in.v, attend::additive_mask<float>::from_values(wide), o);
+        EXPECT_TRUE(bit_equal(got.out, want.out));
+        EXPECT_TRUE(bit_equal(got.lse, want.lse));
+    }
+    // Finite fills beyond the 16-bit range saturate instead of becoming -inf (which would empty the row: fp16's
+    // -1e9 trap) or +inf; NaN is rejected.
+    attend::tensor<float, 2> fill(1, 3);
+    fill.setValues({{-1e30f, -std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}});
+    const auto one_key = attend::additive_mask<T>::from_values(fill);
+    const inputs16<T> small(1, 1, 1, 3, 8, 63);
+    const auto r = attend::scaled_dot_product_attention(small.q, small.k, small.v, one_key);  // not an empty row
+    for (index d = 0; d < 8; ++d) EXPECT_TRUE(r.out(0, 0, 0, d) == small.v(0, 0, 0, d));
+    fill(0, 0) = 1e30f;
+    const auto large =
+        attend::scaled_dot_product_attention(small.q, small.k, small.v, attend::additive_mask<T>::from_values(fill));
+    for (index d = 0; d < 8; ++d) EXPECT_TRUE(large.out(0, 0, 0, d) == small.v(0, 0, 0, d));
+    attend::tensor<T, 2> nan_mask(2, 2);
+    nan_mask.setConstant(T(0));
+    nan_mask(1, 0) = T(std::numeric_limits<float>::quiet_NaN());
+    attend_test::expect_error<attend::value_error>([&] { (void)attend::additive_mask<T>::from_values(nan_mask); },
+                                                   "attend.value.additive_mask");
 }
 
 TYPED_TEST(Storage16, MergingTwoKeyHalvesEqualsAttentionOverAllKeys) {
