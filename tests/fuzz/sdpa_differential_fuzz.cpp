@@ -15,6 +15,9 @@
 ///     derived from the row's rounding (see row_oracle);
 ///   - the tiled kernel gives bit-identical results on 1 and 2 threads;
 ///   - for float inputs, the tiled kernel storing float and accumulating in double passes the same oracle checks;
+///   - for float inputs, 16-bit storage is float arithmetic on the rounded values: q, k, v rounded to half or
+///     bfloat16 give in both kernels the float call on the widened values, out and weights rounded once, lse the
+///     same, and the same error; float queries over the rounded keys and values give the float call bit for bit;
 ///   - the backward of both kernels agrees within a bound derived the same way.
 
 #include <algorithm>
@@ -549,6 +552,58 @@ void check_backward(fuzz_input& in, const call_case<T>& c, const attend::tensor<
             dp * queries);
 }
 
+/// The 16-bit storage check of the file comment, for storage type S, both kernels (the tiled one on `threads`).
+template <class S, int Rank, class Mask>
+void check_storage16(const attend::tensor<float, Rank>& q, const attend::tensor<float, Rank>& k,
+                     const attend::tensor<float, Rank>& v, const Mask& mask, attend::sdpa_options o, int threads) {
+    const attend::tensor<S, Rank> q16 = q.template cast<S>(), k16 = k.template cast<S>(), v16 = v.template cast<S>();
+    const attend::tensor<float, Rank> qw = q16.template cast<float>(), kw = k16.template cast<float>(),
+                                      vw = v16.template cast<float>();
+    const auto rounded = [](const std::vector<float>& x) {
+        std::vector<S> y(x.size());
+        std::transform(x.begin(), x.end(), y.begin(), [](float e) { return static_cast<S>(e); });
+        return y;
+    };
+    const auto same_bits = [](const std::vector<S>& a, const std::vector<S>& b) {
+        if (a.size() != b.size()) return false;
+        for (std::size_t n = 0; n < a.size(); ++n)
+            if (!((Eigen::numext::isnan)(a[n]) && (Eigen::numext::isnan)(b[n])) &&
+                attend::detail::bits_of(a[n]) != attend::detail::bits_of(b[n]))
+                return false;
+        return true;
+    };
+    for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
+        o.kernel = kernel;
+        o.threads = kernel == attend::kernel::tiled ? threads : 1;
+        std::optional<attend::attention_result<S, Rank>> got;
+        std::optional<attend::attention_result<float, Rank>> want, mixed, mixed_want;
+        const auto id_got =
+            error_id_of([&] { got.emplace(attend::scaled_dot_product_attention(q16, k16, v16, mask, o)); });
+        const auto id_want =
+            error_id_of([&] { want.emplace(attend::scaled_dot_product_attention(qw, kw, vw, mask, o)); });
+        require(id_got == id_want,
+                "16-bit storage throws " + spell(id_got) + ", float on its values " + spell(id_want));
+        if (!id_got) {
+            const outputs<float> w = flatten(*want);
+            const auto flat = [](const auto& t) { return std::vector(t.data(), t.data() + t.size()); };
+            require(same_bits(flat(got->out), rounded(w.out)) && same_bits(flat(got->weights), rounded(w.weights)) &&
+                        identical(flat(got->lse), w.lse),  // lse stays float
+                    "16-bit storage is not the float result on its values rounded once");
+        }
+        const auto id_mixed =
+            error_id_of([&] { mixed.emplace(attend::scaled_dot_product_attention(q, k16, v16, mask, o)); });
+        const auto id_mixed_want =
+            error_id_of([&] { mixed_want.emplace(attend::scaled_dot_product_attention(q, kw, vw, mask, o)); });
+        require(id_mixed == id_mixed_want, "float queries over 16-bit keys throw " + spell(id_mixed) +
+                                               ", over float keys of the same values " + spell(id_mixed_want));
+        if (!id_mixed) {
+            const outputs<float> m = flatten(*mixed), mw = flatten(*mixed_want);
+            require(identical(m.out, mw.out) && identical(m.weights, mw.weights) && identical(m.lse, mw.lse),
+                    "float queries over 16-bit keys differ from float keys of the same values");
+        }
+    }
+}
+
 template <class T, int Rank, class Mask>
 void run_call(fuzz_input& in, call_case<T>& c, const attend::tensor<T, Rank>& q, const attend::tensor<T, Rank>& k,
               const attend::tensor<T, Rank>& v, const Mask& mask) {
@@ -566,6 +621,11 @@ void run_call(fuzz_input& in, call_case<T>& c, const attend::tensor<T, Rank>& q,
         error_id_of([&] { ref.emplace(attend::scaled_dot_product_attention(q, k, v, mask, reference)); });
     const auto id_til = error_id_of([&] { til.emplace(attend::scaled_dot_product_attention(q, k, v, mask, tiled)); });
     require(id_ref == id_til, "reference throws " + spell(id_ref) + ", tiled " + spell(id_til));
+    if constexpr (std::is_same_v<T, float>) {
+        const int storage16 = in.choose(4);  // 0: half, 1: bfloat16, otherwise not this time
+        if (storage16 == 0) check_storage16<Eigen::half, Rank>(q, k, v, mask, c.options, threads);
+        if (storage16 == 1) check_storage16<Eigen::bfloat16, Rank>(q, k, v, mask, c.options, threads);
+    }
     const auto qv = attend::detail::as_view(q), kv = attend::detail::as_view(k), vv = attend::detail::as_view(v);
     std::optional<outputs<T>> small1, small2;
     const auto id_small = error_id_of([&] { small1.emplace(tiled_with(qv, kv, vv, mask, c.options, tiles, 1)); });
