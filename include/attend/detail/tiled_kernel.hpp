@@ -23,7 +23,9 @@
 /// Decoding (query_len <= 16, no weights asked): a block has too few rows to keep threads busy, so the keys are
 /// also split into fixed-size chunks (the chunk size depends on the shape only, never on the thread count); the
 /// chunks run in parallel and their partial outputs are combined with merge_partials' formula (merge_rows.hpp) in
-/// chunk order, so the result is bit-identical for any thread count.
+/// chunk order, so the result is bit-identical for any thread count. When the call leaves check_finite's scan of K
+/// and V to the kernel (kernel_params::kv_scan), the decode pass does it on the rows it reads anyway and asks for
+/// the verdict before the merge writes anything; every other path runs the scan first.
 
 #include <algorithm>
 #include <cmath>
