@@ -9,6 +9,8 @@
 #include <string>
 #include <type_traits>
 
+#include <gtest/gtest.h>
+
 #include <attend/tensor.hpp>
 
 #include "support/random.hpp"
@@ -24,7 +26,8 @@ attend::tensor<T, 4> random16(std::uint64_t seed, attend::index b, attend::index
     return t.cast<T>();
 }
 
-/// Typed-test names: "half", "bfloat16".
+/// The two 16-bit storage types for typed tests, and their names: "half", "bfloat16".
+using storage16_types = ::testing::Types<Eigen::half, Eigen::bfloat16>;
 struct storage16_names {
     template <class T>
     static std::string GetName(int) {

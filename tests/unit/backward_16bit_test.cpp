@@ -82,8 +82,7 @@ std::vector<attend::sdpa_options> option_sets(index heads) {
 
 template <class T>
 class Backward16 : public ::testing::Test {};
-using storage_types = ::testing::Types<half, bf16>;
-TYPED_TEST_SUITE(Backward16, storage_types, attend_test::storage16_names);
+TYPED_TEST_SUITE(Backward16, attend_test::storage16_types, attend_test::storage16_names);
 
 TYPED_TEST(Backward16, GradientsAreTheFloatBackwardOnTheSameValuesRoundedOnce) {
     using T = TypeParam;

@@ -89,8 +89,7 @@ void expect_float_result_rounded_once(const inputs16<T>& in, const attend::sdpa_
 
 template <class T>
 class Storage16 : public ::testing::Test {};
-using storage_types = ::testing::Types<half, bf16>;
-TYPED_TEST_SUITE(Storage16, storage_types, attend_test::storage16_names);
+TYPED_TEST_SUITE(Storage16, attend_test::storage16_types, attend_test::storage16_names);
 
 TYPED_TEST(Storage16, OutputIsTheFloatResultOnTheSameValuesRoundedOnce) {
     using T = TypeParam;
