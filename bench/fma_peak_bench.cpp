@@ -5,7 +5,6 @@
 // 2 flops per lane per FMA.
 #include <benchmark/benchmark.h>
 
-#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -18,7 +17,7 @@ namespace {
 template <class T>
 void fma_peak(benchmark::State& state) {
     using packet = typename Eigen::internal::packet_traits<T>::type;
-    constexpr int lanes = Eigen::internal::unpacket_traits<packet>::size;
+    constexpr int lanes = Eigen::internal::packet_traits<T>::size;
     constexpr int chains = 12;
     constexpr std::int64_t steps = 1 << 16;
     const int threads = static_cast<int>(state.range(0));
@@ -27,13 +26,12 @@ void fma_peak(benchmark::State& state) {
         attend::detail::parallel_for(threads, threads, [&](attend_bench::index worker, int) {
             const packet a = Eigen::internal::pset1<packet>(T(0.999999));
             const packet b = Eigen::internal::pset1<packet>(T(1e-7));
-            std::array<packet, chains> acc;
-            for (int c = 0; c < chains; ++c) acc[static_cast<std::size_t>(c)] = Eigen::internal::pset1<packet>(T(c));
+            packet acc[chains];  // a plain array: std::array<packet> drops the packet's vector attributes
+            for (int c = 0; c < chains; ++c) acc[c] = Eigen::internal::pset1<packet>(T(c));
             for (std::int64_t s = 0; s < steps; ++s)
-                for (int c = 0; c < chains; ++c)
-                    acc[static_cast<std::size_t>(c)] = Eigen::internal::pmadd(acc[static_cast<std::size_t>(c)], a, b);
+                for (int c = 0; c < chains; ++c) acc[c] = Eigen::internal::pmadd(acc[c], a, b);
             packet total = acc[0];
-            for (int c = 1; c < chains; ++c) total = Eigen::internal::padd(total, acc[static_cast<std::size_t>(c)]);
+            for (int c = 1; c < chains; ++c) total = Eigen::internal::padd(total, acc[c]);
             Eigen::internal::pstoreu(sink.data() + worker * lanes, total);
         });
         benchmark::DoNotOptimize(sink.data());

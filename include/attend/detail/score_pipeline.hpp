@@ -42,14 +42,38 @@ Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> row_array(const T* x, index
 
 /// x[j] = exp(x[j] - shift) on a contiguous run, exactly 0 where x[j] is -inf (a forbidden key) and where the
 /// result would be subnormal (below 1e-38 in float next to a row maximum of 1: no effect on any sum, and it keeps
-/// subnormals, which are slow on many cores, out of the GEMM). Eigen's vectorized exp does the work; on its own it
-/// returns a tiny positive number, not 0, for -inf in double.
+/// subnormals, which are slow on many cores, out of the products), NaN kept; returns the sum of the results, the
+/// online softmax's inner step in one pass. A packet's worth at a time through Eigen's vectorized exp (which on its
+/// own returns a tiny positive number, not 0, for -inf in double), the last few elements through std::exp, so an
+/// element's result depends on its position in the run only, in every caller.
+template <class T>
+T exp_shifted_sum(T* x, index n, T shift) {
+    using namespace Eigen::internal;
+    using packet = typename packet_traits<T>::type;
+    constexpr index lanes = packet_traits<T>::size;
+    constexpr T tiny = std::numeric_limits<T>::min();
+    const packet by = pset1<packet>(shift), smallest = pset1<packet>(tiny);
+    packet sums = pset1<packet>(T(0));
+    index j = 0;
+    for (; j + lanes <= n; j += lanes) {
+        packet e = pexp(psub(ploadu<packet>(x + j), by));
+        e = pandnot(e, pcmp_lt(e, smallest));  // e < tiny: 0 (NaN compares false and stays)
+        pstoreu(x + j, e);
+        sums = padd(sums, e);
+    }
+    T sum = predux(sums);
+    for (; j < n; ++j) {
+        const T e = std::exp(x[j] - shift);
+        x[j] = e < tiny ? T(0) : e;
+        sum += x[j];
+    }
+    return sum;
+}
+
+/// exp_shifted_sum without the sum.
 template <class T>
 void exp_shifted(T* x, index n, T shift) {
-    auto a = row_array(x, n);
-    a = (a - shift).exp();
-    constexpr T tiny = std::numeric_limits<T>::min();
-    for (index j = 0; j < n; ++j) x[j] = x[j] < tiny ? T(0) : x[j];
+    exp_shifted_sum(x, n, shift);
 }
 
 /// From dot products to scores, in this order: scale (folded into one GEMM operand by the kernels), soft-capping,
@@ -171,10 +195,10 @@ public:
                 std::fill(row, row + nk, Acc(0));
                 continue;
             }
-            exp_shifted(row, nk, m_new);
+            const Acc row_sum = exp_shifted_sum(row, nk, m_new);
             const Acc alpha = rescale_[u];
             if (alpha != Acc(1)) row_array(acc + r * dv, dv) *= alpha;
-            sum_[u] = alpha * sum_[u] + row_array(row, nk).sum();
+            sum_[u] = alpha * sum_[u] + row_sum;
             max_[u] = m_new;
         }
     }

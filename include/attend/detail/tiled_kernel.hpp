@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 #pragma once
-/// The tiled kernel: FlashAttention-2's forward pass on Eigen GEMM tiles. Per work unit (batch, kv head, query
-/// block) the keys stream by in tiles; each row keeps a running max, a running sum and an accumulator that is
+/// The tiled kernel: FlashAttention-2's forward pass on register-blocked micro-tiles (micro_kernel.hpp: each key
+/// tile packed once per block into panels, Q·Kᵀ and P·V on packets, V read in place). Per work unit (batch, kv
+/// head, query block) the keys stream by in tiles; each row keeps a running max, a running sum and an accumulator that is
 /// rescaled when the max grows, so memory is O(threads x tile), never O(query_len x key_len) (except the weights
 /// output, when asked for). Semantics are the reference kernel's (reference_kernel.hpp) within rounding:
 /// scores = scale q.k + score_bias, masked, softmax along keys, lse kept, dropout on the probabilities that
@@ -12,11 +13,11 @@
 /// stacked into one block ([head 0 rows; head 1 rows; ...]), so each K and V tile is read from memory and packed
 /// once for the whole group. Mask classification, score_bias and dropout stay per head: the block is made of
 /// per-head sub-blocks, each classified and masked as its own tile. (A block of at most gemv_rows rows, e.g. one
-/// decoded query on 4 query heads per kv head, uses one GEMV per row over L1-sized key slices instead of a GEMM,
-/// which would copy K and V into packed panels first.)
+/// decoded query on 4 query heads per kv head, uses one Eigen GEMV per row over L1-sized key slices instead of
+/// the micro-kernels, which would first copy K into packed panels.)
 ///
-/// Masks: a tile classified empty for every head is skipped before its GEMM; a full tile gets no per-element mask
-/// work; a mixed tile is cut into runs of 32-key strips, the strips every row may see go through one block GEMM,
+/// Masks: a tile classified empty for every head is skipped before its products; a full tile gets no per-element
+/// mask work; a mixed tile is cut into runs of 32-key strips, the strips every row may see go through one block,
 /// the others through 32-query slabs each trimmed to the keys it may see (a causal diagonal or a window edge costs
 /// about a slab-sized triangle, not a block-sized one).
 ///
@@ -44,6 +45,7 @@
 #include "mask_nodes.hpp"
 #include "memory.hpp"
 #include "merge_rows.hpp"
+#include "micro_kernel.hpp"
 #include "parallel_for.hpp"
 #include "q8_rows.hpp"
 #include "score_pipeline.hpp"
@@ -58,21 +60,21 @@ struct tile_config {
     index key_tile = 512;       ///< keys per tile
     index trim_step = 32;       ///< a mixed tile drops empty key columns from both ends in steps of this many
     index slab_rows = 32;       ///< a mixed tile is processed in slabs of this many queries of one head
-    index gemv_rows = 8;        ///< slabs of at most this many rows use one GEMV per row instead of a GEMM
+    index gemv_rows = 8;        ///< slabs of at most this many rows use one GEMV per row, not the micro-kernels
     index decode_queries = 16;  ///< query_len at or below which keys are split into chunks (decode path)
     index decode_chunk = 2048;  ///< keys per chunk of the decode path
 };
 
-/// Tile sizes chosen by measurement (bench/README.md has the sweep, `attend_bench --benchmark_filter=tiled_tiles`)
-/// on Zen 4 (AVX-512, 1 MiB L2 per core), fp32, head_dim 64, L = S = 2048, one thread. Blocks of 64 to 256 query
-/// rows x 256 to 1024 keys all ran within about 5 % of each other and of the same work done as two materialized
-/// GEMMs; 32 rows or 128 keys were up to 50 % slower: Eigen packs both GEMM operands on every call, so each K and
-/// V tile is re-packed once per query block, and small blocks pay that, plus the per-tile softmax bookkeeping, too
-/// often. 128 rows x 512 keys was among the fastest and keeps the score tile (256 KiB) and the K and V tiles
-/// (128 KiB each) in L2; more rows would put more of a causal diagonal or a window edge into mixed tiles (those
-/// are cut into 32-key strips and 32-query slabs, but each slab is a smaller, slower GEMM). Double uses half the
-/// keys, so its tiles take the same bytes; head dims of 128 or more halve the key tile again. The decode chunk is
-/// 4 key tiles: at key_len 8192, head_dim 128 that is 8 chunks per kv head to spread over threads.
+/// Tile sizes chosen by measurement (bench/README.md has the sweep, `attend_bench --benchmark_filter=tiled_tiles`),
+/// fp32, head_dim 64, L = S = 2048, one thread. With Eigen GEMMs per tile (Zen 4, AVX-512), blocks of 64 to 256
+/// query rows x 256 to 1024 keys ran within about 5 % of each other; 32 rows or 128 keys were up to 50 % slower,
+/// as Eigen re-packed both operands on every call. With the micro-kernels (Zen 3, AVX2), which pack only K, once
+/// per block and tile, 128 to 256 rows x 128 to 512 keys ran within the machine's noise (about 10 %) and 1024-key
+/// tiles were about 20 % slower. 128 rows x 512 keys was among the fastest on both and keeps the score tile
+/// (256 KiB) and the K and V tiles (128 KiB each) in L2; more rows would put more of a causal diagonal or a
+/// window edge into mixed tiles (those are cut into 32-key strips and 32-query slabs). Double uses half the keys,
+/// so its tiles take the same bytes; head dims of 128 or more halve the key tile again. The decode chunk is 4 key
+/// tiles: at key_len 8192, head_dim 128 that is 8 chunks per kv head to spread over threads.
 template <class T>
 tile_config default_tile_config(const attention_shape& s) {
     tile_config c;
@@ -164,6 +166,15 @@ struct tiled_workspace {
     aligned_vector<Acc> key_stage;    ///< [key_tile, head_dim] converted keys, when storage is not Acc
     aligned_vector<Acc> value_stage;  ///< [key_tile, value_dim] converted values, when storage is not Acc
     kv_findings<Acc> found;           ///< the decode path's check_finite findings, when it scans
+    aligned_vector<Acc> key_panels;   ///< [key_tile rounded to panels, head_dim]: keys packed for the micro-kernel
+    /// Which keys key_panels holds (batch -1: none), and the tile being streamed, whose keys are packed whole
+    /// the first time a slab of it needs them, so every slab of the tile reads the same panels.
+    struct key_range {
+        index batch = -1, kv_head = 0, begin = 0, end = 0;
+        bool operator==(const key_range& o) const {
+            return batch == o.batch && kv_head == o.kv_head && begin == o.begin && end == o.end;
+        }
+    } packed, tile;
 
     tiled_workspace(index rows, index head_dim, index key_tile, index value_dim, index group, bool stage)
         : queries(static_cast<std::size_t>(rows * head_dim)),
@@ -172,7 +183,8 @@ struct tiled_workspace {
           softmax(rows),
           classes(static_cast<std::size_t>(group)),
           key_stage(stage ? static_cast<std::size_t>(key_tile * head_dim) : 0),
-          value_stage(stage ? static_cast<std::size_t>(key_tile * value_dim) : 0) {}
+          value_stage(stage ? static_cast<std::size_t>(key_tile * value_dim) : 0),
+          key_panels(static_cast<std::size_t>(micro_tile<Acc>::panel_elements(key_tile, head_dim))) {}
 };
 
 /// The tiled forward pass of one call; see the file comment. Reads Storage, computes in Acc; keys and values come
@@ -201,7 +213,7 @@ public:
     }
 
 private:
-    /// Rows reach the GEMMs through a copy when their type is not Acc or they may cross a block edge.
+    /// Rows reach the products through a copy when their type is not Acc or they may cross a block edge.
     static constexpr bool staged = !std::is_same_v<Rows, strided_view<const Acc>>;
 
     // ---- work units -------------------------------------------------------------------------------------------
@@ -230,7 +242,8 @@ private:
             },
             [&] {
                 const index per_worker = rows_ * (s_.head_dim + c_.key_tile + s_.value_dim + 4) +
-                                         (staged ? c_.key_tile * (s_.head_dim + s_.value_dim) : 0);
+                                         (staged ? c_.key_tile * (s_.head_dim + s_.value_dim) : 0) +
+                                         micro_tile<Acc>::panel_elements(c_.key_tile, s_.head_dim);
                 return allocation_text("the tiled kernel's scratch (workers x elements)",
                                        std::array<index, 2>{workers, per_worker}, sizeof(Acc));
             },
@@ -396,9 +409,28 @@ private:
         return true;
     }
 
-    /// Scores of the slab against keys [k0, k1) into its rows of w.scores: one GEMM on the stacked rows (one GEMV
-    /// per row for a few rows, which reads K straight from its rows where a GEMM would first copy it into
-    /// packed panels), then the score pipeline per head. Needs w.classes from classify on the same slab and keys.
+    /// Keys [k0, k1) of the block's (batch, kv head) packed for scores_from_panels: a pointer into w.key_panels,
+    /// which holds the whole tile being streamed when [k0, k1) starts on one of its panels (every slab of a mixed
+    /// tile then reads the panels packed for the first), or exactly [k0, k1) otherwise.
+    const Acc* key_panels(tiled_workspace<Acc>& w, const block& blk, index k0, index k1) const {
+        using range = typename tiled_workspace<Acc>::key_range;
+        const range& t = w.tile;
+        const bool in_tile = t.batch == blk.batch && t.kv_head == blk.kv_head && t.begin <= k0 && k1 <= t.end &&
+                             (k0 - t.begin) % micro_tile<Acc>::cols == 0;
+        const range want = in_tile ? t : range{blk.batch, blk.kv_head, k0, k1};
+        if (!(w.packed == want)) {
+            const index n = want.end - want.begin;
+            const auto keys = rows_as_accumulator<Acc>(k_, blk.batch, blk.kv_head, want.begin, n, w.key_stage);
+            pack_key_panels(keys.data(), keys.outerStride(), n, s_.head_dim, w.key_panels.data());
+            if (w.found.active) w.found.keys(keys);
+            w.packed = want;
+        }
+        return w.key_panels.data() + (k0 - want.begin) * s_.head_dim;
+    }
+
+    /// Scores of the slab against keys [k0, k1) into its rows of w.scores: the micro-kernel on the stacked rows and
+    /// the tile's packed keys (one GEMV per row for a few rows, which reads K straight from its rows where the
+    /// micro-kernel would first pack it), then the score pipeline per head. Needs w.classes from classify on the same slab and keys.
     void compute_scores(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index k0, index k1) const {
         const index r0 = sl.first_row(blk), rows = sl.rows(blk), nk = k1 - k0, ld = c_.key_tile;
         const_tile_map<Acc> queries(w.queries.data() + r0 * s_.head_dim, rows, s_.head_dim,
@@ -415,9 +447,8 @@ private:
                 if (w.found.active) w.found.keys(keys);  // in L1 now
             }
         } else {
-            const auto keys = rows_as_accumulator<Acc>(k_, blk.batch, blk.kv_head, k0, nk, w.key_stage);
-            scores.noalias() = queries * keys.transpose();
-            if (w.found.active) w.found.keys(keys);
+            scores_from_panels(queries.data(), s_.head_dim, rows, s_.head_dim, key_panels(w, blk, k0, k1), nk,
+                               scores.data(), ld);
         }
         for (index hh = sl.head_begin; hh < sl.head_end; ++hh)
             pipe_.finish_tile(query_tile(blk, sl, hh, k0, k1), w.classes[static_cast<std::size_t>(hh)],
@@ -427,7 +458,7 @@ private:
     /// The online softmax over keys [key_begin, key_end): leaves w.acc (unnormalized, dropout applied) and
     /// w.softmax (max and the undropped normalizer, with the sinks when key_begin is 0) for the block's rows. A
     /// mixed tile (a causal diagonal, the edge of a window) is cut into runs of key strips: runs every row of the
-    /// block may fully see go through one block-wide GEMM, the rest in slabs of slab_rows queries of one head, each
+    /// block may fully see go through the whole block at once, the rest in slabs of slab_rows queries of one head, each
     /// trimmed to the key columns it may see, so masked-out work shrinks with the slab, not with the block.
     void stream_keys(tiled_workspace<Acc>& w, const block& blk, index key_begin, index key_end) const {
         const index rows = group_ * blk.queries, dv = s_.value_dim;
@@ -438,9 +469,10 @@ private:
             const index k1 = std::min(key_end, k0 + c_.key_tile);
             const tile_class c = classify(w, blk, all, k0, k1);
             if (c == tile_class::empty) continue;
+            w.tile = {blk.batch, blk.kv_head, k0, k1};
             if (c == tile_class::mixed && blk.queries > c_.slab_rows) {
                 // Runs of trim_step-wide key strips: strips full for the whole block go through one block-wide
-                // GEMM (the part of a causal tile left of the diagonal), the others through slabs.
+                // step (the part of a causal tile left of the diagonal), the others through slabs.
                 for (index a = k0; a < k1;) {
                     const bool full = classify(w, blk, all, a, std::min(k1, a + c_.trim_step)) == tile_class::full;
                     index b = std::min(k1, a + c_.trim_step);
@@ -500,7 +532,8 @@ private:
             }
         } else {
             const auto values = rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, k0, nk, w.value_stage);
-            acc.noalias() += probabilities * values;
+            accumulate_from_values(probabilities.data(), ld, rows, nk, values.data(), values.outerStride(), dv,
+                                   acc.data(), dv);
             if (w.found.active) w.found.values(values);
         }
         if (w.found.active) w.found.scanned_to = std::max(w.found.scanned_to, k1);
@@ -538,6 +571,7 @@ private:
                 for (index r = 0; r < rows; ++r) std::fill(weights_row(r) + k0, weights_row(r) + k1, Storage(0));
                 continue;
             }
+            w.tile = {blk.batch, blk.kv_head, k0, k1};
             compute_scores(w, blk, all, k0, k1);
             for (index r = 0; r < rows; ++r) {
                 Storage* out = weights_row(r) + k0;

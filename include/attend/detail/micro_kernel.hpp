@@ -1,0 +1,193 @@
+// SPDX-License-Identifier: MIT
+#pragma once
+/// The tiled kernel's two products on register-blocked micro-tiles, written over Eigen's packet primitives (what
+/// Eigen's own GEMM is built from), so the same code compiles to AVX-512, AVX2, SSE2 or NEON:
+///   scores = Q Kᵀ  a block's query rows against a key tile packed once into key panels (pack_key_panels);
+///   acc   += P V   the same rows' probabilities against the value rows where they lie (never copied).
+/// Eigen's GEMM packs both operands on every call, so a per-tile GEMM re-packed Q, K, P and V once per query block
+/// and key tile; here only K is packed (its transpose is what the product reads along keys), once per tile.
+/// Each output element is one sum over the inner dimension in ascending order, of the same operations whatever
+/// the row group or column block it falls in, so a result depends on the shape and the instruction set only.
+
+#include <algorithm>
+#include <cstddef>
+
+#include <Eigen/Core>
+
+#include "../tensor.hpp"
+
+namespace attend::detail {
+
+/// Micro-tile sizes of Acc (float or double) on the target's widest packet: rows x (2 packets), 12 accumulators,
+/// which with two loads and a broadcast fit the 16 vector registers of AVX2, SSE2 and NEON.
+template <class Acc>
+struct micro_tile {
+    using packet = typename Eigen::internal::packet_traits<Acc>::type;
+    static constexpr index lanes = Eigen::internal::packet_traits<Acc>::size;
+    static constexpr index cols = 2 * lanes;  ///< keys per key panel, value columns per micro-tile
+    static constexpr index rows = 6;          ///< query rows per micro-tile
+    /// Elements of a key tile's panels: keys rounded up to whole panels, times head_dim.
+    static index panel_elements(index keys, index head_dim) { return (keys + cols - 1) / cols * cols * head_dim; }
+};
+
+/// to[c, r] = from[r, c] for a square of lanes x lanes (rows at `ld_from`, `ld_to`), in registers: Eigen's
+/// ptranspose. (A packet's vector attributes are not part of PacketBlock's type, which GCC warns about.)
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#endif
+template <class Acc>
+void transpose_square(const Acc* from, index ld_from, Acc* to, index ld_to) {
+    using namespace Eigen::internal;
+    using packet = typename micro_tile<Acc>::packet;
+    constexpr index lanes = micro_tile<Acc>::lanes;
+    PacketBlock<packet, static_cast<int>(lanes)> block;
+    for (index r = 0; r < lanes; ++r) block.packet[r] = ploadu<packet>(from + r * ld_from);
+    ptranspose(block);
+    for (index c = 0; c < lanes; ++c) pstoreu(to + c * ld_to, block.packet[c]);
+}
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+/// Keys [nk, head_dim] (rows at `ld`) into panels of micro_tile::cols keys, each laid out [head_dim, cols] so a
+/// packet loads one dimension of consecutive keys; the last panel is padded with zero keys. Square blocks of
+/// lanes keys x lanes dimensions are transposed in registers (Eigen's ptranspose); the edges element by element.
+template <class Acc>
+void pack_key_panels(const Acc* keys, index ld, index nk, index head_dim, Acc* panels) {
+    constexpr index lanes = micro_tile<Acc>::lanes, nr = micro_tile<Acc>::cols;
+    const index square_dims = head_dim / lanes * lanes;
+    for (index p0 = 0; p0 < nk; p0 += nr) {
+        Acc* panel = panels + p0 * head_dim;
+        for (index c0 = 0; c0 < nr; c0 += lanes) {  // lanes keys of the panel at a time
+            const index present = std::clamp<index>(nk - p0 - c0, 0, lanes);
+            const Acc* first = keys + (p0 + c0) * ld;
+            index x = 0;
+            if (present == lanes)
+                for (; x < square_dims; x += lanes) transpose_square<Acc>(first + x, ld, panel + x * nr + c0, nr);
+            for (; x < head_dim; ++x)
+                for (index c = 0; c < lanes; ++c) panel[x * nr + c0 + c] = c < present ? first[c * ld + x] : Acc(0);
+        }
+    }
+}
+
+namespace micro {
+
+template <class Acc>
+using packet_of = typename micro_tile<Acc>::packet;
+
+/// Rows x cols scores of one key panel: out[r, c] = sum over x of q[r, x] * panel[x, c].
+template <int Rows, class Acc>
+void score_panel(const Acc* q, index ldq, index head_dim, const Acc* panel, Acc* out, index ldo) {
+    using namespace Eigen::internal;
+    using packet = packet_of<Acc>;
+    constexpr index lanes = micro_tile<Acc>::lanes, nr = micro_tile<Acc>::cols;
+    packet lo[Rows], hi[Rows];
+    for (int r = 0; r < Rows; ++r) lo[r] = hi[r] = pset1<packet>(Acc(0));
+    for (index x = 0; x < head_dim; ++x) {
+        const packet k0 = ploadu<packet>(panel + x * nr), k1 = ploadu<packet>(panel + x * nr + lanes);
+        for (int r = 0; r < Rows; ++r) {
+            const packet a = pset1<packet>(q[r * ldq + x]);
+            lo[r] = pmadd(a, k0, lo[r]);
+            hi[r] = pmadd(a, k1, hi[r]);
+        }
+    }
+    for (int r = 0; r < Rows; ++r) {
+        pstoreu(out + r * ldo, lo[r]);
+        pstoreu(out + r * ldo + lanes, hi[r]);
+    }
+}
+
+/// acc[r, 0 : Packets * lanes) += sum over j < nk of p[r, j] * v[j, 0 : Packets * lanes).
+template <int Rows, int Packets, class Acc>
+void accumulate_values(const Acc* p, index ldp, index nk, const Acc* v, index ldv, Acc* acc, index lda) {
+    using namespace Eigen::internal;
+    using packet = packet_of<Acc>;
+    constexpr index lanes = micro_tile<Acc>::lanes;
+    packet c[Rows][Packets];
+    for (int r = 0; r < Rows; ++r)
+        for (int i = 0; i < Packets; ++i) c[r][i] = ploadu<packet>(acc + r * lda + i * lanes);
+    for (index j = 0; j < nk; ++j) {
+        packet value[Packets];
+        for (int i = 0; i < Packets; ++i) value[i] = ploadu<packet>(v + j * ldv + i * lanes);
+        for (int r = 0; r < Rows; ++r) {
+            const packet a = pset1<packet>(p[r * ldp + j]);
+            for (int i = 0; i < Packets; ++i) c[r][i] = pmadd(a, value[i], c[r][i]);
+        }
+    }
+    for (int r = 0; r < Rows; ++r)
+        for (int i = 0; i < Packets; ++i) pstoreu(acc + r * lda + i * lanes, c[r][i]);
+}
+
+/// The kernels above for a row group of 1 to micro_tile rows, so its size is a constant inside them.
+template <class Acc>
+auto score_panel_for(index rows) {
+    constexpr decltype(&score_panel<1, Acc>) by_rows[] = {&score_panel<1, Acc>, &score_panel<2, Acc>,
+                                                          &score_panel<3, Acc>, &score_panel<4, Acc>,
+                                                          &score_panel<5, Acc>, &score_panel<6, Acc>};
+    return by_rows[rows - 1];
+}
+template <int Packets, class Acc>
+auto accumulate_values_for(index rows) {
+    constexpr decltype(&accumulate_values<1, Packets, Acc>) by_rows[] = {
+        &accumulate_values<1, Packets, Acc>, &accumulate_values<2, Packets, Acc>, &accumulate_values<3, Packets, Acc>,
+        &accumulate_values<4, Packets, Acc>, &accumulate_values<5, Packets, Acc>, &accumulate_values<6, Packets, Acc>};
+    return by_rows[rows - 1];
+}
+static_assert(micro_tile<float>::rows == 6 && micro_tile<double>::rows == 6, "one kernel per row-group size");
+
+}  // namespace micro
+
+/// scores[rows, nk] (rows at `lds`) = q[rows, head_dim] (rows at `ldq`) times the keys packed by pack_key_panels.
+/// A partial last panel goes through a panel-sized buffer, so nothing is written past column nk.
+template <class Acc>
+void scores_from_panels(const Acc* q, index ldq, index rows, index head_dim, const Acc* panels, index nk, Acc* scores,
+                        index lds) {
+    using mt = micro_tile<Acc>;
+    alignas(64) Acc edge[mt::rows * mt::cols];
+    for (index p0 = 0; p0 < nk; p0 += mt::cols) {  // a panel stays in L1 while every row group uses it
+        const Acc* panel = panels + p0 * head_dim;
+        const index n = std::min(mt::cols, nk - p0);
+        for (index r0 = 0; r0 < rows; r0 += mt::rows) {
+            const index m = std::min(mt::rows, rows - r0);
+            Acc* out = n == mt::cols ? scores + r0 * lds + p0 : edge;
+            const index ldo = n == mt::cols ? lds : mt::cols;
+            micro::score_panel_for<Acc>(m)(q + r0 * ldq, ldq, head_dim, panel, out, ldo);
+            if (n < mt::cols)
+                for (index r = 0; r < m; ++r)
+                    std::copy(edge + r * mt::cols, edge + r * mt::cols + n, scores + (r0 + r) * lds + p0);
+        }
+    }
+}
+
+/// acc[rows, dv] (rows at `lda`) += p[rows, nk] (rows at `ldp`) times v[nk, dv] (rows at `ldv`). V is read in key
+/// slices spanning at most 16 KiB of its rows, so a column block's part of a slice stays in L1 while every row
+/// group reads it: a column block of rows a power of two apart uses few of L1's sets, and a longer slice of it
+/// evicts itself.
+template <class Acc>
+void accumulate_from_values(const Acc* p, index ldp, index rows, index nk, const Acc* v, index ldv, index dv, Acc* acc,
+                            index lda) {
+    using mt = micro_tile<Acc>;
+    const index slice = std::max<index>(8, 16384 / (static_cast<index>(sizeof(Acc)) * std::max<index>(ldv, 1)));
+    const index wide = dv / mt::cols * mt::cols, narrow = wide + (dv - wide) / mt::lanes * mt::lanes;
+    for (index j0 = 0; j0 < nk; j0 += slice) {
+        const index nj = std::min(slice, nk - j0);
+        const Acc* pj = p + j0;
+        const Acc* vj = v + j0 * ldv;
+        for (index e = 0; e < narrow; e += e < wide ? mt::cols : mt::lanes)
+            for (index r0 = 0; r0 < rows; r0 += mt::rows) {
+                const index m = std::min(mt::rows, rows - r0);
+                const auto kernel = e < wide ? micro::accumulate_values_for<2, Acc>(m)
+                                             : micro::accumulate_values_for<1, Acc>(m);
+                kernel(pj + r0 * ldp, ldp, nj, vj + e, ldv, acc + r0 * lda + e, lda);
+            }
+        for (index r = 0; r < rows; ++r)  // the last value columns, fewer than a packet
+            for (index e = narrow; e < dv; ++e) {
+                Acc sum = acc[r * lda + e];
+                for (index j = 0; j < nj; ++j) sum += pj[r * ldp + j] * vj[j * ldv + e];
+                acc[r * lda + e] = sum;
+            }
+    }
+}
+
+}  // namespace attend::detail

@@ -1,0 +1,165 @@
+// SPDX-License-Identifier: MIT
+// The tiled kernel's micro-kernels (detail/micro_kernel.hpp) on every edge their blocking has: row counts around
+// the row group, key counts around the panel, head and value dims around the packet, strided rows. Built once per
+// instruction set this machine can target (tests/CMakeLists.txt), since each one takes other packets and other
+// register tiles.
+//
+// Against a double-precision sum: |kernel - exact| <= 4 n eps sum |a b| per element (n the inner length), a bound a
+// sum in any order meets. Row groups: each output element is computed the same way whatever rows it shares a call
+// with, which the tiled kernel's thread-count determinism and its slabs rely on, so a call on all rows and calls
+// on one row at a time give the same bits.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <attend/detail/micro_kernel.hpp>
+
+#include "support/random.hpp"
+#include "support/scalar_names.hpp"
+
+namespace {
+
+using attend::index;
+using attend::detail::micro_tile;
+
+template <class T>
+std::vector<T> random_values(attend_test::rng& g, index n) {
+    std::vector<T> x(static_cast<std::size_t>(n));
+    for (auto& v : x) v = static_cast<T>(g.uniform(-1.0, 1.0));
+    return x;
+}
+
+/// Sizes around a blocking unit (a packet, a panel, a row group): 1, 2, and the unit and twice it, each -1 / +1.
+std::vector<index> edge_sizes(index unit) {
+    std::vector<index> sizes;
+    for (index n : {index(1), index(2), unit - 1, unit, unit + 1, 2 * unit - 1, 2 * unit + 3, 3 * unit + 1})
+        if (n >= 1 && std::find(sizes.begin(), sizes.end(), n) == sizes.end()) sizes.push_back(n);
+    return sizes;
+}
+
+template <class T>
+class MicroKernel : public ::testing::Test {};
+TYPED_TEST_SUITE(MicroKernel, attend_test::scalar_types, attend_test::scalar_names);
+
+TYPED_TEST(MicroKernel, ScoresFromPanelsEqualQTimesKTransposedAndWriteNothingPastTheirColumns) {
+    using T = TypeParam;
+    using mt = micro_tile<T>;
+    attend_test::rng g(11);
+    const T guard = T(12345);
+    for (index rows : edge_sizes(mt::rows))
+        for (index nk : edge_sizes(mt::cols))
+            for (index head_dim : edge_sizes(mt::lanes)) {
+                const index ldq = head_dim + 3, ldk = head_dim + 1, lds = nk + 5;
+                const auto q = random_values<T>(g, rows * ldq), k = random_values<T>(g, nk * ldk);
+                std::vector<T> panels(static_cast<std::size_t>(mt::panel_elements(nk, head_dim)));
+                attend::detail::pack_key_panels(k.data(), ldk, nk, head_dim, panels.data());
+                std::vector<T> scores(static_cast<std::size_t>(rows * lds), guard);
+                attend::detail::scores_from_panels(q.data(), ldq, rows, head_dim, panels.data(), nk, scores.data(),
+                                                   lds);
+                for (index r = 0; r < rows; ++r)
+                    for (index j = 0; j < lds; ++j) {
+                        const T got = scores[static_cast<std::size_t>(r * lds + j)];
+                        if (j >= nk) {
+                            ASSERT_EQ(got, guard) << "wrote past column " << nk << " of row " << r;
+                            continue;
+                        }
+                        double exact = 0, magnitude = 0;
+                        for (index x = 0; x < head_dim; ++x) {
+                            const double p = static_cast<double>(q[static_cast<std::size_t>(r * ldq + x)]) *
+                                             static_cast<double>(k[static_cast<std::size_t>(j * ldk + x)]);
+                            exact += p;
+                            magnitude += std::abs(p);
+                        }
+                        const double bound =
+                            4.0 * static_cast<double>(head_dim) * std::numeric_limits<T>::epsilon() * magnitude;
+                        ASSERT_LE(std::abs(static_cast<double>(got) - exact), bound)
+                            << "rows " << rows << " keys " << nk << " head_dim " << head_dim << " at " << r << ", "
+                            << j;
+                    }
+            }
+}
+
+TYPED_TEST(MicroKernel, AccumulateFromValuesAddsPTimesVToWhatWasThere) {
+    using T = TypeParam;
+    using mt = micro_tile<T>;
+    attend_test::rng g(12);
+    for (index rows : edge_sizes(mt::rows))
+        for (index nk : {index(1), index(7), mt::cols + 1, index(300)})
+            for (index dv : edge_sizes(mt::lanes)) {
+                // 300 keys 600 apart: many of the L1-sized key slices accumulate_from_values cuts V into.
+                const index ldp = nk + 2, ldv = nk == 300 ? 600 : dv + 3, lda = dv + 1;
+                const auto p = random_values<T>(g, rows * ldp), v = random_values<T>(g, nk * ldv);
+                const auto before = random_values<T>(g, rows * lda);
+                auto acc = before;
+                attend::detail::accumulate_from_values(p.data(), ldp, rows, nk, v.data(), ldv, dv, acc.data(), lda);
+                for (index r = 0; r < rows; ++r)
+                    for (index e = 0; e < lda; ++e) {
+                        const auto at = static_cast<std::size_t>(r * lda + e);
+                        if (e >= dv) {
+                            ASSERT_EQ(acc[at], before[at]) << "wrote past value column " << dv;
+                            continue;
+                        }
+                        double exact = static_cast<double>(before[at]), magnitude = std::abs(exact);
+                        for (index j = 0; j < nk; ++j) {
+                            const double t = static_cast<double>(p[static_cast<std::size_t>(r * ldp + j)]) *
+                                             static_cast<double>(v[static_cast<std::size_t>(j * ldv + e)]);
+                            exact += t;
+                            magnitude += std::abs(t);
+                        }
+                        const double bound =
+                            4.0 * static_cast<double>(nk + 1) * std::numeric_limits<T>::epsilon() * magnitude;
+                        ASSERT_LE(std::abs(static_cast<double>(acc[at]) - exact), bound)
+                            << "rows " << rows << " keys " << nk << " dv " << dv << " at " << r << ", " << e;
+                    }
+            }
+}
+
+TYPED_TEST(MicroKernel, ARowGetsTheSameBitsWhateverRowsShareItsCall) {
+    using T = TypeParam;
+    using mt = micro_tile<T>;
+    attend_test::rng g(13);
+    const index rows = 2 * mt::rows + 1, nk = 2 * mt::cols + 3, head_dim = 3 * mt::lanes + 1, dv = head_dim;
+    const auto q = random_values<T>(g, rows * head_dim), k = random_values<T>(g, nk * head_dim);
+    const auto v = random_values<T>(g, nk * dv);
+    std::vector<T> panels(static_cast<std::size_t>(mt::panel_elements(nk, head_dim)));
+    attend::detail::pack_key_panels(k.data(), head_dim, nk, head_dim, panels.data());
+
+    std::vector<T> together(static_cast<std::size_t>(rows * nk)), alone(together.size());
+    attend::detail::scores_from_panels(q.data(), head_dim, rows, head_dim, panels.data(), nk, together.data(), nk);
+    for (index r = 0; r < rows; ++r)
+        attend::detail::scores_from_panels(q.data() + r * head_dim, head_dim, 1, head_dim, panels.data(), nk,
+                                           alone.data() + r * nk, nk);
+    ASSERT_EQ(std::memcmp(together.data(), alone.data(), together.size() * sizeof(T)), 0);
+
+    std::vector<T> acc_together(static_cast<std::size_t>(rows * dv), T(0)), acc_alone(acc_together);
+    attend::detail::accumulate_from_values(together.data(), nk, rows, nk, v.data(), dv, dv, acc_together.data(), dv);
+    for (index r = 0; r < rows; ++r)
+        attend::detail::accumulate_from_values(together.data() + r * nk, nk, 1, nk, v.data(), dv, dv,
+                                               acc_alone.data() + r * dv, dv);
+    EXPECT_EQ(std::memcmp(acc_together.data(), acc_alone.data(), acc_together.size() * sizeof(T)), 0);
+}
+
+TYPED_TEST(MicroKernel, PackedPanelsHoldEachKeyDimensionOnceAndZerosPastTheLastKey) {
+    using T = TypeParam;
+    using mt = micro_tile<T>;
+    attend_test::rng g(14);
+    const index nk = mt::cols + mt::lanes + 1, head_dim = mt::lanes + 2, ld = head_dim + 1;
+    const auto k = random_values<T>(g, nk * ld);
+    std::vector<T> panels(static_cast<std::size_t>(mt::panel_elements(nk, head_dim)), T(-7));
+    ASSERT_EQ(panels.size(), static_cast<std::size_t>(2 * mt::cols * head_dim));
+    attend::detail::pack_key_panels(k.data(), ld, nk, head_dim, panels.data());
+    for (index p0 = 0; p0 < 2 * mt::cols; p0 += mt::cols)
+        for (index x = 0; x < head_dim; ++x)
+            for (index c = 0; c < mt::cols; ++c) {
+                const T got = panels[static_cast<std::size_t>(p0 * head_dim + x * mt::cols + c)];
+                const index key = p0 + c;
+                ASSERT_EQ(got, key < nk ? k[static_cast<std::size_t>(key * ld + x)] : T(0)) << key << ", " << x;
+            }
+}
+
+}  // namespace
