@@ -3,9 +3,10 @@
 /// The tiled kernel's two products on register-blocked micro-tiles, written over Eigen's packet primitives (what
 /// Eigen's own GEMM is built from), so the same code compiles to AVX-512, AVX2, SSE2 or NEON:
 ///   scores = Q Kᵀ  a block's query rows against a key tile packed once into key panels (pack_key_panels);
-///   acc   += P V   the same rows' probabilities against the value rows where they lie (never copied).
+///   acc   += P V   the same rows' probabilities against the tile's values packed into column blocks
+///                  (pack_value_panels), so a micro-tile reads them in one sequential stream.
 /// Eigen's GEMM packs both operands on every call, so a per-tile GEMM re-packed Q, K, P and V once per query block
-/// and key tile; here only K is packed (its transpose is what the product reads along keys), once per tile.
+/// and key tile; here Q and P are read where they are, and K and V are packed once per block and tile.
 /// Each output element is one sum over the inner dimension in ascending order, of the same operations whatever
 /// the row group or column block it falls in, so a result depends on the shape and the instruction set only.
 
@@ -160,27 +161,50 @@ void scores_from_panels(const Acc* q, index ldq, index rows, index head_dim, con
     }
 }
 
-/// acc[rows, dv] (rows at `lda`) += p[rows, nk] (rows at `ldp`) times v[nk, dv] (rows at `ldv`). V is read in key
-/// slices spanning at most 16 KiB of its rows, so a column block's part of a slice stays in L1 while every row
-/// group reads it: a column block of rows a power of two apart uses few of L1's sets, and a longer slice of it
-/// evicts itself.
+/// V's whole column blocks of micro_tile::cols values, each block's rows one after another: block b at
+/// panels + b * nk * cols, [nk, cols]. The last dv % cols columns are not packed: accumulate_from_values reads
+/// them in place.
 template <class Acc>
-void accumulate_from_values(const Acc* p, index ldp, index rows, index nk, const Acc* v, index ldv, index dv, Acc* acc,
-                            index lda) {
+void pack_value_panels(const Acc* v, index ldv, index nk, index dv, Acc* panels) {
+    using namespace Eigen::internal;
+    using packet = typename micro_tile<Acc>::packet;
+    constexpr index lanes = micro_tile<Acc>::lanes, nr = micro_tile<Acc>::cols;
+    for (index e0 = 0; e0 + nr <= dv; e0 += nr) {
+        Acc* block = panels + e0 * nk;
+        for (index j = 0; j < nk; ++j)
+            for (index i = 0; i < nr; i += lanes) pstoreu(block + j * nr + i, ploadu<packet>(v + j * ldv + e0 + i));
+    }
+}
+
+/// acc[rows, dv] (rows at `lda`) += p[rows, nk] (rows at `ldp`) times v[nk, dv] (rows at `ldv`), V's whole column
+/// blocks read from `panels` (pack_value_panels' layout, blocks `panel_stride` elements apart), its last columns
+/// from v. Keys go by in slices whose V part stays in L1 while every row group reads it: 16 KiB of one packed
+/// block; for the columns read in place, rows spanning at most 16 KiB (rows a power of two apart use few of L1's
+/// sets, and a longer slice would evict itself).
+template <class Acc>
+void accumulate_from_values(const Acc* p, index ldp, index rows, index nk, const Acc* v, index ldv, index dv,
+                            const Acc* panels, index panel_stride, Acc* acc, index lda) {
     using mt = micro_tile<Acc>;
-    const index slice = std::max<index>(8, 16384 / (static_cast<index>(sizeof(Acc)) * std::max<index>(ldv, 1)));
     const index wide = dv / mt::cols * mt::cols, narrow = wide + (dv - wide) / mt::lanes * mt::lanes;
+    const index packed_slice = 16384 / static_cast<index>(sizeof(Acc) * mt::cols);
+    for (index j0 = 0; j0 < nk; j0 += packed_slice) {
+        const index nj = std::min(packed_slice, nk - j0);
+        for (index e = 0; e < wide; e += mt::cols)
+            for (index r0 = 0; r0 < rows; r0 += mt::rows)
+                micro::accumulate_values_for<2, Acc>(std::min(mt::rows, rows - r0))(
+                    p + r0 * ldp + j0, ldp, nj, panels + (e / mt::cols) * panel_stride + j0 * mt::cols, mt::cols,
+                    acc + r0 * lda + e, lda);
+    }
+    if (wide == dv) return;
+    const index slice = std::max<index>(8, 16384 / (static_cast<index>(sizeof(Acc)) * std::max<index>(ldv, 1)));
     for (index j0 = 0; j0 < nk; j0 += slice) {
         const index nj = std::min(slice, nk - j0);
         const Acc* pj = p + j0;
         const Acc* vj = v + j0 * ldv;
-        for (index e = 0; e < narrow; e += e < wide ? mt::cols : mt::lanes)
-            for (index r0 = 0; r0 < rows; r0 += mt::rows) {
-                const index m = std::min(mt::rows, rows - r0);
-                const auto kernel = e < wide ? micro::accumulate_values_for<2, Acc>(m)
-                                             : micro::accumulate_values_for<1, Acc>(m);
-                kernel(pj + r0 * ldp, ldp, nj, vj + e, ldv, acc + r0 * lda + e, lda);
-            }
+        for (index e = wide; e < narrow; e += mt::lanes)
+            for (index r0 = 0; r0 < rows; r0 += mt::rows)
+                micro::accumulate_values_for<1, Acc>(std::min(mt::rows, rows - r0))(pj + r0 * ldp, ldp, nj, vj + e, ldv,
+                                                                                    acc + r0 * lda + e, lda);
         for (index r = 0; r < rows; ++r)  // the last value columns, fewer than a packet
             for (index e = narrow; e < dv; ++e) {
                 Acc sum = acc[r * lda + e];

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 #pragma once
-/// The tiled kernel: FlashAttention-2's forward pass on register-blocked micro-tiles (micro_kernel.hpp: each key
-/// tile packed once per block into panels, Q·Kᵀ and P·V on packets, V read in place). Per work unit (batch, kv
+/// The tiled kernel: FlashAttention-2's forward pass on register-blocked micro-tiles (micro_kernel.hpp: each K and
+/// V tile packed once per block, Q·Kᵀ and P·V on packets). Per work unit (batch, kv
 /// head, query block) the keys stream by in tiles; each row keeps a running max, a running sum and an accumulator that is
 /// rescaled when the max grows, so memory is O(threads x tile), never O(query_len x key_len) (except the weights
 /// output, when asked for). Semantics are the reference kernel's (reference_kernel.hpp) within rounding:
@@ -68,7 +68,7 @@ struct tile_config {
 /// Tile sizes chosen by measurement (bench/README.md has the sweep, `attend_bench --benchmark_filter=tiled_tiles`),
 /// fp32, head_dim 64, L = S = 2048, one thread. With Eigen GEMMs per tile (Zen 4, AVX-512), blocks of 64 to 256
 /// query rows x 256 to 1024 keys ran within about 5 % of each other; 32 rows or 128 keys were up to 50 % slower,
-/// as Eigen re-packed both operands on every call. With the micro-kernels (Zen 3, AVX2), which pack only K, once
+/// as Eigen re-packed both operands on every call. With the micro-kernels (Zen 3, AVX2), which pack K and V once
 /// per block and tile, 128 to 256 rows x 128 to 512 keys ran within the machine's noise (about 10 %) and 1024-key
 /// tiles were about 20 % slower. 128 rows x 512 keys was among the fastest on both and keeps the score tile
 /// (256 KiB) and the K and V tiles (128 KiB each) in L2; more rows would put more of a causal diagonal or a
@@ -158,23 +158,24 @@ private:
 /// All in the accumulation type.
 template <class Acc>
 struct tiled_workspace {
-    aligned_vector<Acc> queries;      ///< [rows, head_dim], scaled
-    aligned_vector<Acc> scores;       ///< [rows, key_tile], scores then probabilities
-    aligned_vector<Acc> acc;          ///< [rows, value_dim]
-    online_softmax<Acc> softmax;      ///< [rows] running max and sum
-    std::vector<tile_class> classes;  ///< [group]
-    aligned_vector<Acc> key_stage;    ///< [key_tile, head_dim] converted keys, when storage is not Acc
-    aligned_vector<Acc> value_stage;  ///< [key_tile, value_dim] converted values, when storage is not Acc
-    kv_findings<Acc> found;           ///< the decode path's check_finite findings, when it scans
-    aligned_vector<Acc> key_panels;   ///< [key_tile rounded to panels, head_dim]: keys packed for the micro-kernel
-    /// Which keys key_panels holds (batch -1: none), and the tile being streamed, whose keys are packed whole
-    /// the first time a slab of it needs them, so every slab of the tile reads the same panels.
+    aligned_vector<Acc> queries;       ///< [rows, head_dim], scaled
+    aligned_vector<Acc> scores;        ///< [rows, key_tile], scores then probabilities
+    aligned_vector<Acc> acc;           ///< [rows, value_dim]
+    online_softmax<Acc> softmax;       ///< [rows] running max and sum
+    std::vector<tile_class> classes;   ///< [group]
+    aligned_vector<Acc> key_stage;     ///< [key_tile, head_dim] converted keys, when storage is not Acc
+    aligned_vector<Acc> value_stage;   ///< [key_tile, value_dim] converted values, when storage is not Acc
+    kv_findings<Acc> found;            ///< the decode path's check_finite findings, when it scans
+    aligned_vector<Acc> key_panels;    ///< [key_tile rounded to panels, head_dim]: keys packed for the micro-kernel
+    aligned_vector<Acc> value_panels;  ///< [key_tile, value_dim]: values packed for the micro-kernel
+    /// Which keys or values the panels hold (batch -1: none), and the tile being streamed, whose keys and values
+    /// are packed whole the first time a slab of it needs them, so every slab of the tile reads the same panels.
     struct key_range {
         index batch = -1, kv_head = 0, begin = 0, end = 0;
         bool operator==(const key_range& o) const {
             return batch == o.batch && kv_head == o.kv_head && begin == o.begin && end == o.end;
         }
-    } packed, tile;
+    } packed_keys, packed_values, tile;
 
     tiled_workspace(index rows, index head_dim, index key_tile, index value_dim, index group, bool stage)
         : queries(static_cast<std::size_t>(rows * head_dim)),
@@ -184,7 +185,8 @@ struct tiled_workspace {
           classes(static_cast<std::size_t>(group)),
           key_stage(stage ? static_cast<std::size_t>(key_tile * head_dim) : 0),
           value_stage(stage ? static_cast<std::size_t>(key_tile * value_dim) : 0),
-          key_panels(static_cast<std::size_t>(micro_tile<Acc>::panel_elements(key_tile, head_dim))) {}
+          key_panels(static_cast<std::size_t>(micro_tile<Acc>::panel_elements(key_tile, head_dim))),
+          value_panels(static_cast<std::size_t>(key_tile * value_dim)) {}
 };
 
 /// The tiled forward pass of one call; see the file comment. Reads Storage, computes in Acc; keys and values come
@@ -243,7 +245,8 @@ private:
             [&] {
                 const index per_worker = rows_ * (s_.head_dim + c_.key_tile + s_.value_dim + 4) +
                                          (staged ? c_.key_tile * (s_.head_dim + s_.value_dim) : 0) +
-                                         micro_tile<Acc>::panel_elements(c_.key_tile, s_.head_dim);
+                                         micro_tile<Acc>::panel_elements(c_.key_tile, s_.head_dim) +
+                                         c_.key_tile * s_.value_dim;
                 return allocation_text("the tiled kernel's scratch (workers x elements)",
                                        std::array<index, 2>{workers, per_worker}, sizeof(Acc));
             },
@@ -409,23 +412,53 @@ private:
         return true;
     }
 
-    /// Keys [k0, k1) of the block's (batch, kv head) packed for scores_from_panels: a pointer into w.key_panels,
-    /// which holds the whole tile being streamed when [k0, k1) starts on one of its panels (every slab of a mixed
-    /// tile then reads the panels packed for the first), or exactly [k0, k1) otherwise.
-    const Acc* key_panels(tiled_workspace<Acc>& w, const block& blk, index k0, index k1) const {
-        using range = typename tiled_workspace<Acc>::key_range;
-        const range& t = w.tile;
+    /// What to pack for keys [k0, k1) of the block's (batch, kv head): the whole tile being streamed when [k0, k1)
+    /// lies in it at a multiple of `step` keys from its start (every slab of a mixed tile then reads the panels
+    /// packed for the first), exactly [k0, k1) otherwise.
+    typename tiled_workspace<Acc>::key_range pack_range(const tiled_workspace<Acc>& w, const block& blk, index k0,
+                                                        index k1, index step) const {
+        const auto& t = w.tile;
         const bool in_tile = t.batch == blk.batch && t.kv_head == blk.kv_head && t.begin <= k0 && k1 <= t.end &&
-                             (k0 - t.begin) % micro_tile<Acc>::cols == 0;
-        const range want = in_tile ? t : range{blk.batch, blk.kv_head, k0, k1};
-        if (!(w.packed == want)) {
+                             (k0 - t.begin) % step == 0;
+        return in_tile ? t : typename tiled_workspace<Acc>::key_range{blk.batch, blk.kv_head, k0, k1};
+    }
+
+    /// Keys [k0, k1) packed for scores_from_panels: a pointer into w.key_panels (see pack_range).
+    const Acc* key_panels(tiled_workspace<Acc>& w, const block& blk, index k0, index k1) const {
+        const auto want = pack_range(w, blk, k0, k1, micro_tile<Acc>::cols);
+        if (!(w.packed_keys == want)) {
             const index n = want.end - want.begin;
             const auto keys = rows_as_accumulator<Acc>(k_, blk.batch, blk.kv_head, want.begin, n, w.key_stage);
             pack_key_panels(keys.data(), keys.outerStride(), n, s_.head_dim, w.key_panels.data());
             if (w.found.active) w.found.keys(keys);
-            w.packed = want;
+            w.packed_keys = want;
         }
         return w.key_panels.data() + (k0 - want.begin) * s_.head_dim;
+    }
+
+    /// acc += P V over keys [k0, k1) for `rows` rows from r0: V's whole column blocks from w.value_panels (packed
+    /// as pack_range says), its last value_dim % cols columns read in place.
+    void accumulate_values(tiled_workspace<Acc>& w, const block& blk, index r0, index rows, index k0, index k1) const {
+        const index dv = s_.value_dim, ld = c_.key_tile, nk = k1 - k0;
+        const auto want = pack_range(w, blk, k0, k1, 1);
+        if (!(w.packed_values == want)) {
+            const index n = want.end - want.begin;
+            const auto values = rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, want.begin, n, w.value_stage);
+            pack_value_panels(values.data(), values.outerStride(), n, dv, w.value_panels.data());
+            if (w.found.active) w.found.values(values);
+            w.packed_values = want;
+        }
+        const Acc* in_place = nullptr;
+        index ldv = dv;
+        if (dv % micro_tile<Acc>::cols != 0) {
+            const auto values = rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, k0, nk, w.value_stage);
+            in_place = values.data();
+            ldv = values.outerStride();
+        }
+        const index panel_stride = (want.end - want.begin) * micro_tile<Acc>::cols;
+        accumulate_from_values(w.scores.data() + r0 * ld, ld, rows, nk, in_place, ldv, dv,
+                               w.value_panels.data() + (k0 - want.begin) * micro_tile<Acc>::cols, panel_stride,
+                               w.acc.data() + r0 * dv, dv);
     }
 
     /// Scores of the slab against keys [k0, k1) into its rows of w.scores: the micro-kernel on the stacked rows and
@@ -531,10 +564,7 @@ private:
                 if (w.found.active) w.found.values(values);
             }
         } else {
-            const auto values = rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, k0, nk, w.value_stage);
-            accumulate_from_values(probabilities.data(), ld, rows, nk, values.data(), values.outerStride(), dv,
-                                   acc.data(), dv);
-            if (w.found.active) w.found.values(values);
+            accumulate_values(w, blk, r0, rows, k0, k1);
         }
         if (w.found.active) w.found.scanned_to = std::max(w.found.scanned_to, k1);
     }
