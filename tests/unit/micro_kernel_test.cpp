@@ -150,6 +150,44 @@ TYPED_TEST(MicroKernel, ARowGetsTheSameBitsWhateverRowsShareItsCall) {
     EXPECT_EQ(std::memcmp(acc_together.data(), acc_alone.data(), acc_together.size() * sizeof(T)), 0);
 }
 
+TYPED_TEST(MicroKernel, AccumulatingFromATransposedTileEqualsAccumulatingFromItsTransposedCopy) {
+    // The backward's dV += Pᵀ dO reads P by columns (row stride 1, column stride ld): the same result as the same
+    // call on a row-major copy of Pᵀ, for every edge of the row groups and column blocks.
+    using T = TypeParam;
+    using mt = micro_tile<T>;
+    attend_test::rng g(15);
+    for (index rows : edge_sizes(mt::rows))
+        for (index dv : edge_sizes(mt::cols)) {
+            const index nk = 2 * mt::rows + 1, ld = rows + 3;  // p stored [nk, ld], read as its transpose [rows, nk]
+            const auto stored = random_values<T>(g, nk * ld), v = random_values<T>(g, nk * dv);
+            std::vector<T> copy(static_cast<std::size_t>(rows * nk));
+            for (index r = 0; r < rows; ++r)
+                for (index j = 0; j < nk; ++j)
+                    copy[static_cast<std::size_t>(r * nk + j)] = stored[static_cast<std::size_t>(j * ld + r)];
+            std::vector<T> panels(static_cast<std::size_t>(nk * dv));
+            attend::detail::pack_value_panels(v.data(), dv, nk, dv, panels.data());
+            std::vector<T> by_columns(static_cast<std::size_t>(rows * dv), T(0.5)), by_rows(by_columns);
+            attend::detail::accumulate_from_values(stored.data(), index(1), ld, rows, nk, v.data(), dv, dv,
+                                                   panels.data(), nk * mt::cols, by_columns.data(), dv);
+            attend::detail::accumulate_from_values(copy.data(), nk, rows, nk, v.data(), dv, dv, panels.data(),
+                                                   nk * mt::cols, by_rows.data(), dv);
+            // Columns in packets: the same pmadd sequence, the same bits. The last dv % lanes columns are a plain
+            // loop the compiler may contract into FMAs differently for the two strides: within rounding.
+            const index in_packets = dv / mt::lanes * mt::lanes;
+            for (index r = 0; r < rows; ++r)
+                for (index e = 0; e < dv; ++e) {
+                    const auto at = static_cast<std::size_t>(r * dv + e);
+                    if (e < in_packets)
+                        ASSERT_EQ(std::memcmp(&by_columns[at], &by_rows[at], sizeof(T)), 0)
+                            << "rows " << rows << " dv " << dv << " at " << r << ", " << e;
+                    else
+                        ASSERT_NEAR(by_columns[at], by_rows[at],
+                                    4.0 * nk * (nk + 1) * std::numeric_limits<T>::epsilon())
+                            << "rows " << rows << " dv " << dv << " at " << r << ", " << e;
+                }
+        }
+}
+
 TYPED_TEST(MicroKernel, PackedPanelsHoldEachKeyDimensionOnceAndZerosPastTheLastKey) {
     using T = TypeParam;
     using mt = micro_tile<T>;

@@ -101,7 +101,7 @@ void score_panel(const Acc* q, index ldq, index head_dim, const Acc* panel, Acc*
 
 /// acc[r, 0 : Packets * lanes) += sum over j < nk of p[r, j] * v[j, 0 : Packets * lanes).
 template <int Rows, int Packets, class Acc>
-void accumulate_values(const Acc* p, index ldp, index nk, const Acc* v, index ldv, Acc* acc, index lda) {
+void accumulate_values(const Acc* p, index ldp, index pcs, index nk, const Acc* v, index ldv, Acc* acc, index lda) {
     using namespace Eigen::internal;
     using packet = packet_of<Acc>;
     constexpr index lanes = micro_tile<Acc>::lanes;
@@ -112,7 +112,7 @@ void accumulate_values(const Acc* p, index ldp, index nk, const Acc* v, index ld
         packet value[Packets];
         for (int i = 0; i < Packets; ++i) value[i] = ploadu<packet>(v + j * ldv + i * lanes);
         for (int r = 0; r < Rows; ++r) {
-            const packet a = pset1<packet>(p[r * ldp + j]);
+            const packet a = pset1<packet>(p[r * ldp + j * pcs]);
             for (int i = 0; i < Packets; ++i) c[r][i] = pmadd(a, value[i], c[r][i]);
         }
     }
@@ -181,8 +181,10 @@ void pack_value_panels(const Acc* v, index ldv, index nk, index dv, Acc* panels)
 /// from v. Keys go by in slices whose V part stays in L1 while every row group reads it: 16 KiB of one packed
 /// block; for the columns read in place, rows spanning at most 16 KiB (rows a power of two apart use few of L1's
 /// sets, and a longer slice would evict itself).
+/// p[r, j] is at p + r * ldp + j * pcs: pcs = 1 for P, pcs = ld and ldp = 1 for the transpose of a row-major
+/// tile (the backward's Pᵀ dO and dSᵀ Q).
 template <class Acc>
-void accumulate_from_values(const Acc* p, index ldp, index rows, index nk, const Acc* v, index ldv, index dv,
+void accumulate_from_values(const Acc* p, index ldp, index pcs, index rows, index nk, const Acc* v, index ldv, index dv,
                             const Acc* panels, index panel_stride, Acc* acc, index lda) {
     using mt = micro_tile<Acc>;
     const index wide = dv / mt::cols * mt::cols, narrow = wide + (dv - wide) / mt::lanes * mt::lanes;
@@ -192,26 +194,33 @@ void accumulate_from_values(const Acc* p, index ldp, index rows, index nk, const
         for (index e = 0; e < wide; e += mt::cols)
             for (index r0 = 0; r0 < rows; r0 += mt::rows)
                 micro::accumulate_values_for<2, Acc>(std::min(mt::rows, rows - r0))(
-                    p + r0 * ldp + j0, ldp, nj, panels + (e / mt::cols) * panel_stride + j0 * mt::cols, mt::cols,
-                    acc + r0 * lda + e, lda);
+                    p + r0 * ldp + j0 * pcs, ldp, pcs, nj, panels + (e / mt::cols) * panel_stride + j0 * mt::cols,
+                    mt::cols, acc + r0 * lda + e, lda);
     }
     if (wide == dv) return;
     const index slice = std::max<index>(8, 16384 / (static_cast<index>(sizeof(Acc)) * std::max<index>(ldv, 1)));
     for (index j0 = 0; j0 < nk; j0 += slice) {
         const index nj = std::min(slice, nk - j0);
-        const Acc* pj = p + j0;
+        const Acc* pj = p + j0 * pcs;
         const Acc* vj = v + j0 * ldv;
         for (index e = wide; e < narrow; e += mt::lanes)
             for (index r0 = 0; r0 < rows; r0 += mt::rows)
-                micro::accumulate_values_for<1, Acc>(std::min(mt::rows, rows - r0))(pj + r0 * ldp, ldp, nj, vj + e, ldv,
-                                                                                    acc + r0 * lda + e, lda);
+                micro::accumulate_values_for<1, Acc>(std::min(mt::rows, rows - r0))(pj + r0 * ldp, ldp, pcs, nj, vj + e,
+                                                                                    ldv, acc + r0 * lda + e, lda);
         for (index r = 0; r < rows; ++r)  // the last value columns, fewer than a packet
             for (index e = narrow; e < dv; ++e) {
                 Acc sum = acc[r * lda + e];
-                for (index j = 0; j < nj; ++j) sum += pj[r * ldp + j] * vj[j * ldv + e];
+                for (index j = 0; j < nj; ++j) sum += pj[r * ldp + j * pcs] * vj[j * ldv + e];
                 acc[r * lda + e] = sum;
             }
     }
+}
+
+/// accumulate_from_values for P in rows (p[r, j] at p + r * ldp + j).
+template <class Acc>
+void accumulate_from_values(const Acc* p, index ldp, index rows, index nk, const Acc* v, index ldv, index dv,
+                            const Acc* panels, index panel_stride, Acc* acc, index lda) {
+    accumulate_from_values(p, ldp, index(1), rows, nk, v, ldv, dv, panels, panel_stride, acc, lda);
 }
 
 }  // namespace attend::detail

@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: MIT
 #pragma once
 /// The tiled backward of scaled dot-product attention (backward.hpp has the API and the formulas):
-/// FlashAttention-2's backward on Eigen GEMM tiles, through the same score pipeline as the forward
-/// (score_pipeline.hpp). Inputs and gradients in the storage type, arithmetic in the accumulation type.
+/// FlashAttention-2's backward on the forward's micro-kernels (micro_kernel.hpp: K and V packed once per key
+/// tile for every query tile, dO and Q once per tile for the transposed products dV += Pᵀ dO and dK += dSᵀ Q),
+/// through the same score pipeline as the forward (score_pipeline.hpp). Inputs and gradients in the storage type,
+/// arithmetic in the accumulation type.
 
 #include <algorithm>
 #include <array>
@@ -17,6 +19,7 @@
 #include "kernel_interface.hpp"
 #include "mask_nodes.hpp"
 #include "memory.hpp"
+#include "micro_kernel.hpp"
 #include "parallel_for.hpp"
 #include "score_pipeline.hpp"
 #include "tiled_kernel.hpp"
@@ -49,20 +52,25 @@ backward_tiling default_backward_tiling(const attention_shape& s) {
 /// All in the accumulation type.
 template <class Acc>
 struct backward_workspace {
-    row_matrix<Acc> probs;            ///< [block_q, block_k]: scores, then P
-    row_matrix<Acc> dropped;          ///< [block_q, block_k]: P with dropout applied (dropout only)
-    row_matrix<Acc> keep;             ///< [block_q, block_k]: 0 or 1 / (1 - p) (dropout only)
-    row_matrix<Acc> grad;             ///< [block_q, block_k]: dP, then dS
-    row_matrix<Acc> slope;            ///< [block_q, block_k]: d score / d dot product (score modifiers only)
-    row_matrix<Acc> keys;             ///< [block_k, head_dim]: scale * K of the key tile
-    row_matrix<Acc> dk;               ///< [block_k, head_dim]: dK of the key tile, unscaled
-    row_matrix<Acc> dv;               ///< [block_k, value_dim]: dV of the key tile
-    aligned_vector<Acc> lse;          ///< [block_q]: what P = exp(s - lse) * inv_sum shifts by, +inf for zero rows
-    aligned_vector<Acc> inv_sum;      ///< [block_q]: 1, or 1 / sum for rows with exact statistics
-    aligned_vector<Acc> delta;        ///< [block_q]: rowsum(d_out * out)
-    aligned_vector<Acc> query_stage;  ///< [block_q, head_dim] converted queries, when storage is not Acc
-    aligned_vector<Acc> d_out_stage;  ///< [block_q, value_dim] converted d_out, when storage is not Acc
-    aligned_vector<Acc> value_stage;  ///< [block_k, value_dim] converted values, when storage is not Acc
+    row_matrix<Acc> probs;              ///< [block_q, block_k]: scores, then P
+    row_matrix<Acc> dropped;            ///< [block_q, block_k]: P with dropout applied (dropout only)
+    row_matrix<Acc> keep;               ///< [block_q, block_k]: 0 or 1 / (1 - p) (dropout only)
+    row_matrix<Acc> grad;               ///< [block_q, block_k]: dP, then dS
+    row_matrix<Acc> slope;              ///< [block_q, block_k]: d score / d dot product (score modifiers only)
+    row_matrix<Acc> keys;               ///< [block_k, head_dim]: scale * K of the key tile
+    row_matrix<Acc> dk;                 ///< [block_k, head_dim]: dK of the key tile, unscaled
+    row_matrix<Acc> dv;                 ///< [block_k, value_dim]: dV of the key tile
+    aligned_vector<Acc> lse;            ///< [block_q]: what P = exp(s - lse) * inv_sum shifts by, +inf for zero rows
+    aligned_vector<Acc> inv_sum;        ///< [block_q]: 1, or 1 / sum for rows with exact statistics
+    aligned_vector<Acc> delta;          ///< [block_q]: rowsum(d_out * out)
+    aligned_vector<Acc> query_stage;    ///< [block_q, head_dim] converted queries, when storage is not Acc
+    aligned_vector<Acc> d_out_stage;    ///< [block_q, value_dim] converted d_out, when storage is not Acc
+    aligned_vector<Acc> value_stage;    ///< [block_k, value_dim] converted values, when storage is not Acc
+    aligned_vector<Acc> key_panels;     ///< scale * K of the key tile packed for Q Kᵀ (micro_kernel.hpp)
+    aligned_vector<Acc> key_columns;    ///< the same packed for dS (scale * K)
+    aligned_vector<Acc> value_panels;   ///< V of the key tile packed for dO Vᵀ
+    aligned_vector<Acc> d_out_columns;  ///< dO of the query tile packed for dV += Pᵀ dO
+    aligned_vector<Acc> query_columns;  ///< Q of the query tile packed for dK += dSᵀ Q
 
     backward_workspace(const backward_tiling& t, const attention_shape& s, bool dropout, bool stage, bool modifiers)
         : probs(t.block_q, t.block_k),
@@ -78,7 +86,12 @@ struct backward_workspace {
           delta(static_cast<std::size_t>(t.block_q)),
           query_stage(stage ? static_cast<std::size_t>(t.block_q * s.head_dim) : 0),
           d_out_stage(stage ? static_cast<std::size_t>(t.block_q * s.value_dim) : 0),
-          value_stage(stage ? static_cast<std::size_t>(t.block_k * s.value_dim) : 0) {}
+          value_stage(stage ? static_cast<std::size_t>(t.block_k * s.value_dim) : 0),
+          key_panels(static_cast<std::size_t>(micro_tile<Acc>::panel_elements(t.block_k, s.head_dim))),
+          key_columns(static_cast<std::size_t>(t.block_k * s.head_dim)),
+          value_panels(static_cast<std::size_t>(micro_tile<Acc>::panel_elements(t.block_k, s.value_dim))),
+          d_out_columns(static_cast<std::size_t>(t.block_q * s.value_dim)),
+          query_columns(static_cast<std::size_t>(t.block_q * s.head_dim)) {}
 };
 
 /// How many chunks the keys of one (batch, kv head) are split into. One chunk per (batch, kv head) needs no
@@ -164,7 +177,11 @@ public:
                     ws.emplace_back(t_, s_, p_.dropout.active(), staged, pipe_.modifies_scores());
             },
             [&] {
-                const index tile = t_.block_q * t_.block_k, dims = t_.block_k * (2 * s_.head_dim + s_.value_dim);
+                const index tile = t_.block_q * t_.block_k,
+                            dims = t_.block_k * (2 * s_.head_dim + s_.value_dim) +
+                                   micro_tile<Acc>::panel_elements(t_.block_k, s_.head_dim) + t_.block_k * s_.head_dim +
+                                   micro_tile<Acc>::panel_elements(t_.block_k, s_.value_dim) +
+                                   t_.block_q * (s_.head_dim + s_.value_dim);
                 const index tiles = pipe_.modifies_scores() ? 5 : 4;
                 return allocation_text("the tiled backward's scratch (workers x elements)",
                                        std::array<index, 2>{workers, tiles * tile + dims}, sizeof(Acc)) +
@@ -211,6 +228,7 @@ private:
         for (index kt = first; kt < last; ++kt) {
             const index k0 = kt * t_.block_k, k1 = std::min(s_.key_len, k0 + t_.block_k), nk = k1 - k0;
             load_keys(w, b, kvh, k0, nk);
+            pack_for_gradients(w, b, kvh, k0, nk);
             w.dk.topRows(nk).setZero();
             w.dv.topRows(nk).setZero();
             for (index hh = 0; hh < group_; ++hh) {
@@ -220,7 +238,7 @@ private:
                     const tile t{b, h, q0, q1, k0, k1};
                     const tile_class cls = mask_.classify(t);
                     if (cls == tile_class::empty) continue;
-                    run_tile(w, t, kvh, c, cls, bias_grad ? bias_grad + hh * diagonals_ : nullptr);
+                    run_tile(w, t, c, cls, bias_grad ? bias_grad + hh * diagonals_ : nullptr);
                 }
             }
             tile_map<Storage> dk(o_.dk.row(b, kvh, k0), nk, s_.head_dim, Eigen::OuterStride<>(o_.dk.strides[2]));
@@ -230,16 +248,24 @@ private:
         }
     }
 
-    /// scale * K of the key tile [k0, k0 + nk) into w.keys: the scale folded into the operand that both the
-    /// scores and dQ use.
+    /// scale * K of the key tile [k0, k0 + nk) into w.keys, and packed for the scores (w.key_panels): the scale
+    /// folded into the operand that both the scores and dQ use. Once per key tile, for every query tile.
     void load_keys(backward_workspace<Acc>& w, index b, index kvh, index k0, index nk) const {
         const_tile_map<Storage> keys(in_.k.row(b, kvh, k0), nk, s_.head_dim, Eigen::OuterStride<>(in_.k.strides[2]));
         w.keys.topRows(nk) = pipe_.scale() * keys.template cast<Acc>();
+        pack_key_panels(w.keys.data(), s_.head_dim, nk, s_.head_dim, w.key_panels.data());
     }
 
-    /// One tile t (queries of head t.head against keys of kv head kvh, key chunk c); adds to w.dk, w.dv and the
+    /// The key tile's other packed operands: scale * K for dQ += dS (scale * K), V for dP = dO Vᵀ.
+    void pack_for_gradients(backward_workspace<Acc>& w, index b, index kvh, index k0, index nk) const {
+        pack_value_panels(w.keys.data(), s_.head_dim, nk, s_.head_dim, w.key_columns.data());
+        const auto values = rows_as_accumulator<Acc>(in_.v, b, kvh, k0, nk, w.value_stage);
+        pack_key_panels(values.data(), values.outerStride(), nk, s_.value_dim, w.value_panels.data());
+    }
+
+    /// One tile t (queries of head t.head against the key tile of w.keys and the packed panels, key chunk c); adds to w.dk, w.dv and the
     /// dq rows.
-    void run_tile(backward_workspace<Acc>& w, const tile& t, index kvh, index c, tile_class cls, Acc* bias_grad) {
+    void run_tile(backward_workspace<Acc>& w, const tile& t, index c, tile_class cls, Acc* bias_grad) {
         const index b = t.batch, h = t.head, q0 = t.query_begin, k0 = t.key_begin;
         const index nq = t.query_end - q0, nk = t.key_end - k0, ld = t_.block_k, dv = s_.value_dim;
         const Storage* lse = in_.lse + (b * s_.heads + h) * s_.query_len;
@@ -264,9 +290,7 @@ private:
         }
         const auto queries = query_rows(w, t);
         const auto d_out = rows_as_accumulator<Acc>(in_.d_out, b, h, q0, nq, w.d_out_stage);
-        const auto values = rows_as_accumulator<Acc>(in_.v, b, kvh, k0, nk, w.value_stage);
         auto probs = w.probs.topLeftCorner(nq, nk);
-        auto grad = w.grad.topLeftCorner(nq, nk);
         // P = exp(scale q k^T + bias + mask - lse), the forward's probabilities, recomputed (exp(s - max) / sum
         // for the rows of exact_statistics).
         tile_scores(w, t, cls, queries, pipe_.modifies_scores() ? w.slope.data() : nullptr);
@@ -278,17 +302,23 @@ private:
         if (drop) {
             for (index r = 0; r < nq; ++r) p_.dropout.factors(w.keep.data() + r * ld, nk, b, h, q0 + r, k0);
             w.dropped.topLeftCorner(nq, nk) = (probs.array() * w.keep.topLeftCorner(nq, nk).array()).matrix();
-            w.dv.topRows(nk).noalias() += w.dropped.topLeftCorner(nq, nk).transpose() * d_out;
-        } else {
-            w.dv.topRows(nk).noalias() += probs.transpose() * d_out;
         }
-        grad.noalias() = d_out * values.transpose();
+        // The transposed products read P', dS by columns (row stride 1, column stride ld).
+        pack_value_panels(d_out.data(), d_out.outerStride(), nq, dv, w.d_out_columns.data());
+        accumulate_from_values((drop ? w.dropped : w.probs).data(), index(1), ld, nk, nq, d_out.data(),
+                               d_out.outerStride(), dv, w.d_out_columns.data(), nq * micro_tile<Acc>::cols, w.dv.data(),
+                               dv);
+        scores_from_panels(d_out.data(), d_out.outerStride(), nq, dv, w.value_panels.data(), nk, w.grad.data(), ld);
         score_gradient(w, nq, nk, drop);
         if (bias_grad) pipe_.add_bias_gradient(t, w.grad.data(), ld, bias_grad);
         pipe_.to_dot_product_gradient(nq, nk, w.grad.data(), w.slope.data(), ld);
         // dQ += dS (scale K); dK += dS^T Q (scaled once per key tile in run_unit).
-        dq_rows(b, h, c, q0, nq).noalias() += grad * w.keys.topRows(nk);
-        w.dk.topRows(nk).noalias() += grad.transpose() * queries;
+        auto dq = dq_rows(b, h, c, q0, nq);
+        accumulate_from_values(w.grad.data(), ld, nq, nk, w.keys.data(), s_.head_dim, s_.head_dim, w.key_columns.data(),
+                               nk * micro_tile<Acc>::cols, dq.data(), dq.outerStride());
+        pack_value_panels(queries.data(), queries.outerStride(), nq, s_.head_dim, w.query_columns.data());
+        accumulate_from_values(w.grad.data(), index(1), ld, nk, nq, queries.data(), queries.outerStride(), s_.head_dim,
+                               w.query_columns.data(), nq * micro_tile<Acc>::cols, w.dk.data(), s_.head_dim);
     }
 
     /// dS = P * (dP - delta) row by row, in place of dP in w.grad (dP first multiplied by the dropout factors):
@@ -320,7 +350,8 @@ private:
     void tile_scores(backward_workspace<Acc>& w, const tile& t, tile_class cls, const const_tile_map<Acc>& queries,
                      Acc* slope = nullptr) const {
         const index nq = t.query_end - t.query_begin, nk = t.key_end - t.key_begin;
-        w.probs.topLeftCorner(nq, nk).noalias() = queries * w.keys.topRows(nk).transpose();
+        scores_from_panels(queries.data(), queries.outerStride(), nq, s_.head_dim, w.key_panels.data(), nk,
+                           w.probs.data(), t_.block_k);
         pipe_.finish_tile(t, cls, w.probs.data(), t_.block_k, slope);
     }
 
