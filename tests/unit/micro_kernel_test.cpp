@@ -98,8 +98,8 @@ TYPED_TEST(MicroKernel, AccumulateFromValuesAddsPTimesVToWhatWasThere) {
                 auto acc = before;
                 std::vector<T> panels(static_cast<std::size_t>(nk * dv));
                 attend::detail::pack_value_panels(v.data(), ldv, nk, dv, panels.data());
-                attend::detail::accumulate_from_values(p.data(), ldp, rows, nk, v.data(), ldv, dv, panels.data(),
-                                                       nk * mt::cols, acc.data(), lda);
+                attend::detail::accumulate_from_values(p.data(), ldp, index(1), rows, nk, v.data(), ldv, dv,
+                                                       panels.data(), nk * mt::cols, acc.data(), lda);
                 for (index r = 0; r < rows; ++r)
                     for (index e = 0; e < lda; ++e) {
                         const auto at = static_cast<std::size_t>(r * lda + e);
@@ -142,10 +142,10 @@ TYPED_TEST(MicroKernel, ARowGetsTheSameBitsWhateverRowsShareItsCall) {
     std::vector<T> value_panels(static_cast<std::size_t>(nk * dv));
     attend::detail::pack_value_panels(v.data(), dv, nk, dv, value_panels.data());
     std::vector<T> acc_together(static_cast<std::size_t>(rows * dv), T(0)), acc_alone(acc_together);
-    attend::detail::accumulate_from_values(together.data(), nk, rows, nk, v.data(), dv, dv, value_panels.data(),
-                                           nk * mt::cols, acc_together.data(), dv);
+    attend::detail::accumulate_from_values(together.data(), nk, index(1), rows, nk, v.data(), dv, dv,
+                                           value_panels.data(), nk * mt::cols, acc_together.data(), dv);
     for (index r = 0; r < rows; ++r)
-        attend::detail::accumulate_from_values(together.data() + r * nk, nk, 1, nk, v.data(), dv, dv,
+        attend::detail::accumulate_from_values(together.data() + r * nk, nk, index(1), 1, nk, v.data(), dv, dv,
                                                value_panels.data(), nk * mt::cols, acc_alone.data() + r * dv, dv);
     EXPECT_EQ(std::memcmp(acc_together.data(), acc_alone.data(), acc_together.size() * sizeof(T)), 0);
 }
@@ -169,7 +169,7 @@ TYPED_TEST(MicroKernel, AccumulatingFromATransposedTileEqualsAccumulatingFromIts
             std::vector<T> by_columns(static_cast<std::size_t>(rows * dv), T(0.5)), by_rows(by_columns);
             attend::detail::accumulate_from_values(stored.data(), index(1), ld, rows, nk, v.data(), dv, dv,
                                                    panels.data(), nk * mt::cols, by_columns.data(), dv);
-            attend::detail::accumulate_from_values(copy.data(), nk, rows, nk, v.data(), dv, dv, panels.data(),
+            attend::detail::accumulate_from_values(copy.data(), nk, index(1), rows, nk, v.data(), dv, dv, panels.data(),
                                                    nk * mt::cols, by_rows.data(), dv);
             // Columns in packets: the same pmadd sequence, the same bits. The last dv % lanes columns are a plain
             // loop the compiler may contract into FMAs differently for the two strides: within rounding.

@@ -176,13 +176,13 @@ void pack_value_panels(const Acc* v, index ldv, index nk, index dv, Acc* panels)
     }
 }
 
-/// acc[rows, dv] (rows at `lda`) += p[rows, nk] (rows at `ldp`) times v[nk, dv] (rows at `ldv`), V's whole column
+/// acc[rows, dv] (rows at `lda`) += p[rows, nk] times v[nk, dv] (rows at `ldv`), p[r, j] at p + r * ldp + j * pcs
+/// (pcs = 1 for P in rows; ldp = 1, pcs = its row stride for the transpose of a row-major tile, the backward's
+/// Pᵀ dO and dSᵀ Q). V's whole column
 /// blocks read from `panels` (pack_value_panels' layout, blocks `panel_stride` elements apart), its last columns
 /// from v. Keys go by in slices whose V part stays in L1 while every row group reads it: 16 KiB of one packed
 /// block; for the columns read in place, rows spanning at most 16 KiB (rows a power of two apart use few of L1's
 /// sets, and a longer slice would evict itself).
-/// p[r, j] is at p + r * ldp + j * pcs: pcs = 1 for P, pcs = ld and ldp = 1 for the transpose of a row-major
-/// tile (the backward's Pᵀ dO and dSᵀ Q).
 template <class Acc>
 void accumulate_from_values(const Acc* p, index ldp, index pcs, index rows, index nk, const Acc* v, index ldv, index dv,
                             const Acc* panels, index panel_stride, Acc* acc, index lda) {
@@ -214,13 +214,6 @@ void accumulate_from_values(const Acc* p, index ldp, index pcs, index rows, inde
                 acc[r * lda + e] = sum;
             }
     }
-}
-
-/// accumulate_from_values for P in rows (p[r, j] at p + r * ldp + j).
-template <class Acc>
-void accumulate_from_values(const Acc* p, index ldp, index rows, index nk, const Acc* v, index ldv, index dv,
-                            const Acc* panels, index panel_stride, Acc* acc, index lda) {
-    accumulate_from_values(p, ldp, index(1), rows, nk, v, ldv, dv, panels, panel_stride, acc, lda);
 }
 
 }  // namespace attend::detail

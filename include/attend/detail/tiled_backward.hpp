@@ -314,8 +314,8 @@ private:
         pipe_.to_dot_product_gradient(nq, nk, w.grad.data(), w.slope.data(), ld);
         // dQ += dS (scale K); dK += dS^T Q (scaled once per key tile in run_unit).
         auto dq = dq_rows(b, h, c, q0, nq);
-        accumulate_from_values(w.grad.data(), ld, nq, nk, w.keys.data(), s_.head_dim, s_.head_dim, w.key_columns.data(),
-                               nk * micro_tile<Acc>::cols, dq.data(), dq.outerStride());
+        accumulate_from_values(w.grad.data(), ld, index(1), nq, nk, w.keys.data(), s_.head_dim, s_.head_dim,
+                               w.key_columns.data(), nk * micro_tile<Acc>::cols, dq.data(), dq.outerStride());
         pack_value_panels(queries.data(), queries.outerStride(), nq, s_.head_dim, w.query_columns.data());
         accumulate_from_values(w.grad.data(), index(1), ld, nk, nq, queries.data(), queries.outerStride(), s_.head_dim,
                                w.query_columns.data(), nq * micro_tile<Acc>::cols, w.dk.data(), s_.head_dim);

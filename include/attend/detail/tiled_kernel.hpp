@@ -456,7 +456,7 @@ private:
             ldv = values.outerStride();
         }
         const index panel_stride = (want.end - want.begin) * micro_tile<Acc>::cols;
-        accumulate_from_values(w.scores.data() + r0 * ld, ld, rows, nk, in_place, ldv, dv,
+        accumulate_from_values(w.scores.data() + r0 * ld, ld, index(1), rows, nk, in_place, ldv, dv,
                                w.value_panels.data() + (k0 - want.begin) * micro_tile<Acc>::cols, panel_stride,
                                w.acc.data() + r0 * dv, dv);
     }
