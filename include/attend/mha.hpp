@@ -27,6 +27,7 @@
 #include "detail/dropout.hpp"
 #include "detail/memory.hpp"
 #include "detail/random.hpp"
+#include "detail/widen.hpp"
 #include "error.hpp"
 #include "mask.hpp"
 #include "paged_attention.hpp"
@@ -229,7 +230,8 @@ struct mha_saved {
     tensor<T, 3> k;          ///< `[batch, key_len, kv_heads * head_dim]`
     tensor<T, 3> v;          ///< `[batch, key_len, kv_heads * head_dim]`
     tensor<T, 3> attention;  ///< `[batch, query_len, heads * head_dim]`: head h in columns [h * head_dim, ...)
-    tensor<T, 3> lse;        ///< `[batch, heads, query_len]`, -inf for padded queries and empty rows
+    tensor<accumulator_t<T>, 3>
+        lse;  ///< `[batch, heads, query_len]` (float for 16-bit T), -inf for padded queries and empty rows
 };
 
 /// One learned tensor seen as flat storage, for optimizers: multi_head_attention::parameters() and
@@ -365,16 +367,40 @@ tensor<T, R> mha_buffer(const std::array<index, static_cast<std::size_t>(R)>& di
     return t;
 }
 
-/// y `[rows, w.rows]` = x `[rows, w.cols]` w^T + b, one Eigen GEMM.
+/// y `[rows, w.rows]` = x `[rows, w.cols]` w^T + b, one Eigen GEMM. 16-bit storage accumulates in float, as
+/// PyTorch's CPU linear does: x is widened once, w in blocks of rows (never a float copy of the whole weight),
+/// the bias is added in float and each output is rounded to T once.
 template <class T>
 void project(const T* x, index rows, const tensor<T, 2>& w, const tensor<T, 1>& b, T* y) {
-    using matrix = row_matrix<T>;
     const index out = w.dimension(0), in = w.dimension(1);
-    Eigen::Map<const matrix> xm(x, rows, in);
-    Eigen::Map<const matrix> wm(w.data(), out, in);
-    Eigen::Map<matrix> ym(y, rows, out);
-    ym.noalias() = xm * wm.transpose();
-    if (b.size() != 0) ym.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(b.data(), out);
+    if constexpr (std::is_same_v<accumulator_t<T>, T>) {
+        using matrix = row_matrix<T>;
+        Eigen::Map<const matrix> xm(x, rows, in);
+        Eigen::Map<const matrix> wm(w.data(), out, in);
+        Eigen::Map<matrix> ym(y, rows, out);
+        ym.noalias() = xm * wm.transpose();
+        if (b.size() != 0) ym.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(b.data(), out);
+    } else {
+        using matrix = row_matrix<float>;
+        constexpr index block = 256;  // weight rows widened at a time
+        const index width = std::min(block, out);
+        auto xf = mha_buffer<float, 2>({rows, in}, "input widened to float [rows, in_features]");
+        auto wf = mha_buffer<float, 2>({width, in}, "weight rows widened to float [256, in_features]");
+        auto yf = mha_buffer<float, 2>({rows, width}, "projection block in float [rows, 256]");
+        widen(x, rows * in, xf.data());
+        Eigen::Map<const matrix> xm(xf.data(), rows, in);
+        for (index o0 = 0; o0 < out; o0 += block) {
+            const index n = std::min(block, out - o0);
+            widen(w.data() + o0 * in, n * in, wf.data());
+            Eigen::Map<matrix> ym(yf.data(), rows, n);
+            ym.noalias() = xm * Eigen::Map<const matrix>(wf.data(), n, in).transpose();
+            for (index r = 0; r < rows; ++r)
+                for (index c = 0; c < n; ++c) {
+                    const float bias = b.size() != 0 ? static_cast<float>(b.data()[o0 + c]) : 0.0f;
+                    y[r * out + o0 + c] = static_cast<T>(ym(r, c) + bias);
+                }
+        }
+    }
 }
 
 inline void check_width(const char* name, const std::array<index, 3>& d, index expected, const char* dim_name,
@@ -414,7 +440,7 @@ template <class T>
 void check_finite_input(const T* data, const std::array<index, 3>& d, const char* name) {
     const index n = d[0] * d[1] * d[2];
     for (index k = 0; k < n; ++k)
-        if (!std::isfinite(data[k])) {
+        if (!std::isfinite(static_cast<accumulator_t<T>>(data[k]))) {
             const index b = k / (d[1] * d[2]), i = (k / d[2]) % d[1], e = k % d[2];
             throw value_error("attend.value.non_finite", concat(name, ' ', format_shape(d), " holds ", data[k], " at ",
                                                                 format_shape(std::array<index, 3>{b, i, e}),
@@ -454,14 +480,16 @@ sdpa_options sdpa_options_for(const mha_config& c, const mha_options& o, const t
 }  // namespace detail
 
 /// Multi-head attention with nn.MultiheadAttention's weight layout (batch_first) and initialisation, plus
-/// grouped-query heads, rotary embeddings and KV-cache decoding. T is float or double.
+/// grouped-query heads, rotary embeddings and KV-cache decoding. T is float or double, or Eigen::half or
+/// Eigen::bfloat16 for a module stored in 16 bits (PyTorch's module.to(torch.bfloat16)): weights, inputs, outputs and
+/// caches in T, every product accumulated in float, each projection and the attention output rounded to T once.
 /// Weights: q `[heads * head_dim, model_dim]`, k `[kv_heads * head_dim, key_dim]`, v `[kv_heads * head_dim,
 /// value_dim]`, out `[model_dim, heads * head_dim]`; biases q `[heads * head_dim]`, k and v `[kv_heads *
 /// head_dim]`, out `[model_dim]` (all empty when bias = false).
 template <class T>
 class multi_head_attention {
-    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                  "attend: multi_head_attention<T> is defined for float and double");
+    static_assert(is_storage_type_v<T>,
+                  "attend: multi_head_attention<T> is defined for float, double, Eigen::half and Eigen::bfloat16");
 
 public:
     /// Initialised as nn.MultiheadAttention._reset_parameters does: xavier_uniform_ on the in-projection (the
@@ -880,7 +908,8 @@ private:
         const attention_shape s = detail::check_views(qv, kv, vv);
         mha_result<T> r;
         auto o = detail::mha_buffer<T, 3>({B, L, H * D}, "attention output [batch, query_len, heads * head_dim]");
-        auto lse = detail::mha_buffer<T, 3>({saved ? B : 0, H, L}, "saved lse [batch, heads, query_len]");
+        auto lse =
+            detail::mha_buffer<accumulator_t<T>, 3>({saved ? B : 0, H, L}, "saved lse [batch, heads, query_len]");
         detail::with_key_padding(mask, options.key_padding, B, S, [&](const auto& full_mask) {
             const auto call =
                 detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options, sinks_));
@@ -903,7 +932,7 @@ private:
     template <class Call, class BeforeRun = void (*)()>
     void attend_and_project(
         const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
-        const attention_shape& s, const Call& call, const mha_options& options, tensor<T, 3>& o, T* lse,
+        const attention_shape& s, const Call& call, const mha_options& options, tensor<T, 3>& o, accumulator_t<T>* lse,
         mha_result<T>& r, BeforeRun before_run = [] {}) const {
         const index B = s.batch, L = s.query_len, S = s.key_len, H = s.heads, D = head_dim();
         auto w = detail::mha_buffer<T, 4>({options.need_weights ? B : 0, H, L, S},
@@ -933,15 +962,15 @@ private:
         }
         r.weights_kind = weights_kind::averaged;
         r.weights = std::move(averaged);
-        r.weights.setZero();
+        // torch's mean over heads, summed in the accumulation type and rounded once
+        using Acc = accumulator_t<T>;
         for (index b = 0; b < B; ++b)
-            for (index h = 0; h < H; ++h)
-                for (index i = 0; i < L; ++i) {
-                    const T* src = w.data() + ((b * H + h) * L + i) * S;
-                    T* dst = r.weights.data() + (b * L + i) * S;
-                    for (index j = 0; j < S; ++j) dst[j] += src[j];
+            for (index i = 0; i < L; ++i)
+                for (index j = 0; j < S; ++j) {
+                    Acc sum = 0;
+                    for (index h = 0; h < H; ++h) sum += static_cast<Acc>(w.data()[((b * H + h) * L + i) * S + j]);
+                    r.weights.data()[(b * L + i) * S + j] = static_cast<T>(sum / static_cast<Acc>(H));
                 }
-        for (index n = 0; n < r.weights.size(); ++n) r.weights.data()[n] /= static_cast<T>(H);  // torch's mean
     }
 
     mha_config config_;

@@ -109,6 +109,9 @@ template <class T, class Q, class K, class V, class DOut, class Mask>
 mha_gradients<T> multi_head_attention_backward(const multi_head_attention<T>& module, const Q& query, const K& key,
                                                const V& value, const mha_saved<T>& saved, const DOut& d_out,
                                                const Mask& mask, const mha_options& options = {}) {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                  "attend: multi_head_attention_backward trains float or double modules; train a float copy of a "
+                  "16-bit module (scaled_dot_product_attention_backward takes 16-bit q, k, v)");
     detail::require_mha_mask<Mask>();
     detail::require_mha_input<Q, T>();
     detail::require_mha_input<K, T>();

@@ -31,7 +31,7 @@ public:
     /// From a std::vector<float> or std::vector<double> `[heads]`.
     template <class U, std::enable_if_t<std::is_floating_point_v<U>, int> = 0>
     attention_sinks(const std::vector<U>& logits) : values_(logits.begin(), logits.end()) {}  // NOLINT: a conversion
-    /// From a rank-1 attend::tensor or TensorMap `[heads]` of float or double (the module's learnable sinks).
+    /// From a rank-1 attend::tensor or TensorMap `[heads]` of a storage type (the module's learnable sinks).
     template <class X, std::enable_if_t<detail::tensor_traits<std::decay_t<X>>::supported &&
                                             detail::tensor_traits<std::decay_t<X>>::rank == 1,
                                         int> = 0>

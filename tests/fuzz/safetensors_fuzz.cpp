@@ -3,10 +3,11 @@
 ///   - opening either succeeds or throws attend::format_error with a well-formed attend.format.* id, never another
 ///     exception, a crash or a read outside the file;
 ///   - when it succeeds, the entries come in data order and tile the data section exactly, every name is unique,
-///     and each F32 / F64 range is its shape's element count times 4 / 8 bytes;
+///     and each F16 / BF16 / F32 / F64 range is its shape's element count times 2 / 2 / 4 / 8 bytes;
 ///   - reading every entry of rank <= 4 as double and as float either gives a tensor of the entry's shape whose
-///     values are the file's bytes (F64 bit for bit, F32 widened exactly) or throws attend.format.dtype for a
-///     dtype other than F32 / F64 (or attend.resource.allocation); a wrong rank is attend.format.tensor_rank.
+///     values are the file's bytes (F64 bit for bit, the others widened exactly, F64 into float rounded) or throws
+///     attend.format.dtype for a dtype other than those four (or attend.resource.allocation); a wrong rank is
+///     attend.format.tensor_rank.
 
 #include <cmath>
 #include <cstdint>
@@ -35,11 +36,22 @@ std::uint64_t u64_le(const std::uint8_t* b) {
     return n;
 }
 
-/// The value the file holds for element n of an F32 / F64 entry, from its bytes.
+/// Bytes per element of the dtypes attend reads; 0 for the others.
+std::uint64_t readable_size(const std::string& dtype) {
+    return dtype == "F16" || dtype == "BF16" ? 2 : dtype == "F32" ? 4 : dtype == "F64" ? 8 : 0;
+}
+
+/// The value the file holds for element n of an F16 / BF16 / F32 / F64 entry, from its bytes.
 double file_value(const std::vector<std::uint8_t>& bytes, std::uint64_t at, const std::string& dtype, index n) {
-    const std::uint64_t size = dtype == "F64" ? 8 : 4;
+    const std::uint64_t size = readable_size(dtype);
     std::uint64_t bits = 0;
     for (std::uint64_t k = size; k-- > 0;) bits = (bits << 8) | bytes[at + static_cast<std::uint64_t>(n) * size + k];
+    if (size == 2) {
+        const auto half_bits = static_cast<std::uint16_t>(bits);
+        return dtype == "BF16"
+                   ? static_cast<double>(static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(half_bits)))
+                   : static_cast<double>(static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(half_bits)));
+    }
     if (size == 8) {
         double d;
         std::memcpy(&d, &bits, 8);
@@ -56,7 +68,7 @@ bool same_value(double a, double b) { return (std::isnan(a) && std::isnan(b)) ||
 template <class T, int Rank>
 void check_read(const attend::safetensors_file& file, const attend::safetensors_entry& e,
                 const std::vector<std::uint8_t>& bytes, std::uint64_t data_start) {
-    const bool readable = e.dtype == "F32" || e.dtype == "F64";
+    const bool readable = readable_size(e.dtype) != 0;
     attend::tensor<T, Rank> t;
     const auto id = error_id_of([&] { t = file.read<T, Rank>(e.name); });
     if (id) {
@@ -67,7 +79,7 @@ void check_read(const attend::safetensors_file& file, const attend::safetensors_
     require(readable, "read of " + e.name + " with dtype " + e.dtype + " succeeded");
     for (std::size_t a = 0; a < std::size_t(Rank); ++a)
         require(t.dimensions()[a] == e.shape[a], "read of " + e.name + ": wrong shape");
-    require(static_cast<std::uint64_t>(t.size()) * (e.dtype == "F64" ? 8u : 4u) == e.end - e.begin,
+    require(static_cast<std::uint64_t>(t.size()) * readable_size(e.dtype) == e.end - e.begin,
             "entry " + e.name + ": its range is not its shape times its dtype's size");
     for (index n = 0; n < t.size(); ++n) {
         const double expected = file_value(bytes, data_start + e.begin, e.dtype, n);

@@ -36,9 +36,9 @@ struct storage16_names {
 };
 
 /// Largest |got - want| over a row of the last axis, relative to the row's largest |want|, over all rows.
-template <class T>
-double worst_row_error(const attend::tensor<T, 4>& got, const attend::tensor<double, 4>& want) {
-    const attend::index dim = want.dimension(3), rows = want.size() / dim;
+template <class T, int R>
+double worst_row_error(const attend::tensor<T, R>& got, const attend::tensor<double, R>& want) {
+    const attend::index dim = want.dimension(R - 1), rows = want.size() / dim;
     double worst = 0;
     for (attend::index r = 0; r < rows; ++r) {
         double norm = 0, err = 0;

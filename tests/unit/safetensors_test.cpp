@@ -304,15 +304,16 @@ TEST(SafetensorsErrors, DtypesTheFormatDoesNotDefineOrAttendDoesNotReadAreDtype)
     auto msg = open_error("dtype_unknown", R"({"x": {"dtype": "F17", "shape": [1], "data_offsets": [0, 8]}})",
                           f64_bytes({1}), "attend.format.dtype");
     EXPECT_TRUE(contains(msg, "\"F17\"")) << msg;
-    // BF16 and I32 are valid files, but not tensors attend reads.
+    // I32 and U8 are valid files, but not tensors attend reads (F16, BF16, F32, F64 are).
     const std::string path = write_file(
         "dtype_other",
-        R"({"h": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}, "i": {"dtype": "I32", "shape": [1], "data_offsets": [4, 8]}})",
+        R"({"u": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}, "i": {"dtype": "I32", "shape": [1], "data_offsets": [4, 8]}})",
         std::string(8, '\0'));
     const attend::safetensors_file f(path);
-    msg = expect_error<attend::format_error>([&] { (void)f.read<float, 1>("h"); }, "attend.format.dtype");
-    EXPECT_TRUE(contains(msg, "BF16") && contains(msg, "F32 and F64")) << msg;
+    msg = expect_error<attend::format_error>([&] { (void)f.read<float, 1>("u"); }, "attend.format.dtype");
+    EXPECT_TRUE(contains(msg, "U8") && contains(msg, "F16, BF16, F32 and F64")) << msg;
     expect_error<attend::format_error>([&] { (void)f.read<double, 1>("i"); }, "attend.format.dtype");
+    expect_error<attend::format_error>([&] { (void)f.read<Eigen::bfloat16, 1>("i"); }, "attend.format.dtype");
 }
 
 TEST(SafetensorsErrors, RangesThatDoNotFitShapesOrTileTheDataAreDataOffsets) {

@@ -58,12 +58,20 @@ inline std::uint64_t read_u64_le(const unsigned char* b) {
     return n;
 }
 
-/// Element `n` of little-endian F32 / F64 data as T, whatever the host's byte order.
+/// Element `n` of little-endian F16, BF16, F32 or F64 data (`bytes` wide; `brain` tells BF16 from F16) as T,
+/// whatever the host's byte order: widened exactly to float or double, then converted to T (rounded to nearest
+/// even when T is narrower, as torch's .to(dtype) does; F64 into a 16-bit T rounds through float).
 template <class T>
-T read_element(const unsigned char* data, std::uint64_t bytes, std::uint64_t n) {
+T read_element(const unsigned char* data, std::uint64_t bytes, bool brain, std::uint64_t n) {
     const unsigned char* b = data + n * bytes;
     std::uint64_t bits = 0;
     for (std::uint64_t k = bytes; k-- > 0;) bits = (bits << 8) | b[k];
+    if (bytes == 2) {
+        const auto narrow = static_cast<std::uint16_t>(bits);
+        const float f = brain ? static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(narrow))
+                              : static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(narrow));
+        return static_cast<T>(f);
+    }
     if (bytes == 4) {
         const auto narrow = static_cast<std::uint32_t>(bits);
         float f;
@@ -72,7 +80,7 @@ T read_element(const unsigned char* data, std::uint64_t bytes, std::uint64_t n) 
     }
     double d;
     std::memcpy(&d, &bits, sizeof d);
-    return static_cast<T>(d);
+    return static_cast<T>(static_cast<accumulator_t<T>>(d));
 }
 
 }  // namespace detail
@@ -134,25 +142,28 @@ public:
                                           "\" (it holds: ", names.empty() ? "nothing" : names, ')'));
     }
 
-    /// Tensor `name` as a row-major `tensor<T, Rank>` of its shape, T float or double, converted from the file's
-    /// F32 or F64 (F64 into float rounds, as torch's .float() does). Throws format_error
-    /// `attend.format.missing_tensor`, `attend.format.tensor_rank` (its shape has another rank),
-    /// `attend.format.dtype` (a dtype other than F32 and F64), `attend.format.io` (the file shrank or cannot be
-    /// read since it was opened), resource_error `attend.resource.allocation`.
+    /// Tensor `name` as a row-major `tensor<T, Rank>` of its shape, T float, double, Eigen::half or
+    /// Eigen::bfloat16, converted from the file's F16, BF16, F32 or F64: exactly when T holds every value of the
+    /// dtype, else rounded to nearest even as torch's .to(dtype) does (F64 into float as .float(); F64 into 16 bits
+    /// through float). Throws format_error `attend.format.missing_tensor`, `attend.format.tensor_rank` (its shape
+    /// has another rank), `attend.format.dtype` (a dtype other than those four), `attend.format.io` (the file
+    /// shrank or cannot be read since it was opened), resource_error `attend.resource.allocation`.
     template <class T, int Rank>
     tensor<T, Rank> read(const std::string& name) const {
-        static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                      "attend: safetensors_file::read gives float or double tensors");
+        static_assert(is_storage_type_v<T>,
+                      "attend: safetensors_file::read gives float, double, Eigen::half or Eigen::bfloat16 tensors");
         const safetensors_entry& e = entry(name);
         if (e.shape.size() != static_cast<std::size_t>(Rank))
             throw format_error("attend.format.tensor_rank",
                                detail::concat(where(), ": tensor \"", name, "\" ", detail::format_shape(e.shape),
                                               " has rank ", e.shape.size(), ", read as rank ", Rank));
-        const std::uint64_t bytes = e.dtype == "F32" ? 4 : e.dtype == "F64" ? 8 : 0;
+        const bool brain = e.dtype == "BF16";
+        const std::uint64_t bytes = e.dtype == "F16" || brain ? 2 : e.dtype == "F32" ? 4 : e.dtype == "F64" ? 8 : 0;
         if (bytes == 0)
             throw format_error("attend.format.dtype",
                                detail::concat(where(), ": tensor \"", name, "\" has dtype ", e.dtype,
-                                              "; attend reads F32 and F64 (convert the tensor before saving it)"));
+                                              "; attend reads F16, BF16, F32 and F64 (convert the tensor before "
+                                              "saving it)"));
         std::array<index, static_cast<std::size_t>(Rank)> dims{};
         for (std::size_t a = 0; a < dims.size(); ++a) dims[a] = e.shape[a];  // (no copy call: Rank may be 0)
         tensor<T, Rank> t;
@@ -168,7 +179,7 @@ public:
             fail_io(detail::concat("cannot read the ", raw.size(), " bytes of tensor \"", name,
                                    "\" (was the file changed since it was opened?)"));
         for (index n = 0; n < t.size(); ++n)
-            t.data()[n] = detail::read_element<T>(raw.data(), bytes, static_cast<std::uint64_t>(n));
+            t.data()[n] = detail::read_element<T>(raw.data(), bytes, brain, static_cast<std::uint64_t>(n));
         return t;
     }
 
