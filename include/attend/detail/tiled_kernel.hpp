@@ -148,6 +148,7 @@ struct kv_findings {
 
 private:
     static auto max_magnitude(const const_tile_map<Acc>& x) {
+        if (x.outerStride() == x.cols()) return max_magnitude_bits(x.data(), x.size());  // one run: a stage, dense rows
         decltype(max_magnitude_bits(x.data(), 0)) m = 0;
         for (index r = 0; r < x.rows(); ++r) m = std::max(m, max_magnitude_bits(x.row(r).data(), x.cols()));
         return m;

@@ -95,13 +95,24 @@ auto max_magnitude_bits(const A* x, index n) {
     static_assert(std::is_same_v<A, float> || std::is_same_v<A, double>, "attend: floats or doubles");
     using bits = std::conditional_t<sizeof(A) == 4, std::uint32_t, std::uint64_t>;
     constexpr bits magnitude = ~bits(0) >> 1;  // all but the sign bit
+    constexpr index ways = 64 / sizeof(A);     // independent maxima: a cache line per step, several packets
+    bits lanes[ways] = {};
+    index j = 0;
+    for (; j + ways <= n; j += ways)
+        for (index w = 0; w < ways; ++w) {
+            bits b;
+            std::memcpy(&b, x + j + w, sizeof(A));
+            b &= magnitude;
+            lanes[w] = b > lanes[w] ? b : lanes[w];
+        }
     bits largest = 0;
-    for (index j = 0; j < n; ++j) {
+    for (; j < n; ++j) {
         bits b;
         std::memcpy(&b, x + j, sizeof(A));
         b &= magnitude;
         largest = b > largest ? b : largest;
     }
+    for (index w = 0; w < ways; ++w) largest = lanes[w] > largest ? lanes[w] : largest;
     return largest;
 }
 
