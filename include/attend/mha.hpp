@@ -387,18 +387,18 @@ void project(const T* x, index rows, const tensor<T, 2>& w, const tensor<T, 1>& 
         auto xf = mha_buffer<float, 2>({rows, in}, "input widened to float [rows, in_features]");
         auto wf = mha_buffer<float, 2>({width, in}, "weight rows widened to float [256, in_features]");
         auto yf = mha_buffer<float, 2>({rows, width}, "projection block in float [rows, 256]");
+        auto bf = mha_buffer<float, 1>({b.size()}, "bias widened to float [out_features]");
         widen(x, rows * in, xf.data());
+        widen(b.data(), b.size(), bf.data());
         Eigen::Map<const matrix> xm(xf.data(), rows, in);
         for (index o0 = 0; o0 < out; o0 += block) {
             const index n = std::min(block, out - o0);
             widen(w.data() + o0 * in, n * in, wf.data());
             Eigen::Map<matrix> ym(yf.data(), rows, n);
             ym.noalias() = xm * Eigen::Map<const matrix>(wf.data(), n, in).transpose();
+            if (b.size() != 0) ym.rowwise() += Eigen::Map<const Eigen::RowVectorXf>(bf.data() + o0, n);
             for (index r = 0; r < rows; ++r)
-                for (index c = 0; c < n; ++c) {
-                    const float bias = b.size() != 0 ? static_cast<float>(b.data()[o0 + c]) : 0.0f;
-                    y[r * out + o0 + c] = static_cast<T>(ym(r, c) + bias);
-                }
+                for (index c = 0; c < n; ++c) y[r * out + o0 + c] = static_cast<T>(ym(r, c));
         }
     }
 }
