@@ -21,6 +21,7 @@
 
 #include "support/random.hpp"
 #include "support/scalar_names.hpp"
+#include "support/soft_cap_check.hpp"
 
 namespace {
 
@@ -204,6 +205,11 @@ TYPED_TEST(MicroKernel, PackedPanelsHoldEachKeyDimensionOnceAndZerosPastTheLastK
                 const index key = p0 + c;
                 ASSERT_EQ(got, key < nk ? k[static_cast<std::size_t>(key * ld + x)] : T(0)) << key << ", " << x;
             }
+}
+
+// The soft-cap that finish_tile applies, on this instruction set's packets (support/soft_cap_check.hpp).
+TYPED_TEST(MicroKernel, SoftCapOnPacketsAndTailIsWithinFourEpsilonsOfTanh) {
+    attend_test::expect_soft_cap_within_four_epsilons<TypeParam>();
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "support/finite_differences.hpp"
 #include "support/random.hpp"
 #include "support/scalar_names.hpp"
+#include "support/soft_cap_check.hpp"
 
 namespace {
 
@@ -143,6 +144,12 @@ TEST(SoftcapBackward, GradientsOfBothKernelsEqualFiniteDifferences) {
     }
     EXPECT_GT(scale, 0);
     EXPECT_LE(worst, 1e-12 * std::max(scale, 1.0));
+}
+
+// The kernels' cap (detail::soft_cap) on runs of every length around the packet sizes; the micro-kernel test runs the
+// same check once per instruction set.
+TYPED_TEST(Softcap, KernelsCapOfEveryRunLengthIsWithinFourEpsilonsOfTheDefinition) {
+    attend_test::expect_soft_cap_within_four_epsilons<TypeParam>();
 }
 
 TEST(SoftcapErrors, NonPositiveOrNonFiniteCapIsRejectedBeforeAnyWrite) {

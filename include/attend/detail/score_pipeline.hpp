@@ -76,6 +76,83 @@ void exp_shifted(T* x, index n, T shift) {
     exp_shifted_sum(x, n, shift);
 }
 
+/// float, or the target's packet of floats, named without passing a packet as a template argument (GCC warns
+/// that the argument's vector attributes are dropped).
+template <bool Packet>
+struct float_or_packet {
+    using type = float;
+};
+template <>
+struct float_or_packet<true> {
+    using type = Eigen::internal::packet_traits<float>::type;
+};
+
+/// c tanh(s / c) on one packet (Packet true) or one scalar (the same formula) of float scores s: Eigen's rational tanh for
+/// float (generic_fast_tanh_float, within 3e-7 of tanh) with the cap folded in, c tanh(s / c) = s P(y) / Q(y) for
+/// y = (s / c)^2, so one pass does the work of the two scalings and the tanh. Clamped where tanh rounds to +-1,
+/// s itself where |s / c| < 4e-4, NaN kept.
+template <bool Packet>
+class capped_tanh {
+public:
+    using value = typename float_or_packet<Packet>::type;
+
+    explicit capped_tanh(float cap)
+        : high_(Eigen::internal::pset1<value>(clamp * cap)),
+          low_(Eigen::internal::pset1<value>(-clamp * cap)),
+          tiny_(Eigen::internal::pset1<value>(0.0004f * cap)),
+          inverse_(Eigen::internal::pset1<value>(1 / cap)) {}
+
+    value operator()(const value& s) const {
+        using namespace Eigen::internal;
+        const value x = pmax(pmin(s, high_), low_);
+        const value t = pmul(x, inverse_), y = pmul(t, t);  // (s / c)^2 without squaring c, for any cap
+        // Eigen's coefficients: numerator (odd, without its x) and denominator (even) in y = (s / c)^2.
+        value p = pmadd(y, pset1<value>(-2.76076847742355e-16f), pset1<value>(2.00018790482477e-13f));
+        p = pmadd(y, p, pset1<value>(-8.60467152213735e-11f));
+        p = pmadd(y, p, pset1<value>(5.12229709037114e-08f));
+        p = pmadd(y, p, pset1<value>(1.48572235717979e-05f));
+        p = pmadd(y, p, pset1<value>(6.37261928875436e-04f));
+        p = pmadd(y, p, pset1<value>(4.89352455891786e-03f));
+        value q = pmadd(y, pset1<value>(1.19825839466702e-06f), pset1<value>(1.18534705686654e-04f));
+        q = pmadd(y, q, pset1<value>(2.26843463243900e-03f));
+        q = pmadd(y, q, pset1<value>(4.89352518554385e-03f));
+        return pselect(pcmp_lt(pabs(s), tiny_), s, pdiv(pmul(x, p), q));
+    }
+
+private:
+#ifdef EIGEN_VECTORIZE_FMA  // where Eigen's own float tanh clamps, with and without FMA
+    static constexpr float clamp = 7.99881172180175781f;
+#else
+    static constexpr float clamp = 7.90531110763549805f;
+#endif
+    value high_, low_, tiny_, inverse_;
+};
+
+/// Soft-capping c tanh(s / c) of a contiguous run of scores, in place: float through capped_tanh, two packets at a
+/// time, the tail through the same formula on scalars; double through Eigen's (scalar, exact to the last bit or
+/// so) tanh and the two scalings.
+template <class T>
+void soft_cap(T* x, index n, T cap) {
+    if constexpr (std::is_same_v<T, float>) {
+        using packet = typename Eigen::internal::packet_traits<float>::type;
+        constexpr index lanes = Eigen::internal::packet_traits<float>::size;
+        const capped_tanh<true> f(cap);
+        index j = 0;
+        for (; j + 2 * lanes <= n; j += 2 * lanes) {  // two independent chains: the polynomials are long
+            const packet a = f(Eigen::internal::ploadu<packet>(x + j));
+            const packet b = f(Eigen::internal::ploadu<packet>(x + j + lanes));
+            Eigen::internal::pstoreu(x + j, a);
+            Eigen::internal::pstoreu(x + j + lanes, b);
+        }
+        for (; j + lanes <= n; j += lanes) Eigen::internal::pstoreu(x + j, f(Eigen::internal::ploadu<packet>(x + j)));
+        const capped_tanh<false> scalar(cap);
+        for (; j < n; ++j) x[j] = scalar(x[j]);
+    } else {
+        auto a = row_array(x, n);
+        a = (a * (T(1) / cap)).tanh() * cap;
+    }
+}
+
 /// From dot products to scores, in this order: scale (folded into one GEMM operand by the kernels), soft-capping,
 /// the user's score_mod, score_bias, mask. Both tiled kernels call finish_tile on every tile they compute, so forward, backward and the
 /// weights pass see the same bits.
@@ -110,11 +187,11 @@ public:
         }
         if (softcap_ > 0)
             for (index r = 0; r < rows; ++r) {
-                // c tanh(s / c); its derivative 1 - tanh^2 for the backward.
-                auto x = row_array(scores + r * ld, cols);
-                x = (x * (Acc(1) / softcap_)).tanh();
-                if (slope) row_array(slope + r * ld, cols) = Acc(1) - x.square();
-                x *= softcap_;
+                // c tanh(s / c); for the backward its derivative 1 - tanh^2, from the capped score itself, so the
+                // forward and the backward see the same scores.
+                soft_cap(scores + r * ld, cols, softcap_);
+                if (slope)
+                    row_array(slope + r * ld, cols) = Acc(1) - (row_array(scores + r * ld, cols) / softcap_).square();
             }
         if (mod_) {  // the user's function; its derivative multiplies into the slope (1 without a cap)
             if (slope && softcap_ <= 0)
