@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include <attend/attend.hpp>
 
@@ -61,22 +62,25 @@ TEST(Q8Cache, AttentionOverTheCacheIsFloatAttentionOverItsDequantizedValues) {
     cache.append(random_rows(1, B, G, 5000, D), random_rows(2, B, G, 5000, D));
     const auto keys = dequantized(cache, true), values = dequantized(cache, false);
     const auto mask = attend::causal(attend::alignment::bottom_right);
-    // 1 query: split-key decode with GEMV rows; 40 queries: GEMM blocks over causal tiles.
-    for (const index L : {1, 40})
-        for (const auto kernel : {attend::kernel::tiled, attend::kernel::reference}) {
-            attend::tensor<float, 4> q(B, H, L, D);
-            attend_test::fill_uniform(q, 10 + static_cast<std::uint64_t>(L), -2, 2);
-            attend::sdpa_options o;
-            o.kernel = kernel;
-            o.threads = 2;
-            const auto got = attend::scaled_dot_product_attention(q, cache.keys(), cache.values(), mask, o);
-            const auto want = attend::scaled_dot_product_attention(q, keys, values, mask, o);
-            EXPECT_TRUE(bit_equal(got.out, want.out)) << "L " << L;
-            EXPECT_TRUE(bit_equal(got.lse, want.lse)) << "L " << L;
-            attend::tensor<float, 4> into(B, H, L, D);
-            attend::scaled_dot_product_attention_into(q, cache.keys(), cache.values(), mask, into, o);
-            EXPECT_TRUE(bit_equal(into, want.out)) << "L " << L;
-        }
+    // Tiled: 1 query (split-key decode with GEMV rows) and 40 queries (GEMM blocks over causal tiles). The reference
+    // kernel has no such paths (it widens the cache, then computes whole score matrices): at 40 queries it took 37 s
+    // of this group's 81 s under the sanitizers, for nothing the 1-query call does not prove.
+    for (const auto& [L, kernel] :
+         {std::pair{index(1), attend::kernel::tiled}, std::pair{index(40), attend::kernel::tiled},
+          std::pair{index(1), attend::kernel::reference}}) {
+        attend::tensor<float, 4> q(B, H, L, D);
+        attend_test::fill_uniform(q, 10 + static_cast<std::uint64_t>(L), -2, 2);
+        attend::sdpa_options o;
+        o.kernel = kernel;
+        o.threads = 2;
+        const auto got = attend::scaled_dot_product_attention(q, cache.keys(), cache.values(), mask, o);
+        const auto want = attend::scaled_dot_product_attention(q, keys, values, mask, o);
+        EXPECT_TRUE(bit_equal(got.out, want.out)) << "L " << L;
+        EXPECT_TRUE(bit_equal(got.lse, want.lse)) << "L " << L;
+        attend::tensor<float, 4> into(B, H, L, D);
+        attend::scaled_dot_product_attention_into(q, cache.keys(), cache.values(), mask, into, o);
+        EXPECT_TRUE(bit_equal(into, want.out)) << "L " << L;
+    }
 }
 
 TEST(Q8Cache, EveryValueIsWithinHalfItsBlockScaleOfWhatWasAppended) {
