@@ -5,6 +5,7 @@
 /// made a decode over a 16-bit cache slower than over a float one; these are what the kernels and the input scans
 /// use instead.
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -96,23 +97,18 @@ auto max_magnitude_bits(const A* x, index n) {
     using bits = std::conditional_t<sizeof(A) == 4, std::uint32_t, std::uint64_t>;
     constexpr bits magnitude = ~bits(0) >> 1;  // all but the sign bit
     constexpr index ways = 64 / sizeof(A);     // independent maxima: a cache line per step, several packets
+    const auto magnitude_at = [x](index j) {
+        bits b;
+        std::memcpy(&b, x + j, sizeof(A));
+        return b & magnitude;
+    };
     bits lanes[ways] = {};
     index j = 0;
     for (; j + ways <= n; j += ways)
-        for (index w = 0; w < ways; ++w) {
-            bits b;
-            std::memcpy(&b, x + j + w, sizeof(A));
-            b &= magnitude;
-            lanes[w] = b > lanes[w] ? b : lanes[w];
-        }
+        for (index w = 0; w < ways; ++w) lanes[w] = std::max(lanes[w], magnitude_at(j + w));
     bits largest = 0;
-    for (; j < n; ++j) {
-        bits b;
-        std::memcpy(&b, x + j, sizeof(A));
-        b &= magnitude;
-        largest = b > largest ? b : largest;
-    }
-    for (index w = 0; w < ways; ++w) largest = lanes[w] > largest ? lanes[w] : largest;
+    for (; j < n; ++j) largest = std::max(largest, magnitude_at(j));
+    for (index w = 0; w < ways; ++w) largest = std::max(largest, lanes[w]);
     return largest;
 }
 

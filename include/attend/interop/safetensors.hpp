@@ -158,12 +158,12 @@ public:
                                detail::concat(where(), ": tensor \"", name, "\" ", detail::format_shape(e.shape),
                                               " has rank ", e.shape.size(), ", read as rank ", Rank));
         const bool brain = e.dtype == "BF16";
-        const std::uint64_t bytes = e.dtype == "F16" || brain ? 2 : e.dtype == "F32" ? 4 : e.dtype == "F64" ? 8 : 0;
-        if (bytes == 0)
+        if (!(brain || e.dtype == "F16" || e.dtype == "F32" || e.dtype == "F64"))
             throw format_error("attend.format.dtype",
                                detail::concat(where(), ": tensor \"", name, "\" has dtype ", e.dtype,
                                               "; attend reads F16, BF16, F32 and F64 (convert the tensor before "
                                               "saving it)"));
+        const std::uint64_t bytes = detail::safetensors_dtype_bytes(e.dtype);
         std::array<index, static_cast<std::size_t>(Rank)> dims{};
         for (std::size_t a = 0; a < dims.size(); ++a) dims[a] = e.shape[a];  // (no copy call: Rank may be 0)
         tensor<T, Rank> t;
