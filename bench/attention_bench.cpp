@@ -22,6 +22,7 @@
 //   stream_kv/threads                  the same K and V read once, summed: the bandwidth decode is held to
 #include <benchmark/benchmark.h>
 
+#include <cstdlib>
 #include <vector>
 
 #include <Eigen/Core>
@@ -127,9 +128,9 @@ void alibi(benchmark::State& state, bool as_function) {
     const std::vector<double> slopes = attend::alibi_slopes(8);
     attend::sdpa_options o;
     if (as_function)
-        o.score_mod = attend::score_mod([slopes](auto s, index, index h, index i, index j) {
+        o.score_mod = attend::score_mod([slopes](auto s, auto, auto h, auto i, auto j) {
             using S = decltype(s);
-            return s - static_cast<S>(slopes[static_cast<std::size_t>(h)]) * static_cast<S>(i > j ? i - j : j - i);
+            return s - static_cast<S>(slopes[static_cast<std::size_t>(h)]) * static_cast<S>(std::abs(i - j));
         });
     else o.score_bias = attend::score_bias::alibi(slopes);
     run_tiled(state, p, attend::no_mask{}, static_cast<int>(state.range(1)),

@@ -8,6 +8,7 @@
 /// The kernels are compiled once per scalar type, so they reach the function through one virtual call per tile;
 /// inside it the function is inlined on the tile's scores, as a mask function is (mask_function.hpp).
 
+#include <cstdint>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -16,6 +17,13 @@
 #include "tensor.hpp"
 
 namespace attend {
+
+/// The type of the batch, head, query and key a score_mod function receives: 32 bits, as FlexAttention's int32
+/// indices, so that a function converting positions to float scores (`s - slope * std::abs(i - j)`) compiles to
+/// vector code; 64-bit integers have no vector conversion to float before AVX-512, and the function runs on
+/// every score. Calls whose batch, heads, query_len or key_len exceed its range throw shape_error
+/// attend.shape.score_mod_positions.
+using score_index = std::int32_t;
 
 namespace detail {
 
@@ -43,15 +51,18 @@ public:
 private:
     template <class T>
     void run(const tile& t, T* scores, index ld, T* slope) const {
-        const index rows = t.query_end - t.query_begin, cols = t.key_end - t.key_begin;
-        for (index r = 0; r < rows; ++r) {
+        const auto rows = static_cast<score_index>(t.query_end - t.query_begin);
+        const auto cols = static_cast<score_index>(t.key_end - t.key_begin);
+        const auto b = static_cast<score_index>(t.batch), h = static_cast<score_index>(t.head);
+        const auto j0 = static_cast<score_index>(t.key_begin);
+        for (score_index r = 0; r < rows; ++r) {
             T* s = scores + r * ld;
-            const index i = t.query_begin + r;
+            const auto i = static_cast<score_index>(t.query_begin + r);
             if constexpr (!std::is_same_v<DF, no_score_derivative>)
                 if (slope)
-                    for (index c = 0; c < cols; ++c)
-                        slope[r * ld + c] *= static_cast<T>(df_(s[c], t.batch, t.head, i, t.key_begin + c));
-            for (index c = 0; c < cols; ++c) s[c] = static_cast<T>(f_(s[c], t.batch, t.head, i, t.key_begin + c));
+                    for (score_index c = 0; c < cols; ++c)
+                        slope[r * ld + c] *= static_cast<T>(df_(s[c], b, h, i, j0 + c));
+            for (score_index c = 0; c < cols; ++c) s[c] = static_cast<T>(f_(s[c], b, h, i, j0 + c));
         }
     }
 
@@ -61,7 +72,8 @@ private:
 
 /// F is callable as f(score, batch, head, query, key) with a result convertible to the score's type T.
 template <class F, class T>
-constexpr bool is_score_function_v = std::is_invocable_r_v<T, const F&, T, index, index, index, index>;
+constexpr bool is_score_function_v =
+    std::is_invocable_r_v<T, const F&, T, score_index, score_index, score_index, score_index>;
 
 }  // namespace detail
 
@@ -89,14 +101,15 @@ template <class F, class DF>
 score_function make_score_function(F f, DF df) {
     static_assert(is_score_function_v<F, float> && is_score_function_v<F, double>,
                   "attend: score_mod takes a function (score, batch, head, query, key) -> score for float and double "
-                  "scores, e.g. [](auto s, attend::index b, attend::index h, attend::index i, attend::index j)");
+                  "scores, e.g. [](auto s, auto b, auto h, auto i, auto j), the indices being attend::score_index");
     return score_function(std::make_shared<score_function_tiles<F, DF>>(std::move(f), std::move(df)));
 }
 
 }  // namespace detail
 
 /// A forward-only score modifier `f(score, batch, head, query, key) -> score`, for float and double scores (a
-/// generic lambda, `[](auto s, index b, index h, index i, index j) { ... }`, serves both). It must be pure: the
+/// generic lambda, `[](auto s, auto b, auto h, auto i, auto j) { ... }`, serves both); the indices are
+/// score_index (int32). It must be pure: the
 /// kernels call it from several threads, on some scores more than once.
 template <class F>
 score_function score_mod(F f) {

@@ -27,14 +27,16 @@ namespace {
 using attend::alignment;
 using attend::index;
 
-/// ALiBi (top-left) as a score modifier: s - slope[h] |i - j|, with derivative 1.
+/// ALiBi (top-left) as a score modifier: s - slope[h] |i - j|, with derivative 1; generic indices, which arrive
+/// as score_index (wavy below declares them index, which works as well).
 attend::score_function alibi_as_function(const std::vector<double>& slopes) {
     return attend::score_mod(
-        [slopes](auto s, index, index h, index i, index j) {
+        [slopes](auto s, auto, auto h, auto i, auto j) {
             using S = decltype(s);
+            static_assert(std::is_same_v<decltype(i), attend::score_index>);
             return s - static_cast<S>(slopes[static_cast<std::size_t>(h)] * static_cast<double>(std::abs(i - j)));
         },
-        [](auto, index, index, index, index) { return 1.0; });
+        [](auto, auto, auto, auto, auto) { return 1.0; });
 }
 
 template <class T>
@@ -151,6 +153,26 @@ TEST(ScoreModErrors, BackwardWithoutADerivativeIsRejectedBeforeAnyWrite) {
         },
         "attend.value.score_mod_derivative");
     EXPECT_TRUE(std::all_of(dq.data(), dq.data() + dq.size(), [](double x) { return x == 42; }));
+}
+
+TEST(ScoreModErrors, PositionsBeyondThirtyTwoBitsAreRejectedBeforeAnyWrite) {
+    // Keys and values of 2^31 rows that all share one row's memory (stride 0): a valid call that only a score_mod
+    // cannot take, since it receives key positions as score_index.
+    std::vector<float> row(4, 0.5f), out(4, 42.0f);
+    attend::strided_view<const float> q, kv;
+    q.data = kv.data = row.data();
+    q.dims = {1, 1, 1, 4};
+    q.strides = {4, 4, 4, 1};
+    kv.dims = {1, 1, index{1} << 31, 4};
+    kv.strides = {0, 0, 0, 1};
+    Eigen::TensorMap<attend::tensor<float, 4>> o(out.data(), 1, 1, 1, 4);
+    attend::sdpa_options options;
+    options.check_finite = false;
+    options.score_mod = attend::score_mod([](auto s, auto, auto, auto, auto) { return s; });
+    attend_test::expect_error<attend::shape_error>(
+        [&] { attend::scaled_dot_product_attention_into(q, kv, kv, attend::no_mask{}, o, options); },
+        "attend.shape.score_mod_positions");
+    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 42.0f; }));
 }
 
 }  // namespace
