@@ -212,4 +212,30 @@ TYPED_TEST(MicroKernel, SoftCapOnPacketsAndTailIsWithinFourEpsilonsOfTanh) {
     attend_test::expect_soft_cap_within_four_epsilons<TypeParam>();
 }
 
+// Soft-capping fused into the products (the capped_tanh epilogue, how the tiled kernels cap float scores) gives the
+// bits of capping the stored products afterwards (soft_cap, the decode path's GEMV rows), edge panels included.
+TEST(MicroKernelEpilogue, ProductsCappedInRegistersEqualSoftCapOfTheStoredProductsBitForBit) {
+    using mt = micro_tile<float>;
+    attend_test::rng g(23);
+    const float guard = 12345.0f, cap = 3.0f;
+    for (index rows : edge_sizes(mt::rows))
+        for (index nk : edge_sizes(mt::cols))
+            for (index head_dim : {index(1), index(7), index(64)}) {
+                const index lds = nk + 5;
+                auto q = random_values<float>(g, rows * head_dim);
+                for (auto& x : q) x *= 6.0f;  // scores from about 0 to far past the cap
+                const auto k = random_values<float>(g, nk * head_dim);
+                std::vector<float> panels(static_cast<std::size_t>(mt::panel_elements(nk, head_dim)));
+                attend::detail::pack_key_panels(k.data(), head_dim, nk, head_dim, panels.data());
+                std::vector<float> after(static_cast<std::size_t>(rows * lds), guard), fused = after;
+                attend::detail::scores_from_panels(q.data(), head_dim, rows, head_dim, panels.data(), nk, after.data(),
+                                                   lds);
+                for (index r = 0; r < rows; ++r) attend::detail::soft_cap(after.data() + r * lds, nk, cap);
+                attend::detail::scores_from_panels(q.data(), head_dim, rows, head_dim, panels.data(), nk, fused.data(),
+                                                   lds, attend::detail::capped_tanh(cap));
+                ASSERT_EQ(std::memcmp(after.data(), fused.data(), after.size() * sizeof(float)), 0)
+                    << rows << " rows, " << nk << " keys, head_dim " << head_dim;
+            }
+}
+
 }  // namespace

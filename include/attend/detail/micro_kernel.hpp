@@ -77,9 +77,19 @@ namespace micro {
 template <class Acc>
 using packet_of = typename micro_tile<Acc>::packet;
 
-/// Rows x cols scores of one key panel: out[r, c] = sum over x of q[r, x] * panel[x, c].
-template <int Rows, class Acc>
-void score_panel(const Acc* q, index ldq, index head_dim, const Acc* panel, Acc* out, index ldo) {
+/// What score_panel does to each packet of dot products before storing it: nothing (the scores pipeline's
+/// first step, soft-capping, passes its own, so the cap costs no pass over the tile).
+struct keep_products {
+    template <class Packet>
+    const Packet& operator()(const Packet& p) const {
+        return p;
+    }
+};
+
+/// Rows x cols scores of one key panel: out[r, c] = epilogue(sum over x of q[r, x] * panel[x, c]).
+template <int Rows, class Acc, class Epilogue>
+void score_panel(const Acc* q, index ldq, index head_dim, const Acc* panel, Acc* out, index ldo,
+                 const Epilogue& epilogue) {
     using namespace Eigen::internal;
     using packet = packet_of<Acc>;
     constexpr index lanes = micro_tile<Acc>::lanes, nr = micro_tile<Acc>::cols;
@@ -94,8 +104,8 @@ void score_panel(const Acc* q, index ldq, index head_dim, const Acc* panel, Acc*
         }
     }
     for (int r = 0; r < Rows; ++r) {
-        pstoreu(out + r * ldo, lo[r]);
-        pstoreu(out + r * ldo + lanes, hi[r]);
+        pstoreu(out + r * ldo, epilogue(lo[r]));
+        pstoreu(out + r * ldo + lanes, epilogue(hi[r]));
     }
 }
 
@@ -121,11 +131,11 @@ void accumulate_values(const Acc* p, index ldp, index pcs, index nk, const Acc* 
 }
 
 /// The kernels above for a row group of 1 to micro_tile rows, so its size is a constant inside them.
-template <class Acc>
+template <class Acc, class Epilogue>
 auto score_panel_for(index rows) {
-    constexpr decltype(&score_panel<1, Acc>) by_rows[] = {&score_panel<1, Acc>, &score_panel<2, Acc>,
-                                                          &score_panel<3, Acc>, &score_panel<4, Acc>,
-                                                          &score_panel<5, Acc>, &score_panel<6, Acc>};
+    constexpr decltype(&score_panel<1, Acc, Epilogue>) by_rows[] = {
+        &score_panel<1, Acc, Epilogue>, &score_panel<2, Acc, Epilogue>, &score_panel<3, Acc, Epilogue>,
+        &score_panel<4, Acc, Epilogue>, &score_panel<5, Acc, Epilogue>, &score_panel<6, Acc, Epilogue>};
     return by_rows[rows - 1];
 }
 template <int Packets, class Acc>
@@ -139,11 +149,12 @@ static_assert(micro_tile<float>::rows == 6 && micro_tile<double>::rows == 6, "on
 
 }  // namespace micro
 
-/// scores[rows, nk] (rows at `lds`) = q[rows, head_dim] (rows at `ldq`) times the keys packed by pack_key_panels.
-/// A partial last panel goes through a panel-sized buffer, so nothing is written past column nk.
-template <class Acc>
+/// scores[rows, nk] (rows at `lds`) = q[rows, head_dim] (rows at `ldq`) times the keys packed by pack_key_panels,
+/// each packet passed through `epilogue` (a function of one packet) before it is stored. A partial last panel
+/// goes through a panel-sized buffer, so nothing is written past column nk.
+template <class Acc, class Epilogue = micro::keep_products>
 void scores_from_panels(const Acc* q, index ldq, index rows, index head_dim, const Acc* panels, index nk, Acc* scores,
-                        index lds) {
+                        index lds, const Epilogue& epilogue = {}) {
     using mt = micro_tile<Acc>;
     alignas(64) Acc edge[mt::rows * mt::cols];
     for (index p0 = 0; p0 < nk; p0 += mt::cols) {  // a panel stays in L1 while every row group uses it
@@ -153,7 +164,7 @@ void scores_from_panels(const Acc* q, index ldq, index rows, index head_dim, con
             const index m = std::min(mt::rows, rows - r0);
             Acc* out = n == mt::cols ? scores + r0 * lds + p0 : edge;
             const index ldo = n == mt::cols ? lds : mt::cols;
-            micro::score_panel_for<Acc>(m)(q + r0 * ldq, ldq, head_dim, panel, out, ldo);
+            micro::score_panel_for<Acc, Epilogue>(m)(q + r0 * ldq, ldq, head_dim, panel, out, ldo, epilogue);
             if (n < mt::cols)
                 for (index r = 0; r < m; ++r)
                     std::copy(edge + r * mt::cols, edge + r * mt::cols + n, scores + (r0 + r) * lds + p0);

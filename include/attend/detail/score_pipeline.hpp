@@ -27,6 +27,7 @@
 #include "kernel_interface.hpp"
 #include "mask_nodes.hpp"
 #include "memory.hpp"
+#include "micro_kernel.hpp"
 
 namespace attend::detail {
 
@@ -76,30 +77,18 @@ void exp_shifted(T* x, index n, T shift) {
     exp_shifted_sum(x, n, shift);
 }
 
-/// float, or the target's packet of floats, named without passing a packet as a template argument (GCC warns
-/// that the argument's vector attributes are dropped).
-template <bool Packet>
-struct float_or_packet {
-    using type = float;
-};
-template <>
-struct float_or_packet<true> {
-    using type = Eigen::internal::packet_traits<float>::type;
-};
-
-/// c tanh(s / c) on one packet (Packet true) or one scalar (the same formula) of float scores s: Eigen's rational tanh for
-/// float (generic_fast_tanh_float, within 3e-7 of tanh) with the cap folded in, c tanh(s / c) = s P(y) / Q(y) for
-/// y = (s / c)^2, so one pass does the work of the two scalings and the tanh. Clamped where tanh rounds to +-1,
-/// s itself where |s / c| < 4e-4, NaN kept.
-template <bool Packet>
+/// c tanh(s / c) on a packet of float scores s: Eigen's rational tanh for float (generic_fast_tanh_float, within
+/// 3e-7 of tanh) with the cap folded in, c tanh(s / c) = s P(y) / Q(y) for y = (s / c)^2, so one pass does the
+/// work of the two scalings and the tanh. Clamped where tanh rounds to +-1, NaN kept. Every capped float score
+/// goes through this one function on whole packets (the micro-kernel's epilogue, soft_cap's runs and their tails),
+/// so a score gets the same bits on every path.
 class capped_tanh {
 public:
-    using value = typename float_or_packet<Packet>::type;
+    using value = Eigen::internal::packet_traits<float>::type;
 
     explicit capped_tanh(float cap)
         : high_(Eigen::internal::pset1<value>(clamp * cap)),
           low_(Eigen::internal::pset1<value>(-clamp * cap)),
-          tiny_(Eigen::internal::pset1<value>(0.0004f * cap)),
           inverse_(Eigen::internal::pset1<value>(1 / cap)) {}
 
     value operator()(const value& s) const {
@@ -116,7 +105,9 @@ public:
         value q = pmadd(y, pset1<value>(1.19825839466702e-06f), pset1<value>(1.18534705686654e-04f));
         q = pmadd(y, q, pset1<value>(2.26843463243900e-03f));
         q = pmadd(y, q, pset1<value>(4.89352518554385e-03f));
-        return pselect(pcmp_lt(pabs(s), tiny_), s, pdiv(pmul(x, p), q));
+        // P / Q first, near 1 for small s, so s of the smallest normal sizes keeps its precision; near 0,
+        // P(0) / Q(0) = 1 - 1.3e-7 is about one ulp of s, so no branch to s itself as Eigen's tanh has.
+        return pmul(x, pdiv(p, q));
     }
 
 private:
@@ -125,28 +116,34 @@ private:
 #else
     static constexpr float clamp = 7.90531110763549805f;
 #endif
-    value high_, low_, tiny_, inverse_;
+    value high_, low_, inverse_;
 };
 
 /// Soft-capping c tanh(s / c) of a contiguous run of scores, in place: float through capped_tanh, two packets at a
-/// time, the tail through the same formula on scalars; double through Eigen's (scalar, exact to the last bit or
-/// so) tanh and the two scalings.
+/// time, the tail through a packet-sized buffer; double through Eigen's (scalar, exact to the last bit or so) tanh
+/// and the two scalings.
 template <class T>
 void soft_cap(T* x, index n, T cap) {
     if constexpr (std::is_same_v<T, float>) {
-        using packet = typename Eigen::internal::packet_traits<float>::type;
+        using packet = capped_tanh::value;
+        using Eigen::internal::ploadu;
+        using Eigen::internal::pstoreu;
         constexpr index lanes = Eigen::internal::packet_traits<float>::size;
-        const capped_tanh<true> f(cap);
+        const capped_tanh f(cap);
         index j = 0;
         for (; j + 2 * lanes <= n; j += 2 * lanes) {  // two independent chains: the polynomials are long
-            const packet a = f(Eigen::internal::ploadu<packet>(x + j));
-            const packet b = f(Eigen::internal::ploadu<packet>(x + j + lanes));
-            Eigen::internal::pstoreu(x + j, a);
-            Eigen::internal::pstoreu(x + j + lanes, b);
+            const packet a = f(ploadu<packet>(x + j));
+            const packet b = f(ploadu<packet>(x + j + lanes));
+            pstoreu(x + j, a);
+            pstoreu(x + j + lanes, b);
         }
-        for (; j + lanes <= n; j += lanes) Eigen::internal::pstoreu(x + j, f(Eigen::internal::ploadu<packet>(x + j)));
-        const capped_tanh<false> scalar(cap);
-        for (; j < n; ++j) x[j] = scalar(x[j]);
+        for (; j + lanes <= n; j += lanes) pstoreu(x + j, f(ploadu<packet>(x + j)));
+        if (j < n) {
+            float tail[lanes] = {};
+            std::copy(x + j, x + n, tail);
+            pstoreu(tail, f(ploadu<packet>(tail)));
+            std::copy(tail, tail + (n - j), x + j);
+        }
     } else {
         auto a = row_array(x, n);
         a = (a * (T(1) / cap)).tanh() * cap;
@@ -174,22 +171,37 @@ public:
     /// Whether the scores pass through a modifier whose derivative is not 1 (see finish_tile's `slope`).
     bool modifies_scores() const { return softcap_ > 0 || mod_ != nullptr; }
 
+    /// Runs `products(epilogue)`, a tile's dot products through the micro-kernel (scores_from_panels), with the
+    /// epilogue it applies to each packet before storing it: for float scores with a cap, the cap, so capping
+    /// costs no pass over the tile; otherwise nothing. Returns whether the products came out capped, which
+    /// finish_tile is then told.
+    template <class Products>
+    bool products_with_cap(Products&& products) const {
+        if constexpr (std::is_same_v<Acc, float>)
+            if (softcap_ > 0) {
+                products(capped_tanh(softcap_));
+                return true;
+            }
+        products(micro::keep_products{});
+        return false;
+    }
+
     /// Scores `[t.query_end - t.query_begin, t.key_end - t.key_begin]` at `scores` (row stride ld) hold the
-    /// scaled dot products of one head's tile `t` of class `c` (the mask's classify(t)); afterwards they hold
-    /// the scores: capped, bias added, forbidden entries -inf (all of them for an empty tile, none for a full
-    /// one). With `slope` (same layout), the backward also gets d score / d dot product of the modifiers there
-    /// (only when modifies_scores()).
-    void finish_tile(const tile& t, tile_class c, Acc* scores, index ld, Acc* slope = nullptr) const {
+    /// scaled dot products of one head's tile `t` of class `c` (the mask's classify(t)), already soft-capped if
+    /// `capped` (products_with_cap); afterwards they hold the scores: capped, bias added, forbidden entries -inf
+    /// (all of them for an empty tile, none for a full one). With `slope` (same layout), the backward also gets
+    /// d score / d dot product of the modifiers there (only when modifies_scores()).
+    void finish_tile(const tile& t, tile_class c, Acc* scores, index ld, bool capped, Acc* slope = nullptr) const {
         const index rows = t.query_end - t.query_begin, cols = t.key_end - t.key_begin;
         if (c == tile_class::empty) {
             for (index r = 0; r < rows; ++r) std::fill(scores + r * ld, scores + r * ld + cols, minus_infinity<Acc>());
             return;
         }
-        if (softcap_ > 0)
+        if (softcap_ > 0 && (!capped || slope))
             for (index r = 0; r < rows; ++r) {
                 // c tanh(s / c); for the backward its derivative 1 - tanh^2, from the capped score itself, so the
                 // forward and the backward see the same scores.
-                soft_cap(scores + r * ld, cols, softcap_);
+                if (!capped) soft_cap(scores + r * ld, cols, softcap_);
                 if (slope)
                     row_array(slope + r * ld, cols) = Acc(1) - (row_array(scores + r * ld, cols) / softcap_).square();
             }

@@ -350,9 +350,11 @@ private:
     void tile_scores(backward_workspace<Acc>& w, const tile& t, tile_class cls, const const_tile_map<Acc>& queries,
                      Acc* slope = nullptr) const {
         const index nq = t.query_end - t.query_begin, nk = t.key_end - t.key_begin;
-        scores_from_panels(queries.data(), queries.outerStride(), nq, s_.head_dim, w.key_panels.data(), nk,
-                           w.probs.data(), t_.block_k);
-        pipe_.finish_tile(t, cls, w.probs.data(), t_.block_k, slope);
+        const bool capped = pipe_.products_with_cap([&](const auto& epilogue) {
+            scores_from_panels(queries.data(), queries.outerStride(), nq, s_.head_dim, w.key_panels.data(), nk,
+                               w.probs.data(), t_.block_k, epilogue);
+        });
+        pipe_.finish_tile(t, cls, w.probs.data(), t_.block_k, capped, slope);
     }
 
     /// exp(s - lse) gives P only to about |lse| ulps: lse = max + log(sum) rounded to the storage type keeps none

@@ -470,6 +470,7 @@ private:
         const_tile_map<Acc> queries(w.queries.data() + r0 * s_.head_dim, rows, s_.head_dim,
                                     Eigen::OuterStride<>(s_.head_dim));
         tile_map<Acc> scores(w.scores.data() + r0 * ld, rows, nk, Eigen::OuterStride<>(ld));
+        bool capped = false;
         if (rows <= c_.gemv_rows) {
             // Key slices small enough for L1, so every row after the first reads them from there.
             const index step = gemv_keys(s_.head_dim);
@@ -481,12 +482,15 @@ private:
                 if (w.found.active) w.found.keys(keys);  // in L1 now
             }
         } else {
-            scores_from_panels(queries.data(), s_.head_dim, rows, s_.head_dim, key_panels(w, blk, k0, k1), nk,
-                               scores.data(), ld);
+            const Acc* panels = key_panels(w, blk, k0, k1);
+            capped = pipe_.products_with_cap([&](const auto& epilogue) {
+                scores_from_panels(queries.data(), s_.head_dim, rows, s_.head_dim, panels, nk, scores.data(), ld,
+                                   epilogue);
+            });
         }
         for (index hh = sl.head_begin; hh < sl.head_end; ++hh)
             pipe_.finish_tile(query_tile(blk, sl, hh, k0, k1), w.classes[static_cast<std::size_t>(hh)],
-                              w.scores.data() + (hh * blk.queries + sl.query_begin) * ld, ld);
+                              w.scores.data() + (hh * blk.queries + sl.query_begin) * ld, ld, capped);
     }
 
     /// The online softmax over keys [key_begin, key_end): leaves w.acc (unnormalized, dropout applied) and
