@@ -178,7 +178,9 @@ struct tiled_workspace {
         }
     } packed_keys, packed_values, tile;
 
-    tiled_workspace(index rows, index head_dim, index key_tile, index value_dim, index group, bool stage)
+    /// `panels`: whether any slab can take the micro-kernels (more than gemv_rows rows); a decode's blocks never do,
+    /// and leave the panels empty.
+    tiled_workspace(index rows, index head_dim, index key_tile, index value_dim, index group, bool stage, bool panels)
         : queries(static_cast<std::size_t>(rows * head_dim)),
           scores(static_cast<std::size_t>(rows * key_tile)),
           acc(static_cast<std::size_t>(rows * value_dim)),
@@ -186,8 +188,8 @@ struct tiled_workspace {
           classes(static_cast<std::size_t>(group)),
           key_stage(stage ? static_cast<std::size_t>(key_tile * head_dim) : 0),
           value_stage(stage ? static_cast<std::size_t>(key_tile * value_dim) : 0),
-          key_panels(static_cast<std::size_t>(micro_tile<Acc>::panel_elements(key_tile, head_dim))),
-          value_panels(static_cast<std::size_t>(key_tile * value_dim)) {}
+          key_panels(panels ? static_cast<std::size_t>(micro_tile<Acc>::panel_elements(key_tile, head_dim)) : 0),
+          value_panels(panels ? static_cast<std::size_t>(key_tile * value_dim) : 0) {}
 };
 
 /// The tiled forward pass of one call; see the file comment. Reads Storage, computes in Acc; keys and values come
@@ -233,6 +235,10 @@ private:
     index head_of(const block& blk, index r) const { return blk.kv_head * group_ + r / blk.queries; }
     index query_of(const block& blk, index r) const { return blk.query_begin + r % blk.queries; }
 
+    /// Whether a slab can have more than gemv_rows rows, and so use the packed panels (a slab has at most a
+    /// block's rows).
+    bool uses_panels() const { return rows_ > c_.gemv_rows; }
+
     std::vector<tiled_workspace<Acc>> workspaces(index units, int threads) const {
         const int workers = static_cast<int>(std::min<index>(std::max(threads, 1), units));
         return allocating(
@@ -240,14 +246,15 @@ private:
                 std::vector<tiled_workspace<Acc>> w;
                 w.reserve(static_cast<std::size_t>(workers));
                 for (int n = 0; n < workers; ++n)
-                    w.emplace_back(rows_, s_.head_dim, c_.key_tile, s_.value_dim, group_, staged);
+                    w.emplace_back(rows_, s_.head_dim, c_.key_tile, s_.value_dim, group_, staged, uses_panels());
                 return w;
             },
             [&] {
                 const index per_worker = rows_ * (s_.head_dim + c_.key_tile + s_.value_dim + 4) +
                                          (staged ? c_.key_tile * (s_.head_dim + s_.value_dim) : 0) +
-                                         micro_tile<Acc>::panel_elements(c_.key_tile, s_.head_dim) +
-                                         c_.key_tile * s_.value_dim;
+                                         (uses_panels() ? micro_tile<Acc>::panel_elements(c_.key_tile, s_.head_dim) +
+                                                              c_.key_tile * s_.value_dim
+                                                        : 0);
                 return allocation_text("the tiled kernel's scratch (workers x elements)",
                                        std::array<index, 2>{workers, per_worker}, sizeof(Acc));
             },
@@ -426,6 +433,7 @@ private:
 
     /// Keys [k0, k1) packed for scores_from_panels: a pointer into w.key_panels (see pack_range).
     const Acc* key_panels(tiled_workspace<Acc>& w, const block& blk, index k0, index k1) const {
+        ATTEND_ASSERT(uses_panels());
         const auto want = pack_range(w, blk, k0, k1, micro_tile<Acc>::cols);
         if (!(w.packed_keys == want)) {
             const index n = want.end - want.begin;
@@ -441,6 +449,7 @@ private:
     /// as pack_range says), its last value_dim % cols columns read in place.
     void accumulate_values(tiled_workspace<Acc>& w, const block& blk, index r0, index rows, index k0, index k1) const {
         const index dv = s_.value_dim, ld = c_.key_tile, nk = k1 - k0;
+        ATTEND_ASSERT(uses_panels());
         const auto want = pack_range(w, blk, k0, k1, 1);
         if (!(w.packed_values == want)) {
             const index n = want.end - want.begin;
