@@ -192,6 +192,17 @@ TEST(mask, dense_allowed_mask_classifies_tiles_exactly) {
     }
 }
 
+TEST(mask, dense_forbidden_mask_classifies_tiles_exactly) {
+    attend_test::rng g(18);
+    for (int n = 0; n < attend_test::repeat(100); ++n) {
+        const auto s = random_shape(g);
+        const auto blocked = random_bool(g, s.batch, s.heads, s.query_len, s.key_len, g.uniform(0.0, 1.0));
+        const auto mask = attend::to_allowed(attend::forbidden_mask::true_means_blocked(blocked));  // stored inverted
+        expect_materializes_to(mask, s, [&](index b, index h, index i, index j) { return !blocked(b, h, i, j); });
+        expect_classification_agrees(mask, s, g, true);
+    }
+}
+
 TEST(mask, algebra_is_set_algebra_and_classification_stays_sound) {
     attend_test::rng g(9);
     for (int n = 0; n < attend_test::repeat(200); ++n) {

@@ -257,6 +257,26 @@ struct bound_everything {
     void apply(const tile&, T*, index) const {}
 };
 
+/// Whether bytes p[0], p[stride], ..., p[(n - 1) stride] include a nonzero one and a zero one.
+struct byte_kinds_found {
+    bool nonzero = false, zero = false;
+};
+inline byte_kinds_found byte_kinds(const std::uint8_t* p, index n, index stride) {
+    std::uint8_t any = 0, none = 0;  // OR of the bytes, OR of (byte == 0): reductions the compiler vectorizes
+    if (stride == 1) {
+        for (index j = 0; j < n; ++j) {
+            any = static_cast<std::uint8_t>(any | p[j]);
+            none = static_cast<std::uint8_t>(none | (p[j] == 0));
+        }
+    } else {
+        for (index j = 0; j < n; ++j) {
+            any = static_cast<std::uint8_t>(any | p[j * stride]);
+            none = static_cast<std::uint8_t>(none | (p[j * stride] == 0));
+        }
+    }
+    return {any != 0, none != 0};
+}
+
 /// A dense Boolean grid broadcast onto `[batch, heads, query_len, key_len]` by strides (0 on broadcast axes).
 /// `inverted` is true when the stored values follow the forbidden convention (true = blocked).
 struct bound_dense_boolean {
@@ -268,14 +288,19 @@ struct bound_dense_boolean {
         return (data[b * strides[0] + h * strides[1] + i * strides[2] + j * strides[3]] != 0) != inverted;
     }
     bool query_padded(index, index) const { return false; }
+    /// Row by row, each row's bytes in one branch-free pass (vectorized where the key axis is contiguous), stopping
+    /// at the first row that shows both kinds: the kernels classify every tile of every head, and most tiles of a
+    /// block-diagonal or padded mask are wholly one kind, so they are read to the end.
     tile_class classify(const tile& t) const {
-        bool any_allowed = false, any_forbidden = false;
-        for (index i = t.query_begin; i < t.query_end; ++i)
-            for (index j = t.key_begin; j < t.key_end; ++j) {
-                (allowed(t.batch, t.head, i, j) ? any_allowed : any_forbidden) = true;
-                if (any_allowed && any_forbidden) return tile_class::mixed;
-            }
-        return any_allowed ? tile_class::full : tile_class::empty;
+        bool nonzero = false, zero = false;
+        const std::uint8_t* row = data + t.batch * strides[0] + t.head * strides[1] + t.key_begin * strides[3];
+        for (index i = t.query_begin; i < t.query_end && !(nonzero && zero); ++i) {
+            const auto kinds = byte_kinds(row + i * strides[2], t.key_end - t.key_begin, strides[3]);
+            nonzero = nonzero || kinds.nonzero;
+            zero = zero || kinds.zero;
+        }
+        if (nonzero && zero) return tile_class::mixed;
+        return (inverted ? zero : nonzero) ? tile_class::full : tile_class::empty;
     }
     template <class T>
     void apply(const tile& t, T* scores, index ld) const {
