@@ -186,8 +186,7 @@ auto check_call(const strided_view<const T>& q, const Rows& k, const Rows& v, co
         check_finite(q, "query");
         call.kv_scan_deferred = true;
     } else if (o.check_finite) {
-        check_scores_fit(q, k, s, call.params.scale);
-        check_finite(v, "value");
+        scan_keys_and_values(q, k, v, s, call.params.scale);
     }
     if (o.empty_rows == empty_rows::error)
         if (const auto row = first_empty_row<mask_tiles>(erased_mask<decltype(call.mask)>(call.mask), s))

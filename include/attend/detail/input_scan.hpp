@@ -215,6 +215,14 @@ void check_scores_fit(const strided_view<const T>& q, const KeyView& k, const at
         }
 }
 
+/// check_finite's scan of k and v: every score q.k must fit the accumulation type, and v must be finite.
+template <class T, class Rows>
+void scan_keys_and_values(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
+                          accumulator_t<T> scale) {
+    check_scores_fit(q, k, s, scale);
+    check_finite(v, "value");
+}
+
 /// check_finite's scan of k and v for a kernel that reads them anyway (deferred_kv_scan): the call's q, k, v and
 /// scale, kept for the verdict. verify needs only q's magnitudes (a decode's few rows) besides what the kernel
 /// found; whenever those findings do not settle the call it runs the whole scan, so a call is rejected with the
@@ -226,10 +234,7 @@ public:
                accumulator_t<T> scale)
         : q_(q), k_(k), v_(v), s_(s), scale_(scale) {}
 
-    void scan_now() const override {
-        check_scores_fit(q_, k_, s_, scale_);
-        check_finite(v_, "value");
-    }
+    void scan_now() const override { scan_keys_and_values(q_, k_, v_, s_, scale_); }
 
     void verify(const std::vector<double>& key_max_abs, bool non_finite) const override {
         if (non_finite) return scan_now();  // finds the first bad element and names it
