@@ -9,11 +9,14 @@
 /// inside it the function is inlined on the tile's scores, as a mask function is (mask_function.hpp).
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <utility>
 
 #include "detail/mask_nodes.hpp"
+#include "error.hpp"
+#include "shape.hpp"
 #include "tensor.hpp"
 
 namespace attend {
@@ -90,6 +93,18 @@ public:
     bool has_derivative() const { return tiles_ && tiles_->has_derivative(); }  ///< the backward can use it
     const detail::score_tiles* tiles() const { return tiles_.get(); }           ///< what the kernels call
 
+    /// A call of shape s can pass its positions as score_index. Throws shape_error
+    /// attend.shape.score_mod_positions for a batch, heads, query_len or key_len beyond its range.
+    void validate(const attention_shape& s) const {
+        constexpr index most = std::numeric_limits<score_index>::max();
+        if (empty() || (s.batch <= most && s.heads <= most && s.query_len <= most && s.key_len <= most)) return;
+        throw shape_error("attend.shape.score_mod_positions",
+                          detail::concat("score_mod receives batch, head, query and key as 32-bit integers, but the "
+                                         "call has batch ",
+                                         s.batch, ", heads ", s.heads, ", query_len ", s.query_len, " and key_len ",
+                                         s.key_len, " (each must be <= ", most, ')'));
+    }
+
 private:
     std::shared_ptr<const detail::score_tiles> tiles_;
 };
@@ -109,8 +124,7 @@ score_function make_score_function(F f, DF df) {
 
 /// A forward-only score modifier `f(score, batch, head, query, key) -> score`, for float and double scores (a
 /// generic lambda, `[](auto s, auto b, auto h, auto i, auto j) { ... }`, serves both); the indices are
-/// score_index (int32). It must be pure: the
-/// kernels call it from several threads, on some scores more than once.
+/// score_index (int32). It must be pure: the kernels call it from several threads, on some scores more than once.
 template <class F>
 score_function score_mod(F f) {
     return detail::make_score_function(std::move(f), detail::no_score_derivative{});

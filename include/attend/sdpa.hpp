@@ -146,16 +146,8 @@ kernel_params<accumulator_t<T>> checked_params(const attention_shape& s, const s
         p.bias = &o.score_bias;
     }
     p.weights_after_dropout = o.weights_after_dropout;
-    if (!o.score_mod.empty()) {
-        constexpr index most = std::numeric_limits<score_index>::max();
-        if (s.batch > most || s.heads > most || s.query_len > most || s.key_len > most)
-            throw shape_error("attend.shape.score_mod_positions",
-                              concat("score_mod receives batch, head, query and key as 32-bit integers, but the call "
-                                     "has batch ",
-                                     s.batch, ", heads ", s.heads, ", query_len ", s.query_len, " and key_len ",
-                                     s.key_len, " (each must be <= ", most, ')'));
-        p.score_mod = o.score_mod.tiles();
-    }
+    o.score_mod.validate(s);
+    p.score_mod = o.score_mod.tiles();
     o.sinks.template validate<Acc>(s.heads);
     for (index h = 0; h < o.sinks.size(); ++h) p.sinks.push_back(static_cast<Acc>(o.sinks[h]));
     return p;

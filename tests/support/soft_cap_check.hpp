@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 #pragma once
 // The kernels' soft-cap (detail::soft_cap: for float, Eigen's rational tanh with the cap folded in) on runs of every
-// length around the packet sizes, so pairs of packets, single packets and the scalar tail are all reached, over caps
+// length around the packet sizes, so pairs of packets, single packets and the padded tail are all reached, over caps
 // from tiny to huge and scores from 0 to far past the clamp: within four epsilons of the definition in long double,
 // +-inf to +-c, NaN kept. A function, not a test, so each instruction set's build runs it (softcap_test.cpp for
 // the default target, micro_kernel_test.cpp for every target).
@@ -23,7 +23,7 @@ template <class T>
 void expect_soft_cap_within_four_epsilons() {
     using attend::index;
     using ld = long double;
-    // Four epsilons: the scaling in, the tanh (Eigen's float tanh alone is within 2.5), the scaling out.
+    // Four epsilons: Eigen's float tanh alone is within 2.5, and folding the cap in rounds s / c and the product.
     const double bound = 4 * static_cast<double>(std::numeric_limits<T>::epsilon());
     attend_test::rng g(11);
     for (const double cap : {1e-30, 2.5, 30.0, 50.0, 1e30}) {

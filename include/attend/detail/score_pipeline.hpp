@@ -197,7 +197,7 @@ public:
             for (index r = 0; r < rows; ++r) std::fill(scores + r * ld, scores + r * ld + cols, minus_infinity<Acc>());
             return;
         }
-        if (softcap_ > 0 && (!capped || slope))
+        if (softcap_ > 0)
             for (index r = 0; r < rows; ++r) {
                 // c tanh(s / c); for the backward its derivative 1 - tanh^2, from the capped score itself, so the
                 // forward and the backward see the same scores.
