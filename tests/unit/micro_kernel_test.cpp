@@ -13,11 +13,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
 
 #include <attend/detail/micro_kernel.hpp>
+#include <attend/detail/score_pipeline.hpp>
 
 #include "support/random.hpp"
 #include "support/scalar_names.hpp"
@@ -205,6 +207,70 @@ TYPED_TEST(MicroKernel, PackedPanelsHoldEachKeyDimensionOnceAndZerosPastTheLastK
                 const index key = p0 + c;
                 ASSERT_EQ(got, key < nk ? k[static_cast<std::size_t>(key * ld + x)] : T(0)) << key << ", " << x;
             }
+}
+
+/// packet_exp on xs (padded to whole packets), in place.
+void packet_exp_of(std::vector<float>& xs) {
+    using attend::detail::packet_exp;
+    constexpr std::size_t lanes = Eigen::internal::packet_traits<float>::size;
+    xs.resize((xs.size() + lanes - 1) / lanes * lanes, 0.0f);
+    const packet_exp exp;
+    for (std::size_t j = 0; j < xs.size(); j += lanes)
+        Eigen::internal::pstoreu(xs.data() + j, exp(Eigen::internal::ploadu<packet_exp::value>(xs.data() + j)));
+}
+
+// The softmax's float exp (packet_exp, in exp_shifted_sum) on this instruction set's packets, over floats spread
+// evenly through its whole range, every float next to its range's ends and where 2^m changes, and the specials:
+// within 2 ulp of exp, never subnormal, 0 below ln FLT_MIN and for -inf, exactly 1 at 0, +inf past 88.37, NaN kept.
+TEST(PacketExp, IsWithinTwoUlpOfExpAndNeverSubnormal) {
+    const float lowest = -87.3365402f, highest = 88.7228394f, inf = std::numeric_limits<float>::infinity();
+    std::vector<float> xs;
+    const auto around = [&xs, inf](float centre, int ulps) {
+        float x = centre;
+        for (int i = 0; i < ulps; ++i) x = std::nextafter(x, -inf);
+        for (int i = 0; i < 2 * ulps; ++i, x = std::nextafter(x, inf)) xs.push_back(x);
+    };
+    // About 500 000 floats evenly in their ordering: negative floats' bits grow with their magnitude.
+    const auto bits = [](float x) {
+        std::uint32_t u = 0;
+        std::memcpy(&u, &x, sizeof u);
+        return u;
+    };
+    const auto from_bits = [](std::uint32_t u) {
+        float x = 0;
+        std::memcpy(&x, &u, sizeof x);
+        return x;
+    };
+    for (std::uint32_t u = bits(lowest); u > bits(-0.0f); u -= 4099) xs.push_back(from_bits(u));
+    for (std::uint32_t u = 0; u < bits(highest); u += 4099) xs.push_back(from_bits(u));
+    for (const float centre : {lowest, highest, 88.3762626f, 0.0f, 0.34657359f, -0.34657359f, 1.03972077f, -45.0f})
+        around(centre, 3000);
+    const std::vector<float> specials = {
+        -inf, inf, std::numeric_limits<float>::quiet_NaN(), -0.0f, 0.0f, -1e30f, 1e30f, -88.0f, -100.0f};
+    xs.insert(xs.end(), specials.begin(), specials.end());
+    const std::size_t n = xs.size();
+    std::vector<float> es = xs;
+    packet_exp_of(es);
+    for (std::size_t j = 0; j < n; ++j) {
+        const float x = xs[j], e = es[j];
+        if (std::isnan(x)) {
+            EXPECT_TRUE(std::isnan(e));
+        } else if (x < lowest) {
+            ASSERT_EQ(e, 0.0f) << x;
+        } else if (std::isinf(e)) {
+            ASSERT_GT(x, 88.376f) << x;  // +inf only where exp is within 1.25 of FLT_MAX or above it
+        } else {
+            const double want = std::exp(static_cast<double>(x));
+            const float near = static_cast<float>(want);
+            const double ulp = static_cast<double>(std::nextafter(near, inf)) - static_cast<double>(near);
+            ASSERT_GE(e, std::numeric_limits<float>::min()) << x;
+            ASSERT_LE(std::abs(static_cast<double>(e) - want), 2 * ulp) << x;
+        }
+    }
+    EXPECT_EQ(es[n - 6], 1.0f);  // -0 and 0: exactly 1, the weight of a row's maximum
+    EXPECT_EQ(es[n - 5], 1.0f);
+    EXPECT_EQ(es[n - 8], inf);
+    EXPECT_EQ(es[n - 9], 0.0f);
 }
 
 // The soft-cap that finish_tile applies, on this instruction set's packets (support/soft_cap_check.hpp).
