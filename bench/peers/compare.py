@@ -17,6 +17,12 @@ Implementations (all take q, k, v already in their preferred layout; layout chan
                 restricted to the CPU flash kernel, the default dispatch if flash rejects the case (noted)
   torch-sdpa-fold  decode only: the same call with q reshaped to [B, kv_heads, group, H], the 4 query heads of a kv
                 head as 4 query rows (no enable_gqa; exact for L = 1), much faster than enable_gqa on CPU
+  torch-flex    packed only: FlexAttention under torch.compile with a document mask_mod and its block mask, which
+                skips the blocks between segments (PyTorch's own way to attend within packed sequences)
+Packed cases: 8 sequences of 512 in one axis of 4096. attend runs `packed_8x512` (packed_segments, which skips the
+tiles between segments) and `packed_8x512_dense_mask` (the same as a dense block-diagonal allowed_mask); the
+dense peers take that block-diagonal mask as it is, dense: ort-mha an additive attention_bias [1, 1, 4096, 4096] of
+0 and -inf, ort-attn23 and torch-sdpa a Boolean attn_mask [4096, 4096] (true = attend).
 Every ONNX Runtime case is a one-node model run through IO binding (inputs and outputs bound once), with
 intra_op_num_threads = threads and inter_op_num_threads = 1; torch runs under torch.set_num_threads(threads).
 Each peer timing: warm-up calls, then the median of single calls, at least --min-runs and --min-time seconds.
@@ -43,8 +49,8 @@ ONNX_TYPES = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "bf16": Te
 NUMPY_TYPES = {"fp32": np.float32, "fp16": np.float16}
 TORCH_TYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Which peer runs which kind of case.
-PEERS = {"ort-mha": ("prefill",), "ort-attn23": ("prefill", "decode"), "ort-gqa": ("decode",),
-         "torch-sdpa": ("prefill", "decode"), "torch-sdpa-fold": ("decode",)}
+PEERS = {"ort-mha": ("prefill", "packed"), "ort-attn23": ("prefill", "decode", "packed"), "ort-gqa": ("decode",),
+         "torch-sdpa": ("prefill", "decode", "packed"), "torch-sdpa-fold": ("decode",), "torch-flex": ("packed",)}
 
 
 class Unsupported(Exception):
@@ -53,7 +59,7 @@ class Unsupported(Exception):
 
 @dataclass(frozen=True)
 class Case:
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill", "decode" or "packed"
     dtype: str
     query_len: int
     key_len: int
@@ -62,9 +68,12 @@ class Case:
     causal: bool = False
     heads: int = 8
     kv_heads: int = 8
+    segments: int = 0  # packed: sequences of key_len / segments each, attending only within themselves
 
     @property
     def name(self):
+        if self.kind == "packed":
+            return f"packed/{self.dtype}/{self.segments}x{self.key_len // self.segments}/D{self.dim}/t{self.threads}"
         if self.kind == "decode":
             return f"decode/{self.dtype}/S{self.key_len}/D{self.dim}/H{self.heads}-{self.kv_heads}/t{self.threads}"
         mask = "causal" if self.causal else "full"
@@ -72,6 +81,8 @@ class Case:
 
     @property
     def group(self):
+        if self.kind == "packed":
+            return f"packed {self.dtype}, block-diagonal"
         if self.kind == "decode":
             return f"decode {self.dtype}"
         return f"prefill {self.dtype} {'causal' if self.causal else 'non-causal'}"
@@ -85,6 +96,10 @@ def decode(dtype, threads):
     return Case("decode", dtype, 1, 8192, 128, threads, heads=32, kv_heads=8)
 
 
+def packed(threads):
+    return Case("packed", "fp32", 4096, 4096, 64, threads, segments=8)
+
+
 def all_cases(quick):
     if quick:
         return [prefill("fp32", 1024, 64, t, c) for c in (False, True) for t in (1, 2)] + [
@@ -96,7 +111,7 @@ def all_cases(quick):
     for dtype in ("fp16", "bf16"):
         cases += [prefill(dtype, 2048, 64, t, c) for c in (False, True) for t in (1, 2)]
         cases += [decode(dtype, t) for t in (1, 2)]
-    return cases
+    return cases + [packed(t) for t in (1, 2)]
 
 
 def make_inputs(case, seed=0):
@@ -106,8 +121,19 @@ def make_inputs(case, seed=0):
     return tuple(rng.uniform(-1, 1, (1, n, s, case.dim)).astype(np.float32) for n, s in heads_and_lengths)
 
 
-def reference(q, k, v, causal):
-    """Attention in float64 numpy, bottom-right aligned causal mask (top-left when L = S)."""
+def allowed_blocks(case):
+    """The packed case's block-diagonal mask [L, S], true where a query and a key are in the same sequence."""
+    segment = np.arange(case.key_len) // (case.key_len // case.segments)
+    return segment[:, None] == segment[None, :]
+
+
+def reference(q, k, v, causal, segments=0):
+    """Attention in float64 numpy, bottom-right aligned causal mask (top-left when L = S); with segments, each of
+    that many equal parts of the sequence on its own (the packed cases' block-diagonal mask)."""
+    if segments:
+        n = q.shape[2] // segments
+        return np.concatenate([reference(q[:, :, i:i + n], k[:, :, i:i + n], v[:, :, i:i + n], causal)
+                               for i in range(0, q.shape[2], n)], axis=2)
     q, k, v = (x.astype(np.float64) for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
@@ -163,21 +189,30 @@ def numpy_of(x, dtype):
 def ort_mha(case, q, k, v):
     bsnh = lambda x: x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
     q3, k3, v3 = (bsnh(x) for x in (q, k, v))
-    node = helper.make_node("MultiHeadAttention", ["query", "key", "value"], ["output"], domain="com.microsoft",
+    names = ["query", "key", "value"] + (["", "", "attention_bias"] if case.segments else [])
+    node = helper.make_node("MultiHeadAttention", names, ["output"], domain="com.microsoft",
                             num_heads=case.heads, unidirectional=int(case.causal))
     ins = [tensor_info(n, case.dtype, x.shape) for n, x in (("query", q3), ("key", k3), ("value", v3))]
-    session = ort_session(node, ins, [tensor_info("output", case.dtype, q3.shape)], case.threads)
     feeds = {"query": numpy_of(q3, case.dtype), "key": numpy_of(k3, case.dtype), "value": numpy_of(v3, case.dtype)}
+    if case.segments:  # additive: 0 where allowed, -inf elsewhere
+        bias = np.where(allowed_blocks(case), 0.0, -np.inf)[None, None]
+        ins.append(tensor_info("attention_bias", case.dtype, bias.shape))
+        feeds["attention_bias"] = numpy_of(bias, case.dtype)
+    session = ort_session(node, ins, [tensor_info("output", case.dtype, q3.shape)], case.threads)
     run, fetch = ort_runner(session, feeds, {"output": np.empty(q3.shape, feeds["query"].dtype)})
     B, N, L, H = q.shape
     return run, lambda: fetch().reshape(B, L, N, H).transpose(0, 2, 1, 3)
 
 
 def ort_attention23(case, q, k, v):
-    node = helper.make_node("Attention", ["Q", "K", "V"], ["Y"], is_causal=int(case.causal))
+    node = helper.make_node("Attention", ["Q", "K", "V"] + (["attn_mask"] if case.segments else []), ["Y"],
+                            is_causal=int(case.causal))
     ins = [tensor_info(n, case.dtype, x.shape) for n, x in (("Q", q), ("K", k), ("V", v))]
-    session = ort_session(node, ins, [tensor_info("Y", case.dtype, q.shape)], case.threads, opset=23)
     feeds = {n: numpy_of(x, case.dtype) for n, x in (("Q", q), ("K", k), ("V", v))}
+    if case.segments:  # Boolean: true = attend
+        ins.append(helper.make_tensor_value_info("attn_mask", TensorProto.BOOL, [case.query_len, case.key_len]))
+        feeds["attn_mask"] = allowed_blocks(case)
+    session = ort_session(node, ins, [tensor_info("Y", case.dtype, q.shape)], case.threads, opset=23)
     return ort_runner(session, feeds, {"Y": np.empty(q.shape, feeds["Q"].dtype)})
 
 
@@ -224,6 +259,8 @@ def torch_sdpa(case, q, k, v, fold=False):
         q = q.reshape(B, k.shape[1], -1, H)
     qt, kt, vt = (torch.from_numpy(x).to(TORCH_TYPES[case.dtype]) for x in (q, k, v))
     kwargs = {"is_causal": case.causal and not fold}
+    if case.segments:  # Boolean: true = attend
+        kwargs["attn_mask"] = torch.from_numpy(allowed_blocks(case))
     if qt.shape[1] != kt.shape[1]:
         kwargs["enable_gqa"] = True
     result = {}
@@ -257,8 +294,33 @@ def torch_sdpa(case, q, k, v, fold=False):
     return run, lambda: result["out"].float().numpy().reshape(B, N, L, H)
 
 
+def torch_flex(case, q, k, v):
+    """FlexAttention, compiled, with a document mask_mod: its block mask skips the blocks between sequences."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as e:
+        raise Unsupported(first_line(e)) from None
+    torch.set_num_threads(case.threads)
+    n = case.key_len // case.segments
+    qt, kt, vt = (torch.from_numpy(x).to(TORCH_TYPES[case.dtype]) for x in (q, k, v))
+    try:
+        blocks = create_block_mask(lambda b, h, i, j: i // n == j // n, B=None, H=None, Q_LEN=case.query_len,
+                                   KV_LEN=case.key_len, device="cpu")
+        compiled = torch.compile(flex_attention)
+        result = {}
+
+        def run():
+            with torch.inference_mode():
+                result["out"] = compiled(qt, kt, vt, block_mask=blocks)
+
+        run()  # compiles
+    except Exception as e:  # no C++ toolchain for inductor, an unsupported configuration, ...
+        raise Unsupported(first_line(e)) from None
+    return run, lambda: result["out"].float().numpy()
+
+
 BUILDERS = {"ort-mha": ort_mha, "ort-attn23": ort_attention23, "ort-gqa": ort_gqa, "torch-sdpa": torch_sdpa,
-            "torch-sdpa-fold": lambda case, q, k, v: torch_sdpa(case, q, k, v, fold=True)}
+            "torch-sdpa-fold": lambda case, q, k, v: torch_sdpa(case, q, k, v, fold=True), "torch-flex": torch_flex}
 
 
 # ---------------------------------------------------------------- timing
@@ -285,9 +347,12 @@ def median_time(fn, min_runs, min_time):
 ATTEND_TYPES = {"fp32": "float", "fp16": "Eigen::half", "bf16": "Eigen::bfloat16"}
 
 
-def attend_name(case, check_finite=False):
+def attend_name(case, check_finite=False, dense=False):
     """attend_bench's case: 16-bit prefill stores q, k, v and out in 16 bits; 16-bit decode keeps the query in float
-    over a 16-bit K and V (attend's decoding call: float activations, a 16-bit kv_cache)."""
+    over a 16-bit K and V (attend's decoding call: float activations, a 16-bit kv_cache); a packed case is
+    packed_segments, or with `dense` the same as a dense block-diagonal allowed_mask."""
+    if case.kind == "packed":
+        return f"packed_8x512{'_dense_mask' if dense else ''}/{case.threads}/"
     if case.kind == "decode":
         prefix = "decode" if case.dtype == "fp32" else f"decode_storage<{ATTEND_TYPES[case.dtype]}>"
         return f"{prefix}/threads:{case.threads}/check_finite:{int(check_finite)}/"
@@ -311,11 +376,12 @@ def attend_time(binary, name, min_runs, min_time):
 def run_case(case, args):
     results = {}
     if args.attend_bench:
-        variants = [("attend", False)] + ([("attend check_finite", True)] if case.kind == "decode" else [])
-        for label, check in variants:
+        variants = [("attend", False, False)] + ([("attend check_finite", True, False)] if case.kind == "decode" else
+                                                 [("attend dense mask", False, True)] if case.kind == "packed" else [])
+        for label, check, dense in variants:
             label += " (fp32 q)" if case.kind == "decode" and case.dtype != "fp32" else ""
             try:
-                t, n = attend_time(args.attend_bench, attend_name(case, check), args.min_runs, args.min_time)
+                t, n = attend_time(args.attend_bench, attend_name(case, check, dense), args.min_runs, args.min_time)
                 results[label] = {"seconds": t, "runs": n}
             except (subprocess.CalledProcessError, RuntimeError) as e:
                 results[label] = {"error": first_line(e)}
@@ -341,14 +407,17 @@ def run_case(case, args):
 
 def verify(print_report=True):
     """Small cases against the float64 numpy reference; returns {(peer, kind, causal, dtype): passed}."""
-    shapes = [("prefill", 48, 48, False, 4, 4), ("prefill", 48, 48, True, 4, 4), ("decode", 1, 40, False, 8, 2)]
+    shapes = [("prefill", 48, 48, False, 4, 4, 0), ("prefill", 48, 48, True, 4, 4, 0), ("decode", 1, 40, False, 8, 2, 0),
+              ("packed", 48, 48, False, 4, 4, 3)]
     tolerance = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 5e-2}
     passed, lines = {}, []
     for dtype, tol in tolerance.items():
-        for kind, L, S, causal, heads, kv_heads in shapes:
-            case = Case(kind, dtype, L, S, 16, 1, causal, heads, kv_heads)
+        for kind, L, S, causal, heads, kv_heads, segments in shapes:
+            if kind == "packed" and dtype != "fp32":  # packed cases are timed in fp32 only
+                continue
+            case = Case(kind, dtype, L, S, 16, 1, causal, heads, kv_heads, segments)
             q, k, v = make_inputs(case, seed=1)
-            want = reference(q, k, v, case.causal)
+            want = reference(q, k, v, case.causal, segments)
             for peer in (p for p, kinds in PEERS.items() if kind in kinds):
                 try:
                     run, fetch = BUILDERS[peer](case, q, k, v)
@@ -382,7 +451,8 @@ def markdown(cases, results, loads):
         members = [c for c in cases if c.group == group]
         impls = list(dict.fromkeys(i for c in members for i in results[c.name]))
         unit, unit_name = (1e-6, "µs") if members[0].kind == "decode" else (1e-3, "ms")
-        shape = "B = 1, H = 32 q / 8 kv heads, L = 1" if members[0].kind == "decode" else "B = 1, H = 8, L = S"
+        shape = {"decode": "B = 1, H = 32 q / 8 kv heads, L = 1", "packed": "B = 1, H = 8, 8 x 512 in L = S = 4096"}.get(
+            members[0].kind, "B = 1, H = 8, L = S")
         out += [f"### {group} ({shape}), median {unit_name}", "",
                 f"load average at start / end: {loads[group][0]:.2f} / {loads[group][1]:.2f}", "",
                 "| case | " + " | ".join(impls) + " | best peer | attend / best peer |",
