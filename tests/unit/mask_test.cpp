@@ -1,12 +1,17 @@
 // SPDX-License-Identifier: MIT
 // Tests of mask.hpp: each rule equals its definition, tile classification agrees with materialization, the
 // algebra is set algebra, the two Boolean conventions convert exactly, dense masks broadcast like NumPy.
+#include <algorithm>
+#include <array>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
+#include <attend/detail/empty_rows.hpp>
 #include <attend/mask.hpp>
 
 #include "support/random.hpp"
@@ -334,6 +339,67 @@ TEST(mask, to_string_draws_the_seed_causal_grid_and_rows_without_keys) {
     EXPECT_EQ(attend::to_string(attend::causal(attend::alignment::top_left), {1, 1, 3, 3}),
               "q0: k0\nq1: k0 k1\nq2: k0 k1 k2\n");
     EXPECT_EQ(attend::to_string(attend::key_padding({0}), {1, 1, 2, 2}), "q0: (none)\nq1: (none)\n");
+}
+
+/// The first (batch, head, query) that is not padded and has no allowed key, by asking about every element.
+template <class Bound>
+std::optional<std::array<index, 3>> first_empty_row_by_scan(const Bound& mask, const attend::attention_shape& s) {
+    for (index b = 0; b < s.batch; ++b)
+        for (index h = 0; h < s.heads; ++h)
+            for (index i = 0; i < s.query_len; ++i) {
+                if (mask.query_padded(b, i)) continue;
+                bool any = false;
+                for (index j = 0; j < s.key_len && !any; ++j) any = mask.allowed(b, h, i, j);
+                if (!any) return std::array<index, 3>{b, h, i};
+            }
+    return std::nullopt;
+}
+
+template <class Mask>
+void expect_first_empty_row_of_scan(const Mask& mask, const attend::score_shape& s) {
+    const auto shape = attend::detail::scores_only(s);
+    const auto bound = mask.bind(shape);
+    const auto want = first_empty_row_by_scan(bound, shape), got = attend::detail::first_empty_row(bound, shape);
+    ASSERT_EQ(got.has_value(), want.has_value()) << attend::to_string(mask, s);
+    if (want) {
+        ASSERT_EQ(*got, *want) << attend::to_string(mask, s);
+    }
+}
+
+/// Offsets from 0 of `segments` slots within [0, len], some of them empty.
+std::vector<index> random_offsets(attend_test::rng& g, index segments, index len) {
+    std::vector<index> offsets{0};
+    for (index n = 0; n < segments; ++n)
+        offsets.push_back(
+            std::min(len, offsets.back() + (g.bernoulli(0.15) ? 0 : g.uniform_int(1, len / segments + 8))));
+    return offsets;
+}
+
+// The empty-row check settles whole blocks of queries by one fully allowed tile of keys and searches row by row
+// only where that fails; it must name the same first row as asking every element, for rules whose empty rows
+// come in runs (packed segments with empty key slots or padding, bottom-right causal, windows) and for dense
+// masks with scattered ones, at lengths past its 16-query blocks and 32-key tiles.
+TEST(mask, first_empty_row_equals_a_scan_of_every_row) {
+    attend_test::rng g(31);
+    for (int n = 0; n < attend_test::repeat(60); ++n) {
+        const attend::score_shape s{g.uniform_int(1, 2), g.uniform_int(1, 2), g.uniform_int(1, 300),
+                                    g.uniform_int(1, 300)};
+        const auto align = g.bernoulli(0.5) ? attend::alignment::top_left : attend::alignment::bottom_right;
+        const index segments = g.uniform_int(1, 6);
+        const auto packed =
+            attend::packed_segments(random_offsets(g, segments, s.query_len), random_offsets(g, segments, s.key_len));
+        expect_first_empty_row_of_scan(packed, s);
+        expect_first_empty_row_of_scan(packed.causal(align), s);
+        expect_first_empty_row_of_scan(packed.window(g.uniform_int(0, 40), g.uniform_int(0, 3), align), s);
+        expect_first_empty_row_of_scan(
+            attend::causal(align) && attend::key_padding(random_lengths(g, s.batch, s.key_len)), s);
+        expect_first_empty_row_of_scan(attend::sliding_window(g.uniform_int(0, 9), g.uniform_int(0, 9), align) &&
+                                           attend::query_padding(random_lengths(g, s.batch, s.query_len)),
+                                       s);
+        expect_first_empty_row_of_scan(attend::allowed_mask::from_torch_sdpa(random_bool(
+                                           g, s.batch, s.heads, s.query_len, s.key_len, g.uniform(0.0, 0.03))),
+                                       s);
+    }
 }
 
 TEST(mask_errors, a_mask_that_does_not_broadcast_names_both_shapes) {

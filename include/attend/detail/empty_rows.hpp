@@ -1,8 +1,11 @@
 // SPDX-License-Identifier: MIT
 #pragma once
-/// Finding queries with no allowed key before any output is written, by recursive tile classification:
-/// O(log key_len) classifications per row for structured rules, never a scan of the whole score matrix.
+/// Finding queries with no allowed key before any output is written, by tile classification, never a scan of the
+/// whole score matrix for structured rules: a block of queries is settled at once when one tile of keys is fully
+/// allowed for all of it (a segment's own keys, a causal mask's first keys), and only the rows of blocks that are
+/// not are searched one by one, in O(log key_len) classifications each.
 
+#include <algorithm>
 #include <array>
 #include <optional>
 
@@ -25,14 +28,34 @@ bool row_has_allowed_key(const Bound& mask, index b, index h, index i, index key
     return row_has_allowed_key(mask, b, h, i, key_begin, middle) || row_has_allowed_key(mask, b, h, i, middle, key_end);
 }
 
-/// The first (batch, head, query) that is not a padded query and has no allowed key, in that order.
+/// True when one tile of keys (16 across the key range, each of at least 32 keys) is allowed for every query in
+/// [query_begin, query_end) of (b, h): then each of those queries has an allowed key. Tiles in order, not by
+/// halving the range: a dense mask classifies by reading its bytes, and large mixed ranges would be read again at
+/// every level; these 16 read the block's bytes once.
+template <class Bound>
+bool block_has_allowed_key_tile(const Bound& mask, index b, index h, index query_begin, index query_end,
+                                index key_len) {
+    const index width = std::max<index>(32, (key_len + 15) / 16);
+    for (index k0 = 0; k0 < key_len; k0 += width)
+        if (mask.classify(tile{b, h, query_begin, query_end, k0, std::min(key_len, k0 + width)}) == tile_class::full)
+            return true;
+    return false;
+}
+
+/// The first (batch, head, query) that is not a padded query and has no allowed key, in that order: blocks of 16
+/// queries settled by one fully allowed tile of keys where they can be, the rows of the others one by one.
 template <class Bound>
 std::optional<std::array<index, 3>> first_empty_row(const Bound& mask, const attention_shape& s) {
+    constexpr index block = 16;
     for (index b = 0; b < s.batch; ++b)
         for (index h = 0; h < s.heads; ++h)
-            for (index i = 0; i < s.query_len; ++i)
-                if (!mask.query_padded(b, i) && !row_has_allowed_key(mask, b, h, i, 0, s.key_len))
-                    return std::array<index, 3>{b, h, i};
+            for (index i0 = 0; i0 < s.query_len; i0 += block) {
+                const index i1 = std::min(s.query_len, i0 + block);
+                if (block_has_allowed_key_tile(mask, b, h, i0, i1, s.key_len)) continue;
+                for (index i = i0; i < i1; ++i)
+                    if (!mask.query_padded(b, i) && !row_has_allowed_key(mask, b, h, i, 0, s.key_len))
+                        return std::array<index, 3>{b, h, i};
+            }
     return std::nullopt;
 }
 
