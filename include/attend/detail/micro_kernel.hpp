@@ -17,6 +17,15 @@
 
 #include "../tensor.hpp"
 
+/// Unrolls the loops over a micro-tile's rows and packets before GCC's scalar replacement runs, so the
+/// accumulator arrays become registers; left to the later unrolling, they stayed arrays on the stack, zeroed by
+/// memset and copied in and out around the inner loop (a tenth of a 64-deep score panel).
+#if defined(__GNUC__)
+#define ATTEND_UNROLL_FULLY _Pragma("GCC unroll 8")
+#else
+#define ATTEND_UNROLL_FULLY
+#endif
+
 namespace attend::detail {
 
 /// Micro-tile sizes of Acc (float or double) on the target's widest packet: rows x (2 packets), 12 accumulators,
@@ -94,15 +103,18 @@ void score_panel(const Acc* q, index ldq, index head_dim, const Acc* panel, Acc*
     using packet = packet_of<Acc>;
     constexpr index lanes = micro_tile<Acc>::lanes, nr = micro_tile<Acc>::cols;
     packet lo[Rows], hi[Rows];
+    ATTEND_UNROLL_FULLY
     for (int r = 0; r < Rows; ++r) lo[r] = hi[r] = pset1<packet>(Acc(0));
     for (index x = 0; x < head_dim; ++x) {
         const packet k0 = ploadu<packet>(panel + x * nr), k1 = ploadu<packet>(panel + x * nr + lanes);
+        ATTEND_UNROLL_FULLY
         for (int r = 0; r < Rows; ++r) {
             const packet a = pset1<packet>(q[r * ldq + x]);
             lo[r] = pmadd(a, k0, lo[r]);
             hi[r] = pmadd(a, k1, hi[r]);
         }
     }
+    ATTEND_UNROLL_FULLY
     for (int r = 0; r < Rows; ++r) {
         pstoreu(out + r * ldo, epilogue(lo[r]));
         pstoreu(out + r * ldo + lanes, epilogue(hi[r]));
@@ -116,18 +128,23 @@ void accumulate_values(const Acc* p, index ldp, index pcs, index nk, const Acc* 
     using packet = packet_of<Acc>;
     constexpr index lanes = micro_tile<Acc>::lanes;
     packet c[Rows][Packets];
-    for (int r = 0; r < Rows; ++r)
-        for (int i = 0; i < Packets; ++i) c[r][i] = ploadu<packet>(acc + r * lda + i * lanes);
+    ATTEND_UNROLL_FULLY
+    for (int r = 0; r < Rows; ++r) ATTEND_UNROLL_FULLY
+    for (int i = 0; i < Packets; ++i) c[r][i] = ploadu<packet>(acc + r * lda + i * lanes);
     for (index j = 0; j < nk; ++j) {
         packet value[Packets];
+        ATTEND_UNROLL_FULLY
         for (int i = 0; i < Packets; ++i) value[i] = ploadu<packet>(v + j * ldv + i * lanes);
+        ATTEND_UNROLL_FULLY
         for (int r = 0; r < Rows; ++r) {
             const packet a = pset1<packet>(p[r * ldp + j * pcs]);
+            ATTEND_UNROLL_FULLY
             for (int i = 0; i < Packets; ++i) c[r][i] = pmadd(a, value[i], c[r][i]);
         }
     }
-    for (int r = 0; r < Rows; ++r)
-        for (int i = 0; i < Packets; ++i) pstoreu(acc + r * lda + i * lanes, c[r][i]);
+    ATTEND_UNROLL_FULLY
+    for (int r = 0; r < Rows; ++r) ATTEND_UNROLL_FULLY
+    for (int i = 0; i < Packets; ++i) pstoreu(acc + r * lda + i * lanes, c[r][i]);
 }
 
 /// The kernels above for a row group of 1 to micro_tile rows, so its size is a constant inside them.
