@@ -129,8 +129,10 @@ void accumulate_values(const Acc* p, index ldp, index pcs, index nk, const Acc* 
     constexpr index lanes = micro_tile<Acc>::lanes;
     packet c[Rows][Packets];
     ATTEND_UNROLL_FULLY
-    for (int r = 0; r < Rows; ++r) ATTEND_UNROLL_FULLY
-    for (int i = 0; i < Packets; ++i) c[r][i] = ploadu<packet>(acc + r * lda + i * lanes);
+    for (int r = 0; r < Rows; ++r) {
+        ATTEND_UNROLL_FULLY
+        for (int i = 0; i < Packets; ++i) c[r][i] = ploadu<packet>(acc + r * lda + i * lanes);
+    }
     for (index j = 0; j < nk; ++j) {
         packet value[Packets];
         ATTEND_UNROLL_FULLY
@@ -143,8 +145,10 @@ void accumulate_values(const Acc* p, index ldp, index pcs, index nk, const Acc* 
         }
     }
     ATTEND_UNROLL_FULLY
-    for (int r = 0; r < Rows; ++r) ATTEND_UNROLL_FULLY
-    for (int i = 0; i < Packets; ++i) pstoreu(acc + r * lda + i * lanes, c[r][i]);
+    for (int r = 0; r < Rows; ++r) {
+        ATTEND_UNROLL_FULLY
+        for (int i = 0; i < Packets; ++i) pstoreu(acc + r * lda + i * lanes, c[r][i]);
+    }
 }
 
 /// The kernels above for a row group of 1 to micro_tile rows, so its size is a constant inside them.
