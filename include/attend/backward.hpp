@@ -153,8 +153,8 @@ auto check_backward(const backward_inputs<T>& in, const gradient_outputs<T>* out
     }
     checked_backward<T, decltype(mask.bind(s))> checked{s, check_call(in.q, in.k, in.v, s, mask, o)};
     if (o.check_finite) {
-        check_finite(in.out, "out");
-        check_finite(in.d_out, "d_out");
+        check_finite(in.out, "out", resolve_threads(o.threads));
+        check_finite(in.d_out, "d_out", resolve_threads(o.threads));
         const index rows = s.batch * s.heads * s.query_len;
         for (index n = 0; n < rows; ++n) {
             const T x = in.lse[n];

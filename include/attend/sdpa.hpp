@@ -175,10 +175,10 @@ auto check_call(const strided_view<const T>& q, const Rows& k, const Rows& v, co
     checked_call<T, decltype(mask.bind(s))> call{checked_params<T>(s, o), mask.bind(s), o.kernel,
                                                  resolve_threads(o.threads)};
     if (o.check_finite && defer_kv_scan) {
-        check_finite(q, "query");
+        check_finite(q, "query", call.threads);
         call.kv_scan_deferred = true;
     } else if (o.check_finite) {
-        scan_keys_and_values(q, k, v, s, call.params.scale);
+        scan_keys_and_values(q, k, v, s, call.params.scale, call.threads);
     }
     if (o.empty_rows == empty_rows::error)
         if (const auto row = first_empty_row<mask_tiles>(erased_mask<decltype(call.mask)>(call.mask), s))
@@ -224,7 +224,7 @@ void run_checked(const strided_view<const T>& q, const Rows& k, const Rows& v, c
         params.kv_scan = &kv_scan;
         return tiled_attention(q, k, v, s, call.mask, params, out, call.threads);
     }
-    if (call.kv_scan_deferred) kv_scan.scan_now();
+    if (call.kv_scan_deferred) kv_scan.scan_now(call.threads);
     if (call.kernel != kernel::reference) return tiled_attention(q, k, v, s, call.mask, call.params, out, call.threads);
     if constexpr (std::is_same_v<T, Acc> && std::is_same_v<Rows, strided_view<const T>>) {
         reference_attention(q, k, v, s, call.mask, call.params, out);

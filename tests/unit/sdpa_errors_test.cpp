@@ -121,6 +121,17 @@ void expect_call_error(const Q& q, const K& k, const V& v, const attend::sdpa_op
     expect_call_error<E>(q, k, v, attend::no_mask{}, o, id, fragments);
 }
 
+/// The message of the error `run` throws (value_error expected), or "" when it throws nothing.
+template <class F>
+std::string value_error_text(F&& run) {
+    try {
+        run();
+    } catch (const attend::value_error& e) {
+        return e.what();
+    }
+    return "";
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Shape rules (shape.hpp), in the order check_shapes applies them
 // ---------------------------------------------------------------------------------------------------------------
@@ -419,20 +430,44 @@ TEST(SdpaErrors, NaNOrInfinityInQueryKeyOrValueIsValueNonFinite) {
     expect_call_error<attend::value_error>(q3, k3, v3, {}, "attend.value.non_finite", {"query", "[1,3,2]"});
 }
 
+// Large inputs are scanned a (batch, head) per unit on the call's threads (input_scan.hpp). Worker 1 takes head
+// 1 and worker 0 head 2: the first bad element sits in head 1 and a later one in head 2, so an error taken from
+// whichever worker stops first would name the wrong one. Every thread count names the first, with one message.
+TEST(SdpaErrors, ParallelScansNameTheFirstBadElementAsOneThreadDoes) {
+    const char* names[] = {"query", "key", "value"};
+    for (int which = 0; which < 3; ++which) {
+        SCOPED_TRACE(names[which]);
+        auto x = make(1, 4, 4, 1024, 1024, 64, 64);  // 2^18 values per tensor: scanned in parallel
+        tensor<float, 4>& t = which == 0 ? x.q : which == 1 ? x.k : x.v;
+        t(0, 1, 300, 5) = nan_f;
+        t(0, 2, 7, 1) = inf_f;
+        std::string first;
+        for (const int threads : {1, 2, 3}) {
+            attend::sdpa_options o;
+            o.threads = threads;
+            expect_call_error<attend::value_error>(x.q, x.k, x.v, o, "attend.value.non_finite",
+                                                   {names[which], "[0,1,300,5]"});
+            const std::string text = value_error_text(
+                [&] { (void)attend::scaled_dot_product_attention(x.q, x.k, x.v, attend::no_mask{}, o); });
+            if (threads == 1) first = text;
+            EXPECT_EQ(text, first) << threads << " threads";
+        }
+    }
+    // A score that overflows comes before a non-finite value in the scan's order, on any number of threads.
+    auto y = make(1, 4, 4, 1024, 1024, 64, 64);
+    for (index d = 0; d < 64; ++d) y.q(0, 3, 10, d) = y.k(0, 3, 20, d) = 1e19f;
+    y.v(0, 0, 0, 0) = nan_f;
+    for (const int threads : {1, 2}) {
+        attend::sdpa_options o;
+        o.threads = threads;
+        expect_call_error<attend::value_error>(y.q, y.k, y.v, o, "attend.value.score_overflow",
+                                               {"query 10 and key 20", "head 3"});
+    }
+}
+
 // The decode path (one query per head, more keys than one decode chunk, no weights asked) scans k and v in its
 // own pass instead of before it (tiled_kernel.hpp, deferred_kv_scan). It must reject what the scan before the kernel
 // rejects, with the same message, before writing out or lse, also where the mask makes it skip the rows.
-
-/// The message of the error `run` throws (value_error expected), or "" when it throws nothing.
-template <class F>
-std::string value_error_text(F&& run) {
-    try {
-        run();
-    } catch (const attend::value_error& e) {
-        return e.what();
-    }
-    return "";
-}
 
 /// q [1, 4, 1, 8] over k, v [1, 2, 2600, 8]: 2600 keys are two decode chunks (2048 keys at this size).
 qkv decode_inputs() { return make(1, 4, 2, 1, 2600, 8, 8); }

@@ -29,6 +29,7 @@
 #include "kernel_interface.hpp"
 #include "memory.hpp"
 #include "paged_view.hpp"
+#include "parallel_for.hpp"
 #include "q8_rows.hpp"
 #include "widen.hpp"
 
@@ -48,24 +49,58 @@ template <class View>
     throw_non_finite_at(concat(name, ' ', spell_view(x)), value, where);
 }
 
+/// Whether row `row` of n values holds a NaN or an +-inf.
+template <class T>
+bool row_non_finite(const T* row, index n) {
+    if constexpr (sizeof(T) == 2) {  // 16-bit: an all-ones exponent, found on the bits
+        return any_non_finite_16(row, n);
+    } else {
+        // x * 0 is 0 for every finite x and NaN for NaN and +-inf: one vectorized sum per row finds out (a scalar
+        // isfinite scan cost as much as the tiled kernel itself when decoding).
+        const auto a = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, n);
+        return std::isnan((a * T(0)).sum());
+    }
+}
+
+/// The threads a scan of `elements` values uses: one below 2^18 values (a decode's few rows), where starting a
+/// thread costs more than it saves; otherwise the call's.
+inline int scan_threads(int threads, index elements) { return elements < (index(1) << 18) ? 1 : threads; }
+
+/// Runs unit(n) for n in [0, units) on `threads` threads and returns whether every unit returned true and threw
+/// nothing. The scans below run their (batch, head) units this way and, when one is not clean, scan again on one
+/// thread in order, so the error a call gets (the first bad element, the first allocation that fails) does not
+/// depend on the thread count.
+template <class Unit>
+bool all_units_clean(index units, int threads, Unit&& unit) {
+    std::vector<char> clean(static_cast<std::size_t>(std::max<index>(units, 0)), 0);
+    parallel_for(units, threads, [&](index n, int) {
+        try {
+            clean[static_cast<std::size_t>(n)] = unit(n) ? 1 : 0;
+        } catch (...) {  // noted; the scan on one thread throws it again, in order
+        }
+    });
+    return std::all_of(clean.begin(), clean.end(), [](char c) { return c != 0; });
+}
+
 /// Throws value_error attend.value.non_finite naming the first NaN or +-inf of x (a strided or paged view) and
-/// where it is.
+/// where it is. With threads > 1, large views are scanned a (batch, head) per unit first.
 template <class View>
-void check_finite(const View& x, const char* name) {
+void check_finite(const View& x, const char* name, int threads = 1) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(x.row(0, 0, 0))>>;
     using Acc = accumulator_t<T>;  // 16-bit values widen to float, exactly: NaN stays NaN, inf stays inf
+    const index heads = x.dims[0] * x.dims[1];
+    threads = scan_threads(threads, heads * x.dims[2] * x.dims[3]);
+    if (threads > 1 && all_units_clean(heads, threads, [&](index n) {
+            for (index i = 0; i < x.dims[2]; ++i)
+                if (row_non_finite(x.row(n / x.dims[1], n % x.dims[1], i), x.dims[3])) return false;
+            return true;
+        }))
+        return;
     for (index b = 0; b < x.dims[0]; ++b)
         for (index h = 0; h < x.dims[1]; ++h)
             for (index i = 0; i < x.dims[2]; ++i) {
                 const T* row = x.row(b, h, i);
-                if constexpr (sizeof(T) == 2) {  // 16-bit: an all-ones exponent, found on the bits
-                    if (!any_non_finite_16(row, x.dims[3])) continue;
-                } else {
-                    // x * 0 is 0 for every finite x and NaN for NaN and +-inf: one vectorized sum per row finds
-                    // out (a scalar isfinite scan cost as much as the tiled kernel itself when decoding).
-                    const auto a = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(row, x.dims[3]);
-                    if (!std::isnan((a * T(0)).sum())) continue;
-                }
+                if (!row_non_finite(row, x.dims[3])) continue;
                 for (index d = 0; d < x.dims[3]; ++d)
                     if (!std::isfinite(static_cast<Acc>(row[d]))) throw_non_finite(x, b, h, i, d, name);
             }
@@ -73,7 +108,7 @@ void check_finite(const View& x, const char* name) {
 
 /// q8_0 blocks are finite by construction: the cache rejected non-finite values when it quantized them, and a
 /// scale of a finite block is finite.
-inline void check_finite(const q8_view&, const char*) {}
+inline void check_finite(const q8_view&, const char*, int = 1) {}
 
 /// The largest |x_d| and an upper bound of the largest row sum of |x_d| of one (batch, head) of a view. The same
 /// pass is check_finite's for q and k: a non-finite element throws attend.value.non_finite naming it.
@@ -167,7 +202,8 @@ bool pairs_fit(const row_magnitudes& queries, long double key_max_abs, Acc scale
 /// or paged, of q's type or 16-bit); the scores are computed in Acc, which sets the range (float for 16-bit
 /// storage: fp16 scores beyond 65504 are normal and fine).
 template <class T, class KeyView, class Acc>
-void check_scores_fit(const strided_view<const T>& q, const KeyView& k, const attention_shape& s, Acc scale) {
+void check_scores_fit(const strided_view<const T>& q, const KeyView& k, const attention_shape& s, Acc scale,
+                      int threads = 1) {
     const long double limit = static_cast<long double>(std::numeric_limits<Acc>::max()) / 2;
     const long double sc = static_cast<long double>(scale), grow = std::max<long double>(1, sc);
     std::vector<row_magnitudes> queries, keys;
@@ -181,12 +217,18 @@ void check_scores_fit(const strided_view<const T>& q, const KeyView& k, const at
                                    2 * sizeof(row_magnitudes));
         },
         "Split the call over the batch");
-    for (index b = 0; b < s.batch; ++b)
-        for (index h = 0; h < s.heads; ++h)
-            queries[static_cast<std::size_t>(b * s.heads + h)] = scan_magnitudes(q, b, h, "query");
-    for (index b = 0; b < s.batch; ++b)
-        for (index h = 0; h < s.kv_heads; ++h)
-            keys[static_cast<std::size_t>(b * s.kv_heads + h)] = scan_magnitudes(k, b, h, "key");
+    const index query_heads = s.batch * s.heads, key_heads = s.batch * s.kv_heads;
+    const auto scan = [&](index n) {  // unit n: query head n, then key head n - query_heads
+        if (n < query_heads)
+            queries[static_cast<std::size_t>(n)] = scan_magnitudes(q, n / s.heads, n % s.heads, "query");
+        else
+            keys[static_cast<std::size_t>(n - query_heads)] =
+                scan_magnitudes(k, (n - query_heads) / s.kv_heads, (n - query_heads) % s.kv_heads, "key");
+        return true;
+    };
+    threads = scan_threads(threads, (s.query_len + s.key_len) * s.batch * s.heads * s.head_dim);
+    if (threads <= 1 || !all_units_clean(query_heads + key_heads, threads, scan))
+        for (index n = 0; n < query_heads + key_heads; ++n) scan(n);  // in order: throws the first error
     for (index b = 0; b < s.batch; ++b)
         for (index h = 0; h < s.heads; ++h) {
             const index kvh = s.kv_head(h);
@@ -218,9 +260,9 @@ void check_scores_fit(const strided_view<const T>& q, const KeyView& k, const at
 /// check_finite's scan of k and v: every score q.k must fit the accumulation type, and v must be finite.
 template <class T, class Rows>
 void scan_keys_and_values(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
-                          accumulator_t<T> scale) {
-    check_scores_fit(q, k, s, scale);
-    check_finite(v, "value");
+                          accumulator_t<T> scale, int threads = 1) {
+    check_scores_fit(q, k, s, scale, threads);
+    check_finite(v, "value", threads);
 }
 
 /// check_finite's scan of k and v for a kernel that reads them anyway (deferred_kv_scan): the call's q, k, v and
@@ -234,10 +276,10 @@ public:
                accumulator_t<T> scale)
         : q_(q), k_(k), v_(v), s_(s), scale_(scale) {}
 
-    void scan_now() const override { scan_keys_and_values(q_, k_, v_, s_, scale_); }
+    void scan_now(int threads) const override { scan_keys_and_values(q_, k_, v_, s_, scale_, threads); }
 
     void verify(const std::vector<double>& key_max_abs, bool non_finite) const override {
-        if (non_finite) return scan_now();  // finds the first bad element and names it
+        if (non_finite) return scan_now(1);  // finds the first bad element and names it
         const long double limit = static_cast<long double>(std::numeric_limits<accumulator_t<T>>::max()) / 2;
         for (index b = 0; b < s_.batch; ++b)
             for (index h = 0; h < s_.heads; ++h) {
@@ -245,7 +287,7 @@ public:
                 const auto km =
                     static_cast<long double>(key_max_abs[static_cast<std::size_t>(b * s_.kv_heads + s_.kv_head(h))]);
                 if (static_cast<long double>(scale_) * qm.max_abs > limit || !pairs_fit(qm, km, scale_))
-                    return scan_now();
+                    return scan_now(1);
             }
     }
 

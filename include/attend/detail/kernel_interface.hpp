@@ -59,9 +59,9 @@ struct attention_outputs {
 /// writes any output, so the default options do not read K and V twice; any other path runs the scan first.
 class deferred_kv_scan {
 public:
-    /// The scan as check_call runs it before a kernel: throws value_error attend.value.non_finite or
-    /// attend.value.score_overflow.
-    virtual void scan_now() const = 0;
+    /// The scan as check_call runs it before a kernel, on up to `threads` threads (the same error for any
+    /// count): throws value_error attend.value.non_finite or attend.value.score_overflow.
+    virtual void scan_now(int threads) const = 0;
     /// The verdict from what a pass over every key and value row found: `key_max_abs` `[batch * kv_heads]` the
     /// largest |k| of each (batch, kv head) as the kernel computes with it, `non_finite` whether any key or value
     /// was NaN or +-inf. Throws exactly what scan_now would throw (it runs scan_now whenever the findings do not

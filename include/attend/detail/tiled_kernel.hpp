@@ -211,7 +211,7 @@ public:
     void run(int threads) {
         const bool decode = s_.query_len <= c_.decode_queries && o_.weights == nullptr && s_.key_len > c_.decode_chunk;
         // Only the decode path scans keys and values in its own pass: elsewhere the scan goes first.
-        if (p_.kv_scan && !(decode && s_.batch > 0 && s_.query_len > 0)) p_.kv_scan->scan_now();
+        if (p_.kv_scan && !(decode && s_.batch > 0 && s_.query_len > 0)) p_.kv_scan->scan_now(threads);
         if (s_.batch == 0 || s_.query_len == 0) return;
         if (decode) run_decode(threads);
         else run_blocks(threads);
