@@ -162,6 +162,7 @@ struct checked_call {
     attend::kernel kernel = attend::kernel::automatic;
     int threads = 1;                ///< resolved: >= 1
     bool kv_scan_deferred = false;  ///< check_finite's scan of k and v is left to run_checked (deferred_kv_scan)
+    std::vector<row_magnitudes> query_magnitudes;  ///< then q's, per (batch, head), from check_call's scan of q
 };
 
 /// Every check of an attention call, in data-path order: options, mask against the shape, finite inputs, empty
@@ -172,10 +173,11 @@ struct checked_call {
 template <class T, class Rows, class Mask>
 auto check_call(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
                 const Mask& mask, const sdpa_options& o, bool defer_kv_scan = false) {
-    checked_call<T, decltype(mask.bind(s))> call{checked_params<T>(s, o), mask.bind(s), o.kernel,
-                                                 resolve_threads(o.threads)};
+    checked_call<T, decltype(mask.bind(s))> call{checked_params<T>(s, o),    mask.bind(s), o.kernel,
+                                                 resolve_threads(o.threads), false,        {}};
     if (o.check_finite && defer_kv_scan) {
-        check_finite(q, "query", call.threads);
+        // check_finite of q (the same first bad element named), and q's side of the score-range rule for later.
+        call.query_magnitudes = head_magnitudes(q, "query", call.threads);
         call.kv_scan_deferred = true;
     } else if (o.check_finite) {
         scan_keys_and_values(q, k, v, s, call.params.scale, call.threads);
@@ -218,7 +220,8 @@ template <class T, class Rows, class Bound>
 void run_checked(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
                  const checked_call<T, Bound>& call, const attention_outputs<T>& out) {
     using Acc = accumulator_t<T>;
-    const kv_scan_of<T, Rows> kv_scan(q, k, v, s, call.params.scale);
+    const kv_scan_of<T, Rows> kv_scan(q, k, v, s, call.params.scale,
+                                      call.kv_scan_deferred ? &call.query_magnitudes : nullptr);
     if (call.kv_scan_deferred && call.kernel != kernel::reference) {
         auto params = call.params;
         params.kv_scan = &kv_scan;

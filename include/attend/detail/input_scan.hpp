@@ -197,38 +197,43 @@ bool pairs_fit(const row_magnitudes& queries, long double key_max_abs, Acc scale
     return std::max<long double>(1, static_cast<long double>(scale)) * queries.max_l1 * key_max_abs <= limit;
 }
 
+/// scan_magnitudes of every (batch, head) of x (q or k, strided or paged), in that order: on `threads` threads for
+/// large views, then on one in order when a unit found anything, so a non-finite element is named as
+/// check_finite names it.
+template <class View>
+std::vector<row_magnitudes> head_magnitudes(const View& x, const char* name, int threads) {
+    const index heads = x.dims[0] * x.dims[1];
+    std::vector<row_magnitudes> m;
+    allocating([&] { m.resize(static_cast<std::size_t>(heads)); },
+               [&] {
+                   return allocation_text("the input scan's per-head magnitudes",
+                                          std::array<index, 2>{x.dims[0], x.dims[1]}, sizeof(row_magnitudes));
+               },
+               "Split the call over the batch");
+    const auto scan = [&](index n) {
+        m[static_cast<std::size_t>(n)] = scan_magnitudes(x, n / x.dims[1], n % x.dims[1], name);
+        return true;
+    };
+    threads = scan_threads(threads, heads * x.dims[2] * x.dims[3]);
+    if (threads <= 1 || !all_units_clean(heads, threads, scan))
+        for (index n = 0; n < heads; ++n) scan(n);  // in order: throws the first error
+    return m;
+}
+
 /// check_finite of q and k and the rule of the file comment in the same pass: throws value_error
 /// attend.value.non_finite or attend.value.score_overflow. q, k are checked views of a call of shape s (k strided
 /// or paged, of q's type or 16-bit); the scores are computed in Acc, which sets the range (float for 16-bit
-/// storage: fp16 scores beyond 65504 are normal and fine).
+/// storage: fp16 scores beyond 65504 are normal and fine). `known_queries`: q's head_magnitudes when the caller
+/// has them already (check_call scanned q first), so q is not read twice.
 template <class T, class KeyView, class Acc>
 void check_scores_fit(const strided_view<const T>& q, const KeyView& k, const attention_shape& s, Acc scale,
-                      int threads = 1) {
+                      int threads = 1, const std::vector<row_magnitudes>* known_queries = nullptr) {
     const long double limit = static_cast<long double>(std::numeric_limits<Acc>::max()) / 2;
     const long double sc = static_cast<long double>(scale), grow = std::max<long double>(1, sc);
-    std::vector<row_magnitudes> queries, keys;
-    allocating(
-        [&] {
-            queries.resize(static_cast<std::size_t>(s.batch * s.heads));
-            keys.resize(static_cast<std::size_t>(s.batch * s.kv_heads));
-        },
-        [&] {
-            return allocation_text("the input scan's per-head magnitudes", std::array<index, 2>{s.batch, s.heads},
-                                   2 * sizeof(row_magnitudes));
-        },
-        "Split the call over the batch");
-    const index query_heads = s.batch * s.heads, key_heads = s.batch * s.kv_heads;
-    const auto scan = [&](index n) {  // unit n: query head n, then key head n - query_heads
-        if (n < query_heads)
-            queries[static_cast<std::size_t>(n)] = scan_magnitudes(q, n / s.heads, n % s.heads, "query");
-        else
-            keys[static_cast<std::size_t>(n - query_heads)] =
-                scan_magnitudes(k, (n - query_heads) / s.kv_heads, (n - query_heads) % s.kv_heads, "key");
-        return true;
-    };
-    threads = scan_threads(threads, (s.query_len + s.key_len) * s.batch * s.heads * s.head_dim);
-    if (threads <= 1 || !all_units_clean(query_heads + key_heads, threads, scan))
-        for (index n = 0; n < query_heads + key_heads; ++n) scan(n);  // in order: throws the first error
+    const std::vector<row_magnitudes> scanned = known_queries ? std::vector<row_magnitudes>{}
+                                                              : head_magnitudes(q, "query", threads);
+    const std::vector<row_magnitudes>& queries = known_queries ? *known_queries : scanned;
+    const std::vector<row_magnitudes> keys = head_magnitudes(k, "key", threads);
     for (index b = 0; b < s.batch; ++b)
         for (index h = 0; h < s.heads; ++h) {
             const index kvh = s.kv_head(h);
@@ -260,8 +265,9 @@ void check_scores_fit(const strided_view<const T>& q, const KeyView& k, const at
 /// check_finite's scan of k and v: every score q.k must fit the accumulation type, and v must be finite.
 template <class T, class Rows>
 void scan_keys_and_values(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
-                          accumulator_t<T> scale, int threads = 1) {
-    check_scores_fit(q, k, s, scale, threads);
+                          accumulator_t<T> scale, int threads = 1,
+                          const std::vector<row_magnitudes>* known_queries = nullptr) {
+    check_scores_fit(q, k, s, scale, threads, known_queries);
     check_finite(v, "value", threads);
 }
 
@@ -272,18 +278,20 @@ void scan_keys_and_values(const strided_view<const T>& q, const Rows& k, const R
 template <class T, class Rows>
 class kv_scan_of final : public deferred_kv_scan {
 public:
+    /// `queries`: q's head_magnitudes, when check_call has them (then q is not scanned again), or null.
     kv_scan_of(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
-               accumulator_t<T> scale)
-        : q_(q), k_(k), v_(v), s_(s), scale_(scale) {}
+               accumulator_t<T> scale, const std::vector<row_magnitudes>* queries)
+        : q_(q), k_(k), v_(v), s_(s), scale_(scale), queries_(queries) {}
 
-    void scan_now(int threads) const override { scan_keys_and_values(q_, k_, v_, s_, scale_, threads); }
+    void scan_now(int threads) const override { scan_keys_and_values(q_, k_, v_, s_, scale_, threads, queries_); }
 
     void verify(const std::vector<double>& key_max_abs, bool non_finite) const override {
         if (non_finite) return scan_now(1);  // finds the first bad element and names it
         const long double limit = static_cast<long double>(std::numeric_limits<accumulator_t<T>>::max()) / 2;
         for (index b = 0; b < s_.batch; ++b)
             for (index h = 0; h < s_.heads; ++h) {
-                const row_magnitudes qm = scan_magnitudes(q_, b, h, "query");
+                const row_magnitudes qm = queries_ ? (*queries_)[static_cast<std::size_t>(b * s_.heads + h)]
+                                                   : scan_magnitudes(q_, b, h, "query");
                 const auto km =
                     static_cast<long double>(key_max_abs[static_cast<std::size_t>(b * s_.kv_heads + s_.kv_head(h))]);
                 if (static_cast<long double>(scale_) * qm.max_abs > limit || !pairs_fit(qm, km, scale_))
@@ -296,6 +304,7 @@ private:
     Rows k_, v_;
     attention_shape s_;
     accumulator_t<T> scale_;
+    const std::vector<row_magnitudes>* queries_ = nullptr;
 };
 
 }  // namespace attend::detail
