@@ -162,7 +162,7 @@ struct checked_call {
     attend::kernel kernel = attend::kernel::automatic;
     int threads = 1;                ///< resolved: >= 1
     bool kv_scan_deferred = false;  ///< check_finite's scan of k and v is left to run_checked (deferred_kv_scan)
-    std::vector<row_magnitudes> query_magnitudes;  ///< then q's, per (batch, head), from check_call's scan of q
+    std::vector<row_magnitudes> query_magnitudes{};  ///< then q's, per (batch, head), from check_call's scan of q
 };
 
 /// Every check of an attention call, in data-path order: options, mask against the shape, finite inputs, empty
@@ -173,8 +173,8 @@ struct checked_call {
 template <class T, class Rows, class Mask>
 auto check_call(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
                 const Mask& mask, const sdpa_options& o, bool defer_kv_scan = false) {
-    checked_call<T, decltype(mask.bind(s))> call{checked_params<T>(s, o),    mask.bind(s), o.kernel,
-                                                 resolve_threads(o.threads), false,        {}};
+    checked_call<T, decltype(mask.bind(s))> call{checked_params<T>(s, o), mask.bind(s), o.kernel,
+                                                 resolve_threads(o.threads)};
     if (o.check_finite && defer_kv_scan) {
         // check_finite of q (the same first bad element named), and q's side of the score-range rule for later.
         call.query_magnitudes = head_magnitudes(q, "query", call.threads);
@@ -220,14 +220,15 @@ template <class T, class Rows, class Bound>
 void run_checked(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
                  const checked_call<T, Bound>& call, const attention_outputs<T>& out) {
     using Acc = accumulator_t<T>;
-    const kv_scan_of<T, Rows> kv_scan(q, k, v, s, call.params.scale,
-                                      call.kv_scan_deferred ? &call.query_magnitudes : nullptr);
-    if (call.kv_scan_deferred && call.kernel != kernel::reference) {
-        auto params = call.params;
-        params.kv_scan = &kv_scan;
-        return tiled_attention(q, k, v, s, call.mask, params, out, call.threads);
+    if (call.kv_scan_deferred) {
+        const kv_scan_of<T, Rows> kv_scan(q, k, v, s, call.params.scale, call.query_magnitudes);
+        if (call.kernel != kernel::reference) {
+            auto params = call.params;
+            params.kv_scan = &kv_scan;
+            return tiled_attention(q, k, v, s, call.mask, params, out, call.threads);
+        }
+        kv_scan.scan_now(call.threads);
     }
-    if (call.kv_scan_deferred) kv_scan.scan_now(call.threads);
     if (call.kernel != kernel::reference) return tiled_attention(q, k, v, s, call.mask, call.params, out, call.threads);
     if constexpr (std::is_same_v<T, Acc> && std::is_same_v<Rows, strided_view<const T>>) {
         reference_attention(q, k, v, s, call.mask, call.params, out);

@@ -62,48 +62,44 @@ bool row_non_finite(const T* row, index n) {
     }
 }
 
-/// The threads a scan of `elements` values uses: one below 2^18 values (a decode's few rows), where starting a
-/// thread costs more than it saves; otherwise the call's.
-inline int scan_threads(int threads, index elements) { return elements < (index(1) << 18) ? 1 : threads; }
-
-/// Runs unit(n) for n in [0, units) on `threads` threads and returns whether every unit returned true and threw
-/// nothing. The scans below run their (batch, head) units this way and, when one is not clean, scan again on one
-/// thread in order, so the error a call gets (the first bad element, the first allocation that fails) does not
-/// depend on the thread count.
+/// Runs unit(n) for every n in [0, units) (a scan's (batch, head) units, `elements` values in all; a unit throws
+/// at the first bad element it meets), on `threads` threads when there are 2^18 values or more (below, a
+/// decode's few rows, starting a thread costs more than it saves). A unit that throws there only notes it; then
+/// every unit runs again on this thread in order, so the error a call gets (the first bad element, the first
+/// allocation that fails) does not depend on the thread count.
 template <class Unit>
-bool all_units_clean(index units, int threads, Unit&& unit) {
-    std::vector<char> clean(static_cast<std::size_t>(std::max<index>(units, 0)), 0);
-    parallel_for(units, threads, [&](index n, int) {
-        try {
-            clean[static_cast<std::size_t>(n)] = unit(n) ? 1 : 0;
-        } catch (...) {  // noted; the scan on one thread throws it again, in order
-        }
-    });
-    return std::all_of(clean.begin(), clean.end(), [](char c) { return c != 0; });
+void scan_units(index units, index elements, int threads, const Unit& unit) {
+    if (threads > 1 && elements >= (index(1) << 18)) {
+        std::vector<char> clean(static_cast<std::size_t>(std::max<index>(units, 0)), 0);
+        parallel_for(units, threads, [&](index n, int) {
+            try {
+                unit(n);
+                clean[static_cast<std::size_t>(n)] = 1;
+            } catch (...) {  // noted; the scan on this thread throws it again, in order
+            }
+        });
+        if (std::all_of(clean.begin(), clean.end(), [](char c) { return c != 0; })) return;
+    }
+    for (index n = 0; n < units; ++n) unit(n);
 }
 
 /// Throws value_error attend.value.non_finite naming the first NaN or +-inf of x (a strided or paged view) and
-/// where it is. With threads > 1, large views are scanned a (batch, head) per unit first.
+/// where it is, a (batch, head) per unit of scan_units.
 template <class View>
 void check_finite(const View& x, const char* name, int threads = 1) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(x.row(0, 0, 0))>>;
     using Acc = accumulator_t<T>;  // 16-bit values widen to float, exactly: NaN stays NaN, inf stays inf
     const index heads = x.dims[0] * x.dims[1];
-    threads = scan_threads(threads, heads * x.dims[2] * x.dims[3]);
-    if (threads > 1 && all_units_clean(heads, threads, [&](index n) {
-            for (index i = 0; i < x.dims[2]; ++i)
-                if (row_non_finite(x.row(n / x.dims[1], n % x.dims[1], i), x.dims[3])) return false;
-            return true;
-        }))
-        return;
-    for (index b = 0; b < x.dims[0]; ++b)
-        for (index h = 0; h < x.dims[1]; ++h)
-            for (index i = 0; i < x.dims[2]; ++i) {
-                const T* row = x.row(b, h, i);
-                if (!row_non_finite(row, x.dims[3])) continue;
-                for (index d = 0; d < x.dims[3]; ++d)
-                    if (!std::isfinite(static_cast<Acc>(row[d]))) throw_non_finite(x, b, h, i, d, name);
-            }
+    const auto scan = [&](index n) {  // throws at the head's first bad element
+        const index b = n / x.dims[1], h = n % x.dims[1];
+        for (index i = 0; i < x.dims[2]; ++i) {
+            const T* row = x.row(b, h, i);
+            if (!row_non_finite(row, x.dims[3])) continue;
+            for (index d = 0; d < x.dims[3]; ++d)
+                if (!std::isfinite(static_cast<Acc>(row[d]))) throw_non_finite(x, b, h, i, d, name);
+        }
+    };
+    scan_units(heads, heads * x.dims[2] * x.dims[3], threads, scan);
 }
 
 /// q8_0 blocks are finite by construction: the cache rejected non-finite values when it quantized them, and a
@@ -197,9 +193,8 @@ bool pairs_fit(const row_magnitudes& queries, long double key_max_abs, Acc scale
     return std::max<long double>(1, static_cast<long double>(scale)) * queries.max_l1 * key_max_abs <= limit;
 }
 
-/// scan_magnitudes of every (batch, head) of x (q or k, strided or paged), in that order: on `threads` threads for
-/// large views, then on one in order when a unit found anything, so a non-finite element is named as
-/// check_finite names it.
+/// scan_magnitudes of every (batch, head) of x (q or k, strided or paged), in that order, a (batch, head) per unit
+/// of scan_units: a non-finite element is named as check_finite names it.
 template <class View>
 std::vector<row_magnitudes> head_magnitudes(const View& x, const char* name, int threads) {
     const index heads = x.dims[0] * x.dims[1];
@@ -210,13 +205,9 @@ std::vector<row_magnitudes> head_magnitudes(const View& x, const char* name, int
                                           std::array<index, 2>{x.dims[0], x.dims[1]}, sizeof(row_magnitudes));
                },
                "Split the call over the batch");
-    const auto scan = [&](index n) {
+    scan_units(heads, heads * x.dims[2] * x.dims[3], threads, [&](index n) {
         m[static_cast<std::size_t>(n)] = scan_magnitudes(x, n / x.dims[1], n % x.dims[1], name);
-        return true;
-    };
-    threads = scan_threads(threads, heads * x.dims[2] * x.dims[3]);
-    if (threads <= 1 || !all_units_clean(heads, threads, scan))
-        for (index n = 0; n < heads; ++n) scan(n);  // in order: throws the first error
+    });
     return m;
 }
 
@@ -278,20 +269,19 @@ void scan_keys_and_values(const strided_view<const T>& q, const Rows& k, const R
 template <class T, class Rows>
 class kv_scan_of final : public deferred_kv_scan {
 public:
-    /// `queries`: q's head_magnitudes, when check_call has them (then q is not scanned again), or null.
+    /// `queries`: q's head_magnitudes from check_call's scan of q, which q is not scanned again after.
     kv_scan_of(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
-               accumulator_t<T> scale, const std::vector<row_magnitudes>* queries)
+               accumulator_t<T> scale, const std::vector<row_magnitudes>& queries)
         : q_(q), k_(k), v_(v), s_(s), scale_(scale), queries_(queries) {}
 
-    void scan_now(int threads) const override { scan_keys_and_values(q_, k_, v_, s_, scale_, threads, queries_); }
+    void scan_now(int threads) const override { scan_keys_and_values(q_, k_, v_, s_, scale_, threads, &queries_); }
 
     void verify(const std::vector<double>& key_max_abs, bool non_finite) const override {
         if (non_finite) return scan_now(1);  // finds the first bad element and names it
         const long double limit = static_cast<long double>(std::numeric_limits<accumulator_t<T>>::max()) / 2;
         for (index b = 0; b < s_.batch; ++b)
             for (index h = 0; h < s_.heads; ++h) {
-                const row_magnitudes qm = queries_ ? (*queries_)[static_cast<std::size_t>(b * s_.heads + h)]
-                                                   : scan_magnitudes(q_, b, h, "query");
+                const row_magnitudes& qm = queries_[static_cast<std::size_t>(b * s_.heads + h)];
                 const auto km =
                     static_cast<long double>(key_max_abs[static_cast<std::size_t>(b * s_.kv_heads + s_.kv_head(h))]);
                 if (static_cast<long double>(scale_) * qm.max_abs > limit || !pairs_fit(qm, km, scale_))
@@ -304,7 +294,7 @@ private:
     Rows k_, v_;
     attention_shape s_;
     accumulator_t<T> scale_;
-    const std::vector<row_magnitudes>* queries_ = nullptr;
+    const std::vector<row_magnitudes>& queries_;
 };
 
 }  // namespace attend::detail
