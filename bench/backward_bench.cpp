@@ -6,6 +6,7 @@
 //
 //   backward/L/threads          tiled backward (kernel::automatic), out and lse from one forward pass in setup
 //   backward_causal/L/threads   causal(top_left): half the flops, counted as such
+//   backward<bfloat16>/L/threads  backward's case with bf16 q, k, v, out and d_out (float lse), bf16 gradients
 #include <benchmark/benchmark.h>
 
 #include "bench_common.hpp"
@@ -14,18 +15,18 @@ namespace {
 
 using attend_bench::index;
 
-template <class Mask>
+template <class T, class Mask>
 void run_backward(benchmark::State& state, const Mask& mask, double flops_fraction) {
     const index len = state.range(0), heads = 8, dim = 64;
-    const auto q = attend_bench::random_tensor<float, 4>(1, {1, heads, len, dim});
-    const auto k = attend_bench::random_tensor<float, 4>(2, {1, heads, len, dim});
-    const auto v = attend_bench::random_tensor<float, 4>(3, {1, heads, len, dim});
-    const auto d_out = attend_bench::random_tensor<float, 4>(4, {1, heads, len, dim});
+    const auto q = attend_bench::random_tensor<T, 4>(1, {1, heads, len, dim});
+    const auto k = attend_bench::random_tensor<T, 4>(2, {1, heads, len, dim});
+    const auto v = attend_bench::random_tensor<T, 4>(3, {1, heads, len, dim});
+    const auto d_out = attend_bench::random_tensor<T, 4>(4, {1, heads, len, dim});
     attend::sdpa_options o;
     o.threads = static_cast<int>(state.range(1));
     o.need_lse = true;
     const auto forward = attend::scaled_dot_product_attention(q, k, v, mask, o);
-    attend::tensor<float, 4> dq(q.dimensions()), dk(k.dimensions()), dv(v.dimensions());
+    attend::tensor<T, 4> dq(q.dimensions()), dk(k.dimensions()), dv(v.dimensions());
     for (auto _ : state) {
         attend::scaled_dot_product_attention_backward_into(q, k, v, forward.out, forward.lse, d_out, mask, dq, dk, dv,
                                                            o);
@@ -37,9 +38,14 @@ void run_backward(benchmark::State& state, const Mask& mask, double flops_fracti
     attend_bench::set_flops(state, 2.5 * flops_fraction * attend_bench::attention_flops(1, heads, len, len, dim));
 }
 
-void backward(benchmark::State& state) { run_backward(state, attend::no_mask{}, 1.0); }
+template <class T = float>
+void backward(benchmark::State& state) {
+    run_backward<T>(state, attend::no_mask{}, 1.0);
+}
 
-void backward_causal(benchmark::State& state) { run_backward(state, attend::causal(attend::alignment::top_left), 0.5); }
+void backward_causal(benchmark::State& state) {
+    run_backward<float>(state, attend::causal(attend::alignment::top_left), 0.5);
+}
 
 void lengths_and_threads(benchmark::internal::Benchmark* b) {
     for (int threads : {1, 2})
@@ -49,4 +55,9 @@ void lengths_and_threads(benchmark::internal::Benchmark* b) {
 }  // namespace
 
 BENCHMARK(backward)->Apply(lengths_and_threads)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_TEMPLATE(backward, Eigen::bfloat16)
+    ->Args({2048, 1})
+    ->Args({2048, 2})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(backward_causal)->Args({2048, 1})->Args({2048, 2})->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -15,10 +15,11 @@
 /// a T5 relative-position table. With sinks (sinks.hpp) P's rows sum to 1 - p_sink, lse includes the sink, the
 /// formulas above hold as written, and d sink = -sum over rows of p_sink D (the sink is a score with no value).
 ///
-/// 16-bit storage (Eigen::half, Eigen::bfloat16 q, k, v, out, d_out, with the forward's float lse): the inputs are
-/// widened to float copies, the float kernels compute everything in float, and the gradients are rounded to the
-/// storage type once (or, with float outputs passed to the _into form, not at all). The copies cost as much
-/// memory again as the inputs, in float.
+/// 16-bit storage (Eigen::half, Eigen::bfloat16 q, k, v, out, d_out, with the forward's float lse): the tiled kernel
+/// reads the 16-bit inputs in place, widening each tile into its float scratch, computes everything in float, and
+/// rounds the gradients to the storage type once (or, with float outputs passed to the _into form, not at all).
+/// The gradients are then those of the float backward on the same values, bit for bit; no float copy of an input
+/// is made (kernel::reference, the oracle, works on float copies).
 
 #include <algorithm>
 #include <array>
@@ -68,30 +69,25 @@ namespace detail {
 template <class T>
 inline constexpr bool is_16bit_v = std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>;
 
-/// A 16-bit input of the backward widened to a float tensor of its shape, exactly (widen.hpp).
-template <class X>
-tensor<float, rank_of<X>()> widened_input(const X& x, const char* what) {
-    require_row_major_tensor<X>();
-    tensor<float, rank_of<X>()> copy;
-    resize_guarded(copy, x.dimensions(), what, "the 16-bit backward widens its inputs to float copies first");
-    widen(x.data(), x.size(), copy.data());
-    return copy;
-}
-
-/// y = x, element by element, rounded once to y's type (same shape and size).
-template <class X, class Y>
-void round_into(const X& x, Y&& y) {
-    using U = scalar_of<std::decay_t<Y>>;
-    std::transform(x.data(), x.data() + x.size(), y.data(), [](const auto v) { return static_cast<U>(v); });
-}
-
-/// A float tensor rounded once to U, in a new tensor.
-template <class U, int Rank>
-tensor<U, Rank> rounded(const tensor<float, Rank>& x) {
-    tensor<U, Rank> y;
-    resize_guarded(y, x.dimensions(), "a 16-bit gradient", "the gradients are as large as q, k and v");
-    round_into(x, y);
+/// A contiguous view of x's dims over `data` (x.size() elements).
+template <class F, class T>
+strided_view<F> contiguous_like(const strided_view<T>& x, F* data) {
+    strided_view<F> y;
+    y.data = data;
+    y.dims = x.dims;
+    y.strides = {x.dims[1] * x.dims[2] * x.dims[3], x.dims[2] * x.dims[3], x.dims[3], 1};
+    y.rank = x.rank;
     return y;
+}
+
+/// Every row of view x, each rounded once to the type of view y (same dims; widening is exact).
+template <class X, class Y>
+void convert_rows(const strided_view<X>& x, const strided_view<Y>& y) {
+    for (index b = 0; b < x.dims[0]; ++b)
+        for (index h = 0; h < x.dims[1]; ++h)
+            for (index i = 0; i < x.dims[2]; ++i)
+                std::transform(x.row(b, h, i), x.row(b, h, i) + x.dims[3], y.row(b, h, i),
+                               [](const auto v) { return static_cast<std::remove_const_t<Y>>(v); });
 }
 
 /// A backward call that passed every check.
@@ -123,8 +119,8 @@ void check_view_dims(const View& x, const std::array<index, 4>& expected, int ra
 /// d_out (attend.shape.backward_out, backward_lse, backward_d_out), the gradient outputs when `out` is not null
 /// (attend.shape.backward_dq, backward_dk, backward_dv), finite out and d_out and an lse without NaN or +inf
 /// when check_finite is on (attend.value.non_finite, attend.value.lse).
-template <class T, class Mask>
-auto check_backward(const backward_inputs<T>& in, const gradient_outputs<T>* out, const Mask& mask,
+template <class T, class G, class Mask>
+auto check_backward(const backward_inputs<T>& in, const gradient_outputs<G>* out, const Mask& mask,
                     const sdpa_options& o) {
     const attention_shape s = check_views(in.q, in.k, in.v);
     if (!o.score_mod.empty() && !o.score_mod.has_derivative())
@@ -157,8 +153,8 @@ auto check_backward(const backward_inputs<T>& in, const gradient_outputs<T>* out
         check_finite(in.d_out, "d_out", resolve_threads(o.threads));
         const index rows = s.batch * s.heads * s.query_len;
         for (index n = 0; n < rows; ++n) {
-            const T x = in.lse[n];
-            if (std::isnan(x) || x == std::numeric_limits<T>::infinity())
+            const accumulator_t<T> x = in.lse[n];
+            if (std::isnan(x) || x == std::numeric_limits<accumulator_t<T>>::infinity())
                 throw value_error("attend.value.lse",
                                   concat("lse ", spell_lse(in), " holds ", x, " at flat index ", n,
                                          "; it must be finite, or -inf for a padded query or an empty row"));
@@ -167,12 +163,74 @@ auto check_backward(const backward_inputs<T>& in, const gradient_outputs<T>* out
     return checked;
 }
 
+/// kernel::reference on 16-bit inputs: the float oracle on exact float copies of the inputs, its gradients rounded
+/// once into 16-bit outputs (float outputs get them as they are). Everything is allocated before the first write.
+template <class T, class G, class Bound>
+void reference_backward_16bit(const backward_inputs<T>& in, const checked_backward<T, Bound>& checked,
+                              const gradient_outputs<G>& out) {
+    const attention_shape& s = checked.shape;
+    const auto& p = checked.call.params;
+    constexpr bool round = !std::is_same_v<G, float>;
+    const bool bias = round && out.score_bias_gradient && p.bias && !p.bias->empty();
+    const bool sinks = round && out.sink_gradient && p.has_sinks();
+    const std::array<const strided_view<const T>*, 5> inputs{&in.q, &in.k, &in.v, &in.out, &in.d_out};
+    std::array<index, 10> sizes{};  // q, k, v, out, d_out; then, when rounding, dq, dk, dv, bias and sink gradients
+    for (std::size_t n = 0; n < inputs.size(); ++n) sizes[n] = inputs[n]->size();
+    if (round) {
+        sizes[5] = out.dq.size();
+        sizes[6] = out.dk.size();
+        sizes[7] = out.dv.size();
+        sizes[8] = bias ? s.heads * (s.query_len + s.key_len - 1) : 0;
+        sizes[9] = sinks ? s.heads : 0;
+    }
+    std::array<aligned_vector<float>, 10> buffers;
+    allocating(
+        [&] {
+            for (std::size_t n = 0; n < buffers.size(); ++n) buffers[n].resize(static_cast<std::size_t>(sizes[n]));
+        },
+        [&] {
+            index total = 0;
+            for (const index n : sizes) total += n;
+            return allocation_text("kernel::reference's float copies of the 16-bit inputs and gradients (elements)",
+                                   std::array<index, 1>{total}, sizeof(float));
+        },
+        "the tiled kernel (the default) reads 16-bit inputs in place");
+    backward_inputs<float> f;
+    std::array<strided_view<const float>*, 5> copies{&f.q, &f.k, &f.v, &f.out, &f.d_out};
+    for (std::size_t n = 0; n < inputs.size(); ++n) {
+        convert_rows(*inputs[n], contiguous_like(*inputs[n], buffers[n].data()));
+        *copies[n] = contiguous_like(*inputs[n], static_cast<const float*>(buffers[n].data()));
+    }
+    f.lse = in.lse;
+    f.lse_dims = in.lse_dims;
+    f.lse_rank = in.lse_rank;
+    if constexpr (round) {
+        gradient_outputs<float> g;
+        g.dq = contiguous_like(out.dq, buffers[5].data());
+        g.dk = contiguous_like(out.dk, buffers[6].data());
+        g.dv = contiguous_like(out.dv, buffers[7].data());
+        g.score_bias_gradient = bias ? buffers[8].data() : nullptr;
+        g.sink_gradient = sinks ? buffers[9].data() : nullptr;
+        reference_backward(f, s, checked.call.mask, p, g);
+        convert_rows(g.dq, out.dq);
+        convert_rows(g.dk, out.dk);
+        convert_rows(g.dv, out.dv);
+        const auto to_g = [](float v) { return static_cast<G>(v); };
+        if (bias) std::transform(buffers[8].begin(), buffers[8].end(), out.score_bias_gradient, to_g);
+        if (sinks) std::transform(buffers[9].begin(), buffers[9].end(), out.sink_gradient, to_g);
+    } else {
+        reference_backward(f, s, checked.call.mask, p, out);
+    }
+}
+
 /// Runs the kernel of a checked backward call: kernel::reference is the oracle, anything else the tiled path.
-template <class T, class Bound>
+/// Gradients of type G: the storage type T, or float for 16-bit T.
+template <class T, class G, class Bound>
 void run_backward(const backward_inputs<T>& in, const checked_backward<T, Bound>& checked,
-                  const gradient_outputs<T>& out, const backward_tiling& tiling) {
+                  const gradient_outputs<G>& out, const backward_tiling& tiling) {
     if (checked.call.kernel == kernel::reference) {
-        reference_backward(in, checked.shape, checked.call.mask, checked.call.params, out);
+        if constexpr (is_16bit_v<T>) reference_backward_16bit(in, checked, out);
+        else reference_backward(in, checked.shape, checked.call.mask, checked.call.params, out);
         return;
     }
     with_mask_tiles(checked.call.mask, [&](const mask_tiles& mask) {
@@ -181,10 +239,11 @@ void run_backward(const backward_inputs<T>& in, const checked_backward<T, Bound>
     });
 }
 
-template <class T, class Bound>
+/// The tiles hold the accumulation type, so 16-bit inputs take float's tiling (and float's bits).
+template <class T, class G, class Bound>
 void run_backward(const backward_inputs<T>& in, const checked_backward<T, Bound>& checked,
-                  const gradient_outputs<T>& out) {
-    run_backward(in, checked, out, default_backward_tiling<T>(checked.shape));
+                  const gradient_outputs<G>& out) {
+    run_backward(in, checked, out, default_backward_tiling<accumulator_t<T>>(checked.shape));
 }
 
 /// The backward on strided views, for multi-head attention (heads read from and written to projected
@@ -210,7 +269,7 @@ constexpr void require_lse() {
         static_assert(traits::rank == Rank - 1,
                       "attend: lse has one axis less than the query: [batch, heads, query_len] for rank-4 inputs, "
                       "[batch, query_len] for rank 3");
-        static_assert(std::is_same_v<typename traits::scalar, T>,
+        static_assert(std::is_same_v<typename traits::scalar, accumulator_t<T>>,
                       "attend: lse must have the query's accumulation type (float for float, half and bfloat16 "
                       "inputs; double for double), as scaled_dot_product_attention returns it");
     }
@@ -238,7 +297,7 @@ auto backward_inputs_of(const Q& q, const K& k, const V& v, const Out& out, cons
     return in;
 }
 
-/// The allocating backward of float and double inputs.
+/// The allocating backward: gradients in the inputs' type.
 template <int rank, class Q, class K, class V, class Out, class Lse, class DOut, class Mask>
 auto backward_allocating(const Q& q, const K& k, const V& v, const Out& out, const Lse& lse, const DOut& d_out,
                          const Mask& mask, const sdpa_options& options) {
@@ -290,22 +349,7 @@ template <class Q, class K, class V, class Out, class Lse, class DOut, class Mas
 auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, const Out& out, const Lse& lse,
                                            const DOut& d_out, const Mask& mask, const sdpa_options& options = {}) {
     detail::require_mask<Mask>();
-    using T = detail::scalar_of<Q>;
-    constexpr int rank = detail::rank_of<Q>();
-    if constexpr (detail::is_16bit_v<T>) {  // float copies through the float backward, rounded once (file comment)
-        static_assert(std::is_same_v<T, detail::scalar_of<K>> && std::is_same_v<T, detail::scalar_of<V>> &&
-                          std::is_same_v<T, detail::scalar_of<Out>> && std::is_same_v<T, detail::scalar_of<DOut>>,
-                      "attend: query, key, value, out and d_out must have the same scalar type");
-        const auto g =
-            scaled_dot_product_attention_backward(detail::widened_input(q, "query"), detail::widened_input(k, "key"),
-                                                  detail::widened_input(v, "value"), detail::widened_input(out, "out"),
-                                                  lse, detail::widened_input(d_out, "d_out"), mask, options);
-        return attention_gradients<T, rank>{detail::rounded<T>(g.dq), detail::rounded<T>(g.dk),
-                                            detail::rounded<T>(g.dv), detail::rounded<T>(g.score_bias_gradient),
-                                            detail::rounded<T>(g.sink_gradient)};
-    } else {
-        return detail::backward_allocating<rank>(q, k, v, out, lse, d_out, mask, options);
-    }
+    return detail::backward_allocating<detail::rank_of<Q>()>(q, k, v, out, lse, d_out, mask, options);
 }
 
 /// Gradients of attention without a mask.
@@ -352,103 +396,49 @@ void scaled_dot_product_attention_backward_into(const Q& q, const K& k, const V&
                                                 SinkGrad&& sink_gradient = nullptr) {
     detail::require_mask<Mask>();
     using T = detail::scalar_of<Q>;
+    using G = detail::scalar_of<DQ>;  // T, or float for 16-bit inputs
     constexpr int rank = detail::rank_of<Q>();
-    if constexpr (detail::is_16bit_v<T>) {
-        // Float copies through the float backward (file comment); gradients rounded once into 16-bit outputs, or
-        // written straight into float ones.
-        using G = detail::scalar_of<std::decay_t<DQ>>;
-        static_assert(std::is_same_v<T, detail::scalar_of<K>> && std::is_same_v<T, detail::scalar_of<V>> &&
-                          std::is_same_v<T, detail::scalar_of<Out>> && std::is_same_v<T, detail::scalar_of<DOut>>,
-                      "attend: query, key, value, out and d_out must have the same scalar type");
-        static_assert((std::is_same_v<G, T> ||
-                       std::is_same_v<G, float>)&&std::is_same_v<G, detail::scalar_of<std::decay_t<DK>>> &&
-                          std::is_same_v<G, detail::scalar_of<std::decay_t<DV>>>,
-                      "attend: with 16-bit inputs, dq, dk and dv are all of the inputs' type or all float");
-        detail::check_no_aliasing(
-            {detail::named("query", detail::checked_input(q)), detail::named("key", detail::checked_input(k)),
-             detail::named("value", detail::checked_input(v)), detail::named("out", detail::checked_input(out)),
-             detail::named("d_out", detail::checked_input(d_out)),
-             detail::named("lse", lse.data(), std::array<index, 1>{lse.size()})},
-            {detail::named("dq", detail::as_mutable_view(dq)), detail::named("dk", detail::as_mutable_view(dk)),
-             detail::named("dv", detail::as_mutable_view(dv))});
-        const auto wq = detail::widened_input(q, "query"), wk = detail::widened_input(k, "key");
-        const auto wv = detail::widened_input(v, "value"), wout = detail::widened_input(out, "out");
-        const auto wd_out = detail::widened_input(d_out, "d_out");
-        if constexpr (std::is_same_v<G, float>) {
-            scaled_dot_product_attention_backward_into(wq, wk, wv, wout, lse, wd_out, mask, dq, dk, dv, options,
-                                                       score_bias_gradient, sink_gradient);
-        } else {
-            const char* hint = "16-bit gradients are computed in float copies first; pass float dq, dk, dv";
-            tensor<float, rank> fq, fk, fv;
-            detail::resize_guarded(fq, dq.dimensions(), "float dq", hint);
-            detail::resize_guarded(fk, dk.dimensions(), "float dk", hint);
-            detail::resize_guarded(fv, dv.dimensions(), "float dv", hint);
-            tensor<float, 2> f_bias;
-            tensor<float, 1> f_sink;
-            if constexpr (!std::is_same_v<std::decay_t<BiasGrad>, std::nullptr_t>)
-                detail::resize_guarded(f_bias, score_bias_gradient.dimensions(), "float score_bias_gradient", hint);
-            if constexpr (!std::is_same_v<std::decay_t<SinkGrad>, std::nullptr_t>)
-                detail::resize_guarded(f_sink, sink_gradient.dimensions(), "float sink_gradient", hint);
-            const auto bias_out = [&]() -> auto& {
-                if constexpr (std::is_same_v<std::decay_t<BiasGrad>, std::nullptr_t>) return score_bias_gradient;
-                else return f_bias;
-            };
-            const auto sink_out = [&]() -> auto& {
-                if constexpr (std::is_same_v<std::decay_t<SinkGrad>, std::nullptr_t>) return sink_gradient;
-                else return f_sink;
-            };
-            scaled_dot_product_attention_backward_into(wq, wk, wv, wout, lse, wd_out, mask, fq, fk, fv, options,
-                                                       bias_out(), sink_out());
-            detail::round_into(fq, dq);
-            detail::round_into(fk, dk);
-            detail::round_into(fv, dv);
-            if constexpr (!std::is_same_v<std::decay_t<BiasGrad>, std::nullptr_t>)
-                if (!options.score_bias.empty()) detail::round_into(f_bias, score_bias_gradient);
-            if constexpr (!std::is_same_v<std::decay_t<SinkGrad>, std::nullptr_t>)
-                if (!options.sinks.empty()) detail::round_into(f_sink, sink_gradient);
-        }
-    } else {
-        static_assert(std::is_same_v<T, detail::scalar_of<DQ>> && std::is_same_v<T, detail::scalar_of<DK>> &&
-                          std::is_same_v<T, detail::scalar_of<DV>>,
-                      "attend: dq, dk and dv must have the query's scalar type");
-        static_assert(detail::rank_of<DQ>() == rank && detail::rank_of<DK>() == rank && detail::rank_of<DV>() == rank,
-                      "attend: dq, dk and dv must have the query's rank");
-        const auto in = detail::backward_inputs_of<rank>(q, k, v, out, lse, d_out);
-        detail::gradient_outputs<T> o;
-        o.dq = detail::as_mutable_view(dq);
-        o.dk = detail::as_mutable_view(dk);
-        o.dv = detail::as_mutable_view(dv);
-        if constexpr (!std::is_same_v<std::decay_t<BiasGrad>, std::nullptr_t>) {
-            static_assert(std::is_same_v<T, detail::scalar_of<BiasGrad>> && detail::rank_of<BiasGrad>() == 2,
-                          "attend: score_bias_gradient is a rank-2 tensor [heads, query_len + key_len - 1] of the "
-                          "query's scalar type");
-            const std::array<index, 2> expected{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1};
-            const std::array<index, 2> got{score_bias_gradient.dimension(0), score_bias_gradient.dimension(1)};
-            if (!options.score_bias.empty() && got != expected)
-                throw shape_error("attend.shape.backward_score_bias",
-                                  detail::concat("score_bias_gradient ", detail::format_shape(got), " != expected ",
-                                                 detail::format_shape(expected), " [heads, query_len + key_len - 1]"));
-            o.score_bias_gradient = options.score_bias.empty() ? nullptr : score_bias_gradient.data();
-        }
-        if constexpr (!std::is_same_v<std::decay_t<SinkGrad>, std::nullptr_t>) {
-            static_assert(std::is_same_v<T, detail::scalar_of<SinkGrad>> && detail::rank_of<SinkGrad>() == 1,
-                          "attend: sink_gradient is a rank-1 tensor [heads] of the query's scalar type");
-            if (!options.sinks.empty() && sink_gradient.dimension(0) != in.q.dims[1])
-                throw shape_error("attend.shape.backward_sinks",
-                                  detail::concat("sink_gradient [", sink_gradient.dimension(0), "] != expected [",
-                                                 in.q.dims[1], "] [heads]"));
-            o.sink_gradient = options.sinks.empty() ? nullptr : sink_gradient.data();
-        }
-        detail::check_no_aliasing(
-            {detail::named("query", in.q), detail::named("key", in.k), detail::named("value", in.v),
-             detail::named("out", in.out), detail::named("d_out", in.d_out), detail::named("lse", in.lse, in.lse_dims)},
-            {detail::named("dq", o.dq), detail::named("dk", o.dk), detail::named("dv", o.dv),
-             detail::named("score_bias_gradient", o.score_bias_gradient,
-                           std::array<index, 2>{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1}),
-             detail::named("sink_gradient", o.sink_gradient, std::array<index, 1>{in.q.dims[1]})});
-        const auto checked = detail::check_backward(in, &o, mask, options);
-        detail::run_backward(in, checked, o);
+    static_assert((std::is_same_v<G, T> || (detail::is_16bit_v<T> && std::is_same_v<G, float>)) &&
+                      std::is_same_v<G, detail::scalar_of<DK>> && std::is_same_v<G, detail::scalar_of<DV>>,
+                  "attend: dq, dk and dv must have the query's scalar type (with 16-bit inputs: all of it, or "
+                  "all float)");
+    static_assert(detail::rank_of<DQ>() == rank && detail::rank_of<DK>() == rank && detail::rank_of<DV>() == rank,
+                  "attend: dq, dk and dv must have the query's rank");
+    const auto in = detail::backward_inputs_of<rank>(q, k, v, out, lse, d_out);
+    detail::gradient_outputs<G> o;
+    o.dq = detail::as_mutable_view(dq);
+    o.dk = detail::as_mutable_view(dk);
+    o.dv = detail::as_mutable_view(dv);
+    if constexpr (!std::is_same_v<std::decay_t<BiasGrad>, std::nullptr_t>) {
+        static_assert(std::is_same_v<G, detail::scalar_of<BiasGrad>> && detail::rank_of<BiasGrad>() == 2,
+                      "attend: score_bias_gradient is a rank-2 tensor [heads, query_len + key_len - 1] of dq's "
+                      "scalar type");
+        const std::array<index, 2> expected{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1};
+        const std::array<index, 2> got{score_bias_gradient.dimension(0), score_bias_gradient.dimension(1)};
+        if (!options.score_bias.empty() && got != expected)
+            throw shape_error("attend.shape.backward_score_bias",
+                              detail::concat("score_bias_gradient ", detail::format_shape(got), " != expected ",
+                                             detail::format_shape(expected), " [heads, query_len + key_len - 1]"));
+        o.score_bias_gradient = options.score_bias.empty() ? nullptr : score_bias_gradient.data();
     }
+    if constexpr (!std::is_same_v<std::decay_t<SinkGrad>, std::nullptr_t>) {
+        static_assert(std::is_same_v<G, detail::scalar_of<SinkGrad>> && detail::rank_of<SinkGrad>() == 1,
+                      "attend: sink_gradient is a rank-1 tensor [heads] of dq's scalar type");
+        if (!options.sinks.empty() && sink_gradient.dimension(0) != in.q.dims[1])
+            throw shape_error("attend.shape.backward_sinks",
+                              detail::concat("sink_gradient [", sink_gradient.dimension(0), "] != expected [",
+                                             in.q.dims[1], "] [heads]"));
+        o.sink_gradient = options.sinks.empty() ? nullptr : sink_gradient.data();
+    }
+    detail::check_no_aliasing({detail::named("query", in.q), detail::named("key", in.k), detail::named("value", in.v),
+                               detail::named("out", in.out), detail::named("d_out", in.d_out),
+                               detail::named("lse", in.lse, in.lse_dims)},
+                              {detail::named("dq", o.dq), detail::named("dk", o.dk), detail::named("dv", o.dv),
+                               detail::named("score_bias_gradient", o.score_bias_gradient,
+                                             std::array<index, 2>{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1}),
+                               detail::named("sink_gradient", o.sink_gradient, std::array<index, 1>{in.q.dims[1]})});
+    const auto checked = detail::check_backward(in, &o, mask, options);
+    detail::run_backward(in, checked, o);
 }
 
 /// The gradient of a T5 relative-position bias table `[num_buckets, heads]` (d loss / d table(bucket, h)) from

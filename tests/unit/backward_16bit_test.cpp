@@ -2,8 +2,9 @@
 // The backward of 16-bit attention (Eigen::half, Eigen::bfloat16 q, k, v, out, d_out with the forward's float lse;
 // backward.hpp). The invariants:
 // - the gradients are the float backward's on the same (already rounded) values, rounded to 16 bits once, bit for
-//   bit, in both kernels and with sinks, soft-capping and GQA; float outputs passed to the _into form get the float
-//   gradients themselves, unrounded;
+//   bit, in both kernels and with sinks, soft-capping, a score bias, dropout, GQA and keys split over chunks; float
+//   outputs passed to the _into form get the float gradients themselves, unrounded (the tiled kernel reads the
+//   16-bit inputs in place, tests/unit/backward_memory_test.cpp shows it makes no float copies);
 // - against double on the same rounded inputs that is within one 16-bit rounding of each gradient row's largest
 //   magnitude (bf16 2^-7, fp16 2^-10), and not better than float would be (the rounding is really 16-bit);
 // - bad input is rejected as in float, naming the same element, before any gradient is written.
@@ -50,16 +51,15 @@ struct case16 {
         lse = forward.lse;
     }
     static auto mask() { return attend::causal(attend::alignment::bottom_right); }
-    /// The _into form's gradients in caller-owned tensors of type G (the heads' sink gradients too).
+    /// The _into form's gradients in caller-owned tensors of type G (the heads' bias and sink gradients too).
     template <class G>
     attend::attention_gradients<G, 4> gradients_into(const attend::sdpa_options& options) const {
-        attend::attention_gradients<G, 4> g{attend::tensor<G, 4>(q.dimensions()),
-                                            attend::tensor<G, 4>(k.dimensions()),
+        attend::attention_gradients<G, 4> g{attend::tensor<G, 4>(q.dimensions()), attend::tensor<G, 4>(k.dimensions()),
                                             attend::tensor<G, 4>(v.dimensions()),
-                                            {},
+                                            attend::tensor<G, 2>(q.dimension(1), q.dimension(2) + k.dimension(2) - 1),
                                             attend::tensor<G, 1>(q.dimension(1))};
         attend::scaled_dot_product_attention_backward_into(q, k, v, out, lse, d_out, mask(), g.dq, g.dk, g.dv, options,
-                                                           nullptr, g.sink_gradient);
+                                                           g.score_bias_gradient, g.sink_gradient);
         return g;
     }
     template <class U>
@@ -68,16 +68,30 @@ struct case16 {
     }
 };
 
-/// Plain, and sinks with soft-capping on the reference kernel at 2 threads.
+/// Plain; sinks with soft-capping on the reference kernel at 2 threads; an ALiBi score bias with dropout and
+/// sinks on the tiled kernel at 3 threads.
 std::vector<attend::sdpa_options> option_sets(index heads) {
-    std::vector<attend::sdpa_options> sets(2);
+    std::vector<attend::sdpa_options> sets(3);
     sets[1].softcap = 5.0;
     std::vector<double> sinks;
     for (index h = 0; h < heads; ++h) sinks.push_back(0.25 * static_cast<double>(h));
     sets[1].sinks = attend::attention_sinks(sinks);
     sets[1].kernel = attend::kernel::reference;
     sets[1].threads = 2;
+    sets[2].score_bias = attend::score_bias::alibi(attend::alibi_slopes(heads));
+    sets[2].dropout = {0.25, 99, true};
+    sets[2].sinks = sets[1].sinks;
+    sets[2].threads = 3;
     return sets;
+}
+
+/// Bit equality of two rank-1 or rank-2 gradient tensors (the bias and sink gradients).
+template <class X, class Y>
+bool same_values(const X& got, const Y& want) {
+    if (got.size() != want.size()) return false;
+    for (index n = 0; n < got.size(); ++n)
+        if (!(got.data()[n] == want.data()[n])) return false;
+    return true;
 }
 
 template <class T>
@@ -86,35 +100,47 @@ TYPED_TEST_SUITE(Backward16, attend_test::storage16_types, attend_test::storage1
 
 TYPED_TEST(Backward16, GradientsAreTheFloatBackwardOnTheSameValuesRoundedOnce) {
     using T = TypeParam;
-    for (const auto& options : option_sets(4)) {
-        const case16<T> c(4, 2, 40, 70, 16, 5, options);
-        const auto got =
-            attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, c.out, c.lse, c.d_out, c.mask(), options);
-        const auto want =
-            attend::scaled_dot_product_attention_backward(c.template as<float>(c.q), c.template as<float>(c.k),
-                                                          c.template as<float>(c.v), c.template as<float>(c.out), c.lse,
-                                                          c.template as<float>(c.d_out), c.mask(), options);
-        EXPECT_TRUE(bit_equal(got.dq, attend::tensor<T, 4>(want.dq.template cast<T>())));
-        EXPECT_TRUE(bit_equal(got.dk, attend::tensor<T, 4>(want.dk.template cast<T>())));
-        EXPECT_TRUE(bit_equal(got.dv, attend::tensor<T, 4>(want.dv.template cast<T>())));
-        EXPECT_EQ(got.sink_gradient.size(), want.sink_gradient.size());
-        for (index h = 0; h < want.sink_gradient.size(); ++h)
-            EXPECT_TRUE(got.sink_gradient(h) == static_cast<T>(want.sink_gradient(h)));
+    struct shape {
+        index heads, kv_heads, L, S, dim;
+    };
+    // The second shape splits each (batch, kv head)'s 300 keys over three chunks, whose dq partials are added in
+    // chunk order before the one rounding.
+    for (const shape sh : {shape{4, 2, 40, 70, 16}, shape{4, 1, 50, 300, 16}})
+        for (const auto& options : option_sets(sh.heads)) {
+            const case16<T> c(sh.heads, sh.kv_heads, sh.L, sh.S, sh.dim, 5, options);
+            const auto got =
+                attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, c.out, c.lse, c.d_out, c.mask(), options);
+            const auto want =
+                attend::scaled_dot_product_attention_backward(c.template as<float>(c.q), c.template as<float>(c.k),
+                                                              c.template as<float>(c.v), c.template as<float>(c.out),
+                                                              c.lse, c.template as<float>(c.d_out), c.mask(), options);
+            EXPECT_TRUE(bit_equal(got.dq, attend::tensor<T, 4>(want.dq.template cast<T>())));
+            EXPECT_TRUE(bit_equal(got.dk, attend::tensor<T, 4>(want.dk.template cast<T>())));
+            EXPECT_TRUE(bit_equal(got.dv, attend::tensor<T, 4>(want.dv.template cast<T>())));
+            EXPECT_TRUE(same_values(got.score_bias_gradient,
+                                    attend::tensor<T, 2>(want.score_bias_gradient.template cast<T>())));
+            EXPECT_TRUE(same_values(got.sink_gradient, attend::tensor<T, 1>(want.sink_gradient.template cast<T>())));
+            EXPECT_EQ(got.score_bias_gradient.size() != 0, !options.score_bias.empty());
+            EXPECT_EQ(got.sink_gradient.size() != 0, !options.sinks.empty());
 
-        // Float outputs on request: the float gradients themselves; 16-bit outputs: the allocating form's.
-        const auto f = c.template gradients_into<float>(options);
-        EXPECT_TRUE(bit_equal(f.dq, want.dq));
-        EXPECT_TRUE(bit_equal(f.dk, want.dk));
-        EXPECT_TRUE(bit_equal(f.dv, want.dv));
-        const auto h = c.template gradients_into<T>(options);
-        EXPECT_TRUE(bit_equal(h.dq, got.dq));
-        EXPECT_TRUE(bit_equal(h.dk, got.dk));
-        EXPECT_TRUE(bit_equal(h.dv, got.dv));
-        if (!options.sinks.empty()) {
-            for (index n = 0; n < 4; ++n) EXPECT_EQ(f.sink_gradient(n), want.sink_gradient(n));
-            for (index n = 0; n < 4; ++n) EXPECT_TRUE(h.sink_gradient(n) == got.sink_gradient(n));
+            // Float outputs on request: the float gradients themselves; 16-bit outputs: the allocating form's.
+            const auto f = c.template gradients_into<float>(options);
+            EXPECT_TRUE(bit_equal(f.dq, want.dq));
+            EXPECT_TRUE(bit_equal(f.dk, want.dk));
+            EXPECT_TRUE(bit_equal(f.dv, want.dv));
+            const auto h = c.template gradients_into<T>(options);
+            EXPECT_TRUE(bit_equal(h.dq, got.dq));
+            EXPECT_TRUE(bit_equal(h.dk, got.dk));
+            EXPECT_TRUE(bit_equal(h.dv, got.dv));
+            if (!options.score_bias.empty()) {
+                EXPECT_TRUE(same_values(f.score_bias_gradient, want.score_bias_gradient));
+                EXPECT_TRUE(same_values(h.score_bias_gradient, got.score_bias_gradient));
+            }
+            if (!options.sinks.empty()) {
+                EXPECT_TRUE(same_values(f.sink_gradient, want.sink_gradient));
+                EXPECT_TRUE(same_values(h.sink_gradient, got.sink_gradient));
+            }
         }
-    }
 }
 
 TYPED_TEST(Backward16, MeetsItsAccuracyTargetAgainstDoubleOnTheSameInputs) {

@@ -91,11 +91,12 @@ struct kernel_params {
 
 /// The inputs of a backward call as strided views, so multi-head attention can pass heads of its projected
 /// `[batch, len, heads * dim]` buffers (split_heads) without copying. out and d_out are `[batch, heads,
-/// query_len, value_dim]`; lse is contiguous `[batch, heads, query_len]`.
+/// query_len, value_dim]`; lse is contiguous `[batch, heads, query_len]`, in the accumulation type as the forward
+/// writes it (float for 16-bit storage).
 template <class T>
 struct backward_inputs {
     strided_view<const T> q, k, v, out, d_out;
-    const T* lse = nullptr;
+    const accumulator_t<T>* lse = nullptr;
     std::array<index, 3> lse_dims{};  ///< batch, heads, query_len (rank-2 lse `[batch, query_len]`: heads = 1)
     int lse_rank = 3;                 ///< rank of the lse the caller passed (2 or 3), for messages
 };

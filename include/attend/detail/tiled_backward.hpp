@@ -126,16 +126,16 @@ inline index backward_key_chunks(const attention_shape& s, index key_tiles, std:
 /// atomics and no reduction. dQ of a query tile receives one product per key tile; the unit of chunk 0
 /// accumulates straight into the caller's dq, the unit of chunk c > 0 into a zeroed dq-sized partial buffer of
 /// its own, and after all units a second parallel pass adds the partials to dq in chunk order 1, 2, ... (when the
-/// storage type is not the accumulation type, chunk 0 has a partial buffer too, and that pass writes dq once).
+/// gradients' type is not the accumulation type, chunk 0 has a partial buffer too, and that pass writes dq once).
 /// The score_bias gradient is accumulated per unit and reduced in unit order. The decomposition (tiles, chunks)
 /// depends on the shape only and every sum runs in a fixed order, so the result is bit-identical for any thread
 /// count. Units run round robin on the thread pool (parallel_for), which spreads the uneven units of a causal
 /// mask evenly.
-template <class Storage, class Acc>
+template <class Storage, class Acc, class Grad>
 class tiled_backward_runner {
 public:
     tiled_backward_runner(const backward_inputs<Storage>& in, const attention_shape& s, const mask_tiles& mask,
-                          const kernel_params<Acc>& p, const gradient_outputs<Storage>& o, const backward_tiling& t)
+                          const kernel_params<Acc>& p, const gradient_outputs<Grad>& o, const backward_tiling& t)
         : in_(in), s_(s), mask_(mask), pipe_(s, mask, p), p_(p), o_(o), t_(t) {
         group_ = s.group_size();
         diagonals_ = s.query_len + s.key_len - 1;
@@ -149,32 +149,30 @@ public:
     void run(int threads) {
         const bool bias_grad = pipe_.has_bias() && o_.score_bias_gradient;
         if (s_.batch == 0) {  // nothing to attend; the bias gradient is still an output, and it is zero
-            if (bias_grad)
-                std::fill(o_.score_bias_gradient, o_.score_bias_gradient + s_.heads * diagonals_, Storage(0));
-            if (p_.has_sinks() && o_.sink_gradient)
-                std::fill(o_.sink_gradient, o_.sink_gradient + s_.heads, Storage(0));
+            if (bias_grad) std::fill(o_.score_bias_gradient, o_.score_bias_gradient + s_.heads * diagonals_, Grad(0));
+            if (p_.has_sinks() && o_.sink_gradient) std::fill(o_.sink_gradient, o_.sink_gradient + s_.heads, Grad(0));
             return;
         }
         const index units = s_.batch * s_.kv_heads * chunks_;
         const index dq_size = s_.batch * s_.heads * s_.query_len * s_.head_dim;
-        const index partial_buffers = staged ? chunks_ : chunks_ - 1;
+        const index partial_buffers = staged_dq ? chunks_ : chunks_ - 1;
         const int workers = static_cast<int>(std::min<index>(std::max(threads, 1), units));
         std::vector<backward_workspace<Acc>> ws;
         const index rows = s_.batch * s_.heads * s_.query_len;
-        const bool exact = std::any_of(in_.lse, in_.lse + rows, [](Storage l) { return imprecise_lse(l); });
+        const bool exact = std::any_of(in_.lse, in_.lse + rows, [](Lse l) { return imprecise_lse(l); });
         allocating(
             [&] {
                 if (exact) {
                     row_shift_.resize(static_cast<std::size_t>(rows));
                     std::transform(in_.lse, in_.lse + rows, row_shift_.begin(),
-                                   [](Storage l) { return static_cast<Acc>(l); });
+                                   [](Lse l) { return static_cast<Acc>(l); });
                     row_inv_sum_.assign(static_cast<std::size_t>(rows), Acc(1));
                 }
                 partials_.assign(static_cast<std::size_t>(partial_buffers * dq_size), Acc(0));
                 if (bias_grad) bias_partials_.assign(static_cast<std::size_t>(units * group_ * diagonals_), Acc(0));
                 ws.reserve(static_cast<std::size_t>(workers));
                 for (int w = 0; w < workers; ++w)
-                    ws.emplace_back(t_, s_, p_.dropout.active(), staged, pipe_.modifies_scores());
+                    ws.emplace_back(t_, s_, p_.dropout.active(), staged_inputs, pipe_.modifies_scores());
             },
             [&] {
                 const index tile = t_.block_q * t_.block_k,
@@ -204,16 +202,20 @@ public:
     }
 
 private:
-    static constexpr bool staged = !std::is_same_v<Storage, Acc>;
+    using Lse = accumulator_t<Storage>;  // the forward's lse: float for 16-bit storage
+    /// Inputs stored in another type than Acc are converted tile by tile into the workspace's stages.
+    static constexpr bool staged_inputs = !std::is_same_v<Storage, Acc>;
+    /// Gradients of another type than Acc: dq is accumulated in partial buffers and rounded once at the end.
+    static constexpr bool staged_dq = !std::is_same_v<Grad, Acc>;
 
     /// dq rows of head h for chunk c, in Acc: the caller's dq for chunk 0 (when it is stored in Acc), a partial
     /// buffer otherwise.
     tile_map<Acc> dq_rows(index b, index h, index c, index query_begin, index rows) {
-        if constexpr (!staged)
+        if constexpr (!staged_dq)
             if (c == 0)
                 return tile_map<Acc>(o_.dq.row(b, h, query_begin), rows, s_.head_dim,
                                      Eigen::OuterStride<>(o_.dq.strides[2]));
-        const index buffer = staged ? c : c - 1;
+        const index buffer = staged_dq ? c : c - 1;
         Acc* base = partials_.data() + ((buffer * s_.batch + b) * s_.heads + h) * s_.query_len * s_.head_dim;
         return tile_map<Acc>(base + query_begin * s_.head_dim, rows, s_.head_dim, Eigen::OuterStride<>(s_.head_dim));
     }
@@ -221,7 +223,7 @@ private:
     void run_unit(backward_workspace<Acc>& w, index unit) {
         const index c = unit % chunks_, pair = unit / chunks_;
         const index b = pair / s_.kv_heads, kvh = pair % s_.kv_heads;
-        if (c == 0 && !staged)
+        if (c == 0 && !staged_dq)
             for (index hh = 0; hh < group_; ++hh) dq_rows(b, kvh * group_ + hh, 0, 0, s_.query_len).setZero();
         Acc* bias_grad = bias_partials_.empty() ? nullptr : bias_partials_.data() + unit * group_ * diagonals_;
         const index first = c * tiles_per_chunk_, last = std::min(key_tiles_, first + tiles_per_chunk_);
@@ -241,10 +243,10 @@ private:
                     run_tile(w, t, c, cls, bias_grad ? bias_grad + hh * diagonals_ : nullptr);
                 }
             }
-            tile_map<Storage> dk(o_.dk.row(b, kvh, k0), nk, s_.head_dim, Eigen::OuterStride<>(o_.dk.strides[2]));
-            tile_map<Storage> dv(o_.dv.row(b, kvh, k0), nk, s_.value_dim, Eigen::OuterStride<>(o_.dv.strides[2]));
-            dk = (pipe_.scale() * w.dk.topRows(nk)).template cast<Storage>();
-            dv = w.dv.topRows(nk).template cast<Storage>();
+            tile_map<Grad> dk(o_.dk.row(b, kvh, k0), nk, s_.head_dim, Eigen::OuterStride<>(o_.dk.strides[2]));
+            tile_map<Grad> dv(o_.dv.row(b, kvh, k0), nk, s_.value_dim, Eigen::OuterStride<>(o_.dv.strides[2]));
+            dk = (pipe_.scale() * w.dk.topRows(nk)).template cast<Grad>();
+            dv = w.dv.topRows(nk).template cast<Grad>();
         }
     }
 
@@ -268,7 +270,7 @@ private:
     void run_tile(backward_workspace<Acc>& w, const tile& t, index c, tile_class cls, Acc* bias_grad) {
         const index b = t.batch, h = t.head, q0 = t.query_begin, k0 = t.key_begin;
         const index nq = t.query_end - q0, nk = t.key_end - k0, ld = t_.block_k, dv = s_.value_dim;
-        const Storage* lse = in_.lse + (b * s_.heads + h) * s_.query_len;
+        const Lse* lse = in_.lse + (b * s_.heads + h) * s_.query_len;
         const index row0 = (b * s_.heads + h) * s_.query_len + q0;
         bool any = false, normalize = false;
         for (index r = 0; r < nq; ++r) {  // lse -inf: the forward's zero row, whose gradients are zero
@@ -357,13 +359,13 @@ private:
         pipe_.finish_tile(t, cls, w.probs.data(), t_.block_k, capped, slope);
     }
 
-    /// exp(s - lse) gives P only to about |lse| ulps: lse = max + log(sum) rounded to the storage type keeps none
+    /// exp(s - lse) gives P only to about |lse| ulps: lse = max + log(sum) rounded to its type keeps none
     /// of log(sum) when |max| is huge (scores of 1e30 with a tied maximum, a row filled with a finite -1e30), and
     /// P would not sum to 1. Beyond this size of |lse| (P off by 1e-5 in float, 5e-10 in double) a row's max and
     /// sum are recomputed exactly, in a pass over its keys, and P = exp(s - max) / sum as in the forward.
-    static bool imprecise_lse(Storage stored) {
+    static bool imprecise_lse(Lse stored) {
         const Acc lse = static_cast<Acc>(stored);
-        const Acc limit = Acc(1) / (16 * std::sqrt(static_cast<Acc>(std::numeric_limits<Storage>::epsilon())));
+        const Acc limit = Acc(1) / (16 * std::sqrt(static_cast<Acc>(std::numeric_limits<Lse>::epsilon())));
         return std::isfinite(lse) && std::abs(lse) > limit;
     }
 
@@ -377,7 +379,7 @@ private:
             const index qt = unit % query_tiles_, bh = unit / query_tiles_, b = bh / s_.heads, h = bh % s_.heads;
             const index q0 = qt * t_.block_q, q1 = std::min(s_.query_len, q0 + t_.block_q), nq = q1 - q0;
             const index row0 = bh * s_.query_len + q0, ld = t_.block_k;
-            if (std::none_of(in_.lse + row0, in_.lse + row0 + nq, [](Storage l) { return imprecise_lse(l); })) return;
+            if (std::none_of(in_.lse + row0, in_.lse + row0 + nq, [](Lse l) { return imprecise_lse(l); })) return;
             for (index r = 0; r < nq; ++r) {  // running max and sum, starting from the sink when there is one
                 w.lse[static_cast<std::size_t>(r)] = p_.has_sinks() ? p_.sink(h) : minus_infinity<Acc>();
                 w.delta[static_cast<std::size_t>(r)] = p_.has_sinks() ? Acc(1) : Acc(0);
@@ -409,13 +411,13 @@ private:
         });
     }
 
-    /// dq of (b, h): its chunks added in chunk order (and rounded to the storage type once when staged).
+    /// dq of (b, h): its chunks added in chunk order (and rounded to the gradients' type once when staged).
     void add_partials(index b, index h) {
         auto dq = dq_rows(b, h, 0, 0, s_.query_len);
         for (index c = 1; c < chunks_; ++c) dq += dq_rows(b, h, c, 0, s_.query_len);
-        if constexpr (staged)
-            tile_map<Storage>(o_.dq.row(b, h, 0), s_.query_len, s_.head_dim, Eigen::OuterStride<>(o_.dq.strides[2])) =
-                dq.template cast<Storage>();
+        if constexpr (staged_dq)
+            tile_map<Grad>(o_.dq.row(b, h, 0), s_.query_len, s_.head_dim, Eigen::OuterStride<>(o_.dq.strides[2])) =
+                dq.template cast<Grad>();
     }
 
     /// d loss / d sink of every head: -sum over its rows of p_sink * rowsum(d_out * out) (sinks.hpp), p_sink =
@@ -438,13 +440,13 @@ private:
                     for (index d = 0; d < s_.value_dim; ++d) delta += static_cast<Acc>(o[d]) * static_cast<Acc>(g[d]);
                     sum -= std::exp(z - shift) * inv_sum * delta;
                 }
-            o_.sink_gradient[h] = static_cast<Storage>(sum);
+            o_.sink_gradient[h] = static_cast<Grad>(sum);
         }
     }
 
     /// The score_bias gradient of every head: the units' partial sums added in unit order.
     void reduce_bias_gradient() const {
-        Storage* out = o_.score_bias_gradient;
+        Grad* out = o_.score_bias_gradient;
         for (index h = 0; h < s_.heads; ++h) {
             const index kvh = h / group_, hh = h % group_;
             for (index n = 0; n < diagonals_; ++n) {
@@ -454,7 +456,7 @@ private:
                         const index unit = (b * s_.kv_heads + kvh) * chunks_ + c;
                         sum += bias_partials_[static_cast<std::size_t>((unit * group_ + hh) * diagonals_ + n)];
                     }
-                out[h * diagonals_ + n] = static_cast<Storage>(sum);
+                out[h * diagonals_ + n] = static_cast<Grad>(sum);
             }
         }
     }
@@ -464,7 +466,7 @@ private:
     const mask_tiles& mask_;
     score_pipeline<Acc> pipe_;
     const kernel_params<Acc>& p_;
-    const gradient_outputs<Storage>& o_;
+    const gradient_outputs<Grad>& o_;
     backward_tiling t_;
     index group_ = 1, diagonals_ = 0, key_tiles_ = 0, query_tiles_ = 0, chunks_ = 1, tiles_per_chunk_ = 1;
     aligned_vector<Acc> row_shift_;  ///< [batch, heads, query_len]: lse, or the row max (exact_statistics); or empty
@@ -474,23 +476,27 @@ private:
     aligned_vector<Acc> bias_partials_;  ///< per unit [group, diagonals]
 };
 
-/// The tiled backward: `Storage` in memory, arithmetic in `Acc`; one instantiation per (Storage, Acc), masks
-/// come type-erased.
-template <class Storage, class Acc>
+/// The tiled backward: `Storage` in memory, arithmetic in `Acc`, gradients written as `Grad` (the storage type, or
+/// float for 16-bit inputs on request); one instantiation per (Storage, Acc, Grad), masks come type-erased.
+template <class Storage, class Acc, class Grad>
 void tiled_backward(const backward_inputs<Storage>& in, const attention_shape& s, const mask_tiles& mask,
-                    const kernel_params<Acc>& p, const gradient_outputs<Storage>& o, const backward_tiling& tiling,
+                    const kernel_params<Acc>& p, const gradient_outputs<Grad>& o, const backward_tiling& tiling,
                     int threads) {
-    tiled_backward_runner<Storage, Acc>(in, s, mask, p, o, tiling).run(threads);
+    tiled_backward_runner<Storage, Acc, Grad>(in, s, mask, p, o, tiling).run(threads);
 }
 
 #if defined(ATTEND_KERNEL_INSTANCE)
-#define ATTEND_TILED_BACKWARD_INSTANCE(S, A)                                                            \
-    ATTEND_KERNEL_INSTANCE void tiled_backward<S, A>(const backward_inputs<S>&, const attention_shape&, \
-                                                     const mask_tiles&, const kernel_params<A>&,        \
-                                                     const gradient_outputs<S>&, const backward_tiling&, int);
-ATTEND_TILED_BACKWARD_INSTANCE(float, float)
-ATTEND_TILED_BACKWARD_INSTANCE(double, double)
-ATTEND_TILED_BACKWARD_INSTANCE(float, double)
+#define ATTEND_TILED_BACKWARD_INSTANCE(S, A, G)                                                            \
+    ATTEND_KERNEL_INSTANCE void tiled_backward<S, A, G>(const backward_inputs<S>&, const attention_shape&, \
+                                                        const mask_tiles&, const kernel_params<A>&,        \
+                                                        const gradient_outputs<G>&, const backward_tiling&, int);
+ATTEND_TILED_BACKWARD_INSTANCE(float, float, float)
+ATTEND_TILED_BACKWARD_INSTANCE(double, double, double)
+ATTEND_TILED_BACKWARD_INSTANCE(float, double, float)
+ATTEND_TILED_BACKWARD_INSTANCE(Eigen::half, float, Eigen::half)
+ATTEND_TILED_BACKWARD_INSTANCE(Eigen::half, float, float)
+ATTEND_TILED_BACKWARD_INSTANCE(Eigen::bfloat16, float, Eigen::bfloat16)
+ATTEND_TILED_BACKWARD_INSTANCE(Eigen::bfloat16, float, float)
 #undef ATTEND_TILED_BACKWARD_INSTANCE
 #endif
 
