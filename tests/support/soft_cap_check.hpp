@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: MIT
 #pragma once
-// The kernels' soft-cap (detail::soft_cap: for float, Eigen's rational tanh with the cap folded in) on runs of every
-// length around the packet sizes, so pairs of packets, single packets and the padded tail are all reached, over caps
-// from tiny to huge and scores from 0 to far past the clamp: within four epsilons of the definition in long double,
-// +-inf to +-c, NaN kept. A function, not a test, so each instruction set's build runs it (softcap_test.cpp for
+// The kernels' soft-cap (detail::soft_cap: for float, a degree-4 rational tanh with the cap folded into its
+// coefficients) on runs of every length around the packet sizes, so pairs of packets, single packets and the padded
+// tail are all reached, over caps from tiny to huge (folded whole, at both ends of that range, and prescaled) and
+// scores from 0 to far past the clamp: within four epsilons of the definition in long double, +-inf to +-c, NaN
+// kept. A function, not a test, so each instruction set's build runs it (softcap_test.cpp for
 // the default target, micro_kernel_test.cpp for every target).
 
 #include <gtest/gtest.h>
@@ -23,10 +24,11 @@ template <class T>
 void expect_soft_cap_within_four_epsilons() {
     using attend::index;
     using ld = long double;
-    // Four epsilons: Eigen's float tanh alone is within 2.5, and folding the cap in rounds s / c and the product.
+    // Four epsilons: the float rational is within 3 to 3.7 with or without FMA (the rounding of its folded
+    // coefficients, of s^2 and of the product included).
     const double bound = 4 * static_cast<double>(std::numeric_limits<T>::epsilon());
     attend_test::rng g(11);
-    for (const double cap : {1e-30, 2.5, 30.0, 50.0, 1e30}) {
+    for (const double cap : {1e-30, 0x1p-20, 0.01, 2.5, 30.0, 50.0, 0x1p20, 3e6, 1e30}) {
         SCOPED_TRACE(cap);
         for (index n = 0; n <= 70; ++n) {
             std::vector<T> x(static_cast<std::size_t>(n)), original;

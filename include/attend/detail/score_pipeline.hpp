@@ -147,73 +147,107 @@ void exp_shifted(T* x, index n, T shift) {
     exp_shifted_sum(x, n, shift);
 }
 
-/// c tanh(s / c) on a packet of float scores s: Eigen's rational tanh for float (generic_fast_tanh_float, within
-/// 3e-7 of tanh) with the cap folded in, c tanh(s / c) = s P(y) / Q(y) for y = (s / c)^2, so one pass does the
-/// work of the two scalings and the tanh. Clamped where tanh rounds to +-1, NaN kept. Every capped float score
-/// goes through this one function on whole packets (the micro-kernel's epilogue, soft_cap's runs and their tails),
-/// so a score gets the same bits on every path.
-class capped_tanh {
+/// c tanh(s / c) on a packet of float scores s, as s P(y) / Q(y) for y = (s / c)^2: P and Q of degree 4 are a
+/// minimax fit of tanh(t) / t for t in [0, 9] (relative error 2e-8 before rounding; within four epsilons of tanh
+/// in float, tests/support/soft_cap_check.hpp), and s is clamped to +-9 c, where tanh rounds to +-1. NaN is kept.
+/// For caps in [2^-20, 2^20] (folds()) the powers of c go into the coefficients: c^4 P(s^2 / c^2) and
+/// c^4 Q(s^2 / c^2) are polynomials in s^2, so a packet takes one multiply for s^2, eight multiply-adds, a division
+/// and the multiply by s, where dividing by c first took two more multiplies. Other caps (Prescale) scale s by
+/// an exact power of two for y alone, which brings the folded cap into [1, 2): one multiply more, and s itself
+/// is not scaled, so a score far below a huge cap keeps its precision. Every capped float score goes through this
+/// one functor (the micro-kernel's epilogue, soft_cap's runs and their tails), so a score gets the same bits on
+/// every path.
+template <bool Prescale>
+class capped_tanh_packets {
 public:
     using value = Eigen::internal::packet_traits<float>::type;
 
-    explicit capped_tanh(float cap)
-        : high_(Eigen::internal::pset1<value>(clamp * cap)),
-          low_(Eigen::internal::pset1<value>(-clamp * cap)),
-          inverse_(Eigen::internal::pset1<value>(1 / cap)) {}
+    /// Whether a cap is folded into the coefficients whole: the coefficients and s^2 stay normal floats.
+    static bool folds(float cap) { return cap >= 0x1p-20f && cap <= 0x1p20f; }
+
+    explicit capped_tanh_packets(float cap) {
+        using Eigen::internal::pset1;
+        int e = 0;
+        if constexpr (Prescale) {
+            (void)std::frexp(cap, &e);  // cap = m 2^e, m in [0.5, 1)
+            e = std::max(e - 1, -126);  // cap 2^-e in [1, 2) (in (0, 1) for subnormal caps)
+            prescale_ = pset1<value>(std::ldexp(1.0f, -e));
+        }
+        const double folded = std::ldexp(static_cast<double>(cap), -e), c2 = folded * folded;
+        const double powers[5] = {c2 * c2, c2, 1, 1 / c2, 1 / (c2 * c2)};  // c^(4 - 2k) for the coefficient of y^k
+        for (int k = 0; k < 5; ++k) {
+            p_[k] = pset1<value>(static_cast<float>(numerator[k] * powers[k]));
+            q_[k] = pset1<value>(static_cast<float>(denominator[k] * powers[k]));
+        }
+        const float high =
+            static_cast<float>(std::min(9.0 * cap, static_cast<double>(std::numeric_limits<float>::max())));
+        high_ = pset1<value>(high);
+        low_ = pset1<value>(-high);
+    }
 
     value operator()(const value& s) const {
         using namespace Eigen::internal;
         const value x = pmax(pmin(s, high_), low_);
-        const value t = pmul(x, inverse_), y = pmul(t, t);  // (s / c)^2 without squaring c, for any cap
-        // Eigen's coefficients: numerator (odd, without its x) and denominator (even) in y = (s / c)^2.
-        value p = pmadd(y, pset1<value>(-2.76076847742355e-16f), pset1<value>(2.00018790482477e-13f));
-        p = pmadd(y, p, pset1<value>(-8.60467152213735e-11f));
-        p = pmadd(y, p, pset1<value>(5.12229709037114e-08f));
-        p = pmadd(y, p, pset1<value>(1.48572235717979e-05f));
-        p = pmadd(y, p, pset1<value>(6.37261928875436e-04f));
-        p = pmadd(y, p, pset1<value>(4.89352455891786e-03f));
-        value q = pmadd(y, pset1<value>(1.19825839466702e-06f), pset1<value>(1.18534705686654e-04f));
-        q = pmadd(y, q, pset1<value>(2.26843463243900e-03f));
-        q = pmadd(y, q, pset1<value>(4.89352518554385e-03f));
-        // P / Q first, near 1 for small s, so s of the smallest normal sizes keeps its precision; near 0,
-        // P(0) / Q(0) = 1 - 1.3e-7 is about one ulp of s, so no branch to s itself as Eigen's tanh has.
+        value u;
+        if constexpr (Prescale) {
+            const value t = pmul(x, prescale_);
+            u = pmul(t, t);
+        } else {
+            u = pmul(x, x);
+        }
+        value p = pmadd(u, p_[4], p_[3]);
+        value q = pmadd(u, q_[4], q_[3]);
+        for (int k = 2; k >= 0; --k) {
+            p = pmadd(u, p, p_[k]);
+            q = pmadd(u, q, q_[k]);
+        }
+        // P / Q first, near 1 for small s, so s of the smallest normal sizes keeps its precision.
         return pmul(x, pdiv(p, q));
     }
 
 private:
-#ifdef EIGEN_VECTORIZE_FMA  // where Eigen's own float tanh clamps, with and without FMA
-    static constexpr float clamp = 7.99881172180175781f;
-#else
-    static constexpr float clamp = 7.90531110763549805f;
-#endif
-    value high_, low_, inverse_;
+    static constexpr double numerator[5] = {0.9999999794516959, 0.1338102414834552, 0.0034955863811417013,
+                                            2.0609054260806343e-05, 1.3354623462635828e-08};
+    static constexpr double denominator[5] = {1.0, 0.4671433973930515, 0.02587697549616153, 0.000328563199538041,
+                                              7.776542576103107e-07};
+    value high_, low_, prescale_{};
+    value p_[5], q_[5];
 };
 
-/// Soft-capping c tanh(s / c) of a contiguous run of scores, in place: float through capped_tanh, two packets at a
-/// time, the tail through a packet-sized buffer; double through Eigen's (scalar, exact to the last bit or so) tanh
-/// and the two scalings.
+/// The functor of the caps that fold, the only one the micro-kernel's epilogue takes.
+using capped_tanh = capped_tanh_packets<false>;
+
+/// f on every packet of a contiguous run of float scores, in place: two packets at a time (two independent
+/// chains: the polynomials are long), the tail through a packet-sized buffer.
+template <class F>
+void cap_runs(float* x, index n, const F& f) {
+    using packet = typename F::value;
+    using Eigen::internal::ploadu;
+    using Eigen::internal::pstoreu;
+    constexpr index lanes = Eigen::internal::packet_traits<float>::size;
+    index j = 0;
+    for (; j + 2 * lanes <= n; j += 2 * lanes) {
+        const packet a = f(ploadu<packet>(x + j));
+        const packet b = f(ploadu<packet>(x + j + lanes));
+        pstoreu(x + j, a);
+        pstoreu(x + j + lanes, b);
+    }
+    for (; j + lanes <= n; j += lanes) pstoreu(x + j, f(ploadu<packet>(x + j)));
+    if (j < n) {
+        float tail[lanes] = {};
+        std::copy(x + j, x + n, tail);
+        pstoreu(tail, f(ploadu<packet>(tail)));
+        std::copy(tail, tail + (n - j), x + j);
+    }
+}
+
+/// Soft-capping c tanh(s / c) of a contiguous run of scores, in place: float through capped_tanh_packets;
+/// double through Eigen's (scalar, exact to the last bit or so) tanh and the two scalings.
 template <class T>
 void soft_cap(T* x, index n, T cap) {
     if constexpr (std::is_same_v<T, float>) {
-        using packet = capped_tanh::value;
-        using Eigen::internal::ploadu;
-        using Eigen::internal::pstoreu;
-        constexpr index lanes = Eigen::internal::packet_traits<float>::size;
-        const capped_tanh f(cap);
-        index j = 0;
-        for (; j + 2 * lanes <= n; j += 2 * lanes) {  // two independent chains: the polynomials are long
-            const packet a = f(ploadu<packet>(x + j));
-            const packet b = f(ploadu<packet>(x + j + lanes));
-            pstoreu(x + j, a);
-            pstoreu(x + j + lanes, b);
-        }
-        for (; j + lanes <= n; j += lanes) pstoreu(x + j, f(ploadu<packet>(x + j)));
-        if (j < n) {
-            float tail[lanes] = {};
-            std::copy(x + j, x + n, tail);
-            pstoreu(tail, f(ploadu<packet>(tail)));
-            std::copy(tail, tail + (n - j), x + j);
-        }
+        if (capped_tanh::folds(cap)) cap_runs(x, n, capped_tanh(cap));
+        else cap_runs(x, n, capped_tanh_packets<true>(cap));
     } else {
         auto a = row_array(x, n);
         a = (a * (T(1) / cap)).tanh() * cap;
@@ -242,13 +276,13 @@ public:
     bool modifies_scores() const { return softcap_ > 0 || mod_ != nullptr; }
 
     /// Runs `products(epilogue)`, a tile's dot products through the micro-kernel (scores_from_panels), with the
-    /// epilogue it applies to each packet before storing it: for float scores with a cap, the cap, so capping
-    /// costs no pass over the tile; otherwise nothing. Returns whether the products came out capped, which
+    /// epilogue it applies to each packet before storing it: for float scores with a cap that folds, the cap, so
+    /// capping costs no pass over the tile; otherwise nothing (finish_tile caps). Returns whether the products came out capped, which
     /// finish_tile is then told.
     template <class Products>
     bool products_with_cap(Products&& products) const {
         if constexpr (std::is_same_v<Acc, float>)
-            if (softcap_ > 0) {
+            if (softcap_ > 0 && capped_tanh::folds(softcap_)) {
                 products(capped_tanh(softcap_));
                 return true;
             }
