@@ -337,10 +337,11 @@ auto backward_allocating(const Q& q, const K& k, const V& v, const Out& out, con
 
 /// Gradients of scaled_dot_product_attention(q, k, v, mask, options) for d_out = d loss / d out, given that
 /// call's out `[batch, heads, query_len, value_dim]` and lse `[batch, heads, query_len]` (need_lse, on by
-/// default; or pass the forward's result whole, below). Pass the forward's options: scale, empty_rows, score_bias and dropout (replayed from its seed, so
-/// the same weights are dropped) must be the same; threads and kernel may differ (kernel::reference is the
-/// oracle, anything else the tiled path, O(threads x tile) memory). Returns dq, dk, dv (dk and dv summed over
-/// the query heads of each group) and, with a score_bias, score_bias_gradient.
+/// default; or pass the forward's result whole, below). Pass the forward's options: scale, empty_rows,
+/// score_bias and dropout (replayed from its seed, so the same weights are dropped) must be the same; threads and
+/// kernel may differ (kernel::reference is the oracle, anything else the tiled path, O(threads x tile) memory).
+/// Returns dq, dk, dv (dk and dv summed over the query heads of each group; of the inputs' type, 16-bit ones
+/// included) and, with a score_bias, score_bias_gradient.
 /// Throws before computing anything: everything scaled_dot_product_attention throws, shape_error
 /// attend.shape.backward_out / backward_lse / backward_d_out for out, lse, d_out of the wrong shape, value_error
 /// attend.value.non_finite for NaN / Inf in out or d_out and attend.value.lse for NaN / +inf in lse (both
@@ -381,12 +382,14 @@ auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, c
 }
 
 /// Writes the gradients into caller-owned tensors of the inputs' rank (attend::tensor or TensorMap):
-/// dq like q, dk like k, dv like v (for 16-bit inputs: all in their type, rounded once, or all float, unrounded), and unless nullptr score_bias_gradient `[heads, query_len + key_len - 1]`
-/// (written only when options.score_bias is not none). On any error nothing is written: the throws of
-/// scaled_dot_product_attention_backward and shape_error attend.shape.backward_dq / backward_dk / backward_dv /
-/// backward_score_bias for outputs of the wrong shape, and attend.shape.aliasing, naming both tensors, when an
-/// output overlaps q, k, v, out, d_out, lse or another output in memory (measured conservatively, from each
-/// tensor's lowest to its highest element address; adjacent buffers are fine).
+/// dq like q, dk like k, dv like v (for 16-bit inputs: all in their type, rounded once, or all float, unrounded),
+/// and unless nullptr score_bias_gradient `[heads, query_len + key_len - 1]` (written only when
+/// options.score_bias is not none) and sink_gradient `[heads]` (only with sinks), both of dq's type. On any error
+/// nothing is written: the throws of scaled_dot_product_attention_backward and shape_error
+/// attend.shape.backward_dq / backward_dk / backward_dv / backward_score_bias / backward_sinks for outputs of the
+/// wrong shape, and attend.shape.aliasing, naming both tensors, when an output overlaps q, k, v, out, d_out, lse
+/// or another output in memory (measured conservatively, from each tensor's lowest to its highest element
+/// address; adjacent buffers are fine).
 template <class Q, class K, class V, class Out, class Lse, class DOut, class Mask, class DQ, class DK, class DV,
           class BiasGrad = std::nullptr_t, class SinkGrad = std::nullptr_t>
 void scaled_dot_product_attention_backward_into(const Q& q, const K& k, const V& v, const Out& out, const Lse& lse,

@@ -18,6 +18,8 @@
 ///   - for float inputs, 16-bit storage is float arithmetic on the rounded values: q, k, v rounded to half or
 ///     bfloat16 give in both kernels the float call on the widened values, out and weights rounded once, lse the
 ///     same, and the same error; float queries over the rounded keys and values give the float call bit for bit;
+///     when the call has a backward, so does the 16-bit backward (its gradients the float backward's on the
+///     widened values, rounded once, or the same error);
 ///   - the backward of both kernels agrees within a bound derived the same way.
 
 #include <algorithm>
@@ -552,10 +554,12 @@ void check_backward(fuzz_input& in, const call_case<T>& c, const attend::tensor<
             dp * queries);
 }
 
-/// The 16-bit storage check of the file comment, for storage type S, both kernels (the tiled one on `threads`).
+/// The 16-bit storage check of the file comment, for storage type S, both kernels (the tiled one on `threads`),
+/// with the backward when `backward`.
 template <class S, int Rank, class Mask>
 void check_storage16(const attend::tensor<float, Rank>& q, const attend::tensor<float, Rank>& k,
-                     const attend::tensor<float, Rank>& v, const Mask& mask, attend::sdpa_options o, int threads) {
+                     const attend::tensor<float, Rank>& v, const Mask& mask, attend::sdpa_options o, int threads,
+                     bool backward) {
     const attend::tensor<S, Rank> q16 = q.template cast<S>(), k16 = k.template cast<S>(), v16 = v.template cast<S>();
     const attend::tensor<float, Rank> qw = q16.template cast<float>(), kw = k16.template cast<float>(),
                                       vw = v16.template cast<float>();
@@ -589,6 +593,30 @@ void check_storage16(const attend::tensor<float, Rank>& q, const attend::tensor<
             require(same_bits(flat(got->out), rounded(w.out)) && same_bits(flat(got->weights), rounded(w.weights)) &&
                         identical(flat(got->lse), w.lse),  // lse stays float
                     "16-bit storage is not the float result on its values rounded once");
+            if (backward) {
+                // d_out: the 16-bit out itself, a valid gradient of the right shape.
+                const attend::tensor<S, Rank>& d16 = got->out;
+                const attend::tensor<float, Rank> out_w = got->out.template cast<float>();
+                std::optional<attend::attention_gradients<S, Rank>> g16;
+                std::optional<attend::attention_gradients<float, Rank>> gw;
+                const auto id_g16 = error_id_of([&] {
+                    g16.emplace(
+                        attend::scaled_dot_product_attention_backward(q16, k16, v16, got->out, got->lse, d16, mask, o));
+                });
+                const auto id_gw = error_id_of([&] {
+                    gw.emplace(
+                        attend::scaled_dot_product_attention_backward(qw, kw, vw, out_w, got->lse, out_w, mask, o));
+                });
+                require(id_g16 == id_gw,
+                        "16-bit backward throws " + spell(id_g16) + ", float on its values " + spell(id_gw));
+                if (!id_g16)
+                    require(same_bits(flat(g16->dq), rounded(flat(gw->dq))) &&
+                                same_bits(flat(g16->dk), rounded(flat(gw->dk))) &&
+                                same_bits(flat(g16->dv), rounded(flat(gw->dv))) &&
+                                same_bits(flat(g16->score_bias_gradient), rounded(flat(gw->score_bias_gradient))) &&
+                                same_bits(flat(g16->sink_gradient), rounded(flat(gw->sink_gradient))),
+                            "the 16-bit backward is not the float backward on its values rounded once");
+            }
         }
         const auto id_mixed =
             error_id_of([&] { mixed.emplace(attend::scaled_dot_product_attention(q, k16, v16, mask, o)); });
@@ -623,8 +651,8 @@ void run_call(fuzz_input& in, call_case<T>& c, const attend::tensor<T, Rank>& q,
     require(id_ref == id_til, "reference throws " + spell(id_ref) + ", tiled " + spell(id_til));
     if constexpr (std::is_same_v<T, float>) {
         const int storage16 = in.choose(4);  // 0: half, 1: bfloat16, otherwise not this time
-        if (storage16 == 0) check_storage16<Eigen::half, Rank>(q, k, v, mask, c.options, threads);
-        if (storage16 == 1) check_storage16<Eigen::bfloat16, Rank>(q, k, v, mask, c.options, threads);
+        if (storage16 == 0) check_storage16<Eigen::half, Rank>(q, k, v, mask, c.options, threads, backward);
+        if (storage16 == 1) check_storage16<Eigen::bfloat16, Rank>(q, k, v, mask, c.options, threads, backward);
     }
     const auto qv = attend::detail::as_view(q), kv = attend::detail::as_view(k), vv = attend::detail::as_view(v);
     std::optional<outputs<T>> small1, small2;

@@ -24,7 +24,7 @@ template <class T>
 void expect_soft_cap_within_four_epsilons() {
     using attend::index;
     using ld = long double;
-    // Four epsilons: the float rational is within 3 to 3.7 with or without FMA (the rounding of its folded
+    // Four epsilons: the float rational is within 3.7 without FMA and 2.5 with it (the rounding of its folded
     // coefficients, of s^2 and of the product included).
     const double bound = 4 * static_cast<double>(std::numeric_limits<T>::epsilon());
     attend_test::rng g(11);

@@ -117,6 +117,33 @@ TEST(AllocationFailure, ReferenceBackwardScoresAreAResourceErrorBeforeAnyWrite) 
         for (index n = 0; n < g->size(); ++n) ASSERT_EQ(g->data()[n], sentinel);
 }
 
+TEST(AllocationFailure, ReferenceBackwardOfSixteenBitInputsIsAResourceErrorBeforeAnyWrite) {
+    // kernel::reference on bf16 inputs works on float copies (2^20 values each, which fit) and rounds its float
+    // gradients into the bf16 outputs at the end: its score matrices fail first, and nothing is written.
+    ATTEND_SKIP_IF_ALWAYS_OVERCOMMITTING();
+    using bf16 = Eigen::bfloat16;
+    const huge_call c;
+    const attend::tensor<bf16, 3> q = c.q.cast<bf16>(), k = c.k.cast<bf16>(), v = c.v.cast<bf16>();
+    attend::tensor<float, 2> lse(1, huge_len);
+    lse.setConstant(0.0f);
+    const bf16 marker(sentinel);
+    attend::tensor<bf16, 3> dq(q.dimensions()), dk(k.dimensions()), dv(v.dimensions());
+    for (auto* g : {&dq, &dk, &dv}) g->setConstant(marker);
+    attend::sdpa_options o;
+    o.kernel = attend::kernel::reference;
+    o.threads = 1;
+    const std::string message = attend_test::expect_error<attend::resource_error>(
+        [&] {
+            attend::scaled_dot_product_attention_backward_into(q, k, v, v, lse, v, attend::no_mask{}, dq, dk, dv, o);
+        },
+        "attend.resource.allocation");
+    EXPECT_NE(message.find("the reference backward's score matrices (3 x query_len x key_len) [3,1048576,1048576]"),
+              std::string::npos)
+        << message;
+    for (const auto* g : {&dq, &dk, &dv})
+        for (index n = 0; n < g->size(); ++n) ASSERT_TRUE(g->data()[n] == marker);
+}
+
 TEST(AllocationFailure, AKvCacheLargerThanAVectorCanHoldIsAResourceError) {
     // 2^62 positions of one float: within Eigen::Index, past std::vector's max_size, so the standard library
     // throws std::length_error before asking the allocator (this holds under every sanitizer and kernel policy).

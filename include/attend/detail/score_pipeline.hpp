@@ -255,8 +255,8 @@ void soft_cap(T* x, index n, T cap) {
 }
 
 /// From dot products to scores, in this order: scale (folded into one GEMM operand by the kernels), soft-capping,
-/// the user's score_mod, score_bias, mask. Both tiled kernels call finish_tile on every tile they compute, so forward, backward and the
-/// weights pass see the same bits.
+/// the user's score_mod, score_bias, mask. Both tiled kernels call finish_tile on every tile they compute, so
+/// forward, backward and the weights pass see the same bits.
 template <class Acc>
 class score_pipeline {
 public:
@@ -277,8 +277,8 @@ public:
 
     /// Runs `products(epilogue)`, a tile's dot products through the micro-kernel (scores_from_panels), with the
     /// epilogue it applies to each packet before storing it: for float scores with a cap that folds, the cap, so
-    /// capping costs no pass over the tile; otherwise nothing (finish_tile caps). Returns whether the products came out capped, which
-    /// finish_tile is then told.
+    /// capping costs no pass over the tile; otherwise nothing (finish_tile caps). Returns whether the products came
+    /// out capped, which finish_tile is then told.
     template <class Products>
     bool products_with_cap(Products&& products) const {
         if constexpr (std::is_same_v<Acc, float>)

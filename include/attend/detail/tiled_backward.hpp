@@ -265,8 +265,8 @@ private:
         pack_key_panels(values.data(), values.outerStride(), nk, s_.value_dim, w.value_panels.data());
     }
 
-    /// One tile t (queries of head t.head against the key tile of w.keys and the packed panels, key chunk c); adds to w.dk, w.dv and the
-    /// dq rows.
+    /// One tile t (queries of head t.head against the key tile of w.keys and the packed panels, key chunk c);
+    /// adds to w.dk, w.dv and the dq rows.
     void run_tile(backward_workspace<Acc>& w, const tile& t, index c, tile_class cls, Acc* bias_grad) {
         const index b = t.batch, h = t.head, q0 = t.query_begin, k0 = t.key_begin;
         const index nq = t.query_end - q0, nk = t.key_end - k0, ld = t_.block_k, dv = s_.value_dim;
