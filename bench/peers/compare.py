@@ -18,7 +18,10 @@ Implementations (all take q, k, v already in their preferred layout; layout chan
   torch-sdpa-fold  decode only: the same call with q reshaped to [B, kv_heads, group, H], the 4 query heads of a kv
                 head as 4 query rows (no enable_gqa; exact for L = 1), much faster than enable_gqa on CPU
   torch-flex    packed only: FlexAttention under torch.compile with a document mask_mod and its block mask, which
-                skips the blocks between segments (PyTorch's own way to attend within packed sequences)
+                skips the blocks between segments (PyTorch's own way to attend within packed sequences); softcap
+                only: FlexAttention with the score_mod c tanh(s / c)
+Soft-capped cases: L = S = 2048, D = 64, fp32, c tanh(s / c) with c = 30 on the scaled scores (Gemma 2). attend runs
+`tiled_softcap`; ort-attn23 takes its `softcap` attribute; torch-flex a score_mod (SDPA has no soft-capping).
 Packed cases: 8 sequences of 512 in one axis of 4096. attend runs `packed_8x512` (packed_segments, which skips the
 tiles between segments) and `packed_8x512_dense_mask` (the same as a dense block-diagonal allowed_mask); the
 dense peers take that block-diagonal mask as it is, dense: ort-mha an additive attention_bias [1, 1, 4096, 4096] of
@@ -49,8 +52,9 @@ ONNX_TYPES = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "bf16": Te
 NUMPY_TYPES = {"fp32": np.float32, "fp16": np.float16}
 TORCH_TYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Which peer runs which kind of case.
-PEERS = {"ort-mha": ("prefill", "packed"), "ort-attn23": ("prefill", "decode", "packed"), "ort-gqa": ("decode",),
-         "torch-sdpa": ("prefill", "decode", "packed"), "torch-sdpa-fold": ("decode",), "torch-flex": ("packed",)}
+PEERS = {"ort-mha": ("prefill", "packed"), "ort-attn23": ("prefill", "decode", "packed", "softcap"),
+         "ort-gqa": ("decode",), "torch-sdpa": ("prefill", "decode", "packed"), "torch-sdpa-fold": ("decode",),
+         "torch-flex": ("packed", "softcap")}
 
 
 class Unsupported(Exception):
@@ -69,6 +73,7 @@ class Case:
     heads: int = 8
     kv_heads: int = 8
     segments: int = 0  # packed: sequences of key_len / segments each, attending only within themselves
+    softcap: float = 0.0  # softcap: c of c tanh(s / c) on the scaled scores
 
     @property
     def name(self):
@@ -76,6 +81,8 @@ class Case:
             return f"packed/{self.dtype}/{self.segments}x{self.key_len // self.segments}/D{self.dim}/t{self.threads}"
         if self.kind == "decode":
             return f"decode/{self.dtype}/S{self.key_len}/D{self.dim}/H{self.heads}-{self.kv_heads}/t{self.threads}"
+        if self.kind == "softcap":
+            return f"softcap/{self.dtype}/L{self.query_len}/D{self.dim}/c{self.softcap:g}/t{self.threads}"
         mask = "causal" if self.causal else "full"
         return f"prefill/{self.dtype}/L{self.query_len}/D{self.dim}/{mask}/t{self.threads}"
 
@@ -85,6 +92,8 @@ class Case:
             return f"packed {self.dtype}, block-diagonal"
         if self.kind == "decode":
             return f"decode {self.dtype}"
+        if self.kind == "softcap":
+            return f"prefill {self.dtype} non-causal, soft-capped"
         return f"prefill {self.dtype} {'causal' if self.causal else 'non-causal'}"
 
 
@@ -100,6 +109,10 @@ def packed(threads):
     return Case("packed", "fp32", 4096, 4096, 64, threads, segments=8)
 
 
+def softcapped(threads):
+    return Case("softcap", "fp32", 2048, 2048, 64, threads, softcap=30.0)
+
+
 def all_cases(quick):
     if quick:
         return [prefill("fp32", 1024, 64, t, c) for c in (False, True) for t in (1, 2)] + [
@@ -111,7 +124,7 @@ def all_cases(quick):
     for dtype in ("fp16", "bf16"):
         cases += [prefill(dtype, 2048, 64, t, c) for c in (False, True) for t in (1, 2)]
         cases += [decode(dtype, t) for t in (1, 2)]
-    return cases + [packed(t) for t in (1, 2)]
+    return cases + [packed(t) for t in (1, 2)] + [softcapped(t) for t in (1, 2)]
 
 
 def make_inputs(case, seed=0):
@@ -127,9 +140,10 @@ def allowed_blocks(case):
     return segment[:, None] == segment[None, :]
 
 
-def reference(q, k, v, causal, segments=0):
+def reference(q, k, v, causal, segments=0, softcap=0.0):
     """Attention in float64 numpy, bottom-right aligned causal mask (top-left when L = S); with segments, each of
-    that many equal parts of the sequence on its own (the packed cases' block-diagonal mask)."""
+    that many equal parts of the sequence on its own (the packed cases' block-diagonal mask); with softcap c, the
+    scaled scores s become c tanh(s / c) before the mask."""
     if segments:
         n = q.shape[2] // segments
         return np.concatenate([reference(q[:, :, i:i + n], k[:, :, i:i + n], v[:, :, i:i + n], causal)
@@ -138,6 +152,8 @@ def reference(q, k, v, causal, segments=0):
     group = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     s = q @ k.swapaxes(-1, -2) / math.sqrt(q.shape[-1])
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
     if causal:
         L, S = s.shape[-2:]
         s = np.where(np.arange(S)[None, :] <= np.arange(L)[:, None] + (S - L), s, -np.inf)
@@ -205,8 +221,9 @@ def ort_mha(case, q, k, v):
 
 
 def ort_attention23(case, q, k, v):
+    extra = {"softcap": case.softcap} if case.softcap else {}
     node = helper.make_node("Attention", ["Q", "K", "V"] + (["attn_mask"] if case.segments else []), ["Y"],
-                            is_causal=int(case.causal))
+                            is_causal=int(case.causal), **extra)
     ins = [tensor_info(n, case.dtype, x.shape) for n, x in (("Q", q), ("K", k), ("V", v))]
     feeds = {n: numpy_of(x, case.dtype) for n, x in (("Q", q), ("K", k), ("V", v))}
     if case.segments:  # Boolean: true = attend
@@ -295,23 +312,32 @@ def torch_sdpa(case, q, k, v, fold=False):
 
 
 def torch_flex(case, q, k, v):
-    """FlexAttention, compiled, with a document mask_mod: its block mask skips the blocks between sequences."""
+    """FlexAttention, compiled: packed, with a document mask_mod whose block mask skips the blocks between
+    sequences; softcap, with the score_mod c tanh(s / c) and no mask."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError as e:
         raise Unsupported(first_line(e)) from None
     torch.set_num_threads(case.threads)
-    n = case.key_len // case.segments
     qt, kt, vt = (torch.from_numpy(x).to(TORCH_TYPES[case.dtype]) for x in (q, k, v))
     try:
-        blocks = create_block_mask(lambda b, h, i, j: i // n == j // n, B=None, H=None, Q_LEN=case.query_len,
-                                   KV_LEN=case.key_len, device="cpu")
+        # A fresh compile per case: recompiling after another shape turns on dynamic shapes, which FlexAttention's
+        # score_mod then fails under ("when making fake tensor call").
+        torch._dynamo.reset()
+        kwargs = {}
+        if case.segments:
+            n = case.key_len // case.segments
+            kwargs["block_mask"] = create_block_mask(lambda b, h, i, j: i // n == j // n, B=None, H=None,
+                                                     Q_LEN=case.query_len, KV_LEN=case.key_len, device="cpu")
+        if case.softcap:
+            c = case.softcap
+            kwargs["score_mod"] = lambda score, b, h, i, j: c * torch.tanh(score / c)
         compiled = torch.compile(flex_attention)
         result = {}
 
         def run():
             with torch.inference_mode():
-                result["out"] = compiled(qt, kt, vt, block_mask=blocks)
+                result["out"] = compiled(qt, kt, vt, **kwargs)
 
         run()  # compiles
     except Exception as e:  # no C++ toolchain for inductor, an unsupported configuration, ...
@@ -353,6 +379,8 @@ def attend_name(case, check_finite=False, dense=False):
     packed_segments, or with `dense` the same as a dense block-diagonal allowed_mask."""
     if case.kind == "packed":
         return f"packed_8x512{'_dense_mask' if dense else ''}/{case.threads}/"
+    if case.kind == "softcap":  # attend_bench's soft-capped case is c = 30 at L = S = 2048, D = 64
+        return f"tiled_softcap/{case.query_len}/{case.threads}/"
     if case.kind == "decode":
         prefix = "decode" if case.dtype == "fp32" else f"decode_storage<{ATTEND_TYPES[case.dtype]}>"
         return f"{prefix}/threads:{case.threads}/check_finite:{int(check_finite)}/"
@@ -408,16 +436,19 @@ def run_case(case, args):
 def verify(print_report=True):
     """Small cases against the float64 numpy reference; returns {(peer, kind, causal, dtype): passed}."""
     shapes = [("prefill", 48, 48, False, 4, 4, 0), ("prefill", 48, 48, True, 4, 4, 0), ("decode", 1, 40, False, 8, 2, 0),
-              ("packed", 48, 48, False, 4, 4, 3)]
+              ("packed", 48, 48, False, 4, 4, 3), ("softcap", 48, 48, False, 4, 4, 0)]
     tolerance = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 5e-2}
     passed, lines = {}, []
     for dtype, tol in tolerance.items():
         for kind, L, S, causal, heads, kv_heads, segments in shapes:
             if kind == "packed" and dtype != "fp32":  # packed cases are timed in fp32 only
                 continue
-            case = Case(kind, dtype, L, S, 16, 1, causal, heads, kv_heads, segments)
+            if kind == "softcap" and dtype != "fp32":  # soft-capped cases are timed in fp32 only
+                continue
+            # c = 0.5 here, so that the cap changes the small test's scores (|s| < 4) by a lot
+            case = Case(kind, dtype, L, S, 16, 1, causal, heads, kv_heads, segments, 0.5 if kind == "softcap" else 0.0)
             q, k, v = make_inputs(case, seed=1)
-            want = reference(q, k, v, case.causal, segments)
+            want = reference(q, k, v, case.causal, segments, case.softcap)
             for peer in (p for p, kinds in PEERS.items() if kind in kinds):
                 try:
                     run, fetch = BUILDERS[peer](case, q, k, v)
