@@ -162,7 +162,7 @@ struct checked_call {
     attend::kernel kernel = attend::kernel::automatic;
     int threads = 1;                ///< resolved: >= 1
     bool kv_scan_deferred = false;  ///< check_finite's scan of k and v is left to run_checked (deferred_kv_scan)
-    std::vector<row_magnitudes> query_magnitudes{};  ///< then q's, per (batch, head), from check_call's scan of q
+    std::vector<row_magnitudes> query_magnitudes{};  ///< with check_finite: q's, per (batch, head), from its scan
 };
 
 /// Every check of an attention call, in data-path order: options, mask against the shape, finite inputs, empty
@@ -175,12 +175,11 @@ auto check_call(const strided_view<const T>& q, const Rows& k, const Rows& v, co
                 const Mask& mask, const sdpa_options& o, bool defer_kv_scan = false) {
     checked_call<T, decltype(mask.bind(s))> call{checked_params<T>(s, o), mask.bind(s), o.kernel,
                                                  resolve_threads(o.threads)};
-    if (o.check_finite && defer_kv_scan) {
-        // check_finite of q (the same first bad element named), and q's side of the score-range rule for later.
+    if (o.check_finite) {
+        // check_finite of q, and q's side of the score-range rule, kept for the scan of k and v (now or deferred).
         call.query_magnitudes = head_magnitudes(q, "query", call.threads);
-        call.kv_scan_deferred = true;
-    } else if (o.check_finite) {
-        scan_keys_and_values(q, k, v, s, call.params.scale, call.threads);
+        if (defer_kv_scan) call.kv_scan_deferred = true;
+        else scan_keys_and_values(q, call.query_magnitudes, k, v, s, call.params.scale, call.threads);
     }
     if (o.empty_rows == empty_rows::error)
         if (const auto row = first_empty_row<mask_tiles>(erased_mask<decltype(call.mask)>(call.mask), s))

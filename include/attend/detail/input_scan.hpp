@@ -211,19 +211,15 @@ std::vector<row_magnitudes> head_magnitudes(const View& x, const char* name, int
     return m;
 }
 
-/// check_finite of q and k and the rule of the file comment in the same pass: throws value_error
-/// attend.value.non_finite or attend.value.score_overflow. q, k are checked views of a call of shape s (k strided
-/// or paged, of q's type or 16-bit); the scores are computed in Acc, which sets the range (float for 16-bit
-/// storage: fp16 scores beyond 65504 are normal and fine). `known_queries`: q's head_magnitudes when the caller
-/// has them already (check_call scanned q first), so q is not read twice.
+/// The rule of the file comment, given q's head_magnitudes `queries` (which checked q for NaN and inf), with
+/// check_finite of k in the same pass: throws value_error attend.value.non_finite or attend.value.score_overflow.
+/// q, k are checked views of a call of shape s (k strided or paged, of q's type or 16-bit); the scores are computed
+/// in Acc, which sets the range (float for 16-bit storage: fp16 scores beyond 65504 are normal and fine).
 template <class T, class KeyView, class Acc>
-void check_scores_fit(const strided_view<const T>& q, const KeyView& k, const attention_shape& s, Acc scale,
-                      int threads = 1, const std::vector<row_magnitudes>* known_queries = nullptr) {
+void check_scores_fit(const strided_view<const T>& q, const std::vector<row_magnitudes>& queries, const KeyView& k,
+                      const attention_shape& s, Acc scale, int threads) {
     const long double limit = static_cast<long double>(std::numeric_limits<Acc>::max()) / 2;
     const long double sc = static_cast<long double>(scale), grow = std::max<long double>(1, sc);
-    const std::vector<row_magnitudes> scanned = known_queries ? std::vector<row_magnitudes>{}
-                                                              : head_magnitudes(q, "query", threads);
-    const std::vector<row_magnitudes>& queries = known_queries ? *known_queries : scanned;
     const std::vector<row_magnitudes> keys = head_magnitudes(k, "key", threads);
     for (index b = 0; b < s.batch; ++b)
         for (index h = 0; h < s.heads; ++h) {
@@ -253,12 +249,12 @@ void check_scores_fit(const strided_view<const T>& q, const KeyView& k, const at
         }
 }
 
-/// check_finite's scan of k and v: every score q.k must fit the accumulation type, and v must be finite.
+/// check_finite's scan of k and v, after q's (`queries`, q's head_magnitudes): every score q.k must fit the
+/// accumulation type, and v must be finite.
 template <class T, class Rows>
-void scan_keys_and_values(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
-                          accumulator_t<T> scale, int threads = 1,
-                          const std::vector<row_magnitudes>* known_queries = nullptr) {
-    check_scores_fit(q, k, s, scale, threads, known_queries);
+void scan_keys_and_values(const strided_view<const T>& q, const std::vector<row_magnitudes>& queries, const Rows& k,
+                          const Rows& v, const attention_shape& s, accumulator_t<T> scale, int threads) {
+    check_scores_fit(q, queries, k, s, scale, threads);
     check_finite(v, "value", threads);
 }
 
@@ -274,7 +270,7 @@ public:
                accumulator_t<T> scale, const std::vector<row_magnitudes>& queries)
         : q_(q), k_(k), v_(v), s_(s), scale_(scale), queries_(queries) {}
 
-    void scan_now(int threads) const override { scan_keys_and_values(q_, k_, v_, s_, scale_, threads, &queries_); }
+    void scan_now(int threads) const override { scan_keys_and_values(q_, queries_, k_, v_, s_, scale_, threads); }
 
     void verify(const std::vector<double>& key_max_abs, bool non_finite) const override {
         if (non_finite) return scan_now(1);  // finds the first bad element and names it
