@@ -19,7 +19,9 @@
 #include <vector>
 
 #include <attend/detail/micro_kernel.hpp>
+#include <attend/detail/micro_kernel_bf16.hpp>
 #include <attend/detail/score_pipeline.hpp>
+#include <attend/detail/widen.hpp>
 
 #include "support/random.hpp"
 #include "support/scalar_names.hpp"
@@ -303,5 +305,153 @@ TEST(MicroKernelEpilogue, ProductsCappedInRegistersEqualSoftCapOfTheStoredProduc
                     << rows << " rows, " << nk << " keys, head_dim " << head_dim;
             }
 }
+
+#if ATTEND_BF16_DOT_PRODUCTS
+// The bf16 pair kernels (micro_kernel_bf16.hpp), on targets with AVX-512 BF16. A product of two bf16 values is
+// exact in float, so the bound against the double sum of the same products is the float summation's.
+
+using attend::detail::bf16_tile;
+using bf16 = Eigen::bfloat16;
+
+std::vector<bf16> random_bf16(attend_test::rng& g, index n) {
+    std::vector<bf16> x(static_cast<std::size_t>(n));
+    for (auto& v : x) v = bf16(static_cast<float>(g.uniform(-1.0, 1.0)));
+    return x;
+}
+
+/// Rows of `width` bf16 values `ld` apart, as 32-bit pair words `ld / 2`... apart: q-pairs for the score kernel.
+std::vector<std::uint32_t> pair_words(const std::vector<bf16>& x, index rows, index ld, index width) {
+    std::vector<std::uint32_t> w(static_cast<std::size_t>(rows * width / 2));
+    for (index r = 0; r < rows; ++r)
+        for (index j = 0; j < width / 2; ++j)
+            w[static_cast<std::size_t>(r * width / 2 + j)] = attend::detail::pair_at(x.data() + r * ld + 2 * j);
+    return w;
+}
+
+TEST(Bf16PairKernels, KeyPanelsHoldEachKeyPairOnceAndZerosPastTheLastKey) {
+    attend_test::rng g(31);
+    for (index nk : edge_sizes(bf16_tile::cols))
+        for (index head_dim : {index(2), index(30), index(32), index(34), index(64)})
+            for (index ld : {head_dim, head_dim + 1, head_dim + 2}) {  // an odd ld takes the element-wise path
+                const auto k = random_bf16(g, nk * ld);
+                const index pairs = head_dim / 2;
+                std::vector<std::uint32_t> panels(static_cast<std::size_t>(bf16_tile::key_panel_words(nk, head_dim)),
+                                                  7u);
+                attend::detail::pack_key_pairs(k.data(), ld, nk, head_dim, panels.data());
+                for (index c = 0; c < (nk + 31) / 32 * 32; ++c)
+                    for (index x = 0; x < pairs; ++x) {
+                        const std::uint32_t want = c < nk ? attend::detail::pair_at(k.data() + c * ld + 2 * x) : 0u;
+                        ASSERT_EQ(panels[static_cast<std::size_t>((c / 32) * 32 * pairs + x * 32 + c % 32)], want)
+                            << "key " << c << " pair " << x << " of " << nk << " keys, head_dim " << head_dim << ", ld "
+                            << ld;
+                    }
+            }
+}
+
+TEST(Bf16PairKernels, ScoresAreTheScaledSumsOfExactProductsAndWriteNothingPastTheirColumns) {
+    attend_test::rng g(32);
+    const float guard = 12345.0f, scale = 0.125f * 1.1f;
+    for (index rows : edge_sizes(bf16_tile::rows))
+        for (index nk : edge_sizes(bf16_tile::cols))
+            for (index head_dim : {index(2), index(34), index(128)}) {
+                const index lds = nk + 3;
+                const auto q = random_bf16(g, rows * head_dim), k = random_bf16(g, nk * head_dim);
+                const auto q_pairs = pair_words(q, rows, head_dim, head_dim);
+                std::vector<std::uint32_t> panels(static_cast<std::size_t>(bf16_tile::key_panel_words(nk, head_dim)));
+                attend::detail::pack_key_pairs(k.data(), head_dim, nk, head_dim, panels.data());
+                std::vector<float> scores(static_cast<std::size_t>(rows * lds), guard);
+                attend::detail::scores_from_key_pairs(q_pairs.data(), head_dim / 2, rows, head_dim, panels.data(), nk,
+                                                      scale, scores.data(), lds,
+                                                      attend::detail::micro::keep_products{});
+                for (index r = 0; r < rows; ++r) {
+                    for (index c = 0; c < nk; ++c) {
+                        double exact = 0, magnitude = 0;
+                        for (index x = 0; x < head_dim; ++x) {
+                            const double p =
+                                static_cast<double>(static_cast<float>(q[static_cast<std::size_t>(r * head_dim + x)])) *
+                                static_cast<double>(static_cast<float>(k[static_cast<std::size_t>(c * head_dim + x)]));
+                            exact += p;
+                            magnitude += std::abs(p);
+                        }
+                        const double bound = (4.0 * static_cast<double>(head_dim) + 2.0) * 0x1p-24 * magnitude * scale;
+                        ASSERT_NEAR(scores[static_cast<std::size_t>(r * lds + c)], scale * exact, bound)
+                            << "row " << r << " key " << c << " of " << rows << " x " << nk << ", head_dim "
+                            << head_dim;
+                    }
+                    for (index c = nk; c < lds; ++c) ASSERT_EQ(scores[static_cast<std::size_t>(r * lds + c)], guard);
+                }
+                // A row gets the same bits whatever rows share its call.
+                for (index r = 0; r < rows; ++r) {
+                    std::vector<float> alone(static_cast<std::size_t>(lds), guard);
+                    attend::detail::scores_from_key_pairs(q_pairs.data() + r * head_dim / 2, head_dim / 2, 1, head_dim,
+                                                          panels.data(), nk, scale, alone.data(), lds,
+                                                          attend::detail::micro::keep_products{});
+                    ASSERT_EQ(std::memcmp(alone.data(), scores.data() + r * lds, static_cast<std::size_t>(nk) * 4), 0);
+                }
+            }
+}
+
+TEST(Bf16PairKernels, ProbabilitiesRoundToNearestEvenBf16AndOddRowsEndInAZero) {
+    attend_test::rng g(33);
+    for (index nk : edge_sizes(bf16_tile::cols)) {
+        const index rows = 3, ldp = nk + 5, ldo = (nk + 1) / 2 + 2;
+        std::vector<float> p(static_cast<std::size_t>(rows * ldp));
+        for (auto& x : p) x = static_cast<float>(g.uniform(0.0, 1.0));
+        std::vector<std::uint32_t> out(static_cast<std::size_t>(rows * ldo), 0xdeadbeefu);
+        attend::detail::round_to_pairs(p.data(), ldp, rows, nk, out.data(), ldo);
+        for (index r = 0; r < rows; ++r) {
+            for (index j = 0; j < (nk + 1) / 2; ++j) {
+                const bf16 lo(p[static_cast<std::size_t>(r * ldp + 2 * j)]);
+                const bf16 hi = 2 * j + 1 < nk ? bf16(p[static_cast<std::size_t>(r * ldp + 2 * j + 1)]) : bf16(0.0f);
+                const std::uint32_t want = std::uint32_t(attend::detail::bits_of(lo)) |
+                                           std::uint32_t(attend::detail::bits_of(hi)) << 16;
+                ASSERT_EQ(out[static_cast<std::size_t>(r * ldo + j)], want)
+                    << "row " << r << " pair " << j << " of " << nk;
+            }
+            for (index j = (nk + 1) / 2; j < ldo; ++j)
+                ASSERT_EQ(out[static_cast<std::size_t>(r * ldo + j)], 0xdeadbeefu);
+        }
+    }
+}
+
+TEST(Bf16PairKernels, AccumulatingValuePairsAddsRoundedPTimesVToWhatWasThere) {
+    attend_test::rng g(34);
+    for (index rows : edge_sizes(bf16_tile::rows))
+        for (index nk : {index(1), index(2), index(31), index(33), index(300), index(513)})
+            for (index dv : {index(32), index(96)})
+                for (index ldv : {dv, dv + 3}) {
+                    const auto v = random_bf16(g, nk * ldv);
+                    std::vector<float> p(static_cast<std::size_t>(rows * nk));
+                    for (auto& x : p) x = static_cast<float>(g.uniform(0.0, 1.0));
+                    const index ldp = (nk + 1) / 2;
+                    std::vector<std::uint32_t> p_pairs(static_cast<std::size_t>(rows * ldp));
+                    attend::detail::round_to_pairs(p.data(), nk, rows, nk, p_pairs.data(), ldp);
+                    const index block_stride = (nk + 1) / 2 * bf16_tile::cols;
+                    std::vector<std::uint32_t> blocks(static_cast<std::size_t>(bf16_tile::value_panel_words(nk, dv)));
+                    attend::detail::pack_value_pairs(v.data(), ldv, nk, dv, blocks.data());
+                    std::vector<float> acc(static_cast<std::size_t>(rows * dv));
+                    for (auto& x : acc) x = static_cast<float>(g.uniform(-1.0, 1.0));
+                    const auto before = acc;
+                    attend::detail::accumulate_from_value_pairs(p_pairs.data(), ldp, rows, nk, dv, blocks.data(),
+                                                                block_stride, acc.data(), dv);
+                    for (index r = 0; r < rows; ++r)
+                        for (index e = 0; e < dv; ++e) {
+                            double exact = before[static_cast<std::size_t>(r * dv + e)], magnitude = std::abs(exact);
+                            for (index j = 0; j < nk; ++j) {
+                                const double t =
+                                    static_cast<double>(
+                                        static_cast<float>(bf16(p[static_cast<std::size_t>(r * nk + j)]))) *
+                                    static_cast<double>(static_cast<float>(v[static_cast<std::size_t>(j * ldv + e)]));
+                                exact += t;
+                                magnitude += std::abs(t);
+                            }
+                            ASSERT_NEAR(acc[static_cast<std::size_t>(r * dv + e)], exact,
+                                        4.0 * static_cast<double>(nk + 1) * 0x1p-24 * magnitude)
+                                << "row " << r << " column " << e << " of " << rows << " x " << dv << ", " << nk
+                                << " keys";
+                        }
+                }
+}
+#endif  // ATTEND_BF16_DOT_PRODUCTS
 
 }  // namespace

@@ -11,7 +11,10 @@
 /// the row group or column block it falls in, so a result depends on the shape and the instruction set only.
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
+#include <type_traits>
+#include <utility>
 
 #include <Eigen/Core>
 
@@ -21,21 +24,22 @@
 /// accumulator arrays become registers; left to the later unrolling, they stayed arrays on the stack, zeroed by
 /// memset and copied in and out around the inner loop (a tenth of a 64-deep score panel).
 #if defined(__GNUC__)
-#define ATTEND_UNROLL_FULLY _Pragma("GCC unroll 8")
+#define ATTEND_UNROLL_FULLY _Pragma("GCC unroll 16")
 #else
 #define ATTEND_UNROLL_FULLY
 #endif
 
 namespace attend::detail {
 
-/// Micro-tile sizes of Acc (float or double) on the target's widest packet: rows x (2 packets), 12 accumulators,
-/// which with two loads and a broadcast fit the 16 vector registers of AVX2, SSE2 and NEON.
+/// Micro-tile sizes of Acc (float or double) on the target's widest packet: rows x (2 packets) accumulators, which
+/// with two loads and a broadcast fit the vector registers: 12 rows (24 accumulators) in AVX-512's 32, 6 rows in
+/// the 16 of AVX2, SSE2 and NEON.
 template <class Acc>
 struct micro_tile {
     using packet = typename Eigen::internal::packet_traits<Acc>::type;
     static constexpr index lanes = Eigen::internal::packet_traits<Acc>::size;
     static constexpr index cols = 2 * lanes;  ///< keys per key panel, value columns per micro-tile
-    static constexpr index rows = 6;          ///< query rows per micro-tile
+    static constexpr index rows = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 12 : 6;  ///< query rows per micro-tile
     /// Elements of a key tile's panels: keys rounded up to whole panels, times head_dim.
     static index panel_elements(index keys, index head_dim) { return (keys + cols - 1) / cols * cols * head_dim; }
 };
@@ -151,22 +155,26 @@ void accumulate_values(const Acc* p, index ldp, index pcs, index nk, const Acc* 
     }
 }
 
+/// A table of f(integral_constant<int, n>) for n = 1 .. sizeof...(N).
+template <int... N, class F>
+constexpr auto by_row_count(std::integer_sequence<int, N...>, F f) {
+    return std::array<decltype(f(std::integral_constant<int, 1>{})), sizeof...(N)>{
+        f(std::integral_constant<int, N + 1>{})...};
+}
+
 /// The kernels above for a row group of 1 to micro_tile rows, so its size is a constant inside them.
 template <class Acc, class Epilogue>
 auto score_panel_for(index rows) {
-    constexpr decltype(&score_panel<1, Acc, Epilogue>) by_rows[] = {
-        &score_panel<1, Acc, Epilogue>, &score_panel<2, Acc, Epilogue>, &score_panel<3, Acc, Epilogue>,
-        &score_panel<4, Acc, Epilogue>, &score_panel<5, Acc, Epilogue>, &score_panel<6, Acc, Epilogue>};
-    return by_rows[rows - 1];
+    constexpr auto table = by_row_count(std::make_integer_sequence<int, static_cast<int>(micro_tile<Acc>::rows)>{},
+                                        [](auto n) { return &score_panel<decltype(n)::value, Acc, Epilogue>; });
+    return table[static_cast<std::size_t>(rows - 1)];
 }
 template <int Packets, class Acc>
 auto accumulate_values_for(index rows) {
-    constexpr decltype(&accumulate_values<1, Packets, Acc>) by_rows[] = {
-        &accumulate_values<1, Packets, Acc>, &accumulate_values<2, Packets, Acc>, &accumulate_values<3, Packets, Acc>,
-        &accumulate_values<4, Packets, Acc>, &accumulate_values<5, Packets, Acc>, &accumulate_values<6, Packets, Acc>};
-    return by_rows[rows - 1];
+    constexpr auto table = by_row_count(std::make_integer_sequence<int, static_cast<int>(micro_tile<Acc>::rows)>{},
+                                        [](auto n) { return &accumulate_values<decltype(n)::value, Packets, Acc>; });
+    return table[static_cast<std::size_t>(rows - 1)];
 }
-static_assert(micro_tile<float>::rows == 6 && micro_tile<double>::rows == 6, "one kernel per row-group size");
 
 }  // namespace micro
 

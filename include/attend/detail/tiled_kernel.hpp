@@ -46,6 +46,7 @@
 #include "memory.hpp"
 #include "merge_rows.hpp"
 #include "micro_kernel.hpp"
+#include "micro_kernel_bf16.hpp"
 #include "parallel_for.hpp"
 #include "q8_rows.hpp"
 #include "score_pipeline.hpp"
@@ -169,6 +170,7 @@ struct tiled_workspace {
     kv_findings<Acc> found;            ///< the decode path's check_finite findings, when it scans
     aligned_vector<Acc> key_panels;    ///< [key_tile rounded to panels, head_dim]: keys packed for the micro-kernel
     aligned_vector<Acc> value_panels;  ///< [key_tile, value_dim]: values packed for the micro-kernel
+    pair_scratch pairs;                ///< bf16 pairs instead of the panels, where the pair path runs
     /// Which keys or values the panels hold (batch -1: none), and the tile being streamed, whose keys and values
     /// are packed whole the first time a slab of it needs them, so every slab of the tile reads the same panels.
     struct key_range {
@@ -179,8 +181,10 @@ struct tiled_workspace {
     } packed_keys, packed_values, tile;
 
     /// `panels`: whether any slab can take the micro-kernels (more than gemv_rows rows); a decode's blocks never do,
-    /// and leave the panels empty.
-    tiled_workspace(index rows, index head_dim, index key_tile, index value_dim, index group, bool stage, bool panels)
+    /// and leave the panels empty. `bf16_pairs`: whether they take the bf16 pair kernels instead (then the float
+    /// panels stay empty).
+    tiled_workspace(index rows, index head_dim, index key_tile, index value_dim, index group, bool stage, bool panels,
+                    bool bf16_pairs)
         : queries(static_cast<std::size_t>(rows * head_dim)),
           scores(static_cast<std::size_t>(rows * key_tile)),
           acc(static_cast<std::size_t>(rows * value_dim)),
@@ -188,8 +192,16 @@ struct tiled_workspace {
           classes(static_cast<std::size_t>(group)),
           key_stage(stage ? static_cast<std::size_t>(key_tile * head_dim) : 0),
           value_stage(stage ? static_cast<std::size_t>(key_tile * value_dim) : 0),
-          key_panels(panels ? static_cast<std::size_t>(micro_tile<Acc>::panel_elements(key_tile, head_dim)) : 0),
-          value_panels(panels ? static_cast<std::size_t>(key_tile * value_dim) : 0) {}
+          key_panels(panels && !bf16_pairs
+                         ? static_cast<std::size_t>(micro_tile<Acc>::panel_elements(key_tile, head_dim))
+                         : 0),
+          value_panels(panels && !bf16_pairs ? static_cast<std::size_t>(key_tile * value_dim) : 0) {
+        if (!bf16_pairs) return;
+        pairs.queries.resize(static_cast<std::size_t>(rows * (head_dim / 2)));
+        pairs.keys.resize(static_cast<std::size_t>(bf16_tile::key_panel_words(key_tile, head_dim)));
+        pairs.values.resize(static_cast<std::size_t>(bf16_tile::value_panel_words(key_tile, value_dim)));
+        pairs.probabilities.resize(static_cast<std::size_t>(rows * ((key_tile + 1) / 2)));
+    }
 };
 
 /// The tiled forward pass of one call; see the file comment. Reads Storage, computes in Acc; keys and values come
@@ -239,6 +251,15 @@ private:
     /// block's rows).
     bool uses_panels() const { return rows_ > c_.gemv_rows; }
 
+    /// Whether those slabs take the bf16 pair kernels (micro_kernel_bf16.hpp) instead of the float panels: bf16
+    /// queries, keys and values in strided views, on a target with AVX-512 BF16, an even head_dim and whole blocks
+    /// of 32 value columns (head dims of 64 and 128 among them).
+    static constexpr bool pair_target = bf16_dot_products && std::is_same_v<Storage, Eigen::bfloat16> &&
+                                        std::is_same_v<Rows, strided_view<const Eigen::bfloat16>>;
+    bool uses_pairs() const {
+        return pair_target && uses_panels() && s_.head_dim % 2 == 0 && s_.value_dim % bf16_tile::cols == 0;
+    }
+
     std::vector<tiled_workspace<Acc>> workspaces(index units, int threads) const {
         const int workers = static_cast<int>(std::min<index>(std::max(threads, 1), units));
         return allocating(
@@ -246,15 +267,20 @@ private:
                 std::vector<tiled_workspace<Acc>> w;
                 w.reserve(static_cast<std::size_t>(workers));
                 for (int n = 0; n < workers; ++n)
-                    w.emplace_back(rows_, s_.head_dim, c_.key_tile, s_.value_dim, group_, staged, uses_panels());
+                    w.emplace_back(rows_, s_.head_dim, c_.key_tile, s_.value_dim, group_, staged, uses_panels(),
+                                   uses_pairs());
                 return w;
             },
             [&] {
+                const index panels =
+                    !uses_panels() ? 0
+                    : uses_pairs()  // words, as many bytes as floats
+                        ? rows_ * (s_.head_dim / 2 + (c_.key_tile + 1) / 2) +
+                              bf16_tile::key_panel_words(c_.key_tile, s_.head_dim) +
+                              bf16_tile::value_panel_words(c_.key_tile, s_.value_dim)
+                        : micro_tile<Acc>::panel_elements(c_.key_tile, s_.head_dim) + c_.key_tile * s_.value_dim;
                 const index per_worker = rows_ * (s_.head_dim + c_.key_tile + s_.value_dim + 4) +
-                                         (staged ? c_.key_tile * (s_.head_dim + s_.value_dim) : 0) +
-                                         (uses_panels() ? micro_tile<Acc>::panel_elements(c_.key_tile, s_.head_dim) +
-                                                              c_.key_tile * s_.value_dim
-                                                        : 0);
+                                         (staged ? c_.key_tile * (s_.head_dim + s_.value_dim) : 0) + panels;
                 return allocation_text("the tiled kernel's scratch (workers x elements)",
                                        std::array<index, 2>{workers, per_worker}, sizeof(Acc));
             },
@@ -367,7 +393,8 @@ private:
     }
 
     // ---- one block --------------------------------------------------------------------------------------------
-    /// The block's query rows, head after head, times the scale (folded in once instead of per score).
+    /// The block's query rows, head after head, times the scale (folded in once instead of per score); for the pair
+    /// kernels also as stored, in pairs.
     void load_queries(tiled_workspace<Acc>& w, const block& blk) const {
         const index d = s_.head_dim;
         const Acc scale = pipe_.scale();
@@ -377,6 +404,11 @@ private:
                 Acc* dst = w.queries.data() + (hh * blk.queries + r) * d;
                 widen(src, d, dst);
                 for (index x = 0; x < d; ++x) dst[x] *= scale;
+                if constexpr (pair_target)  // as stored: the pair kernels scale the products
+                    if (uses_pairs())
+                        for (index x = 0; x < d / 2; ++x)
+                            w.pairs.queries[static_cast<std::size_t>((hh * blk.queries + r) * (d / 2) + x)] =
+                                pair_at(src + 2 * x);
             }
     }
 
@@ -471,6 +503,53 @@ private:
                                w.acc.data() + r0 * dv, dv);
     }
 
+    /// The pair path's versions of key_panels, compute_scores' products and accumulate_values (uses_pairs()): keys
+    /// and values packed from their bf16 rows into pairs, P rounded to bf16 pairs. Compiled only for pair_target.
+    const std::uint32_t* key_pairs(tiled_workspace<Acc>& w, const block& blk, index k0, index k1) const {
+        const auto want = pack_range(w, blk, k0, k1, bf16_tile::cols);
+        if (!(w.packed_keys == want)) {
+            const index n = want.end - want.begin;
+            if constexpr (pair_target)
+                pack_key_pairs(k_.row(blk.batch, blk.kv_head, want.begin), row_stride(k_), n, s_.head_dim,
+                               w.pairs.keys.data());
+            if (w.found.active)  // a decode block of many rows: the scan reads the keys widened
+                w.found.keys(rows_as_accumulator<Acc>(k_, blk.batch, blk.kv_head, want.begin, n, w.key_stage));
+            w.packed_keys = want;
+        }
+        return w.pairs.keys.data() + (k0 - want.begin) * (s_.head_dim / 2);
+    }
+    bool pair_scores(tiled_workspace<Acc>& w, const block& blk, index r0, index rows, index k0, index k1) const {
+        if constexpr (pair_target) {
+            const std::uint32_t* panels = key_pairs(w, blk, k0, k1);
+            const index pairs = s_.head_dim / 2;
+            return pipe_.products_with_cap([&](const auto& epilogue) {
+                scores_from_key_pairs(w.pairs.queries.data() + r0 * pairs, pairs, rows, s_.head_dim, panels, k1 - k0,
+                                      pipe_.scale(), w.scores.data() + r0 * c_.key_tile, c_.key_tile, epilogue);
+            });
+        }
+        return false;
+    }
+    void accumulate_value_pairs(tiled_workspace<Acc>& w, const block& blk, index r0, index rows, index k0,
+                                index k1) const {
+        if constexpr (pair_target) {
+            const auto want = pack_range(w, blk, k0, k1, 2);  // pairs of keys from the packed range's start
+            const index n = want.end - want.begin;
+            if (!(w.packed_values == want)) {
+                pack_value_pairs(v_.row(blk.batch, blk.kv_head, want.begin), row_stride(v_), n, s_.value_dim,
+                                 w.pairs.values.data());
+                if (w.found.active)
+                    w.found.values(rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, want.begin, n, w.value_stage));
+                w.packed_values = want;
+            }
+            const index ldp = (c_.key_tile + 1) / 2;
+            std::uint32_t* p = w.pairs.probabilities.data() + r0 * ldp;
+            round_to_pairs(w.scores.data() + r0 * c_.key_tile, c_.key_tile, rows, k1 - k0, p, ldp);
+            accumulate_from_value_pairs(p, ldp, rows, k1 - k0, s_.value_dim,
+                                        w.pairs.values.data() + (k0 - want.begin) / 2 * bf16_tile::cols,
+                                        (n + 1) / 2 * bf16_tile::cols, w.acc.data() + r0 * s_.value_dim, s_.value_dim);
+        }
+    }
+
     /// Scores of the slab against keys [k0, k1) into its rows of w.scores: the micro-kernel on the stacked rows and
     /// the tile's packed keys (one GEMV per row for a few rows, which reads K straight from its rows where the
     /// micro-kernel would first pack it), then the score pipeline per head. Needs w.classes from classify on the same slab and keys.
@@ -490,6 +569,8 @@ private:
                     scores.row(r).segment(j0, nj).noalias() = queries.row(r) * keys.transpose();
                 if (w.found.active) w.found.keys(keys);  // in L1 now
             }
+        } else if (uses_pairs()) {
+            capped = pair_scores(w, blk, r0, rows, k0, k1);
         } else {
             const Acc* panels = key_panels(w, blk, k0, k1);
             capped = pipe_.products_with_cap([&](const auto& epilogue) {
@@ -577,6 +658,8 @@ private:
                 for (index r = 0; r < rows; ++r) acc.row(r).noalias() += probabilities.row(r).segment(j0, nj) * values;
                 if (w.found.active) w.found.values(values);
             }
+        } else if (uses_pairs()) {
+            accumulate_value_pairs(w, blk, r0, rows, k0, k1);
         } else {
             accumulate_values(w, blk, r0, rows, k0, k1);
         }
