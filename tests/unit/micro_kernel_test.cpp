@@ -20,6 +20,7 @@
 
 #include <attend/detail/micro_kernel.hpp>
 #include <attend/detail/micro_kernel_bf16.hpp>
+#include <attend/detail/row_kernel.hpp>
 #include <attend/detail/score_pipeline.hpp>
 #include <attend/detail/widen.hpp>
 
@@ -31,6 +32,7 @@ namespace {
 
 using attend::index;
 using attend::detail::micro_tile;
+using bf16 = Eigen::bfloat16;
 
 template <class T>
 std::vector<T> random_values(attend_test::rng& g, index n) {
@@ -306,13 +308,166 @@ TEST(MicroKernelEpilogue, ProductsCappedInRegistersEqualSoftCapOfTheStoredProduc
             }
 }
 
+// The row kernels (row_kernel.hpp): a few query rows against key and value rows read where they are stored.
+
+/// n rows of `dim` values of storage S holding `values` (already representable in S), and their q8_0 blocks.
+template <class S>
+std::vector<S> stored_as(const std::vector<float>& values) {
+    std::vector<S> x(values.size());
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<S>(values[i]);
+    return x;
+}
+
+/// Random values that bf16, fp16 and q8_0 (block scale 2^-7 x 127 / 127) all hold exactly: multiples of 2^-7 in
+/// [-127, 127] x 2^-7 with at most 8 significant bits, and one value per 32 at the block's extreme, so the q8_0
+/// scale is 2^-7 exactly.
+std::vector<float> representable_values(attend_test::rng& g, index n) {
+    std::vector<float> x(static_cast<std::size_t>(n));
+    for (index i = 0; i < n; ++i) {
+        const int q = i % 32 == 0 ? 127 : static_cast<int>(std::lround(g.uniform(-127.0, 127.0)));
+        x[static_cast<std::size_t>(i)] = std::ldexp(static_cast<float>(q), -7);
+    }
+    return x;
+}
+
+std::vector<attend::q8_0_block> q8_rows(const std::vector<float>& values, index dim) {
+    std::vector<attend::q8_0_block> b(values.size() / static_cast<std::size_t>(attend::q8_0_block::size));
+    for (std::size_t r = 0; r < values.size() / static_cast<std::size_t>(dim); ++r)
+        attend::detail::quantize_q8_0(values.data() + r * static_cast<std::size_t>(dim), dim,
+                                      b.data() + r * static_cast<std::size_t>(dim / attend::q8_0_block::size));
+    return b;
+}
+
+/// Scores and P V of `rows` rows from the row kernels over keys and values stored as S (rows `dim` apart; q8_0
+/// rows dim / 32 blocks apart), with the scan on.
+template <class S>
+struct row_results {
+    std::vector<float> scores, acc;
+    bool non_finite_keys = false, non_finite_values = false;
+    float largest_key = 0;
+};
+template <class S>
+row_results<S> run_row_kernels(const std::vector<float>& q, const std::vector<float>& p, index rows, index nk,
+                               index dim, const std::vector<S>& k, const std::vector<S>& v, index row_elements) {
+    row_results<S> out;
+    out.scores.assign(static_cast<std::size_t>(rows * nk), 0.0f);
+    out.acc.assign(static_cast<std::size_t>(rows * dim), 0.5f);
+    attend::detail::row_scan<float> keys, values;
+    attend::detail::scores_of_rows(
+        rows, q.data(), dim, dim, nk, [&](index j) { return k.data() + j * row_elements; }, out.scores.data(), nk,
+        &keys);
+    attend::detail::accumulate_rows(
+        rows, p.data(), nk, nk, dim, [&](index j) { return v.data() + j * row_elements; }, out.acc.data(), dim,
+        &values);
+    out.non_finite_keys = keys.non_finite();
+    out.non_finite_values = values.non_finite();
+    out.largest_key = keys.largest();
+    return out;
+}
+
+TEST(RowKernels, EveryStorageGivesTheBitsOfFloatRowsHoldingItsValuesAndEachRowTheBitsItGetsAlone) {
+    attend_test::rng g(41);
+    for (index dim : {index(32), index(64), index(96), index(128)})
+        for (index rows = 1; rows <= attend::detail::row_kernel_rows; ++rows)
+            for (index nk : {index(1), index(5), index(300)}) {
+                const auto q = random_values<float>(g, rows * dim), k = representable_values(g, nk * dim),
+                           v = representable_values(g, nk * dim);
+                auto p = random_values<float>(g, rows * nk);
+                const auto want = run_row_kernels<float>(q, p, rows, nk, dim, k, v, dim);
+                // Against double: sums of rounded products within the usual bound.
+                for (index r = 0; r < rows; ++r)
+                    for (index j = 0; j < nk; ++j) {
+                        double exact = 0, magnitude = 0;
+                        for (index x = 0; x < dim; ++x) {
+                            const double t = double(q[static_cast<std::size_t>(r * dim + x)]) *
+                                             k[static_cast<std::size_t>(j * dim + x)];
+                            exact += t;
+                            magnitude += std::abs(t);
+                        }
+                        ASSERT_NEAR(want.scores[static_cast<std::size_t>(r * nk + j)], exact,
+                                    4.0 * double(dim) * 0x1p-24 * magnitude);
+                    }
+                const auto check = [&](const auto& got, const char* name) {
+                    ASSERT_EQ(std::memcmp(got.scores.data(), want.scores.data(), want.scores.size() * 4), 0) << name;
+                    ASSERT_EQ(std::memcmp(got.acc.data(), want.acc.data(), want.acc.size() * 4), 0) << name;
+                    ASSERT_EQ(got.largest_key, want.largest_key) << name;
+                };
+                check(run_row_kernels<bf16>(q, p, rows, nk, dim, stored_as<bf16>(k), stored_as<bf16>(v), dim), "bf16");
+                check(run_row_kernels<Eigen::half>(q, p, rows, nk, dim, stored_as<Eigen::half>(k),
+                                                   stored_as<Eigen::half>(v), dim),
+                      "fp16");
+                check(run_row_kernels<attend::q8_0_block>(q, p, rows, nk, dim, q8_rows(k, dim), q8_rows(v, dim),
+                                                          dim / 32),
+                      "q8_0");
+                for (index r = 0; r < rows; ++r) {  // alone
+                    const std::vector<float> q1(q.begin() + r * dim, q.begin() + (r + 1) * dim),
+                        p1(p.begin() + r * nk, p.begin() + (r + 1) * nk);
+                    const auto one = run_row_kernels<float>(q1, p1, 1, nk, dim, k, v, dim);
+                    ASSERT_EQ(std::memcmp(one.scores.data(), want.scores.data() + r * nk,
+                                          static_cast<std::size_t>(nk) * 4),
+                              0);
+                    ASSERT_EQ(std::memcmp(one.acc.data(), want.acc.data() + r * dim, static_cast<std::size_t>(dim) * 4),
+                              0);
+                }
+            }
+}
+
+TEST(RowKernels, AccumulateAddsPTimesVToWhatWasThereOnEveryColumnEdge) {
+    attend_test::rng g(42);
+    for (index dim : edge_sizes(micro_tile<float>::lanes))
+        for (index rows : {index(1), index(3), index(8)})
+            for (index nk : {index(1), index(9), index(700)}) {
+                const auto v = random_values<float>(g, nk * dim);
+                const auto p = random_values<float>(g, rows * nk);
+                std::vector<float> acc = random_values<float>(g, rows * dim);
+                const auto before = acc;
+                attend::detail::accumulate_rows(
+                    rows, p.data(), nk, nk, dim, [&](index j) { return v.data() + j * dim; }, acc.data(), dim,
+                    static_cast<attend::detail::row_scan<float>*>(nullptr));
+                for (index r = 0; r < rows; ++r)
+                    for (index e = 0; e < dim; ++e) {
+                        double exact = before[static_cast<std::size_t>(r * dim + e)], magnitude = std::abs(exact);
+                        for (index j = 0; j < nk; ++j) {
+                            const double t = double(p[static_cast<std::size_t>(r * nk + j)]) *
+                                             v[static_cast<std::size_t>(j * dim + e)];
+                            exact += t;
+                            magnitude += std::abs(t);
+                        }
+                        ASSERT_NEAR(acc[static_cast<std::size_t>(r * dim + e)], exact,
+                                    4.0 * double(nk + 1) * 0x1p-24 * magnitude)
+                            << "row " << r << " column " << e << " of " << dim << ", " << nk << " keys";
+                    }
+            }
+}
+
+TEST(RowKernels, TheScanFindsTheLargestKeyAndAnyNaNOrInfinityInPacketsAndTails) {
+    attend_test::rng g(43);
+    for (index dim : {index(7), index(64), index(67)})
+        for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                                -std::numeric_limits<float>::infinity(), 0.0f})
+            for (index at : {index(0), dim - 1}) {  // in the first packet, and in the tail when dim has one
+                const index nk = 5, rows = 2;
+                const auto q = random_values<float>(g, rows * dim), p = random_values<float>(g, rows * nk);
+                auto k = random_values<float>(g, nk * dim), v = k;
+                k[static_cast<std::size_t>(3 * dim + at)] = -7.5f;
+                const auto clean = run_row_kernels<float>(q, p, rows, nk, dim, k, v, dim);
+                EXPECT_FALSE(clean.non_finite_keys);
+                EXPECT_FALSE(clean.non_finite_values);
+                EXPECT_EQ(clean.largest_key, 7.5f);
+                k[static_cast<std::size_t>(2 * dim + at)] = bad;
+                v[static_cast<std::size_t>(4 * dim + at)] = bad;
+                const auto found = run_row_kernels<float>(q, p, rows, nk, dim, k, v, dim);
+                const bool finite = std::isfinite(bad);
+                EXPECT_EQ(found.non_finite_keys, !finite) << "dim " << dim << " at " << at << " value " << bad;
+                EXPECT_EQ(found.non_finite_values, !finite) << "dim " << dim << " at " << at << " value " << bad;
+            }
+}
+
 #if ATTEND_BF16_DOT_PRODUCTS
 // The bf16 pair kernels (micro_kernel_bf16.hpp), on targets with AVX-512 BF16. A product of two bf16 values is
 // exact in float, so the bound against the double sum of the same products is the float summation's.
 
 using attend::detail::bf16_tile;
-using bf16 = Eigen::bfloat16;
-
 std::vector<bf16> random_bf16(attend_test::rng& g, index n) {
     std::vector<bf16> x(static_cast<std::size_t>(n));
     for (auto& v : x) v = bf16(static_cast<float>(g.uniform(-1.0, 1.0)));

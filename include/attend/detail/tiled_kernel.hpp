@@ -13,8 +13,8 @@
 /// stacked into one block ([head 0 rows; head 1 rows; ...]), so each K and V tile is read from memory and packed
 /// once for the whole group. Mask classification, score_bias and dropout stay per head: the block is made of
 /// per-head sub-blocks, each classified and masked as its own tile. (A block of at most gemv_rows rows, e.g. one
-/// decoded query on 4 query heads per kv head, uses one Eigen GEMV per row over L1-sized key slices instead of
-/// the micro-kernels, which would first copy K into packed panels.)
+/// decoded query on 4 query heads per kv head, uses the row kernels of row_kernel.hpp, which read K and V in place,
+/// instead of the micro-kernels, which would first copy K into packed panels.)
 ///
 /// Masks: a tile classified empty for every head is skipped before its products; a full tile gets no per-element
 /// mask work; a mixed tile is cut into runs of 32-key strips, the strips every row may see go through one block,
@@ -49,6 +49,7 @@
 #include "micro_kernel_bf16.hpp"
 #include "parallel_for.hpp"
 #include "q8_rows.hpp"
+#include "row_kernel.hpp"
 #include "score_pipeline.hpp"
 #include "widen.hpp"
 
@@ -61,7 +62,7 @@ struct tile_config {
     index key_tile = 512;       ///< keys per tile
     index trim_step = 32;       ///< a mixed tile drops empty key columns from both ends in steps of this many
     index slab_rows = 32;       ///< a mixed tile is processed in slabs of this many queries of one head
-    index gemv_rows = 8;        ///< slabs of at most this many rows use one GEMV per row, not the micro-kernels
+    index gemv_rows = 8;        ///< slabs of at most this many rows (<= 8) use the row kernels, not the micro-kernels
     index decode_queries = 16;  ///< query_len at or below which keys are split into chunks (decode path)
     index decode_chunk = 2048;  ///< keys per chunk of the decode path
 };
@@ -118,7 +119,7 @@ const_tile_map<Acc> rows_as_accumulator(const q8_view& x, index b, index h, inde
 
 /// What one decode unit's pass saw of its keys and values, for check_finite (deferred_kv_scan): the largest |k| and
 /// whether any key or value was NaN or +-inf, over every row from the chunk's first key to `scanned_to`. Rows the
-/// pass reads are noted while they are hot (in L1 on the GEMV path); rows it skips (tiles the mask empties, the
+/// pass reads are noted in the same registers (the row kernels' row_scan); rows it skips (tiles the mask empties, the
 /// trimmed ends of mixed tiles) are read for the scan alone.
 template <class Acc>
 struct kv_findings {
@@ -144,6 +145,12 @@ struct kv_findings {
             key_max_abs = std::max(key_max_abs, largest);
         }
     }
+    /// Notes what the row kernels saw of keys, or of values, in the same pass.
+    void keys(const row_scan<Acc>& seen) {
+        if (seen.non_finite()) non_finite = true;
+        else key_max_abs = std::max(key_max_abs, seen.largest());
+    }
+    void values(const row_scan<Acc>& seen) { non_finite = non_finite || seen.non_finite(); }
     /// Notes a tile of values: whether it holds a NaN or an inf.
     void values(const const_tile_map<Acc>& v) { non_finite = non_finite || max_magnitude(v) >= infinity_bits<Acc>(); }
 
@@ -551,7 +558,7 @@ private:
     }
 
     /// Scores of the slab against keys [k0, k1) into its rows of w.scores: the micro-kernel on the stacked rows and
-    /// the tile's packed keys (one GEMV per row for a few rows, which reads K straight from its rows where the
+    /// the tile's packed keys (the row kernels for a few rows, which read K straight from its rows where the
     /// micro-kernel would first pack it), then the score pipeline per head. Needs w.classes from classify on the same slab and keys.
     void compute_scores(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index k0, index k1) const {
         const index r0 = sl.first_row(blk), rows = sl.rows(blk), nk = k1 - k0, ld = c_.key_tile;
@@ -560,15 +567,13 @@ private:
         tile_map<Acc> scores(w.scores.data() + r0 * ld, rows, nk, Eigen::OuterStride<>(ld));
         bool capped = false;
         if (rows <= c_.gemv_rows) {
-            // Key slices small enough for L1, so every row after the first reads them from there.
-            const index step = gemv_keys(s_.head_dim);
-            for (index j0 = 0; j0 < nk; j0 += step) {
-                const index nj = std::min(step, nk - j0);
-                const auto keys = rows_as_accumulator<Acc>(k_, blk.batch, blk.kv_head, k0 + j0, nj, w.key_stage);
-                for (index r = 0; r < rows; ++r)
-                    scores.row(r).segment(j0, nj).noalias() = queries.row(r) * keys.transpose();
-                if (w.found.active) w.found.keys(keys);  // in L1 now
-            }
+            // Each key row read once, where it is stored, for every row of the slab (and the scan, when on).
+            row_scan<Acc> seen;
+            scores_of_rows(
+                rows, queries.data(), s_.head_dim, s_.head_dim, nk,
+                [&](index j) { return k_.row(blk.batch, blk.kv_head, k0 + j); }, scores.data(), ld,
+                w.found.active ? &seen : nullptr);
+            if (w.found.active) w.found.keys(seen);
         } else if (uses_pairs()) {
             capped = pair_scores(w, blk, r0, rows, k0, k1);
         } else {
@@ -651,13 +656,11 @@ private:
         tile_map<Acc> acc(w.acc.data() + r0 * dv, rows, dv, Eigen::OuterStride<>(dv));
         const_tile_map<Acc> probabilities(w.scores.data() + r0 * ld, rows, nk, Eigen::OuterStride<>(ld));
         if (rows <= c_.gemv_rows) {
-            const index step = gemv_keys(dv);
-            for (index j0 = 0; j0 < nk; j0 += step) {
-                const index nj = std::min(step, nk - j0);
-                const auto values = rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, k0 + j0, nj, w.value_stage);
-                for (index r = 0; r < rows; ++r) acc.row(r).noalias() += probabilities.row(r).segment(j0, nj) * values;
-                if (w.found.active) w.found.values(values);
-            }
+            row_scan<Acc> seen;
+            accumulate_rows(
+                rows, probabilities.data(), ld, nk, dv, [&](index j) { return v_.row(blk.batch, blk.kv_head, k0 + j); },
+                acc.data(), dv, w.found.active ? &seen : nullptr);
+            if (w.found.active) w.found.values(seen);
         } else if (uses_pairs()) {
             accumulate_value_pairs(w, blk, r0, rows, k0, k1);
         } else {
@@ -666,7 +669,7 @@ private:
         if (w.found.active) w.found.scanned_to = std::max(w.found.scanned_to, k1);
     }
 
-    /// Keys per slice of the GEMV path: 16 KiB of K or V rows, half of a 32 KiB L1.
+    /// Keys per slice of scan_skipped: 16 KiB of K or V rows, half of a 32 KiB L1.
     static index gemv_keys(index dim) {
         return std::max<index>(8, 16384 / (static_cast<index>(sizeof(Acc)) * std::max<index>(dim, 1)));
     }

@@ -1,0 +1,324 @@
+// SPDX-License-Identifier: MIT
+#pragma once
+/// The products of a few query rows (a decode's query heads of one kv head; a slab of at most gemv_rows rows) with
+/// keys and values read where they are stored: each key or value row is widened to the accumulation type in
+/// registers as it is read (float, double, fp16, bf16 or q8_0 blocks), with no staging copy, and check_finite's scan
+/// of the same rows runs on the same registers. Decoding reads every K and V row once and does a few multiply-adds
+/// per value, so a separate widening pass, a GEMV over the copy and a scan of it cost more than the reads did.
+///   scores[r, j] = sum over x of q[r, x] k[j, x]: per packet lane over ascending packets, then the lanes added
+///                  (Eigen's predux), then the last head_dim % lanes dimensions in order;
+///   acc[r, e]   += sum over j of p[r, j] v[j, e]: over ascending keys.
+/// Either is the same sequence of operations for every storage type holding the same values (widening is exact),
+/// so a 16-bit or an int8 cache gives the bits of a float cache holding its values, and a row gets the same bits
+/// whatever rows share its call.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <utility>
+
+#include <Eigen/Core>
+
+#if defined(EIGEN_VECTORIZE_SSE2) || defined(EIGEN_VECTORIZE_AVX) || defined(EIGEN_VECTORIZE_AVX512)
+#include <immintrin.h>
+#endif
+
+#include "../tensor.hpp"
+#include "micro_kernel.hpp"
+#include "q8_rows.hpp"
+#include "widen.hpp"
+
+namespace attend::detail {
+
+template <class Acc>
+using row_packet = typename Eigen::internal::packet_traits<Acc>::type;
+template <class Acc>
+inline constexpr index row_lanes = Eigen::internal::packet_traits<Acc>::size;
+
+/// Element x of a stored row, widened exactly.
+template <class Acc, class S>
+Acc widened_at(const S* row, index x) {
+    return static_cast<Acc>(row[x]);
+}
+template <class Acc>
+Acc widened_at(const q8_0_block* row, index x) {
+    const q8_0_block& b = row[x / q8_0_block::size];
+    float scale;
+    widen(&b.scale, 1, &scale);
+    return static_cast<Acc>(scale) * static_cast<Acc>(b.values[x % q8_0_block::size]);
+}
+
+/// Elements [x, x + lanes) of a stored row as one packet of Acc, widened exactly: a load and a conversion in
+/// registers where the target has one (bf16: a shift; fp16: F16C; int8: a sign extension and a scale), else
+/// through widen.hpp's loops and a small buffer.
+template <class Acc, class S>
+row_packet<Acc> load_widened(const S* row, index x) {
+    using namespace Eigen::internal;
+    using packet = row_packet<Acc>;
+    constexpr index lanes = row_lanes<Acc>;
+    if constexpr (std::is_same_v<S, Acc>) {
+        return ploadu<packet>(row + x);
+    } else {
+        if constexpr (std::is_same_v<Acc, float> && std::is_same_v<S, Eigen::bfloat16>) {
+#if defined(EIGEN_VECTORIZE_AVX512)
+            if constexpr (lanes == 16) {
+                const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + x));
+                return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            }
+#elif defined(EIGEN_VECTORIZE_AVX2)
+            if constexpr (lanes == 8) {
+                const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + x));
+                return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            }
+#elif defined(EIGEN_VECTORIZE_SSE2) && !defined(EIGEN_VECTORIZE_AVX)
+            if constexpr (lanes == 4) {  // bf16 in the upper half of each float: interleave with zeros
+                const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + x));
+                return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h));
+            }
+#endif
+        }
+        if constexpr (std::is_same_v<Acc, float> && std::is_same_v<S, Eigen::half>) {
+#if defined(EIGEN_VECTORIZE_AVX512)
+            if constexpr (lanes == 16)
+                return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + x)));
+#elif defined(EIGEN_VECTORIZE_AVX) && defined(__F16C__)
+            if constexpr (lanes == 8)
+                return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + x)));
+#endif
+        }
+        alignas(64) Acc buffer[lanes];
+        widen(row + x, lanes, buffer);
+        return pload<packet>(buffer);
+    }
+}
+
+template <class Acc>
+row_packet<Acc> load_widened(const q8_0_block* row, index x) {
+    using namespace Eigen::internal;
+    using packet = row_packet<Acc>;
+    constexpr index lanes = row_lanes<Acc>;
+    static_assert(q8_0_block::size % lanes == 0, "a packet never straddles two q8_0 blocks");
+    const q8_0_block& b = row[x / q8_0_block::size];
+    const std::int8_t* q = b.values + x % q8_0_block::size;
+    float scale;
+    widen(&b.scale, 1, &scale);
+    if constexpr (std::is_same_v<Acc, float>) {
+#if defined(EIGEN_VECTORIZE_AVX512)
+        if constexpr (lanes == 16)
+            return _mm512_mul_ps(_mm512_set1_ps(scale), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
+#elif defined(EIGEN_VECTORIZE_AVX2)
+        if constexpr (lanes == 8)
+            return _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))));
+#endif
+    }
+    alignas(64) Acc buffer[lanes];
+    for (index j = 0; j < lanes; ++j) buffer[j] = static_cast<Acc>(scale) * static_cast<Acc>(q[j]);
+    return pload<packet>(buffer);
+}
+
+/// What check_finite needs of the rows a kernel read, gathered on the widened packets: the largest magnitude, and
+/// a probe that is 0 while every value is finite and NaN once one is not (x * 0 is NaN exactly for NaN and +-inf).
+template <class Acc>
+struct row_scan {
+    row_packet<Acc> max_abs = Eigen::internal::pset1<row_packet<Acc>>(Acc(0));
+    row_packet<Acc> probe = Eigen::internal::pset1<row_packet<Acc>>(Acc(0));
+    Acc tail_max_abs = 0, tail_probe = 0;
+
+    void note(const row_packet<Acc>& x, bool magnitude) {
+        using namespace Eigen::internal;
+        if (magnitude) max_abs = pmax(max_abs, pabs(x));
+        probe = pmadd(x, pset1<row_packet<Acc>>(Acc(0)), probe);
+    }
+    void note(Acc x, bool magnitude) {
+        if (magnitude) tail_max_abs = std::max(tail_max_abs, std::abs(x));
+        tail_probe += x * Acc(0);
+    }
+    void merge(const row_scan& o) {
+        using namespace Eigen::internal;
+        max_abs = pmax(max_abs, o.max_abs);
+        probe = padd(probe, o.probe);
+        tail_max_abs = std::max(tail_max_abs, o.tail_max_abs);
+        tail_probe += o.tail_probe;
+    }
+    bool non_finite() const { return !std::isfinite(Eigen::internal::predux(probe) + tail_probe); }
+    Acc largest() const { return std::max(Eigen::internal::predux_max(max_abs), tail_max_abs); }
+};
+
+namespace rows {
+
+/// Accumulator registers the value kernel may hold: three quarters of the target's vector registers, leaving
+/// room for a loaded row and a broadcast.
+inline constexpr int register_budget = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS * 3 / 4;
+
+/// Bytes of a stored row of `dim` values.
+template <class S>
+constexpr index row_bytes(index dim) {
+    return std::is_same_v<S, q8_0_block> ? dim / q8_0_block::size * static_cast<index>(sizeof(S))
+                                         : dim * static_cast<index>(sizeof(S));
+}
+
+/// How many rows ahead of the one being read the kernels ask the memory system for: about 2 KiB ahead, the
+/// distance that kept a single thread's decode closest to a streaming read (Zen 5).
+inline index prefetch_distance(index bytes) { return std::clamp<index>(2048 / std::max<index>(bytes, 1), 1, 16); }
+
+/// Asks for the cache lines of a stored row of `bytes` bytes (a hint; no effect on any result).
+inline void prefetch_row(const void* row, index bytes) {
+#if defined(__GNUC__)
+    const char* first = static_cast<const char*>(row);
+    for (index b = 0; b < bytes; b += 64) __builtin_prefetch(first + b);
+#else
+    (void)row;
+    (void)bytes;
+#endif
+}
+
+/// scores[r, j] for Rows rows against nk keys, key j's row at key_row(j); with Scan, also note the keys in `scan`
+/// (gathered in registers, merged once).
+template <int Rows, bool Scan, class Acc, class KeyRow>
+void scores(const Acc* q, index ldq, index dim, index nk, const KeyRow& key_row, Acc* out, index lds,
+            row_scan<Acc>* scan) {
+    row_scan<Acc> seen;
+    using namespace Eigen::internal;
+    using packet = row_packet<Acc>;
+    constexpr index lanes = row_lanes<Acc>;
+    const index whole = dim / lanes * lanes;
+    using stored = std::remove_const_t<std::remove_pointer_t<decltype(key_row(0))>>;
+    const index bytes = row_bytes<stored>(dim), ahead = prefetch_distance(bytes);
+    for (index j = 0; j < nk; ++j) {
+        const auto* k = key_row(j);
+        if (j + ahead < nk) prefetch_row(key_row(j + ahead), bytes);
+        packet acc[Rows];
+        ATTEND_UNROLL_FULLY
+        for (int r = 0; r < Rows; ++r) acc[r] = pset1<packet>(Acc(0));
+        for (index x = 0; x < whole; x += lanes) {
+            const packet kx = load_widened<Acc>(k, x);
+            if constexpr (Scan) seen.note(kx, true);
+            ATTEND_UNROLL_FULLY
+            for (int r = 0; r < Rows; ++r) acc[r] = pmadd(ploadu<packet>(q + r * ldq + x), kx, acc[r]);
+        }
+        Acc sum[Rows];
+        ATTEND_UNROLL_FULLY
+        for (int r = 0; r < Rows; ++r) sum[r] = predux(acc[r]);
+        for (index x = whole; x < dim; ++x) {
+            const Acc kx = widened_at<Acc>(k, x);
+            if constexpr (Scan) seen.note(kx, true);
+            for (int r = 0; r < Rows; ++r) sum[r] += q[r * ldq + x] * kx;
+        }
+        for (int r = 0; r < Rows; ++r) out[r * lds + j] = sum[r];
+    }
+    if constexpr (Scan) scan->merge(seen);
+}
+
+/// acc[r, e] += sum over j < nk of p[r, j] (at p + r * ldp + j) v[j, e], value j's row at value_row(j), for the
+/// Packets packets of columns from e0; with Scan, also note those values in `scan`.
+template <int Rows, int Packets, bool Scan, class Acc, class ValueRow>
+void accumulate_columns(const Acc* p, index ldp, index nk, const ValueRow& value_row, index e0, index dv, Acc* acc,
+                        index lda, row_scan<Acc>* scan) {
+    row_scan<Acc> seen;
+    using namespace Eigen::internal;
+    using packet = row_packet<Acc>;
+    constexpr index lanes = row_lanes<Acc>;
+    packet c[Rows][Packets];
+    ATTEND_UNROLL_FULLY
+    for (int r = 0; r < Rows; ++r) {
+        ATTEND_UNROLL_FULLY
+        for (int i = 0; i < Packets; ++i) c[r][i] = ploadu<packet>(acc + r * lda + e0 + i * lanes);
+    }
+    using stored = std::remove_const_t<std::remove_pointer_t<decltype(value_row(0))>>;
+    const index bytes = row_bytes<stored>(dv), ahead = prefetch_distance(bytes);
+    for (index j = 0; j < nk; ++j) {
+        const auto* v = value_row(j);
+        if (e0 == 0 && j + ahead < nk) prefetch_row(value_row(j + ahead), bytes);  // the first column group reads V
+        packet vx[Packets];
+        ATTEND_UNROLL_FULLY
+        for (int i = 0; i < Packets; ++i) {
+            vx[i] = load_widened<Acc>(v, e0 + i * lanes);
+            if constexpr (Scan) seen.note(vx[i], false);
+        }
+        ATTEND_UNROLL_FULLY
+        for (int r = 0; r < Rows; ++r) {
+            const packet a = pset1<packet>(p[r * ldp + j]);
+            ATTEND_UNROLL_FULLY
+            for (int i = 0; i < Packets; ++i) c[r][i] = pmadd(a, vx[i], c[r][i]);
+        }
+    }
+    ATTEND_UNROLL_FULLY
+    for (int r = 0; r < Rows; ++r) {
+        ATTEND_UNROLL_FULLY
+        for (int i = 0; i < Packets; ++i) pstoreu(acc + r * lda + e0 + i * lanes, c[r][i]);
+    }
+    if constexpr (Scan) scan->merge(seen);
+}
+
+/// Value rows from a slice's first key on.
+template <class ValueRow>
+struct rows_from {
+    const ValueRow* value_row;
+    index first;
+    auto operator()(index j) const { return (*value_row)(first + j); }
+};
+
+/// acc[Rows, dv] += p[Rows, nk] V[nk, dv]: keys in slices of about 16 KiB of V (in L1 while each column group
+/// reads them), columns in as few groups as the register budget allows for Rows rows, of equal widths, the last
+/// dv % lanes columns one by one.
+template <int Rows, bool Scan, class Acc, class ValueRow>
+void accumulate(const Acc* p, index ldp, index nk, index dv, const ValueRow& value_row, Acc* acc, index lda,
+                row_scan<Acc>* scan) {
+    constexpr index lanes = row_lanes<Acc>;
+    constexpr int widest = std::max(1, register_budget / Rows);
+    constexpr auto by_width = micro::by_row_count(std::make_integer_sequence<int, widest>{}, [](auto n) {
+        return &accumulate_columns<Rows, decltype(n)::value, Scan, Acc, rows_from<ValueRow>>;
+    });
+    const index packets = dv / lanes, whole = packets * lanes;
+    const index groups = (packets + widest - 1) / widest, width = groups > 0 ? (packets + groups - 1) / groups : 0;
+    const index slice = std::max<index>(8, 16384 / (static_cast<index>(sizeof(Acc)) * std::max<index>(dv, 1)));
+    for (index j0 = 0; j0 < nk; j0 += slice) {
+        const index nj = std::min(slice, nk - j0);
+        const rows_from<ValueRow> sliced{&value_row, j0};
+        for (index i = 0; i < packets; i += width) {
+            const index n = std::min(width, packets - i);
+            by_width[static_cast<std::size_t>(n - 1)](p + j0, ldp, nj, sliced, i * lanes, dv, acc, lda, scan);
+        }
+        for (index e = whole; e < dv; ++e)
+            for (index j = 0; j < nj; ++j) {
+                const Acc ve = widened_at<Acc>(value_row(j0 + j), e);
+                if constexpr (Scan) scan->note(ve, false);
+                for (int r = 0; r < Rows; ++r) acc[r * lda + e] += p[r * ldp + j0 + j] * ve;
+            }
+    }
+}
+
+}  // namespace rows
+
+/// The row kernels for 1 to row_kernel_rows rows, the count a constant inside them; `scan` null for no scan.
+inline constexpr index row_kernel_rows = 8;
+template <class Acc, class KeyRow>
+void scores_of_rows(index rows, const Acc* q, index ldq, index dim, index nk, const KeyRow& key_row, Acc* out,
+                    index lds, row_scan<Acc>* scan) {
+    constexpr auto plain = micro::by_row_count(std::make_integer_sequence<int, row_kernel_rows>{}, [](auto n) {
+        return &rows::scores<decltype(n)::value, false, Acc, KeyRow>;
+    });
+    constexpr auto scanning = micro::by_row_count(std::make_integer_sequence<int, row_kernel_rows>{}, [](auto n) {
+        return &rows::scores<decltype(n)::value, true, Acc, KeyRow>;
+    });
+    (scan ? scanning : plain)[static_cast<std::size_t>(rows - 1)](q, ldq, dim, nk, key_row, out, lds, scan);
+}
+template <class Acc, class ValueRow>
+void accumulate_rows(index rows, const Acc* p, index ldp, index nk, index dv, const ValueRow& value_row, Acc* acc,
+                     index lda, row_scan<Acc>* scan) {
+    constexpr auto plain = micro::by_row_count(std::make_integer_sequence<int, row_kernel_rows>{}, [](auto n) {
+        return &rows::accumulate<decltype(n)::value, false, Acc, ValueRow>;
+    });
+    constexpr auto scanning = micro::by_row_count(std::make_integer_sequence<int, row_kernel_rows>{}, [](auto n) {
+        return &rows::accumulate<decltype(n)::value, true, Acc, ValueRow>;
+    });
+    (scan ? scanning : plain)[static_cast<std::size_t>(rows - 1)](p, ldp, nk, dv, value_row, acc, lda, scan);
+}
+
+}  // namespace attend::detail
