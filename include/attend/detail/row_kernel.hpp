@@ -296,6 +296,21 @@ void accumulate(const Acc* p, index ldp, index nk, index dv, const ValueRow& val
 
 }  // namespace rows
 
+/// Notes n stored rows of `dim` values (row j at row_of(j)) in `scan`, as the row kernels' own pass does, for rows
+/// read for the scan alone or packed by another kernel: no widened copy. `magnitude`: keys (their largest |k| too).
+template <class Acc, class RowOf>
+void scan_rows(index n, index dim, const RowOf& row_of, bool magnitude, row_scan<Acc>& scan) {
+    constexpr index lanes = row_lanes<Acc>;
+    const index whole = dim / lanes * lanes;
+    row_scan<Acc> seen;
+    for (index j = 0; j < n; ++j) {
+        const auto* row = row_of(j);
+        for (index x = 0; x < whole; x += lanes) seen.note(load_widened<Acc>(row, x), magnitude);
+        for (index x = whole; x < dim; ++x) seen.note(widened_at<Acc>(row, x), magnitude);
+    }
+    scan.merge(seen);
+}
+
 /// The row kernels for 1 to row_kernel_rows rows, the count a constant inside them; `scan` null for no scan.
 inline constexpr index row_kernel_rows = 8;
 template <class Acc, class KeyRow>

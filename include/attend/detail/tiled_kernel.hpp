@@ -172,8 +172,8 @@ struct tiled_workspace {
     aligned_vector<Acc> acc;           ///< [rows, value_dim]
     online_softmax<Acc> softmax;       ///< [rows] running max and sum
     std::vector<tile_class> classes;   ///< [group]
-    aligned_vector<Acc> key_stage;     ///< [key_tile, head_dim] converted keys, when storage is not Acc
-    aligned_vector<Acc> value_stage;   ///< [key_tile, value_dim] converted values, when storage is not Acc
+    aligned_vector<Acc> key_stage;     ///< [key_tile, head_dim] converted keys for the float panels, when not Acc
+    aligned_vector<Acc> value_stage;   ///< [key_tile, value_dim] converted values for the float panels, when not Acc
     kv_findings<Acc> found;            ///< the decode path's check_finite findings, when it scans
     aligned_vector<Acc> key_panels;    ///< [key_tile rounded to panels, head_dim]: keys packed for the micro-kernel
     aligned_vector<Acc> value_panels;  ///< [key_tile, value_dim]: values packed for the micro-kernel
@@ -239,6 +239,9 @@ public:
 private:
     /// Rows reach the products through a copy when their type is not Acc or they may cross a block edge.
     static constexpr bool staged = !std::is_same_v<Rows, strided_view<const Acc>>;
+    /// Whether the workers need stages: only the float panels copy rows (the row and pair kernels read them in
+    /// place).
+    bool uses_stage() const { return staged && uses_panels() && !uses_pairs(); }
 
     // ---- work units -------------------------------------------------------------------------------------------
     struct block {
@@ -274,7 +277,7 @@ private:
                 std::vector<tiled_workspace<Acc>> w;
                 w.reserve(static_cast<std::size_t>(workers));
                 for (int n = 0; n < workers; ++n)
-                    w.emplace_back(rows_, s_.head_dim, c_.key_tile, s_.value_dim, group_, staged, uses_panels(),
+                    w.emplace_back(rows_, s_.head_dim, c_.key_tile, s_.value_dim, group_, uses_stage(), uses_panels(),
                                    uses_pairs());
                 return w;
             },
@@ -287,7 +290,7 @@ private:
                               bf16_tile::value_panel_words(c_.key_tile, s_.value_dim)
                         : micro_tile<Acc>::panel_elements(c_.key_tile, s_.head_dim) + c_.key_tile * s_.value_dim;
                 const index per_worker = rows_ * (s_.head_dim + c_.key_tile + s_.value_dim + 4) +
-                                         (staged ? c_.key_tile * (s_.head_dim + s_.value_dim) : 0) + panels;
+                                         (uses_stage() ? c_.key_tile * (s_.head_dim + s_.value_dim) : 0) + panels;
                 return allocation_text("the tiled kernel's scratch (workers x elements)",
                                        std::array<index, 2>{workers, per_worker}, sizeof(Acc));
             },
@@ -376,13 +379,24 @@ private:
     /// Keys and values [w.found.scanned_to, upto) of the block's (batch, kv head) read for the scan alone: the
     /// decode pass skipped them (an empty tile, the trimmed end of a mixed one).
     void scan_skipped(tiled_workspace<Acc>& w, const block& blk, index upto) const {
-        const index step = std::min(c_.key_tile, gemv_keys(std::max(s_.head_dim, s_.value_dim)));  // fits the stages
-        for (index j0 = w.found.scanned_to; j0 < upto; j0 += step) {
-            const index nj = std::min(step, upto - j0);
-            w.found.keys(rows_as_accumulator<Acc>(k_, blk.batch, blk.kv_head, j0, nj, w.key_stage));
-            w.found.values(rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, j0, nj, w.value_stage));
-        }
+        if (upto > w.found.scanned_to) scan_in_place(w, blk, w.found.scanned_to, upto, true, true);
         w.found.scanned_to = std::max(w.found.scanned_to, upto);
+    }
+
+    /// Notes keys and / or values [j0, j1) of the block's (batch, kv head) in w.found, read where they are stored.
+    void scan_in_place(tiled_workspace<Acc>& w, const block& blk, index j0, index j1, bool keys, bool values) const {
+        row_scan<Acc> seen_keys, seen_values;
+        if (keys) {
+            scan_rows(
+                j1 - j0, s_.head_dim, [&](index j) { return k_.row(blk.batch, blk.kv_head, j0 + j); }, true, seen_keys);
+            w.found.keys(seen_keys);
+        }
+        if (values) {
+            scan_rows(
+                j1 - j0, s_.value_dim, [&](index j) { return v_.row(blk.batch, blk.kv_head, j0 + j); }, false,
+                seen_values);
+            w.found.values(seen_values);
+        }
     }
 
     /// Row (b, h, i) of out from a merged, normalized row (Acc, value_dim long; nullptr for a zero row), rounded
@@ -519,8 +533,7 @@ private:
             if constexpr (pair_target)
                 pack_key_pairs(k_.row(blk.batch, blk.kv_head, want.begin), row_stride(k_), n, s_.head_dim,
                                w.pairs.keys.data());
-            if (w.found.active)  // a decode block of many rows: the scan reads the keys widened
-                w.found.keys(rows_as_accumulator<Acc>(k_, blk.batch, blk.kv_head, want.begin, n, w.key_stage));
+            if (w.found.active) scan_in_place(w, blk, want.begin, want.end, true, false);  // a decode of many rows
             w.packed_keys = want;
         }
         return w.pairs.keys.data() + (k0 - want.begin) * (s_.head_dim / 2);
@@ -544,8 +557,7 @@ private:
             if (!(w.packed_values == want)) {
                 pack_value_pairs(v_.row(blk.batch, blk.kv_head, want.begin), row_stride(v_), n, s_.value_dim,
                                  w.pairs.values.data());
-                if (w.found.active)
-                    w.found.values(rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, want.begin, n, w.value_stage));
+                if (w.found.active) scan_in_place(w, blk, want.begin, want.end, false, true);
                 w.packed_values = want;
             }
             const index ldp = (c_.key_tile + 1) / 2;
@@ -667,11 +679,6 @@ private:
             accumulate_values(w, blk, r0, rows, k0, k1);
         }
         if (w.found.active) w.found.scanned_to = std::max(w.found.scanned_to, k1);
-    }
-
-    /// Keys per slice of scan_skipped: 16 KiB of K or V rows, half of a 32 KiB L1.
-    static index gemv_keys(index dim) {
-        return std::max<index>(8, 16384 / (static_cast<index>(sizeof(Acc)) * std::max<index>(dim, 1)));
     }
 
     /// out = acc / sum, lse = max + log(sum); zero rows and lse -inf for padded queries and empty rows. Marks
