@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include <attend/detail/micro_kernel.hpp>
@@ -461,6 +462,56 @@ TEST(RowKernels, TheScanFindsTheLargestKeyAndAnyNaNOrInfinityInPacketsAndTails) 
                 EXPECT_EQ(found.non_finite_keys, !finite) << "dim " << dim << " at " << at << " value " << bad;
                 EXPECT_EQ(found.non_finite_values, !finite) << "dim " << dim << " at " << at << " value " << bad;
             }
+}
+
+/// sums_of_packets<N> for one N: each sum against predux of the same packet, bit for bit.
+template <class Acc, int N>
+void expect_predux_bits(attend_test::rng& g) {
+    using packet = attend::detail::row_packet<Acc>;
+    constexpr index lanes = attend::detail::row_lanes<Acc>;
+    packet a[N];
+    for (int n = 0; n < N; ++n) {
+        // Magnitudes over many binades, so that the order of the additions shows in the rounding.
+        alignas(64) Acc x[lanes];
+        for (index l = 0; l < lanes; ++l)
+            x[l] = static_cast<Acc>(g.uniform(-1.0, 1.0) * std::ldexp(1.0, static_cast<int>(g.uniform(-30.0, 30.0))));
+        a[n] = Eigen::internal::pload<packet>(x);
+    }
+    Acc sums[N];
+    attend::detail::sums_of_packets(a, sums);
+    for (int n = 0; n < N; ++n) {
+        const Acc want = Eigen::internal::predux(a[n]);
+        EXPECT_EQ(std::memcmp(&sums[n], &want, sizeof(Acc)), 0) << N << " packets, packet " << n;
+    }
+}
+template <class Acc, int... N>
+void expect_predux_bits_for(attend_test::rng& g, std::integer_sequence<int, N...>) {
+    for (int round = 0; round < 50; ++round) (expect_predux_bits<Acc, N + 1>(g), ...);
+}
+
+TEST(RowKernels, SumsOfManyPacketsAtOnceHaveTheBitsOfOnePreduxEach) {
+    attend_test::rng g(44);
+    expect_predux_bits_for<float>(g, std::make_integer_sequence<int, 20>{});
+    expect_predux_bits_for<double>(g, std::make_integer_sequence<int, 6>{});
+}
+
+TEST(RowKernels, AKeyScoredInAGroupOfKeysGetsTheBitsItGetsAlone) {
+    attend_test::rng g(45);
+    for (index dim : {index(16), index(67), index(128)})
+        for (index rows = 1; rows <= attend::detail::row_kernel_rows; ++rows) {
+            const index nk = 11;
+            const auto q = random_values<float>(g, rows * dim), k = random_values<float>(g, nk * dim);
+            std::vector<float> together(static_cast<std::size_t>(rows * nk)), alone(together.size());
+            attend::detail::scores_of_rows(
+                rows, q.data(), dim, dim, nk, [&](index j) { return k.data() + j * dim; }, together.data(), nk,
+                static_cast<attend::detail::row_scan<float>*>(nullptr));
+            for (index j = 0; j < nk; ++j)
+                attend::detail::scores_of_rows(
+                    rows, q.data(), dim, dim, 1, [&](index) { return k.data() + j * dim; }, alone.data() + j, nk,
+                    static_cast<attend::detail::row_scan<float>*>(nullptr));
+            ASSERT_EQ(std::memcmp(together.data(), alone.data(), together.size() * sizeof(float)), 0)
+                << rows << " rows, dim " << dim;
+        }
 }
 
 #if ATTEND_BF16_DOT_PRODUCTS

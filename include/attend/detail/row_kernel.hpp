@@ -6,7 +6,8 @@
 /// of the same rows runs on the same registers. Decoding reads every K and V row once and does a few multiply-adds
 /// per value, so a separate widening pass, a GEMV over the copy and a scan of it cost more than the reads did.
 ///   scores[r, j] = sum over x of q[r, x] k[j, x]: per packet lane over ascending packets, then the lanes added
-///                  (Eigen's predux), then the last head_dim % lanes dimensions in order;
+///                  (Eigen's predux tree, run for many keys at once), then the last head_dim % lanes dimensions in
+///                  order; a few keys side by side, each its own sum;
 ///   acc[r, e]   += sum over j of p[r, j] v[j, e]: over ascending keys.
 /// Either is the same sequence of operations for every storage type holding the same values (widening is exact),
 /// so a 16-bit or an int8 cache gives the bits of a float cache holding its values, and a row gets the same bits
@@ -17,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -122,8 +124,86 @@ row_packet<Acc> load_widened(const q8_0_block* row, index x) {
     return pload<packet>(buffer);
 }
 
+/// ATTEND_IN_REGISTERS(ATTEND_REGISTER(x), ...) keeps loaded packets in registers: a packet that several
+/// multiply-adds read is otherwise folded into each of them as a memory operand, one load per use, and loads, not
+/// multiply-adds, then bound the kernel. An empty asm statement that claims to change them: no instruction. (A
+/// macro, written where the packets are declared: behind a function's reference the compiler keeps a dead copy of
+/// them in memory.)
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && defined(EIGEN_VECTORIZE_SSE2)
+#define ATTEND_IN_REGISTERS(...) __asm__("" : __VA_ARGS__)
+#if defined(EIGEN_VECTORIZE_AVX512)
+#define ATTEND_REGISTER(x) "+v"(x)  // any of the 32
+#else
+#define ATTEND_REGISTER(x) "+x"(x)
+#endif
+#else
+#define ATTEND_IN_REGISTERS(...) ((void)0)
+#endif
+
+/// One level of sums_of_packets: out[p] = add(x, y) of packets 2p and 2p + 1 (an odd count pairs its last packet
+/// with itself; those lanes are never read).
+template <int N, class P, class Add>
+EIGEN_STRONG_INLINE void add_pairs(const P* in, P* out, const Add& add) {
+    ATTEND_UNROLL_FULLY
+    for (int p = 0; p < (N + 1) / 2; ++p) out[p] = add(in[2 * p], in[std::min(2 * p + 1, N - 1)]);
+}
+
+/// out[n] = predux(a[n]) for N packets, with the bits of Eigen's predux: the same tree of additions (lane l plus
+/// lane l + lanes/2, then + lanes/4, ...), only run for up to 16 packets at once, a packet's halves, quarters and
+/// pairs of lanes added side by side with another packet's. Where Eigen's own tree is known (AVX-512 with DQ, AVX),
+/// that costs about 3 instructions per sum instead of 7; elsewhere it is predux.
+template <int N, class Packet, class Acc>
+EIGEN_STRONG_INLINE void sums_of_packets(const Packet (&a)[N], Acc* out) {
+    constexpr int m1 = (N + 1) / 2, m2 = (m1 + 1) / 2, m3 = (m2 + 1) / 2, m4 = (m3 + 1) / 2;
+#if defined(EIGEN_VECTORIZE_AVX512) && defined(EIGEN_VECTORIZE_AVX512DQ)
+    if constexpr (std::is_same_v<Acc, float> && Eigen::internal::unpacket_traits<Packet>::size == 16) {
+        __m512 c[m1], e[m2], t[m3], w[m4];
+        add_pairs<N>(a, c, [](__m512 x, __m512 y) {  // halves: [x: q0+q2, x: q1+q3, y: q0+q2, y: q1+q3]
+            return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+        });
+        add_pairs<m1>(c, e, [](__m512 x, __m512 y) {  // quarters: quarter k holds packet 4p + k's partial sums
+            return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+        });
+        add_pairs<m2>(e, t, [](__m512 x, __m512 y) {  // pairs of lanes: [x0 + x2, x1 + x3, y0 + y2, y1 + y3]
+            return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
+        });
+        add_pairs<m3>(t, w, [](__m512 x, __m512 y) {  // lanes: lane 4k + m of w[z] is packet 16z + 4m + k's sum
+            return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+        });
+        alignas(64) float lanes[m4 * 16];
+        std::memcpy(lanes, w, sizeof w);
+        ATTEND_UNROLL_FULLY
+        for (int n = 0; n < N; ++n) out[n] = lanes[16 * (n / 16) + 4 * (n % 4) + n % 16 / 4];
+        return;
+    }
+#endif
+#if defined(EIGEN_VECTORIZE_AVX) && !defined(EIGEN_VECTORIZE_AVX512)
+    if constexpr (std::is_same_v<Acc, float> && Eigen::internal::unpacket_traits<Packet>::size == 8) {
+        __m256 e[m1], t[m2], w[m3];
+        add_pairs<N>(a, e, [](__m256 x, __m256 y) {  // halves: half k holds packet 2p + k's partial sums
+            return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+        });
+        add_pairs<m1>(e, t, [](__m256 x, __m256 y) {
+            return _mm256_add_ps(_mm256_shuffle_ps(x, y, 0x44), _mm256_shuffle_ps(x, y, 0xEE));
+        });
+        add_pairs<m2>(t, w, [](__m256 x, __m256 y) {  // lane 4k + m of w[z] is packet 8z + 2m + k's sum
+            return _mm256_add_ps(_mm256_shuffle_ps(x, y, 0x88), _mm256_shuffle_ps(x, y, 0xDD));
+        });
+        alignas(32) float lanes[m3 * 8];
+        std::memcpy(lanes, w, sizeof w);
+        ATTEND_UNROLL_FULLY
+        for (int n = 0; n < N; ++n) out[n] = lanes[8 * (n / 8) + 4 * (n % 2) + n % 8 / 2];
+        return;
+    }
+#endif
+    (void)m4;
+    ATTEND_UNROLL_FULLY
+    for (int n = 0; n < N; ++n) out[n] = Eigen::internal::predux(a[n]);
+}
+
 /// What check_finite needs of the rows a kernel read, gathered on the widened packets: the largest magnitude, and
-/// a probe that is 0 while every value is finite and NaN once one is not (x * 0 is NaN exactly for NaN and +-inf).
+/// whether any value is NaN or inf. In general a max of |x| and a probe that is 0 while every value is finite and
+/// NaN once one is not (x * 0 is NaN exactly for NaN and +-inf).
 template <class Acc>
 struct row_scan {
     row_packet<Acc> max_abs = Eigen::internal::pset1<row_packet<Acc>>(Acc(0));
@@ -149,6 +229,63 @@ struct row_scan {
     bool non_finite() const { return !std::isfinite(Eigen::internal::predux(probe) + tail_probe); }
     Acc largest() const { return std::max(Eigen::internal::predux_max(max_abs), tail_max_abs); }
 };
+
+#if defined(EIGEN_VECTORIZE_AVX512) || defined(EIGEN_VECTORIZE_AVX2) || \
+    (defined(EIGEN_VECTORIZE_SSE4_1) && !defined(EIGEN_VECTORIZE_AVX))
+/// For float where the target has an unsigned 32-bit integer max: one integer max of |x|'s bits per packet, as
+/// max_magnitude_bits does (the bits' integer order is the magnitudes' order, and bits at or above +inf's mean a
+/// NaN or an inf), half the work of the general scan on a one-instruction dependency chain.
+template <>
+struct row_scan<float> {
+#if defined(EIGEN_VECTORIZE_AVX512)
+    using bits_packet = __m512i;
+    static bits_packet magnitude(const __m512& x) {
+        return _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
+    }
+    static bits_packet larger(const bits_packet& a, const bits_packet& b) { return _mm512_max_epu32(a, b); }
+#elif defined(EIGEN_VECTORIZE_AVX2)
+    using bits_packet = __m256i;
+    static bits_packet magnitude(const __m256& x) {
+        return _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff));
+    }
+    static bits_packet larger(const bits_packet& a, const bits_packet& b) { return _mm256_max_epu32(a, b); }
+#else
+    using bits_packet = __m128i;
+    static bits_packet magnitude(const __m128& x) {
+        return _mm_and_si128(_mm_castps_si128(x), _mm_set1_epi32(0x7fffffff));
+    }
+    static bits_packet larger(const bits_packet& a, const bits_packet& b) { return _mm_max_epu32(a, b); }
+#endif
+    static std::uint32_t largest_lane(const bits_packet& a) {  // once per merge into the findings: no hurry
+        std::uint32_t lanes[sizeof(bits_packet) / 4];
+        std::memcpy(lanes, &a, sizeof a);
+        return *std::max_element(std::begin(lanes), std::end(lanes));
+    }
+    bits_packet bits = magnitude(Eigen::internal::pset1<row_packet<float>>(0.0f));
+    std::uint32_t tail_bits = 0;
+
+    void note(const row_packet<float>& x, bool /*magnitude: always gathered, as cheap as the check*/) {
+        bits = larger(bits, magnitude(x));
+    }
+    void note(float x, bool) {
+        std::uint32_t b;
+        std::memcpy(&b, &x, sizeof b);
+        tail_bits = std::max(tail_bits, b & 0x7fffffffu);
+    }
+    void merge(const row_scan& o) {
+        bits = larger(bits, o.bits);
+        tail_bits = std::max(tail_bits, o.tail_bits);
+    }
+    std::uint32_t largest_bits() const { return std::max(largest_lane(bits), tail_bits); }
+    bool non_finite() const { return largest_bits() >= 0x7f800000u; }
+    float largest() const {
+        const std::uint32_t b = largest_bits();
+        float x;
+        std::memcpy(&x, &b, sizeof x);
+        return x;
+    }
+};
+#endif
 
 namespace rows {
 
@@ -178,48 +315,93 @@ inline void prefetch_row(const void* row, index bytes) {
 #endif
 }
 
-/// scores[r, j] for Rows rows against nk keys, key j's row at key_row(j); with Scan, also note the keys in `scan`
-/// (gathered in registers, merged once).
-template <int Rows, bool Scan, class Acc, class KeyRow>
-void scores(const Acc* q, index ldq, index dim, index nk, const KeyRow& key_row, Acc* out, index lds,
-            row_scan<Acc>* scan) {
-    row_scan<Acc> seen;
+/// Keys the score kernel takes at once for Rows rows: each key's sum is a chain of head_dim / lanes dependent
+/// multiply-adds, so a lone key leaves the core waiting on their latency; Keys chains side by side (Rows x Keys
+/// accumulators, within the register budget) keep the multiply units busy, and each q packet loaded serves them all.
+template <int Rows>
+inline constexpr int score_keys = std::clamp((register_budget - 2) / (Rows + 1), 1, 4);
+
+/// scores[r, j0 + i] for i < Keys, Rows rows; see scores.
+template <int Rows, int Keys, bool Scan, class Acc, class KeyRow>
+EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index j0, index nk, const KeyRow& key_row,
+                                       Acc* out, index lds, row_scan<Acc>& seen, index bytes, index ahead) {
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
     constexpr index lanes = row_lanes<Acc>;
     const index whole = dim / lanes * lanes;
     using stored = std::remove_const_t<std::remove_pointer_t<decltype(key_row(0))>>;
-    const index bytes = row_bytes<stored>(dim), ahead = prefetch_distance(bytes);
-    for (index j = 0; j < nk; ++j) {
-        const auto* k = key_row(j);
-        if (j + ahead < nk) prefetch_row(key_row(j + ahead), bytes);
-        packet acc[Rows];
+    decltype(key_row(0)) k[Keys];
+    ATTEND_UNROLL_FULLY
+    for (int i = 0; i < Keys; ++i) {
+        k[i] = key_row(j0 + i);
+        if (j0 + i + ahead < nk) prefetch_row(key_row(j0 + i + ahead), bytes);
+    }
+    packet acc[Rows * Keys];  // row r, key i at r * Keys + i
+    ATTEND_UNROLL_FULLY
+    for (int n = 0; n < Rows * Keys; ++n) acc[n] = pset1<packet>(Acc(0));
+    for (index x = 0; x < whole; x += lanes) {
+        packet kx[Keys];
         ATTEND_UNROLL_FULLY
-        for (int r = 0; r < Rows; ++r) acc[r] = pset1<packet>(Acc(0));
-        for (index x = 0; x < whole; x += lanes) {
-            const packet kx = load_widened<Acc>(k, x);
-            if constexpr (Scan) seen.note(kx, true);
-            ATTEND_UNROLL_FULLY
-            for (int r = 0; r < Rows; ++r) acc[r] = pmadd(ploadu<packet>(q + r * ldq + x), kx, acc[r]);
+        for (int i = 0; i < Keys; ++i) kx[i] = load_widened<Acc>(k[i], x);
+        if constexpr (std::is_same_v<stored, Acc>) {  // the scan and every row read them
+            if constexpr (Keys == 1) ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]));
+            if constexpr (Keys == 2) ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]));
+            if constexpr (Keys == 3)
+                ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]), ATTEND_REGISTER(kx[2]));
+            if constexpr (Keys == 4)
+                ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]), ATTEND_REGISTER(kx[2]),
+                                    ATTEND_REGISTER(kx[3]));
         }
+        if constexpr (Scan) {
+            ATTEND_UNROLL_FULLY
+            for (int i = 0; i < Keys; ++i) seen.note(kx[i], true);
+        }
+        ATTEND_UNROLL_FULLY
+        for (int r = 0; r < Rows; ++r) {
+            packet qx = ploadu<packet>(q + r * ldq + x);
+            ATTEND_IN_REGISTERS(ATTEND_REGISTER(qx));
+            ATTEND_UNROLL_FULLY
+            for (int i = 0; i < Keys; ++i) acc[r * Keys + i] = pmadd(qx, kx[i], acc[r * Keys + i]);
+        }
+    }
+    Acc sums[Rows * Keys];
+    sums_of_packets(acc, sums);
+    ATTEND_UNROLL_FULLY
+    for (int i = 0; i < Keys; ++i) {
         Acc sum[Rows];
         ATTEND_UNROLL_FULLY
-        for (int r = 0; r < Rows; ++r) sum[r] = predux(acc[r]);
+        for (int r = 0; r < Rows; ++r) sum[r] = sums[r * Keys + i];
         for (index x = whole; x < dim; ++x) {
-            const Acc kx = widened_at<Acc>(k, x);
+            const Acc kx = widened_at<Acc>(k[i], x);
             if constexpr (Scan) seen.note(kx, true);
             for (int r = 0; r < Rows; ++r) sum[r] += q[r * ldq + x] * kx;
         }
-        for (int r = 0; r < Rows; ++r) out[r * lds + j] = sum[r];
+        for (int r = 0; r < Rows; ++r) out[r * lds + j0 + i] = sum[r];
     }
+}
+
+/// scores[r, j] for Rows rows against nk keys, key j's row at key_row(j), score_keys<Rows> keys at a time; with
+/// Scan, also note the keys in `scan` (gathered in registers, merged once).
+template <int Rows, bool Scan, class Acc, class KeyRow>
+void scores(const Acc* q, index ldq, index dim, index nk, const KeyRow& key_row, Acc* out, index lds,
+            row_scan<Acc>* scan) {
+    constexpr int keys = score_keys<Rows>;
+    row_scan<Acc> seen;
+    using stored = std::remove_const_t<std::remove_pointer_t<decltype(key_row(0))>>;
+    const index bytes = row_bytes<stored>(dim), ahead = prefetch_distance(bytes);
+    index j = 0;
+    for (; j + keys <= nk; j += keys)
+        score_keys_at<Rows, keys, Scan>(q, ldq, dim, j, nk, key_row, out, lds, seen, bytes, ahead);
+    for (; j < nk; ++j) score_keys_at<Rows, 1, Scan>(q, ldq, dim, j, nk, key_row, out, lds, seen, bytes, ahead);
     if constexpr (Scan) scan->merge(seen);
 }
 
 /// acc[r, e] += sum over j < nk of p[r, j] (at p + r * ldp + j) v[j, e], value j's row at value_row(j), for the
-/// Packets packets of columns from e0; with Scan, also note those values in `scan`.
+/// Packets packets of columns from e0; with Scan, also note those values in `scan`. Rows up to `readable` exist
+/// (value_row(j) for j < readable), for the prefetch.
 template <int Rows, int Packets, bool Scan, class Acc, class ValueRow>
-void accumulate_columns(const Acc* p, index ldp, index nk, const ValueRow& value_row, index e0, index dv, Acc* acc,
-                        index lda, row_scan<Acc>* scan) {
+void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const ValueRow& value_row, index e0,
+                        index dv, Acc* acc, index lda, row_scan<Acc>* scan) {
     row_scan<Acc> seen;
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
@@ -234,7 +416,8 @@ void accumulate_columns(const Acc* p, index ldp, index nk, const ValueRow& value
     const index bytes = row_bytes<stored>(dv), ahead = prefetch_distance(bytes);
     for (index j = 0; j < nk; ++j) {
         const auto* v = value_row(j);
-        if (e0 == 0 && j + ahead < nk) prefetch_row(value_row(j + ahead), bytes);  // the first column group reads V
+        // The first column group reads V; its prefetch runs on into the next slice (rows up to `readable`).
+        if (e0 == 0 && j + ahead < readable) prefetch_row(value_row(j + ahead), bytes);
         packet vx[Packets];
         ATTEND_UNROLL_FULLY
         for (int i = 0; i < Packets; ++i) {
@@ -283,7 +466,7 @@ void accumulate(const Acc* p, index ldp, index nk, index dv, const ValueRow& val
         const rows_from<ValueRow> sliced{&value_row, j0};
         for (index i = 0; i < packets; i += width) {
             const index n = std::min(width, packets - i);
-            by_width[static_cast<std::size_t>(n - 1)](p + j0, ldp, nj, sliced, i * lanes, dv, acc, lda, scan);
+            by_width[static_cast<std::size_t>(n - 1)](p + j0, ldp, nj, nk - j0, sliced, i * lanes, dv, acc, lda, scan);
         }
         for (index e = whole; e < dv; ++e)
             for (index j = 0; j < nj; ++j) {
@@ -337,3 +520,6 @@ void accumulate_rows(index rows, const Acc* p, index ldp, index nk, index dv, co
 }
 
 }  // namespace attend::detail
+
+#undef ATTEND_IN_REGISTERS
+#undef ATTEND_REGISTER
