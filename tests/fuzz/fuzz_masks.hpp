@@ -73,8 +73,18 @@ private:
 struct meaning {
     std::function<long double(index, index, index, index)> added;
     std::function<bool(index, index)> padded;
+    /// The largest finite magnitude among the additive terms summed into added(b, h, i, j) and their partial sums;
+    /// null for a single term (then |added|). The library adds the terms to the score one by one, each sum
+    /// saturating at the scalar's range (mask_nodes.hpp), so terms near that range make the exact sum the wrong
+    /// model.
+    std::function<long double(index, index, index, index)> largest_term;
 
     bool allowed(index b, index h, index i, index j) const { return added(b, h, i, j) != minus_inf(); }
+    long double largest(index b, index h, index i, index j) const {
+        if (largest_term) return largest_term(b, h, i, j);
+        const long double a = added(b, h, i, j);
+        return a == minus_inf() ? 0.0L : std::abs(a);
+    }
     static long double minus_inf() { return -std::numeric_limits<long double>::infinity(); }
 };
 
@@ -128,7 +138,7 @@ inline meaning boolean_meaning(
     std::function<bool(index, index, index, index)> allowed,
     std::function<bool(index, index)> padded = [](index, index) { return false; }) {
     return {[allowed](index b, index h, index i, index j) { return allowed(b, h, i, j) ? 0.0L : meaning::minus_inf(); },
-            std::move(padded)};
+            std::move(padded), nullptr};
 }
 
 /// i' of the rules: the query's position on the key axis (bottom_right puts the last query at the last key).
@@ -496,7 +506,7 @@ private:
                 return meaning{[=](index b, index h, index i, index j) {
                                    return static_cast<long double>(flat[dense_position(dims, s, b, h, i, j)]);
                                },
-                               [](index, index) { return false; }};
+                               [](index, index) { return false; }, nullptr};
             },
             sizeof(V) == 4 ? "additive_mask<float>" : "additive_mask<double>");
     }
@@ -544,7 +554,12 @@ private:
                 return meaning{[x, y](index bb, index h, index i, index j) {
                                    return x.added(bb, h, i, j) + y.added(bb, h, i, j);
                                },
-                               [x, y](index bb, index i) { return x.padded(bb, i) || y.padded(bb, i); }};
+                               [x, y](index bb, index i) { return x.padded(bb, i) || y.padded(bb, i); },
+                               [x, y](index bb, index h, index i, index j) {
+                                   const long double total = x.added(bb, h, i, j) + y.added(bb, h, i, j);
+                                   return std::max({x.largest(bb, h, i, j), y.largest(bb, h, i, j),
+                                                    total == meaning::minus_inf() ? 0.0L : std::abs(total)});
+                               }};
             },
             "(" + a.node->text + " + " + b.node->text + ")", a.node->query_padding || b.node->query_padding);
     }
