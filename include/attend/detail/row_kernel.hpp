@@ -328,6 +328,7 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
     constexpr index lanes = row_lanes<Acc>;
+    static_assert(Keys >= 1 && Keys <= 4, "ATTEND_IN_REGISTERS below is spelled out for 1 to 4 keys");
     const index whole = dim / lanes * lanes;
     using stored = std::remove_const_t<std::remove_pointer_t<decltype(key_row(0))>>;
     decltype(key_row(0)) k[Keys];
