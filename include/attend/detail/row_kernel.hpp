@@ -497,27 +497,42 @@ void scan_rows(index n, index dim, const RowOf& row_of, bool magnitude, row_scan
 
 /// The row kernels for 1 to row_kernel_rows rows, the count a constant inside them; `scan` null for no scan.
 inline constexpr index row_kernel_rows = 8;
+
+/// The instance of a row kernel for `rows` rows, with or without the scan: Kernel::get<Rows, Scan>() names it.
+template <class Kernel>
+auto row_kernel_for(index rows, bool scan) {
+    constexpr auto plain = micro::by_row_count(std::make_integer_sequence<int, row_kernel_rows>{}, [](auto n) {
+        return Kernel::template get<decltype(n)::value, false>();
+    });
+    constexpr auto scanning = micro::by_row_count(std::make_integer_sequence<int, row_kernel_rows>{}, [](auto n) {
+        return Kernel::template get<decltype(n)::value, true>();
+    });
+    return (scan ? scanning : plain)[static_cast<std::size_t>(rows - 1)];
+}
+template <class Acc, class KeyRow>
+struct score_kernel {
+    template <int Rows, bool Scan>
+    static constexpr auto get() {
+        return &rows::scores<Rows, Scan, Acc, KeyRow>;
+    }
+};
+template <class Acc, class ValueRow>
+struct accumulate_kernel {
+    template <int Rows, bool Scan>
+    static constexpr auto get() {
+        return &rows::accumulate<Rows, Scan, Acc, ValueRow>;
+    }
+};
+
 template <class Acc, class KeyRow>
 void scores_of_rows(index rows, const Acc* q, index ldq, index dim, index nk, const KeyRow& key_row, Acc* out,
                     index lds, row_scan<Acc>* scan) {
-    constexpr auto plain = micro::by_row_count(std::make_integer_sequence<int, row_kernel_rows>{}, [](auto n) {
-        return &rows::scores<decltype(n)::value, false, Acc, KeyRow>;
-    });
-    constexpr auto scanning = micro::by_row_count(std::make_integer_sequence<int, row_kernel_rows>{}, [](auto n) {
-        return &rows::scores<decltype(n)::value, true, Acc, KeyRow>;
-    });
-    (scan ? scanning : plain)[static_cast<std::size_t>(rows - 1)](q, ldq, dim, nk, key_row, out, lds, scan);
+    row_kernel_for<score_kernel<Acc, KeyRow>>(rows, scan != nullptr)(q, ldq, dim, nk, key_row, out, lds, scan);
 }
 template <class Acc, class ValueRow>
 void accumulate_rows(index rows, const Acc* p, index ldp, index nk, index dv, const ValueRow& value_row, Acc* acc,
                      index lda, row_scan<Acc>* scan) {
-    constexpr auto plain = micro::by_row_count(std::make_integer_sequence<int, row_kernel_rows>{}, [](auto n) {
-        return &rows::accumulate<decltype(n)::value, false, Acc, ValueRow>;
-    });
-    constexpr auto scanning = micro::by_row_count(std::make_integer_sequence<int, row_kernel_rows>{}, [](auto n) {
-        return &rows::accumulate<decltype(n)::value, true, Acc, ValueRow>;
-    });
-    (scan ? scanning : plain)[static_cast<std::size_t>(rows - 1)](p, ldp, nk, dv, value_row, acc, lda, scan);
+    row_kernel_for<accumulate_kernel<Acc, ValueRow>>(rows, scan != nullptr)(p, ldp, nk, dv, value_row, acc, lda, scan);
 }
 
 }  // namespace attend::detail
