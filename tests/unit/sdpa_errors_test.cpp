@@ -474,13 +474,13 @@ qkv decode_inputs() { return make(1, 4, 2, 1, 2600, 8, 8); }
 
 /// Runs a decode call with `mask` in both kernels (the reference scans before it computes) and expects the same
 /// value error from both, `id` with `fragment`, and nothing written by the tiled kernel's decode path.
-template <class K, class Mask>
-void expect_decode_error(const tensor<float, 4>& q, const K& k, const K& v, const Mask& mask, const std::string& id,
+template <class T, class K, class Mask>
+void expect_decode_error(const tensor<T, 4>& q, const K& k, const K& v, const Mask& mask, const std::string& id,
                          const std::string& fragment) {
-    tensor<float, 4> out(1, 4, 1, v.dimension(3));
-    tensor<float, 3> lse(1, 4, 1);
-    out.setConstant(sentinel);
-    lse.setConstant(sentinel);
+    tensor<T, 4> out(q.dimension(0), q.dimension(1), q.dimension(2), v.dimension(3));
+    tensor<T, 3> lse(q.dimension(0), q.dimension(1), q.dimension(2));
+    out.setConstant(T(sentinel));
+    lse.setConstant(T(sentinel));
     attend::sdpa_options decode, reference;
     reference.kernel = attend::kernel::reference;
     const std::string found =
@@ -490,8 +490,8 @@ void expect_decode_error(const tensor<float, 4>& q, const K& k, const K& v, cons
     EXPECT_EQ(found.rfind("[" + id + "] ", 0), 0u) << found;
     EXPECT_NE(found.find(fragment), std::string::npos) << found;
     EXPECT_EQ(found, scanned);
-    for (index n = 0; n < out.size(); ++n) ASSERT_EQ(out.data()[n], sentinel) << "out written before the error";
-    for (index n = 0; n < lse.size(); ++n) ASSERT_EQ(lse.data()[n], sentinel) << "lse written before the error";
+    for (index n = 0; n < out.size(); ++n) ASSERT_EQ(out.data()[n], T(sentinel)) << "out written before the error";
+    for (index n = 0; n < lse.size(); ++n) ASSERT_EQ(lse.data()[n], T(sentinel)) << "lse written before the error";
 }
 
 TEST(SdpaErrors, DecodeRejectsANonFiniteKeyOrValueItsPassMetOrSkippedWithTheScansMessageBeforeWriting) {
@@ -541,6 +541,33 @@ TEST(SdpaErrors, DecodeRejectsScoresThatOverflowAsTheScanDoesAndComputesPairsTha
     const auto decoded = attend::scaled_dot_product_attention(y.q, y.k, y.v);
     const auto expected = attend::scaled_dot_product_attention(y.q, y.k, y.v, reference);
     for (index n = 0; n < expected.out.size(); ++n) EXPECT_NEAR(decoded.out.data()[n], expected.out.data()[n], 1e-5);
+}
+
+// A decode of 16 queries on 2 query heads per kv head has 32 rows per block, more than the row kernels take: its
+// slabs copy or map keys and values into the float panels and note them for the deferred scan there. A NaN or inf
+// in a key or a value, and a key whose scores overflow, are found in that pass, in float and in double, before
+// anything is written.
+TEST(SdpaErrors, ADecodeOfManyRowsRejectsWhatItsPanelsHoldBeforeWriting) {
+    const auto check = [](const auto& x) {
+        using T = typename std::decay_t<decltype(x.k)>::Scalar;
+        for (const bool in_values : {false, true}) {
+            auto k = x.k, v = x.v;
+            (in_values ? v : k)(0, 1, 2048, 3) = T(nan_f);
+            expect_decode_error(x.q, k, v, attend::no_mask{}, "attend.value.non_finite", "[0,1,2048,3]");
+        }
+        // 8 x big^2 / sqrt(8): beyond half of T's range for key 2400 only.
+        const T big = sizeof(T) == 4 ? T(1e19) : T(1e160);
+        auto q = x.q, k = x.k;
+        q.setConstant(big);
+        for (index d = 0; d < 8; ++d) k(0, 0, 2400, d) = big;
+        expect_decode_error(q, k, x.v, attend::no_mask{}, "attend.value.score_overflow", "key 2400");
+    };
+    const auto x = make(1, 4, 2, 16, 2600, 8, 8);
+    check(x);
+    struct {
+        tensor<double, 4> q, k, v;
+    } wide{x.q.cast<double>(), x.k.cast<double>(), x.v.cast<double>()};
+    check(wide);
 }
 
 TEST(SdpaErrors, ScaleZeroNegativeNaNOrInfiniteIsValueScale) {

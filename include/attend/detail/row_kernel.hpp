@@ -232,9 +232,9 @@ struct row_scan {
 
 #if defined(EIGEN_VECTORIZE_AVX512) || defined(EIGEN_VECTORIZE_AVX2) || \
     (defined(EIGEN_VECTORIZE_SSE4_1) && !defined(EIGEN_VECTORIZE_AVX))
-/// For float where the target has an unsigned 32-bit integer max: one integer max of |x|'s bits per packet, as
-/// max_magnitude_bits does (the bits' integer order is the magnitudes' order, and bits at or above +inf's mean a
-/// NaN or an inf), half the work of the general scan on a one-instruction dependency chain.
+/// For float where the target has an unsigned 32-bit integer max: one integer max of |x|'s bits per packet (the
+/// bits' integer order is the magnitudes' order, and bits at or above +inf's mean a NaN or an inf), half the work
+/// of the general scan on a one-instruction dependency chain.
 template <>
 struct row_scan<float> {
 #if defined(EIGEN_VECTORIZE_AVX512)

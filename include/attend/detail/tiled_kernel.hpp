@@ -118,8 +118,9 @@ const_tile_map<Acc> rows_as_accumulator(const q8_view& x, index b, index h, inde
 }
 
 /// What one decode unit's pass saw of its keys and values, for check_finite (deferred_kv_scan): the largest |k| and
-/// whether any key or value was NaN or +-inf, over every row from the chunk's first key to `scanned_to`. Rows the
-/// pass reads are noted in the same registers (the row kernels' row_scan); rows it skips (tiles the mask empties, the
+/// whether any key or value was NaN or +-inf, over every row from the chunk's first key to `scanned_to`, always
+/// gathered as a row_scan. Rows the row kernels read are noted in the same registers; rows copied for the float
+/// panels are scanned in the copy, while it is in cache (scan_of); rows the pass skips (tiles the mask empties, the
 /// trimmed ends of mixed tiles) are read for the scan alone.
 template <class Acc>
 struct kv_findings {
@@ -134,34 +135,23 @@ struct kv_findings {
         non_finite = false;
         scanned_to = key_begin;
     }
-    /// Notes a tile of keys: its largest |k|, or that it holds a NaN or an inf.
-    void keys(const const_tile_map<Acc>& k) {
-        const auto m = max_magnitude(k);
-        if (m >= infinity_bits<Acc>()) {
-            non_finite = true;
-        } else {
-            Acc largest;
-            std::memcpy(&largest, &m, sizeof(Acc));
-            key_max_abs = std::max(key_max_abs, largest);
-        }
-    }
-    /// Notes what the row kernels saw of keys, or of values, in the same pass.
+    /// Notes what a pass saw of keys: their largest |k|, or that one was NaN or +-inf.
     void keys(const row_scan<Acc>& seen) {
         if (seen.non_finite()) non_finite = true;
         else key_max_abs = std::max(key_max_abs, seen.largest());
     }
+    /// Notes what a pass saw of values: whether one was NaN or +-inf.
     void values(const row_scan<Acc>& seen) { non_finite = non_finite || seen.non_finite(); }
-    /// Notes a tile of values: whether it holds a NaN or an inf.
-    void values(const const_tile_map<Acc>& v) { non_finite = non_finite || max_magnitude(v) >= infinity_bits<Acc>(); }
-
-private:
-    static auto max_magnitude(const const_tile_map<Acc>& x) {
-        if (x.outerStride() == x.cols()) return max_magnitude_bits(x.data(), x.size());  // one run: a stage, dense rows
-        decltype(max_magnitude_bits(x.data(), 0)) m = 0;
-        for (index r = 0; r < x.rows(); ++r) m = std::max(m, max_magnitude_bits(x.row(r).data(), x.cols()));
-        return m;
-    }
 };
+
+/// The scan of a tile of rows already in the accumulation type (a stage, or rows read in place).
+template <class Acc>
+row_scan<Acc> scan_of(const const_tile_map<Acc>& x, bool magnitude) {
+    row_scan<Acc> seen;
+    scan_rows(
+        x.rows(), x.cols(), [&](index j) { return x.data() + j * x.outerStride(); }, magnitude, seen);
+    return seen;
+}
 
 /// One worker's scratch memory, allocated once per call before the workers start (never inside the tile loop).
 /// All in the accumulation type.
@@ -492,7 +482,7 @@ private:
             const index n = want.end - want.begin;
             const auto keys = rows_as_accumulator<Acc>(k_, blk.batch, blk.kv_head, want.begin, n, w.key_stage);
             pack_key_panels(keys.data(), keys.outerStride(), n, s_.head_dim, w.key_panels.data());
-            if (w.found.active) w.found.keys(keys);
+            if (w.found.active) w.found.keys(scan_of(keys, true));
             w.packed_keys = want;
         }
         return w.key_panels.data() + (k0 - want.begin) * s_.head_dim;
@@ -508,7 +498,7 @@ private:
             const index n = want.end - want.begin;
             const auto values = rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, want.begin, n, w.value_stage);
             pack_value_panels(values.data(), values.outerStride(), n, dv, w.value_panels.data());
-            if (w.found.active) w.found.values(values);
+            if (w.found.active) w.found.values(scan_of(values, false));
             w.packed_values = want;
         }
         const Acc* in_place = nullptr;

@@ -5,10 +5,8 @@
 /// made a decode over a 16-bit cache slower than over a float one; these are what the kernels and the input scans
 /// use instead.
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 
 #include <Eigen/Core>
@@ -85,40 +83,6 @@ bool any_non_finite_16(const T* x, index n) {
     std::uint32_t found = 0;
     for (index j = 0; j < n; ++j) found |= (bits_of(x[j]) & exponent) == exponent ? 1u : 0u;
     return found != 0;
-}
-
-/// The largest |x[j]| of n floats or doubles, as the bits of a non-negative value: bits above those of +inf mean
-/// a NaN, equal to them an inf. On non-negative floating-point values the integer order of the bits is the numeric
-/// order, so one integer max per element finds the largest magnitude and any NaN or inf in one pass, which
-/// vectorizes without a floating-point max's NaN rules (and its longer dependency chain).
-template <class A>
-auto max_magnitude_bits(const A* x, index n) {
-    static_assert(std::is_same_v<A, float> || std::is_same_v<A, double>, "attend: floats or doubles");
-    using bits = std::conditional_t<sizeof(A) == 4, std::uint32_t, std::uint64_t>;
-    constexpr bits magnitude = ~bits(0) >> 1;  // all but the sign bit
-    constexpr index ways = 64 / sizeof(A);     // independent maxima: a cache line per step, several packets
-    const auto magnitude_at = [x](index j) {
-        bits b;
-        std::memcpy(&b, x + j, sizeof(A));
-        return b & magnitude;
-    };
-    bits lanes[ways] = {};
-    index j = 0;
-    for (; j + ways <= n; j += ways)
-        for (index w = 0; w < ways; ++w) lanes[w] = std::max(lanes[w], magnitude_at(j + w));
-    bits largest = 0;
-    for (; j < n; ++j) largest = std::max(largest, magnitude_at(j));
-    for (index w = 0; w < ways; ++w) largest = std::max(largest, lanes[w]);
-    return largest;
-}
-
-/// The bits of +inf in A: max_magnitude_bits at or above this is not finite.
-template <class A>
-auto infinity_bits() {
-    const A inf = std::numeric_limits<A>::infinity();
-    std::conditional_t<sizeof(A) == 4, std::uint32_t, std::uint64_t> b;
-    std::memcpy(&b, &inf, sizeof(A));
-    return b;
 }
 
 }  // namespace attend::detail
