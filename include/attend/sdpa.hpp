@@ -223,7 +223,7 @@ void run_checked(const strided_view<const T>& q, const Rows& k, const Rows& v, c
         const kv_scan_of<T, Rows> kv_scan(q, k, v, s, call.params.scale, call.query_magnitudes);
         if (call.kernel != kernel::reference) {
             auto params = call.params;
-            params.kv_scan = &kv_scan;
+            if (!kv_scan.settled()) params.kv_scan = &kv_scan;
             return tiled_attention(q, k, v, s, call.mask, params, out, call.threads);
         }
         kv_scan.scan_now(call.threads);

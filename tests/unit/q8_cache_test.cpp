@@ -163,6 +163,49 @@ std::vector<unsigned char> state_of(const attend::q8_kv_cache& c) {
     return bytes;
 }
 
+// check_finite over an int8 cache: its values are finite and at most 128 x 65504 in magnitude, so when q's side of
+// the score rule fits against that bound the cache is not read for the scan at all; when it does not, the keys are
+// scanned and a score that would overflow is rejected with the message a float cache of the same values gets,
+// before anything is written (the decode path, whose pass notes the keys, and the reference kernel).
+TEST(Q8Cache, ScoresThatCanOverflowAreRejectedAsOverAFloatCacheAndBoundedOnesNeedNoScan) {
+    const index B = 1, G = 2, H = 8, D = 64, S = 3000;
+    attend::q8_kv_cache cache(B, G, S, D, D);
+    auto k = random_rows(21, B, G, S, D);
+    for (index d = 0; d < D; ++d) k(0, 1, 2500, d) = 8e6f;  // 64 x 1e31 x 8e6 / 8 = 6.4e38: beyond half of float's
+    cache.append(k, random_rows(22, B, G, S, D));
+    const auto keys = dequantized(cache, true), values = dequantized(cache, false);
+    attend::tensor<float, 4> small(B, H, 1, D), large(B, H, 1, D);
+    attend_test::fill_uniform(small, 23, -2, 2);
+    large.setConstant(1e31f);
+    const auto s = attend::check_shapes(small, keys, values);
+    const float scale = 1.0f / 8.0f;
+    const auto fits = [&](const attend::tensor<float, 4>& q, const auto& view) {
+        const auto queries = attend::detail::head_magnitudes(attend::detail::as_view(q), "query", 1);
+        return attend::detail::settled_by_format(queries, view, s, scale);
+    };
+    EXPECT_TRUE(fits(small, cache.keys()));
+    EXPECT_FALSE(fits(large, cache.keys()));
+    EXPECT_FALSE(fits(small, attend::detail::as_view(keys)));  // a float cache can hold anything
+    for (const auto kernel : {attend::kernel::automatic, attend::kernel::reference}) {
+        attend::sdpa_options o;
+        o.kernel = kernel;
+        o.threads = 2;
+        attend::tensor<float, 4> out(B, H, 1, D);
+        out.setConstant(-5.0f);
+        const std::string message = attend_test::expect_error<attend::value_error>(
+            [&] {
+                attend::scaled_dot_product_attention_into(large, cache.keys(), cache.values(), attend::no_mask{}, out,
+                                                          o);
+            },
+            "attend.value.score_overflow");
+        EXPECT_NE(message.find("key 2500"), std::string::npos) << message;
+        const std::string as_float = attend_test::expect_error<attend::value_error>(
+            [&] { (void)attend::scaled_dot_product_attention(large, keys, values, o); }, "attend.value.score_overflow");
+        EXPECT_EQ(message, as_float);
+        for (index n = 0; n < out.size(); ++n) ASSERT_EQ(out.data()[n], -5.0f);
+    }
+}
+
 TEST(Q8Cache, EveryBadAppendIsRefusedBeforeAnythingChanges) {
     using attend_test::expect_error;
     expect_error<attend::value_error>([] { attend::q8_kv_cache(1, 2, 8, 48, 64); }, "attend.value.quantized_dim");

@@ -193,6 +193,39 @@ bool pairs_fit(const row_magnitudes& queries, long double key_max_abs, Acc scale
     return std::max<long double>(1, static_cast<long double>(scale)) * queries.max_l1 * key_max_abs <= limit;
 }
 
+/// The largest magnitude any element of a view can have, for a format that holds no NaN or inf and bounds its
+/// values: q8_0 blocks (an int8 times a finite fp16 scale, 128 x 65504 at most). 0: no such bound (floats, fp16,
+/// bf16 and paged blocks of them can hold anything their type can).
+inline long double format_bound(const q8_view&) { return 128.0L * 65504.0L; }
+template <class View>
+long double format_bound(const View&) {
+    return 0;
+}
+
+/// Whether q's side of the score rule (queries: q's head_magnitudes) fits against keys whose largest |k| is
+/// key_max_abs(batch, kv head), for every head of the call: then no pair needs checking.
+template <class Acc, class KeyMaxAbs>
+bool queries_fit(const std::vector<row_magnitudes>& queries, const attention_shape& s, Acc scale,
+                 const KeyMaxAbs& key_max_abs) {
+    const long double limit = static_cast<long double>(std::numeric_limits<Acc>::max()) / 2;
+    for (index b = 0; b < s.batch; ++b)
+        for (index h = 0; h < s.heads; ++h) {
+            const row_magnitudes& qm = queries[static_cast<std::size_t>(b * s.heads + h)];
+            if (static_cast<long double>(scale) * qm.max_abs > limit ||
+                !pairs_fit(qm, key_max_abs(b, s.kv_head(h)), scale))
+                return false;
+        }
+    return true;
+}
+
+/// Whether check_finite's scan of k and v is settled without reading them: keys and values in a format with a
+/// bound (format_bound: no NaN or inf either) and queries that fit against any key the format can hold.
+template <class Acc, class Rows>
+bool settled_by_format(const std::vector<row_magnitudes>& queries, const Rows& k, const attention_shape& s, Acc scale) {
+    const long double bound = format_bound(k);
+    return bound > 0 && queries_fit(queries, s, scale, [&](index, index) { return bound; });
+}
+
 /// scan_magnitudes of every (batch, head) of x (q or k, strided or paged), in that order, a (batch, head) per unit
 /// of scan_units: a non-finite element is named as check_finite names it.
 template <class View>
@@ -218,6 +251,7 @@ std::vector<row_magnitudes> head_magnitudes(const View& x, const char* name, int
 template <class T, class KeyView, class Acc>
 void check_scores_fit(const strided_view<const T>& q, const std::vector<row_magnitudes>& queries, const KeyView& k,
                       const attention_shape& s, Acc scale, int threads) {
+    if (settled_by_format(queries, k, s, scale)) return;  // q8_0 keys under q's bound: nothing to read
     const long double limit = static_cast<long double>(std::numeric_limits<Acc>::max()) / 2;
     const long double sc = static_cast<long double>(scale), grow = std::max<long double>(1, sc);
     const std::vector<row_magnitudes> keys = head_magnitudes(k, "key", threads);
@@ -274,16 +308,14 @@ public:
 
     void verify(const std::vector<double>& key_max_abs, bool non_finite) const override {
         if (non_finite) return scan_now(1);  // finds the first bad element and names it
-        const long double limit = static_cast<long double>(std::numeric_limits<accumulator_t<T>>::max()) / 2;
-        for (index b = 0; b < s_.batch; ++b)
-            for (index h = 0; h < s_.heads; ++h) {
-                const row_magnitudes& qm = queries_[static_cast<std::size_t>(b * s_.heads + h)];
-                const auto km =
-                    static_cast<long double>(key_max_abs[static_cast<std::size_t>(b * s_.kv_heads + s_.kv_head(h))]);
-                if (static_cast<long double>(scale_) * qm.max_abs > limit || !pairs_fit(qm, km, scale_))
-                    return scan_now(1);
-            }
+        if (!queries_fit(queries_, s_, scale_, [&](index b, index kvh) {
+                return static_cast<long double>(key_max_abs[static_cast<std::size_t>(b * s_.kv_heads + kvh)]);
+            }))
+            scan_now(1);
     }
+
+    /// Whether the scan is settled without reading k or v (settled_by_format): the kernel need not note them.
+    bool settled() const { return settled_by_format(queries_, k_, s_, scale_); }
 
 private:
     strided_view<const T> q_;

@@ -98,16 +98,13 @@ row_packet<Acc> load_widened(const S* row, index x) {
     }
 }
 
+/// Values [0, lanes) of a q8_0 block's integers from q on, times the block's scale (already widened): exact, an
+/// integer of 8 bits times a scale of 11 is a float without rounding.
 template <class Acc>
-row_packet<Acc> load_widened(const q8_0_block* row, index x) {
+row_packet<Acc> widened_q8(const std::int8_t* q, float scale) {
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
     constexpr index lanes = row_lanes<Acc>;
-    static_assert(q8_0_block::size % lanes == 0, "a packet never straddles two q8_0 blocks");
-    const q8_0_block& b = row[x / q8_0_block::size];
-    const std::int8_t* q = b.values + x % q8_0_block::size;
-    float scale;
-    widen(&b.scale, 1, &scale);
     if constexpr (std::is_same_v<Acc, float>) {
 #if defined(EIGEN_VECTORIZE_AVX512)
         if constexpr (lanes == 16)
@@ -123,6 +120,49 @@ row_packet<Acc> load_widened(const q8_0_block* row, index x) {
     for (index j = 0; j < lanes; ++j) buffer[j] = static_cast<Acc>(scale) * static_cast<Acc>(q[j]);
     return pload<packet>(buffer);
 }
+
+template <class Acc>
+row_packet<Acc> load_widened(const q8_0_block* row, index x) {
+    static_assert(q8_0_block::size % row_lanes<Acc> == 0, "a packet never straddles two q8_0 blocks");
+    const q8_0_block& b = row[x / q8_0_block::size];
+    float scale;
+    widen(&b.scale, 1, &scale);
+    return widened_q8<Acc>(b.values + x % q8_0_block::size, scale);
+}
+
+/// A stored row as a kernel reads it: packets and single elements widened to Acc, from the columns
+/// [first, first + count) the kernel said it reads.
+template <class Acc, class S>
+struct widening_row {
+    const S* row = nullptr;
+    void start(const S* r, index /*first*/, index /*count*/) { row = r; }
+    row_packet<Acc> packet(index x) const { return load_widened<Acc>(row, x); }
+    Acc element(index x) const { return widened_at<Acc>(row, x); }
+};
+
+/// q8_0 rows: the scales of the blocks the kernel reads are widened once, as it starts on the row, not once per
+/// packet (two packets share a block on AVX-512, four on AVX2), and a packet's scale is then a broadcast from
+/// memory. Blocks past the first `cached` (head dims over 512) widen their scale per packet.
+template <class Acc>
+struct widening_row<Acc, q8_0_block> {
+    static constexpr index cached = 16;
+    const q8_0_block* row = nullptr;
+    index first_block = 0, end_block = 0;  ///< the blocks whose scales are in `scales`
+    alignas(64) float scales[cached];
+
+    void start(const q8_0_block* r, index first, index count) {
+        row = r;
+        first_block = first / q8_0_block::size;
+        end_block = std::min((first + count + q8_0_block::size - 1) / q8_0_block::size, first_block + cached);
+        for (index b = first_block; b < end_block; ++b) widen(&row[b].scale, 1, &scales[b - first_block]);
+    }
+    row_packet<Acc> packet(index x) const {
+        const index b = x / q8_0_block::size;
+        if (b >= end_block) return load_widened<Acc>(row, x);
+        return widened_q8<Acc>(row[b].values + x % q8_0_block::size, scales[b - first_block]);
+    }
+    Acc element(index x) const { return widened_at<Acc>(row, x); }
+};
 
 /// ATTEND_IN_REGISTERS(ATTEND_REGISTER(x), ...) keeps loaded packets in registers: a packet that several
 /// multiply-adds read is otherwise folded into each of them as a memory operand, one load per use, and loads, not
@@ -143,7 +183,7 @@ row_packet<Acc> load_widened(const q8_0_block* row, index x) {
 /// One level of sums_of_packets: out[p] = add(x, y) of packets 2p and 2p + 1 (an odd count pairs its last packet
 /// with itself; those lanes are never read).
 template <int N, class P, class Add>
-EIGEN_STRONG_INLINE void add_pairs(const P* in, P* out, const Add& add) {
+EIGEN_ALWAYS_INLINE void add_pairs(const P* in, P* out, const Add& add) {
     ATTEND_UNROLL_FULLY
     for (int p = 0; p < (N + 1) / 2; ++p) out[p] = add(in[2 * p], in[std::min(2 * p + 1, N - 1)]);
 }
@@ -153,7 +193,7 @@ EIGEN_STRONG_INLINE void add_pairs(const P* in, P* out, const Add& add) {
 /// pairs of lanes added side by side with another packet's. Where Eigen's own tree is known (AVX-512 with DQ, AVX),
 /// that costs about 3 instructions per sum instead of 7; elsewhere it is predux.
 template <int N, class Packet, class Acc>
-EIGEN_STRONG_INLINE void sums_of_packets(const Packet (&a)[N], Acc* out) {
+EIGEN_ALWAYS_INLINE void sums_of_packets(const Packet (&a)[N], Acc* out) {
     constexpr int m1 = (N + 1) / 2, m2 = (m1 + 1) / 2, m3 = (m2 + 1) / 2, m4 = (m3 + 1) / 2;
 #if defined(EIGEN_VECTORIZE_AVX512) && defined(EIGEN_VECTORIZE_AVX512DQ)
     if constexpr (std::is_same_v<Acc, float> && Eigen::internal::unpacket_traits<Packet>::size == 16) {
@@ -323,7 +363,7 @@ inline constexpr int score_keys = std::clamp((register_budget - 2) / (Rows + 1),
 
 /// scores[r, j0 + i] for i < Keys, Rows rows; see scores.
 template <int Rows, int Keys, bool Scan, class Acc, class KeyRow>
-EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index j0, index nk, const KeyRow& key_row,
+EIGEN_ALWAYS_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index j0, index nk, const KeyRow& key_row,
                                        Acc* out, index lds, row_scan<Acc>& seen, index bytes, index ahead) {
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
@@ -331,10 +371,10 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
     static_assert(Keys >= 1 && Keys <= 4, "ATTEND_IN_REGISTERS below is spelled out for 1 to 4 keys");
     const index whole = dim / lanes * lanes;
     using stored = std::remove_const_t<std::remove_pointer_t<decltype(key_row(0))>>;
-    decltype(key_row(0)) k[Keys];
+    widening_row<Acc, stored> k[Keys];
     ATTEND_UNROLL_FULLY
     for (int i = 0; i < Keys; ++i) {
-        k[i] = key_row(j0 + i);
+        k[i].start(key_row(j0 + i), 0, dim);
         if (j0 + i + ahead < nk) prefetch_row(key_row(j0 + i + ahead), bytes);
     }
     packet acc[Rows * Keys];  // row r, key i at r * Keys + i
@@ -343,7 +383,7 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
     for (index x = 0; x < whole; x += lanes) {
         packet kx[Keys];
         ATTEND_UNROLL_FULLY
-        for (int i = 0; i < Keys; ++i) kx[i] = load_widened<Acc>(k[i], x);
+        for (int i = 0; i < Keys; ++i) kx[i] = k[i].packet(x);
         if constexpr (std::is_same_v<stored, Acc>) {  // the scan and every row read them
             if constexpr (Keys == 1) ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]));
             if constexpr (Keys == 2) ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]));
@@ -373,7 +413,7 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
         ATTEND_UNROLL_FULLY
         for (int r = 0; r < Rows; ++r) sum[r] = sums[r * Keys + i];
         for (index x = whole; x < dim; ++x) {
-            const Acc kx = widened_at<Acc>(k[i], x);
+            const Acc kx = k[i].element(x);
             if constexpr (Scan) seen.note(kx, true);
             for (int r = 0; r < Rows; ++r) sum[r] += q[r * ldq + x] * kx;
         }
@@ -416,13 +456,14 @@ void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const
     using stored = std::remove_const_t<std::remove_pointer_t<decltype(value_row(0))>>;
     const index bytes = row_bytes<stored>(dv), ahead = prefetch_distance(bytes);
     for (index j = 0; j < nk; ++j) {
-        const auto* v = value_row(j);
+        widening_row<Acc, stored> v;
+        v.start(value_row(j), e0, Packets * lanes);
         // The first column group reads V; its prefetch runs on into the next slice (rows up to `readable`).
         if (e0 == 0 && j + ahead < readable) prefetch_row(value_row(j + ahead), bytes);
         packet vx[Packets];
         ATTEND_UNROLL_FULLY
         for (int i = 0; i < Packets; ++i) {
-            vx[i] = load_widened<Acc>(v, e0 + i * lanes);
+            vx[i] = v.packet(e0 + i * lanes);
             if constexpr (Scan) seen.note(vx[i], false);
         }
         ATTEND_UNROLL_FULLY
@@ -487,10 +528,11 @@ void scan_rows(index n, index dim, const RowOf& row_of, bool magnitude, row_scan
     constexpr index lanes = row_lanes<Acc>;
     const index whole = dim / lanes * lanes;
     row_scan<Acc> seen;
+    widening_row<Acc, std::remove_const_t<std::remove_pointer_t<decltype(row_of(0))>>> row;
     for (index j = 0; j < n; ++j) {
-        const auto* row = row_of(j);
-        for (index x = 0; x < whole; x += lanes) seen.note(load_widened<Acc>(row, x), magnitude);
-        for (index x = whole; x < dim; ++x) seen.note(widened_at<Acc>(row, x), magnitude);
+        row.start(row_of(j), 0, dim);
+        for (index x = 0; x < whole; x += lanes) seen.note(row.packet(x), magnitude);
+        for (index x = whole; x < dim; ++x) seen.note(row.element(x), magnitude);
     }
     scan.merge(seen);
 }
