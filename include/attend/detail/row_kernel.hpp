@@ -191,7 +191,8 @@ EIGEN_ALWAYS_INLINE void add_pairs(const P* in, P* out, const Add& add) {
 /// out[n] = predux(a[n]) for N packets, with the bits of Eigen's predux: the same tree of additions (lane l plus
 /// lane l + lanes/2, then + lanes/4, ...), only run for up to 16 packets at once, a packet's halves, quarters and
 /// pairs of lanes added side by side with another packet's. Where Eigen's own tree is known (AVX-512 with DQ, AVX),
-/// that costs about 3 instructions per sum instead of 7; elsewhere it is predux.
+/// that costs about 3 instructions per sum instead of 7; elsewhere it is predux. Always inlined: GCC left one
+/// instance (q8_0 rows without the scan) out of line, and its packets then went through memory.
 template <int N, class Packet, class Acc>
 EIGEN_ALWAYS_INLINE void sums_of_packets(const Packet (&a)[N], Acc* out) {
     constexpr int m1 = (N + 1) / 2, m2 = (m1 + 1) / 2, m3 = (m2 + 1) / 2, m4 = (m3 + 1) / 2;
@@ -361,9 +362,10 @@ inline void prefetch_row(const void* row, index bytes) {
 template <int Rows>
 inline constexpr int score_keys = std::clamp((register_budget - 2) / (Rows + 1), 1, 4);
 
-/// scores[r, j0 + i] for i < Keys, Rows rows; see scores.
+/// scores[r, j0 + i] for i < Keys, Rows rows; see scores. Not forced inline: forced, the fp32 decode from memory
+/// ran about a quarter slower on an Emerald Rapids Xeon (alternating runs), and no storage type gained.
 template <int Rows, int Keys, bool Scan, class Acc, class KeyRow>
-EIGEN_ALWAYS_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index j0, index nk, const KeyRow& key_row,
+EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index j0, index nk, const KeyRow& key_row,
                                        Acc* out, index lds, row_scan<Acc>& seen, index bytes, index ahead) {
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
