@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -113,6 +114,10 @@ void run_case(const std::uint8_t* data, std::size_t size) {
                                  .string();
     std::ofstream(path, std::ios::binary | std::ios::trunc)
         .write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size));
+    struct remove_at_return {  // whichever way the case ends, it leaves no file behind
+        const std::string& path;
+        ~remove_at_return() { std::remove(path.c_str()); }
+    } removes{path};
     case_description() = std::to_string(size) + " bytes";
 
     std::optional<attend::safetensors_file> file;

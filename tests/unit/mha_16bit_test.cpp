@@ -27,6 +27,7 @@
 
 #include "support/errors.hpp"
 #include "support/random.hpp"
+#include "support/scratch_files.hpp"
 #include "support/storage16.hpp"
 
 namespace {
@@ -179,7 +180,7 @@ std::string bytes_of(const std::vector<U>& values) {  // little-endian host (x86
     return out;
 }
 std::string write_safetensors(const std::string& name, const std::string& header, const std::string& data) {
-    const std::string path = ::testing::TempDir() + "attend_mha16_" + name + ".safetensors";
+    const std::string path = attend_test::scratch_files::path("mha16_" + name + ".safetensors");
     std::string file;
     put_u64(file, header.size());
     file += header + data;

@@ -18,6 +18,7 @@
 
 #include "support/errors.hpp"
 #include "support/golden.hpp"
+#include "support/scratch_files.hpp"
 
 namespace {
 
@@ -30,7 +31,7 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 
 std::string data_file(const std::string& name) { return std::string(ATTEND_TEST_DATA_DIR) + "/" + name; }
 
-std::string temp_file(const std::string& name) { return ::testing::TempDir() + "attend_safetensors_" + name; }
+std::string temp_file(const std::string& name) { return attend_test::scratch_files::path("safetensors_" + name); }
 
 void append_u64(std::string& out, std::uint64_t n) {
     for (int k = 0; k < 8; ++k) out.push_back(static_cast<char>((n >> (8 * k)) & 0xFF));
