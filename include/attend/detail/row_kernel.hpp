@@ -188,6 +188,44 @@ EIGEN_ALWAYS_INLINE void add_pairs(const P* in, P* out, const Add& add) {
     for (int p = 0; p < (N + 1) / 2; ++p) out[p] = add(in[2 * p], in[std::min(2 * p + 1, N - 1)]);
 }
 
+#if defined(EIGEN_VECTORIZE_AVX512) && defined(EIGEN_VECTORIZE_AVX512DQ)
+/// sums_of_packets' tree on AVX-512 floats, into w[N / 16 rounded up]: lane 4k + m of w[z] is packet
+/// 16z + 4m + k's sum.
+template <int N>
+EIGEN_ALWAYS_INLINE void lane_sums_tree(const __m512 (&a)[N], __m512 (&w)[(N + 15) / 16]) {
+    constexpr int m1 = (N + 1) / 2, m2 = (m1 + 1) / 2, m3 = (m2 + 1) / 2;
+    __m512 c[m1], e[m2], t[m3];
+    add_pairs<N>(a, c, [](__m512 x, __m512 y) {  // halves: [x: q0+q2, x: q1+q3, y: q0+q2, y: q1+q3]
+        return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+    });
+    add_pairs<m1>(c, e, [](__m512 x, __m512 y) {  // quarters: quarter k holds packet 4p + k's partial sums
+        return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+    });
+    add_pairs<m2>(e, t, [](__m512 x, __m512 y) {  // pairs of lanes: [x0 + x2, x1 + x3, y0 + y2, y1 + y3]
+        return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
+    });
+    add_pairs<m3>(t, w, [](__m512 x, __m512 y) {  // lanes: lane 4k + m of w[z] is packet 16z + 4m + k's sum
+        return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+    });
+}
+
+/// Rows x Keys sums (Rows * Keys <= 16 packets a[r * Keys + i]) stored as out[r * ld + i], the bits of
+/// sums_of_packets: the same tree, its lanes put in row order by one permutation and each row's Keys sums written
+/// by one masked store, where moving 16 sums one by one took about 30 shuffles and stores.
+template <int Rows, int Keys>
+EIGEN_ALWAYS_INLINE void store_sums_by_rows(const __m512 (&a)[Rows * Keys], float* out, index ld) {
+    static_assert(Rows * Keys <= 16, "one packet of sums");
+    __m512 w[1];
+    lane_sums_tree<Rows * Keys>(a, w);
+    // lane n = r * Keys + i takes packet n's sum, at lane 4 (n % 4) + n / 4 of w
+    const __m512 sums =
+        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), w[0]);
+    ATTEND_UNROLL_FULLY
+    for (int r = 0; r < Rows; ++r)  // lanes r * Keys .. + Keys - 1 of sums, at out + r * ld; ld >= Keys
+        _mm512_mask_storeu_ps(out + r * (ld - Keys), static_cast<__mmask16>(((1u << Keys) - 1) << (r * Keys)), sums);
+}
+#endif
+
 /// out[n] = predux(a[n]) for N packets, with the bits of Eigen's predux: the same tree of additions (lane l plus
 /// lane l + lanes/2, then + lanes/4, ...), only run for up to 16 packets at once, a packet's halves, quarters and
 /// pairs of lanes added side by side with another packet's. Where Eigen's own tree is known (AVX-512 with DQ, AVX),
@@ -198,19 +236,8 @@ EIGEN_ALWAYS_INLINE void sums_of_packets(const Packet (&a)[N], Acc* out) {
     constexpr int m1 = (N + 1) / 2, m2 = (m1 + 1) / 2, m3 = (m2 + 1) / 2, m4 = (m3 + 1) / 2;
 #if defined(EIGEN_VECTORIZE_AVX512) && defined(EIGEN_VECTORIZE_AVX512DQ)
     if constexpr (std::is_same_v<Acc, float> && Eigen::internal::unpacket_traits<Packet>::size == 16) {
-        __m512 c[m1], e[m2], t[m3], w[m4];
-        add_pairs<N>(a, c, [](__m512 x, __m512 y) {  // halves: [x: q0+q2, x: q1+q3, y: q0+q2, y: q1+q3]
-            return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
-        });
-        add_pairs<m1>(c, e, [](__m512 x, __m512 y) {  // quarters: quarter k holds packet 4p + k's partial sums
-            return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-        });
-        add_pairs<m2>(e, t, [](__m512 x, __m512 y) {  // pairs of lanes: [x0 + x2, x1 + x3, y0 + y2, y1 + y3]
-            return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
-        });
-        add_pairs<m3>(t, w, [](__m512 x, __m512 y) {  // lanes: lane 4k + m of w[z] is packet 16z + 4m + k's sum
-            return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
-        });
+        __m512 w[m4];
+        lane_sums_tree<N>(a, w);
         alignas(64) float lanes[m4 * 16];
         std::memcpy(lanes, w, sizeof w);
         ATTEND_UNROLL_FULLY
@@ -407,6 +434,13 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
             for (int i = 0; i < Keys; ++i) acc[r * Keys + i] = pmadd(qx, kx[i], acc[r * Keys + i]);
         }
     }
+#if defined(EIGEN_VECTORIZE_AVX512) && defined(EIGEN_VECTORIZE_AVX512DQ)
+    if constexpr (std::is_same_v<Acc, float> && Rows * Keys <= 16)
+        if (whole == dim) {  // no column left over: the sums are the scores
+            store_sums_by_rows<Rows, Keys>(acc, out + j0, lds);
+            return;
+        }
+#endif
     Acc sums[Rows * Keys];
     sums_of_packets(acc, sums);
     ATTEND_UNROLL_FULLY
