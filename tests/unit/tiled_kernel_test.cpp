@@ -508,14 +508,63 @@ TEST(TiledKernel, BitIdenticalForAnyThreadCount) {
     }
 }
 
+/// Random q [batch, heads, query_len, head_dim], k [batch, kv_heads, key_len, head_dim] and v (value_dim wide) from
+/// seeds seed, seed + 1, seed + 2, q scaled by `q_scale`, with their views and checked shape (views into the
+/// tensors: not copyable).
+template <class T>
+struct random_call {
+    attend::tensor<T, 4> q, k, v;
+    attend::strided_view<const T> qv, kv, vv;
+    attend::attention_shape s;
+
+    random_call(std::uint64_t seed, index batch, index heads, index kv_heads, index query_len, index key_len,
+                index head_dim, index value_dim, T q_scale = T(1))
+        : q(attend_test::random_tensor<T>(seed, batch, heads, query_len, head_dim) * q_scale),
+          k(attend_test::random_tensor<T>(seed + 1, batch, kv_heads, key_len, head_dim)),
+          v(attend_test::random_tensor<T>(seed + 2, batch, kv_heads, key_len, value_dim)),
+          qv(attend::detail::as_view(q)),
+          kv(attend::detail::as_view(k)),
+          vv(attend::detail::as_view(v)),
+          s(attend::check_shapes(q, k, v)) {}
+    random_call(const random_call&) = delete;
+    random_call& operator=(const random_call&) = delete;
+};
+
+template <class T>
+void expect_weights_in_unit_range_at_huge_scores(T amplitude) {
+    // Query padding makes every tile mixed: the forward pass takes the scores by 1-row slabs (the row kernels),
+    // the weights pass over the whole 5-row block (the micro-kernel), and the two sum in different orders. With
+    // scores near amplitude, one rounding apart is far more than exp can take: a weight must still be in [0, 1].
+    const random_call<T> in(1, 3, 1, 1, 16, 3, 5, 1, amplitude);
+    attend::sdpa_options o;
+    o.need_weights = true;
+    o.empty_rows = attend::empty_rows::zero;
+    o.check_finite = false;
+    const auto call = attend::detail::check_call(in.qv, in.kv, in.vv, in.s, attend::query_padding({16, 9, 3}), o);
+    tile_config tiles;
+    tiles.query_rows = 5;
+    tiles.key_tile = tiles.trim_step = tiles.slab_rows = tiles.gemv_rows = 1;
+    attend::tensor<T, 4> out(3, 1, 16, 1), w(3, 1, 16, 3);
+    w.setConstant(std::numeric_limits<T>::quiet_NaN());
+    attend::detail::attention_outputs<T> r;
+    r.out = attend::detail::as_mutable_view(out);
+    r.weights = w.data();
+    attend::detail::tiled_attention(in.qv, in.kv, in.vv, in.s, call.mask, call.params, r, 1, tiles);
+    for (index n = 0; n < w.size(); ++n)
+        ASSERT_TRUE(w.data()[n] >= T(0) && w.data()[n] <= T(1)) << "weight " << n << " is " << w.data()[n];
+}
+
+TEST(TiledKernel, WeightsStayInZeroToOneWhereSlabsAndBlocksRoundScoresApart) {
+    expect_weights_in_unit_range_at_huge_scores<double>(1e100);
+    expect_weights_in_unit_range_at_huge_scores<float>(1e15f);
+}
+
 TEST(TiledKernel, DecodePathBitIdenticalForAnyThreadCount) {
     // query_len 3 <= 16 and key_len 5000 > the decode chunk: keys are split into chunks merged in order.
     for (bool small_chunks : {false, true}) {
-        const auto q = attend_test::random_tensor<float>(11, 1, 8, 3, 64);
-        const auto k = attend_test::random_tensor<float>(12, 1, 2, 5000, 64);
-        const auto v = attend_test::random_tensor<float>(13, 1, 2, 5000, 64);
-        const auto qv = attend::detail::as_view(q), kv = attend::detail::as_view(k), vv = attend::detail::as_view(v);
-        const auto s = attend::check_shapes(q, k, v);
+        const random_call<float> in(11, 1, 8, 2, 3, 5000, 64, 64);
+        const auto &qv = in.qv, &kv = in.kv, &vv = in.vv;
+        const auto& s = in.s;
         attend::sdpa_options o;
         o.need_lse = true;
         const auto mask = attend::causal(alignment::bottom_right) && attend::key_padding({4321});
@@ -540,7 +589,7 @@ TEST(TiledKernel, DecodePathBitIdenticalForAnyThreadCount) {
         EXPECT_EQ(lses[0], lses[1]);
         EXPECT_EQ(lses[0], lses[2]);
         o.kernel = attend::kernel::reference;
-        const auto ref = attend::scaled_dot_product_attention(q, k, v, mask, o);
+        const auto ref = attend::scaled_dot_product_attention(in.q, in.k, in.v, mask, o);
         double diff = 0, lse_diff = 0;
         for (index n = 0; n < ref.out.size(); ++n)
             diff =

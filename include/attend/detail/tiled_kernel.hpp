@@ -714,7 +714,13 @@ private:
                     continue;
                 }
                 Acc* p = w.scores.data() + r * ld;
-                exp_shifted(p, nk, w.softmax.max(r));
+                // The forward pass took a mixed tile's scores by slabs (the row kernels for slabs of few rows), this
+                // pass over the whole block (the micro-kernel): sums in another order, so a score can come out a
+                // rounding above its row's max. Near the top of the range that rounding is itself huge (scores of
+                // 1e100 in double) and exp of it overflows; capped at the max, every weight stays in [0, 1].
+                const Acc max = w.softmax.max(r);
+                for (index j = 0; j < nk; ++j) p[j] = std::min(p[j], max);
+                exp_shifted(p, nk, max);
                 const Acc l = w.softmax.sum(r);
                 for (index j = 0; j < nk; ++j) p[j] /= l;
                 if (drop) p_.dropout.apply(p, nk, blk.batch, head_of(blk, r), query_of(blk, r), k0);
