@@ -414,32 +414,44 @@ TEST(RowKernels, EveryStorageGivesTheBitsOfFloatRowsHoldingItsValuesAndEachRowTh
             }
 }
 
+/// accumulate_rows on `rows` rows, `dim` columns and nk keys against a double sum of the same products.
+void expect_accumulates_p_times_v(attend_test::rng& g, index rows, index dim, index nk) {
+    const auto v = random_values<float>(g, nk * dim);
+    const auto p = random_values<float>(g, rows * nk);
+    std::vector<float> acc = random_values<float>(g, rows * dim);
+    const auto before = acc;
+    attend::detail::accumulate_rows(
+        rows, p.data(), nk, nk, dim, [&](index j) { return v.data() + j * dim; }, acc.data(), dim,
+        static_cast<attend::detail::row_scan<float>*>(nullptr));
+    for (index r = 0; r < rows; ++r)
+        for (index e = 0; e < dim; ++e) {
+            double exact = before[static_cast<std::size_t>(r * dim + e)], magnitude = std::abs(exact);
+            for (index j = 0; j < nk; ++j) {
+                const double t =
+                    double(p[static_cast<std::size_t>(r * nk + j)]) * v[static_cast<std::size_t>(j * dim + e)];
+                exact += t;
+                magnitude += std::abs(t);
+            }
+            ASSERT_NEAR(acc[static_cast<std::size_t>(r * dim + e)], exact, 4.0 * double(nk + 1) * 0x1p-24 * magnitude)
+                << rows << " rows, column " << e << " of " << dim << ", " << nk << " keys";
+        }
+}
+
 TEST(RowKernels, AccumulateAddsPTimesVToWhatWasThereOnEveryColumnEdge) {
     attend_test::rng g(42);
     for (index dim : edge_sizes(micro_tile<float>::lanes))
         for (index rows : {index(1), index(3), index(8)})
-            for (index nk : {index(1), index(9), index(700)}) {
-                const auto v = random_values<float>(g, nk * dim);
-                const auto p = random_values<float>(g, rows * nk);
-                std::vector<float> acc = random_values<float>(g, rows * dim);
-                const auto before = acc;
-                attend::detail::accumulate_rows(
-                    rows, p.data(), nk, nk, dim, [&](index j) { return v.data() + j * dim; }, acc.data(), dim,
-                    static_cast<attend::detail::row_scan<float>*>(nullptr));
-                for (index r = 0; r < rows; ++r)
-                    for (index e = 0; e < dim; ++e) {
-                        double exact = before[static_cast<std::size_t>(r * dim + e)], magnitude = std::abs(exact);
-                        for (index j = 0; j < nk; ++j) {
-                            const double t = double(p[static_cast<std::size_t>(r * nk + j)]) *
-                                             v[static_cast<std::size_t>(j * dim + e)];
-                            exact += t;
-                            magnitude += std::abs(t);
-                        }
-                        ASSERT_NEAR(acc[static_cast<std::size_t>(r * dim + e)], exact,
-                                    4.0 * double(nk + 1) * 0x1p-24 * magnitude)
-                            << "row " << r << " column " << e << " of " << dim << ", " << nk << " keys";
-                    }
-            }
+            for (index nk : {index(1), index(9), index(700)}) expect_accumulates_p_times_v(g, rows, dim, nk);
+}
+
+/// The value kernel splits the columns into groups of the widths it has kernels for (powers of two and the widest
+/// the registers allow, which depends on the row count): every split, remainders included, adds each column once.
+TEST(RowKernels, AccumulateAddsEveryColumnOnceWhateverGroupsItsWidthSplitsInto) {
+    attend_test::rng g(7);
+    const index lanes = attend::detail::row_lanes<float>;
+    for (index rows = 1; rows <= attend::detail::row_kernel_rows; ++rows)
+        for (index packets = 1; packets <= attend::detail::rows::register_budget + 3; ++packets)
+            for (index tail : {index(0), index(1)}) expect_accumulates_p_times_v(g, rows, packets * lanes + tail, 5);
 }
 
 TEST(RowKernels, TheScanFindsTheLargestKeyAndAnyNaNOrInfinityInPacketsAndTails) {

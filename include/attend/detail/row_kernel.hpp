@@ -361,6 +361,9 @@ namespace rows {
 /// room for a loaded row and a broadcast.
 inline constexpr int register_budget = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS * 3 / 4;
 
+/// The largest k with 2^k <= n, for n >= 1.
+constexpr int floor_log2(int n) { return n > 1 ? 1 + floor_log2(n / 2) : 0; }
+
 /// Bytes of a stored row of `dim` values.
 template <class S>
 constexpr index row_bytes(index dim) {
@@ -525,26 +528,45 @@ struct rows_from {
     auto operator()(index j) const { return (*value_row)(first + j); }
 };
 
+/// The column-group widths, in packets, that accumulate instantiates for Rows rows: the powers of two below the
+/// widest group the register budget allows, and that widest. A kernel per width up to the widest was two fifths of
+/// all the kernels' code; these give the groups of before for head dims that are a power of two times the packet.
+template <int Rows>
+struct group_widths {
+    static constexpr int widest = std::max(1, register_budget / Rows);
+    static constexpr int count = floor_log2(widest) + ((widest & (widest - 1)) != 0 ? 2 : 1);
+    static constexpr int at(int n) { return n + 1 < count ? 1 << n : widest; }
+    /// The index of the widest instantiated width that is at most `packets` (at least 1).
+    static int at_most(index packets) {
+        int n = count - 1;
+        while (n > 0 && at(n) > packets) --n;
+        return n;
+    }
+};
+
 /// acc[Rows, dv] += p[Rows, nk] V[nk, dv]: keys in slices of about 16 KiB of V (in L1 while each column group
-/// reads them), columns in as few groups as the register budget allows for Rows rows, of equal widths, the last
-/// dv % lanes columns one by one.
+/// reads them), columns in as few groups as the register budget allows for Rows rows, of about equal widths (each
+/// rounded down to an instantiated width), the last dv % lanes columns one by one. A column's sum is the same
+/// whatever group it is in: the groups decide only how many columns share a pass over the keys.
 template <int Rows, bool Scan, class Acc, class ValueRow>
 void accumulate(const Acc* p, index ldp, index nk, index dv, const ValueRow& value_row, Acc* acc, index lda,
                 row_scan<Acc>* scan) {
+    using widths = group_widths<Rows>;
     constexpr index lanes = row_lanes<Acc>;
-    constexpr int widest = std::max(1, register_budget / Rows);
-    constexpr auto by_width = micro::by_row_count(std::make_integer_sequence<int, widest>{}, [](auto n) {
-        return &accumulate_columns<Rows, decltype(n)::value, Scan, Acc, rows_from<ValueRow>>;
+    constexpr auto by_width = micro::by_row_count(std::make_integer_sequence<int, widths::count>{}, [](auto n) {
+        return &accumulate_columns<Rows, widths::at(decltype(n)::value - 1), Scan, Acc, rows_from<ValueRow>>;
     });
     const index packets = dv / lanes, whole = packets * lanes;
-    const index groups = (packets + widest - 1) / widest, width = groups > 0 ? (packets + groups - 1) / groups : 0;
+    const index groups = (packets + widths::widest - 1) / widths::widest;
+    const index even = groups > 0 ? (packets + groups - 1) / groups : 0;
     const index slice = std::max<index>(8, 16384 / (static_cast<index>(sizeof(Acc)) * std::max<index>(dv, 1)));
     for (index j0 = 0; j0 < nk; j0 += slice) {
         const index nj = std::min(slice, nk - j0);
         const rows_from<ValueRow> sliced{&value_row, j0};
-        for (index i = 0; i < packets; i += width) {
-            const index n = std::min(width, packets - i);
-            by_width[static_cast<std::size_t>(n - 1)](p + j0, ldp, nj, nk - j0, sliced, i * lanes, dv, acc, lda, scan);
+        for (index i = 0; i < packets;) {
+            const int n = widths::at_most(std::min(even, packets - i));
+            by_width[static_cast<std::size_t>(n)](p + j0, ldp, nj, nk - j0, sliced, i * lanes, dv, acc, lda, scan);
+            i += widths::at(n);
         }
         for (index e = whole; e < dv; ++e)
             for (index j = 0; j < nj; ++j) {
@@ -556,6 +578,16 @@ void accumulate(const Acc* p, index ldp, index nk, index dv, const ValueRow& val
 }
 
 }  // namespace rows
+
+/// Rows [first, ...) of one (batch, kv head) of a stored view: row j is view->row(batch, head, first + j). What the
+/// row kernels read, named by the view's type alone, so every runner over the same keys or values (float or
+/// 16-bit queries) shares one instance of each kernel.
+template <class View>
+struct rows_of {
+    const View* view;
+    index batch, head, first;
+    auto operator()(index j) const { return view->row(batch, head, first + j); }
+};
 
 /// Notes n stored rows of `dim` values (row j at row_of(j)) in `scan`, as the row kernels' own pass does, for rows
 /// read for the scan alone or packed by another kernel: no widened copy. `magnitude`: keys (their largest |k| too).

@@ -384,14 +384,11 @@ private:
     void scan_in_place(tiled_workspace<Acc>& w, const block& blk, index j0, index j1, bool keys, bool values) const {
         row_scan<Acc> seen_keys, seen_values;
         if (keys) {
-            scan_rows(
-                j1 - j0, s_.head_dim, [&](index j) { return k_.row(blk.batch, blk.kv_head, j0 + j); }, true, seen_keys);
+            scan_rows(j1 - j0, s_.head_dim, rows_of<Rows>{&k_, blk.batch, blk.kv_head, j0}, true, seen_keys);
             w.found.keys(seen_keys);
         }
         if (values) {
-            scan_rows(
-                j1 - j0, s_.value_dim, [&](index j) { return v_.row(blk.batch, blk.kv_head, j0 + j); }, false,
-                seen_values);
+            scan_rows(j1 - j0, s_.value_dim, rows_of<Rows>{&v_, blk.batch, blk.kv_head, j0}, false, seen_values);
             w.found.values(seen_values);
         }
     }
@@ -578,10 +575,9 @@ private:
         if (rows <= c_.gemv_rows) {
             // Each key row read once, where it is stored, for every row of the slab (and the scan, when on).
             row_scan<Acc> seen;
-            scores_of_rows(
-                rows, queries.data(), s_.head_dim, s_.head_dim, nk,
-                [&](index j) { return k_.row(blk.batch, blk.kv_head, k0 + j); }, scores.data(), ld,
-                w.found.active ? &seen : nullptr);
+            scores_of_rows(rows, queries.data(), s_.head_dim, s_.head_dim, nk,
+                           rows_of<Rows>{&k_, blk.batch, blk.kv_head, k0}, scores.data(), ld,
+                           w.found.active ? &seen : nullptr);
             if (w.found.active) w.found.keys(seen);
         } else if (uses_pairs()) {
             capped = pair_scores(w, blk, r0, rows, k0, k1);
@@ -666,9 +662,8 @@ private:
         const_tile_map<Acc> probabilities(w.scores.data() + r0 * ld, rows, nk, Eigen::OuterStride<>(ld));
         if (rows <= c_.gemv_rows) {
             row_scan<Acc> seen;
-            accumulate_rows(
-                rows, probabilities.data(), ld, nk, dv, [&](index j) { return v_.row(blk.batch, blk.kv_head, k0 + j); },
-                acc.data(), dv, w.found.active ? &seen : nullptr);
+            accumulate_rows(rows, probabilities.data(), ld, nk, dv, rows_of<Rows>{&v_, blk.batch, blk.kv_head, k0},
+                            acc.data(), dv, w.found.active ? &seen : nullptr);
             if (w.found.active) w.found.values(seen);
         } else if (uses_pairs()) {
             accumulate_value_pairs(w, blk, r0, rows, k0, k1);
