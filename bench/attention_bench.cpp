@@ -16,6 +16,7 @@
 //   decode/threads/check_finite        L = 1, S = 8192, 32 query heads on 8 kv heads, D = 128 (GQA decoding)
 //   decode_storage<KV>/threads/check_finite  the same, float queries over K and V stored as KV (a 16-bit cache);
 //                                      its `bytes` counter counts KV's bytes
+//   decode_short/threads/check_finite  decode's case over 1024 keys (one decode chunk)
 //   decode_q8/threads/check_finite     the same over an int8 cache (q8_kv_cache, ggml's q8_0 blocks); `bytes` counts
 //                                      its blocks (34 bytes per 32 values)
 //   tiled<half>, tiled<bfloat16>       tiled<float>'s case with q, k, v and out in 16 bits, float accumulation
@@ -185,9 +186,10 @@ void tiled_tiles(benchmark::State& state) {
 constexpr index decode_heads = 32, decode_kv_heads = 8, decode_keys = 8192, decode_dim = 128;
 constexpr double decode_kv_bytes = 2.0 * decode_kv_heads * decode_keys * decode_dim * sizeof(float);
 
+/// decode's case over `keys` keys, K and V stored as KV.
 template <class KV>
-void decode_storage(benchmark::State& state) {
-    problem<float, KV> p(decode_heads, decode_kv_heads, 1, decode_keys, decode_dim);
+void decode_over(benchmark::State& state, index keys) {
+    problem<float, KV> p(decode_heads, decode_kv_heads, 1, keys, decode_dim);
     attend::sdpa_options o;
     o.kernel = attend::kernel::tiled;
     o.threads = static_cast<int>(state.range(0));
@@ -198,11 +200,20 @@ void decode_storage(benchmark::State& state) {
         benchmark::DoNotOptimize(p.out.data());
         benchmark::ClobberMemory();
     }
-    attend_bench::set_bytes(state, decode_kv_bytes * sizeof(KV) / sizeof(float));
-    attend_bench::set_flops(state, attend_bench::attention_flops(1, decode_heads, 1, decode_keys, decode_dim));
+    attend_bench::set_bytes(state,
+                            decode_kv_bytes * static_cast<double>(keys) / decode_keys * sizeof(KV) / sizeof(float));
+    attend_bench::set_flops(state, attend_bench::attention_flops(1, decode_heads, 1, keys, decode_dim));
 }
 
-void decode(benchmark::State& state) { decode_storage<float>(state); }
+template <class KV>
+void decode_storage(benchmark::State& state) {
+    decode_over<KV>(state, decode_keys);
+}
+
+void decode(benchmark::State& state) { decode_over<float>(state, decode_keys); }
+
+/// A short context: 1024 keys, one decode chunk (8 MiB of K and V, in the last-level cache of most servers).
+void decode_short(benchmark::State& state) { decode_over<float>(state, 1024); }
 
 void decode_q8(benchmark::State& state) {
     problem<float> p(decode_heads, decode_kv_heads, 1, decode_keys, decode_dim);
@@ -268,6 +279,11 @@ BENCHMARK(tiled_tiles)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(decode)
+    ->ArgNames({"threads", "check_finite"})
+    ->ArgsProduct({{1, 2}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(decode_short)
     ->ArgNames({"threads", "check_finite"})
     ->ArgsProduct({{1, 2}, {0, 1}})
     ->Unit(benchmark::kMicrosecond)

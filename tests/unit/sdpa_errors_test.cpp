@@ -465,12 +465,13 @@ TEST(SdpaErrors, ParallelScansNameTheFirstBadElementAsOneThreadDoes) {
     }
 }
 
-// The decode path (one query per head, more keys than one decode chunk, no weights asked) scans k and v in its
-// own pass instead of before it (tiled_kernel.hpp, deferred_kv_scan). It must reject what the scan before the kernel
-// rejects, with the same message, before writing out or lse, also where the mask makes it skip the rows.
+// The decode path (one query per head, no weights asked; with check_finite on, within one decode chunk too) scans
+// k and v in its own pass instead of before it (tiled_kernel.hpp, deferred_kv_scan). It must reject what the scan
+// before the kernel rejects, with the same message, before writing out or lse, also where the mask makes it skip
+// the rows.
 
-/// q [1, 4, 1, 8] over k, v [1, 2, 2600, 8]: 2600 keys are two decode chunks (2048 keys at this size).
-qkv decode_inputs() { return make(1, 4, 2, 1, 2600, 8, 8); }
+/// q [1, 4, 1, 8] over k, v [1, 2, key_len, 8]: 2600 keys are two decode chunks (2048 keys at this size).
+qkv decode_inputs(index key_len = 2600) { return make(1, 4, 2, 1, key_len, 8, 8); }
 
 /// Runs a decode call with `mask` in both kernels (the reference scans before it computes) and expects the same
 /// value error from both, `id` with `fragment`, and nothing written by the tiled kernel's decode path.
@@ -500,18 +501,23 @@ TEST(SdpaErrors, DecodeRejectsANonFiniteKeyOrValueItsPassMetOrSkippedWithTheScan
         check(attend::key_padding({700}));  // keys >= 700 skipped: a trimmed tile, then empty tiles and chunks
         check(attend::sliding_window(100, 0, attend::alignment::bottom_right));  // only the last 101 keys read
     };
-    for (const bool in_values : {false, true})
-        for (const index key : {index(5), index(1023), index(2048), index(2599)})
-            for (const float bad : {nan_f, inf_f, -inf_f}) {
-                SCOPED_TRACE((in_values ? "value " : "key ") + std::to_string(key) + " holds " + std::to_string(bad));
-                auto x = decode_inputs();
-                (in_values ? x.v : x.k)(0, 1, key, 3) = bad;
-                (in_values ? x.v : x.k)(0, 1, 2599, 7) = bad;  // a later one is not the one named
-                masks([&](const auto& mask) {
-                    expect_decode_error(x.q, x.k, x.v, mask, "attend.value.non_finite",
-                                        "[0,1," + std::to_string(key) + ",3]");
-                });
-            }
+    // 2600 keys: two chunks; 1000: one.
+    const std::vector<std::pair<index, std::vector<index>>> lengths{{2600, {5, 1023, 2048, 2599}},
+                                                                    {1000, {5, 699, 999}}};
+    for (const auto& [key_len, bad_keys] : lengths)
+        for (const bool in_values : {false, true})
+            for (const index key : bad_keys)
+                for (const float bad : {nan_f, inf_f, -inf_f}) {
+                    SCOPED_TRACE((in_values ? "value " : "key ") + std::to_string(key) + " of " +
+                                 std::to_string(key_len) + " holds " + std::to_string(bad));
+                    auto x = decode_inputs(key_len);
+                    (in_values ? x.v : x.k)(0, 1, key, 3) = bad;
+                    (in_values ? x.v : x.k)(0, 1, key_len - 1, 7) = bad;  // a later one is not the one named
+                    masks([&](const auto& mask) {
+                        expect_decode_error(x.q, x.k, x.v, mask, "attend.value.non_finite",
+                                            "[0,1," + std::to_string(key) + ",3]");
+                    });
+                }
     // Keys and values in 16 bits are scanned after they are widened, also where the mask skips them (head_dim 4:
     // a slice of the scan is as long as a key tile); the error names the same element.
     auto x = make(1, 4, 2, 1, 2600, 4, 4);
@@ -524,12 +530,16 @@ TEST(SdpaErrors, DecodeRejectsANonFiniteKeyOrValueItsPassMetOrSkippedWithTheScan
 TEST(SdpaErrors, DecodeRejectsScoresThatOverflowAsTheScanDoesAndComputesPairsThatFit) {
     // q.k = 8 x 1e19 x 1e19 x scale 1/sqrt(8) = 2.8e38, beyond half of float's range, for key 2400 only; the
     // sliding window never reads that key, and the rule holds for every pair, masked or not.
-    auto x = decode_inputs();
-    x.q.setConstant(1e19f);
-    for (index d = 0; d < 8; ++d) x.k(0, 0, 2400, d) = 1e19f;
-    expect_decode_error(x.q, x.k, x.v, attend::no_mask{}, "attend.value.score_overflow", "key 2400");
-    expect_decode_error(x.q, x.k, x.v, attend::sliding_window(10, 0, attend::alignment::bottom_right),
-                        "attend.value.score_overflow", "key 2400");
+    // Also key 800 of 1000: one chunk.
+    for (const auto& [key_len, key] : {std::pair<index, index>{2600, 2400}, std::pair<index, index>{1000, 800}}) {
+        auto x = decode_inputs(key_len);
+        x.q.setConstant(1e19f);
+        for (index d = 0; d < 8; ++d) x.k(0, 0, key, d) = 1e19f;
+        const std::string named = "key " + std::to_string(key);
+        expect_decode_error(x.q, x.k, x.v, attend::no_mask{}, "attend.value.score_overflow", named);
+        expect_decode_error(x.q, x.k, x.v, attend::sliding_window(10, 0, attend::alignment::bottom_right),
+                            "attend.value.score_overflow", named);
+    }
     // Rows that look dangerous by their magnitudes (||q||_1 max|k| = 2.25e38) but never meet: q on feature 0, the
     // large key on feature 1 only. Computed, and as the reference computes it.
     auto y = decode_inputs();

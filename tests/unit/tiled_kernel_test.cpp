@@ -603,6 +603,51 @@ TEST(TiledKernel, DecodePathBitIdenticalForAnyThreadCount) {
     }
 }
 
+/// Runs a decode-shaped call with check_finite on (the scan rides on the decode pass, within one chunk too) and off
+/// (no scan; a call within one chunk takes the block path) and expects the same bits of out and lse.
+template <class T, class Mask>
+void expect_check_finite_changes_no_bit(index heads, index kv_heads, index query_len, index key_len, const Mask& mask,
+                                        const attend::sdpa_options& options) {
+    const attend::tensor<T, 4> q = attend_test::random_tensor<float>(31, 2, heads, query_len, 16).cast<T>();
+    const attend::tensor<T, 4> k = attend_test::random_tensor<float>(32, 2, kv_heads, key_len, 16).cast<T>();
+    const attend::tensor<T, 4> v = attend_test::random_tensor<float>(33, 2, kv_heads, key_len, 12).cast<T>();
+    attend::sdpa_options checked = options, unchecked = options;
+    checked.check_finite = true;
+    unchecked.check_finite = false;
+    for (const int threads : {1, 2}) {
+        checked.threads = unchecked.threads = threads;
+        const auto with_scan = attend::scaled_dot_product_attention(q, k, v, mask, checked);
+        const auto without = attend::scaled_dot_product_attention(q, k, v, mask, unchecked);
+        EXPECT_TRUE(bit_equal(with_scan.out, without.out)) << threads << " threads";
+        EXPECT_TRUE(bit_equal(with_scan.lse, without.lse)) << threads << " threads";
+    }
+}
+
+TEST(TiledKernel, CheckFiniteChangesNoBitOfADecodeWithinOneChunkOrBeyond) {
+    attend::sdpa_options plain, modified;
+    plain.kernel = modified.kernel = attend::kernel::tiled;
+    plain.empty_rows = modified.empty_rows = attend::empty_rows::zero;  // causal rows before the first key
+    modified.softcap = 4.0;
+    modified.sinks = attend::attention_sinks({0.5, -1.0, 2.0, 0.0});
+    const auto cases = [&](auto scalar) {
+        using T = decltype(scalar);
+        for (const index key_len : {index(1), index(9), index(700), index(2048), index(2600)})
+            for (const index query_len : {index(1), index(3), index(16)}) {
+                SCOPED_TRACE(std::to_string(query_len) + " queries, " + std::to_string(key_len) + " keys");
+                const auto padding = attend::key_padding({key_len, std::max<index>(1, key_len / 3)});
+                expect_check_finite_changes_no_bit<T>(4, 1, query_len, key_len, attend::no_mask{}, plain);
+                expect_check_finite_changes_no_bit<T>(4, 2, query_len, key_len, padding, modified);
+                expect_check_finite_changes_no_bit<T>(4, 4, query_len, key_len,
+                                                      attend::causal(alignment::bottom_right) && padding, plain);
+                expect_check_finite_changes_no_bit<T>(4, 4, query_len, key_len,
+                                                      attend::sliding_window(50, 0, alignment::bottom_right), modified);
+            }
+    };
+    cases(float{});
+    cases(double{});
+    cases(Eigen::bfloat16{});
+}
+
 TEST(TiledKernel, AutomaticIsTiled) {
     const auto q = attend_test::random_tensor<double>(21, 2, 3, 70, 16);
     const auto k = attend_test::random_tensor<double>(22, 2, 3, 90, 16);

@@ -225,7 +225,11 @@ public:
     }
 
     void run(int threads) {
-        const bool decode = s_.query_len <= c_.decode_queries && o_.weights == nullptr && s_.key_len > c_.decode_chunk;
+        // A decode with check_finite's scan handed over takes the decode path within one chunk too (one unit per
+        // block, as run_blocks, and the same bits): the scan then rides on the pass that reads K and V anyway, where
+        // a pass of its own first had doubled a short decode's time.
+        const bool decode = s_.query_len <= c_.decode_queries && o_.weights == nullptr &&
+                            (s_.key_len > c_.decode_chunk || (p_.kv_scan && s_.key_len > 0));
         // Only the decode path scans keys and values in its own pass: elsewhere the scan goes first.
         if (p_.kv_scan && !(decode && s_.batch > 0 && s_.query_len > 0)) p_.kv_scan->scan_now(threads);
         if (s_.batch == 0 || s_.query_len == 0) return;
@@ -340,8 +344,9 @@ private:
                     w.softmax.normalize_into(r, w.acc.data() + r * dv, dv, part_out.data() + (unit * rows_ + r) * dv);
         });
         if (p_.kv_scan) verify_scan(found, chunks);  // throws before the first output is written
-        // Combine the chunks of each block in chunk order, one block per unit.
-        parallel_for(blocks, threads, [&](index n, int) {
+        // Combine the chunks of each block in chunk order, one block per unit; a single chunk is only copied out,
+        // which is not worth starting threads for.
+        parallel_for(blocks, chunks > 1 ? threads : 1, [&](index n, int) {
             const block blk = block_of(n);
             const index rows = group_ * blk.queries;
             for (index r = 0; r < rows; ++r) {
