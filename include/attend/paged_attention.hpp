@@ -90,6 +90,9 @@ attention_result<Q, 4> paged_attention_views(const strided_view<const Q>& qv, co
             shapes.reserve(static_cast<std::size_t>(B));
         },
         [&] { return std::string("the per-sequence calls of paged_attention"); }, "Attend fewer sequences at once");
+    // check_finite's scan of each sequence's keys and values is left to its kernel run (defer_kv_scan), which notes
+    // them in its decode pass: a later sequence's error is thrown after earlier ones wrote into r, but r is this
+    // call's own and never returned then, so the call still gives all or nothing.
     for (index n = 0; n < B; ++n) {
         const index id = sequences[static_cast<std::size_t>(n)];
         const auto k = cache.key_blocks(id), v = cache.value_blocks(id);
@@ -97,7 +100,7 @@ attention_result<Q, 4> paged_attention_views(const strided_view<const Q>& qv, co
                                                  k.dims[2], cache.head_dim(), Dv);
         shapes.push_back(s);
         calls.push_back(
-            check_call(batch_rows(qv, n, s.query_len), k, v, s, cached_rule(cache.window(), s.key_len), options));
+            check_call(batch_rows(qv, n, s.query_len), k, v, s, cached_rule(cache.window(), s.key_len), options, true));
     }
     attention_result<Q, 4> r;
     const char* hint = "split the batch";

@@ -167,9 +167,9 @@ struct checked_call {
 
 /// Every check of an attention call, in data-path order: options, mask against the shape, finite inputs, empty
 /// rows. Nothing is allocated or written before it returns. With `defer_kv_scan` (a caller that runs the call
-/// with run_checked right away and writes nothing before) check_finite's scan of k and v is left to run_checked,
-/// which has the kernel do it in its own pass where it can and throws before any output is written either way;
-/// then a mask's attend.mask.empty_row comes before a non-finite key or value.
+/// with run_checked right away and hands out nothing written before it) check_finite's scan of k and v is left to
+/// run_checked, which has the kernel do it in its own pass where it can and throws before any output is written
+/// either way; then a mask's attend.mask.empty_row comes before a non-finite key or value.
 template <class T, class Rows, class Mask>
 auto check_call(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
                 const Mask& mask, const sdpa_options& o, bool defer_kv_scan = false) {

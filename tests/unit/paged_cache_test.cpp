@@ -165,6 +165,24 @@ TEST(PagedCache, LongSequencesTakeTheSplitKeyDecodePathAndStayBitIdentical) {
         }
 }
 
+TEST(PagedCache, CheckFiniteChangesNoBitOfAPagedDecode) {
+    // With check_finite on, each sequence's scan of its keys and values rides on its decode pass (one chunk, or
+    // split keys past 1024 keys at head_dim 128); off, there is no scan. Ragged lengths in one call.
+    attend::paged_kv_cache<float> c(attend_test::paged_config(2, 128, 16, 200, 3));
+    const std::vector<index> ids{fill_sequence(c, 5, 1), fill_sequence(c, 300, 3), fill_sequence(c, 2600, 5)};
+    tensor<float, 4> q(3, 8, 1, 128);
+    attend_test::fill_uniform(q, 9);
+    for (const int threads : {1, 2}) {
+        attend::sdpa_options checked, unchecked;
+        checked.threads = unchecked.threads = threads;
+        unchecked.check_finite = false;
+        const auto with_scan = attend::paged_attention(q, c, ids, {1, 1, 1}, checked);
+        const auto without = attend::paged_attention(q, c, ids, {1, 1, 1}, unchecked);
+        EXPECT_TRUE(attend_test::bit_equal(with_scan.out, without.out)) << threads << " threads";
+        EXPECT_TRUE(attend_test::bit_equal(with_scan.lse, without.lse)) << threads << " threads";
+    }
+}
+
 TEST(PagedCache, TheReferenceKernelReadsTheBlocksToo) {
     const auto cfg = attend_test::paged_config(1, 8, 3, 20);
     attend::paged_kv_cache<double> c(cfg);
@@ -454,6 +472,42 @@ TEST(PagedCacheErrors, BadAttentionCallsAreTypedErrorsBeforeAnyWrite) {
             (void)attend::paged_attention(q, f.c, {f.a, f.b}, {1, 1});
         },
         "attend.value.non_finite");
+}
+
+TEST(PagedCacheErrors, AKeyWhoseScoresOverflowIsTheScansErrorThoughTheDecodePassFindsIt) {
+    // check_finite's scan of each sequence's keys rides on its decode pass. A key whose scores overflow float (q.k
+    // = 8 x 1e19 x 1e19 / sqrt(8)), in the second of two sequences, short (one chunk) or long (split keys), is
+    // still the scan's typed error with the scan's message, and the call returns nothing.
+    for (const index length : {index(300), index(2600)}) {
+        attend::paged_kv_cache<float> c(attend_test::paged_config(2, 8, 16, 200, 2));
+        const index a = fill_sequence(c, 40, 1), b = c.add_sequence();
+        tensor<float, 4> k(1, 2, length, 8), v(1, 2, length, 8);
+        attend_test::fill_uniform(k, 3);
+        attend_test::fill_uniform(v, 4);
+        for (index d = 0; d < 8; ++d) k(0, 1, length - 7, d) = 1e19f;
+        c.append(b, k, v);
+        tensor<float, 4> q(2, 4, 1, 8);
+        q.setConstant(1e19f);
+        const auto text = [](const auto& call) {
+            try {
+                call();
+            } catch (const attend::value_error& e) {
+                return std::string(e.what());
+            }
+            return std::string("no value_error");
+        };
+        const std::string paged = text([&] { (void)attend::paged_attention(q, c, {a, b}, {0, 1}); });
+        attend::sdpa_options scan_first;
+        scan_first.kernel = attend::kernel::reference;
+        const tensor<float, 4> q1 = q.slice(std::array<index, 4>{1, 0, 0, 0}, std::array<index, 4>{1, 4, 1, 8});
+        const std::string scanned = text([&] {
+            (void)attend::scaled_dot_product_attention(q1, k, v, attend::causal(attend::alignment::bottom_right),
+                                                       scan_first);
+        });
+        EXPECT_EQ(paged.rfind("[attend.value.score_overflow] ", 0), 0u) << paged;
+        EXPECT_NE(paged.find("key " + std::to_string(length - 7)), std::string::npos) << paged;
+        EXPECT_EQ(paged, scanned);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------
