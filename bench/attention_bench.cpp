@@ -17,6 +17,7 @@
 //   decode_storage<KV>/threads/check_finite  the same, float queries over K and V stored as KV (a 16-bit cache);
 //                                      its `bytes` counter counts KV's bytes
 //   decode_short/threads/check_finite  decode's case over 1024 keys (one decode chunk)
+//   call_overhead/check_finite         one query of one head over 16 keys, D = 64, 1 thread: a call's fixed cost
 //   decode_q8/threads/check_finite     the same over an int8 cache (q8_kv_cache, ggml's q8_0 blocks); `bytes` counts
 //                                      its blocks (34 bytes per 32 values)
 //   tiled<half>, tiled<bfloat16>       tiled<float>'s case with q, k, v and out in 16 bits, float accumulation
@@ -215,6 +216,21 @@ void decode(benchmark::State& state) { decode_over<float>(state, decode_keys); }
 /// A short context: 1024 keys, one decode chunk (8 MiB of K and V, in the last-level cache of most servers).
 void decode_short(benchmark::State& state) { decode_over<float>(state, 1024); }
 
+/// What a call costs besides its reads and products: checks, workspaces, the runner's set-up (a small model's
+/// decode pays it per layer and token).
+void call_overhead(benchmark::State& state) {
+    problem<float> p(1, 1, 1, 16, 64);
+    attend::sdpa_options o;
+    o.kernel = attend::kernel::tiled;
+    o.threads = 1;
+    o.check_finite = state.range(0) != 0;
+    for (auto _ : state) {
+        attend::scaled_dot_product_attention_into(p.q, p.k, p.v, attend::no_mask{}, p.out, o);
+        benchmark::DoNotOptimize(p.out.data());
+        benchmark::ClobberMemory();
+    }
+}
+
 void decode_q8(benchmark::State& state) {
     problem<float> p(decode_heads, decode_kv_heads, 1, decode_keys, decode_dim);
     attend::q8_kv_cache cache(1, decode_kv_heads, decode_keys, decode_dim, decode_dim);
@@ -288,6 +304,7 @@ BENCHMARK(decode_short)
     ->ArgsProduct({{1, 2}, {0, 1}})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
+BENCHMARK(call_overhead)->ArgName("check_finite")->Arg(0)->Arg(1)->Unit(benchmark::kNanosecond);
 BENCHMARK(stream_kv)->Arg(1)->Arg(2)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK_TEMPLATE(decode_storage, Eigen::bfloat16)
     ->ArgNames({"threads", "check_finite"})

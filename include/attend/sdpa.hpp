@@ -73,7 +73,7 @@ struct sdpa_options {
     /// after the scale and softcap, before score_bias and the mask. The backward needs it built with its
     /// derivative. Empty: none.
     score_function score_mod;
-    int threads = 0;  ///< tiled kernel threads; 0 = std::thread::hardware_concurrency(); same result
+    int threads = 0;  ///< tiled kernel threads; 0 = std::thread::hardware_concurrency() (read once); same result
                       ///< bit for bit for any count
     attend::kernel kernel = attend::kernel::automatic;  ///< which implementation runs
     bool need_weights = false;                          ///< fill result.weights `[batch, heads, query_len, key_len]`

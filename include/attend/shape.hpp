@@ -3,8 +3,10 @@
 /// Shape rules of attention: q `[batch, heads, query_len, head_dim]`, k `[batch, kv_heads, key_len, head_dim]`,
 /// v `[batch, kv_heads, key_len, value_dim]` (rank 3 drops the heads axis). Every rule has its own error id.
 
+#include <array>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "detail/checked_arithmetic.hpp"
 #include "error.hpp"
@@ -32,10 +34,28 @@ struct attention_shape {
 
 namespace detail {
 
+/// A shape as a message spells it ("[2,8,128,64]" and a note such as " (q8_0 blocks)"), kept as numbers and
+/// spelled only when a message is written: spelling every call's shapes up front had been most of the time of a
+/// small call (a one-key decode).
+struct shape_words {
+    std::array<index, 4> dims{};
+    std::size_t rank = 0;
+    const char* note = "";
+    std::string text() const {
+        return concat(format_shape(std::vector<index>(dims.begin(), dims.begin() + static_cast<std::ptrdiff_t>(rank))),
+                      note);
+    }
+};
+
+template <class T>
+shape_words words_of(const strided_view<T>& v) {
+    if (v.rank == 3) return {{v.dims[0], v.dims[2], v.dims[3], 0}, 3};
+    return {v.dims, 4};
+}
+
 template <class T>
 std::string spell_view(const strided_view<T>& v) {
-    if (v.rank == 3) return format_shape(std::array<index, 3>{v.dims[0], v.dims[2], v.dims[3]});
-    return format_shape(v.dims);
+    return words_of(v).text();
 }
 
 /// Throws shape_error attend.shape.negative when a view has a negative size (a hand-made strided_view, or
@@ -50,7 +70,10 @@ void check_view_sizes(const strided_view<T>& x, const char* name) {
 /// q strided, k and v strided or an int8 cache's q8_view (one kind for both).
 template <class T, class KeyView>
 attention_shape check_views(const strided_view<const T>& q, const KeyView& k, const KeyView& v) {
-    const auto qs = spell_view(q), ks = spell_view(k), vs = spell_view(v);
+    // Spelled only for a message (see shape_words).
+    const auto qs = [&] { return spell_view(q); };
+    const auto ks = [&] { return spell_view(k); };
+    const auto vs = [&] { return spell_view(v); };
     check_view_sizes(q, "query");
     check_view_sizes(k, "key");
     check_view_sizes(v, "value");
@@ -60,34 +83,35 @@ attention_shape check_views(const strided_view<const T>& q, const KeyView& k, co
     if (q.rank != k.rank || q.rank != v.rank)
         throw shape_error("attend.shape.rank",
                           concat("query, key and value must have the same rank, got ", q.rank, ", ", k.rank, ", ",
-                                 v.rank, " (query ", qs, ", key ", ks, ", value ", vs, ')'));
+                                 v.rank, " (query ", qs(), ", key ", ks(), ", value ", vs(), ')'));
     if (q.dims[0] != k.dims[0] || q.dims[0] != v.dims[0])
         throw shape_error("attend.shape.batch",
                           concat("batch differs: query ", q.dims[0], ", key ", k.dims[0], ", value ", v.dims[0],
-                                 " (query ", qs, ", key ", ks, ", value ", vs, ')'));
+                                 " (query ", qs(), ", key ", ks(), ", value ", vs(), ')'));
     if (k.dims[1] != v.dims[1])
         throw shape_error("attend.shape.kv_heads", concat("key kv_heads ", k.dims[1], " != value kv_heads ", v.dims[1],
-                                                          both("key", ks, "value", vs)));
+                                                          both("key", ks(), "value", vs())));
     if (k.dims[2] != v.dims[2])
         throw shape_error("attend.shape.key_len", concat("key key_len ", k.dims[2], " != value key_len ", v.dims[2],
-                                                         both("key", ks, "value", vs)));
+                                                         both("key", ks(), "value", vs())));
     if (q.dims[3] != k.dims[3])
         throw shape_error("attend.shape.key_dim", concat("query head_dim ", q.dims[3], " != key head_dim ", k.dims[3],
-                                                         both("query", qs, "key", ks)));
+                                                         both("query", qs(), "key", ks())));
     if (q.dims[1] == 0 || k.dims[1] == 0)
-        throw shape_error("attend.shape.empty_heads", concat("heads and kv_heads must be >= 1, got heads ", q.dims[1],
-                                                             ", kv_heads ", k.dims[1], both("query", qs, "key", ks)));
+        throw shape_error("attend.shape.empty_heads",
+                          concat("heads and kv_heads must be >= 1, got heads ", q.dims[1], ", kv_heads ", k.dims[1],
+                                 both("query", qs(), "key", ks())));
     if (q.dims[1] % k.dims[1] != 0)
         throw shape_error("attend.shape.gqa", concat("heads ", q.dims[1], " is not a multiple of kv_heads ", k.dims[1],
                                                      " (grouped-query attention needs heads % kv_heads "
                                                      "== 0)",
-                                                     both("query", qs, "key", ks)));
+                                                     both("query", qs(), "key", ks())));
     if (k.dims[2] == 0)
         throw shape_error("attend.shape.empty_keys",
-                          concat("key_len is 0: no query has a key to attend", both("query", qs, "key", ks)));
+                          concat("key_len is 0: no query has a key to attend", both("query", qs(), "key", ks())));
     if (q.dims[3] == 0)
         throw shape_error("attend.shape.empty_head_dim",
-                          concat("head_dim is 0: scores are undefined", both("query", qs, "key", ks)));
+                          concat("head_dim is 0: scores are undefined", both("query", qs(), "key", ks())));
     attention_shape s;
     s.batch = q.dims[0];
     s.heads = q.dims[1];
@@ -103,7 +127,7 @@ attention_shape check_views(const strided_view<const T>& q, const KeyView& k, co
         product_overflows(s.batch, s.heads, s.query_len, s.value_dim) ||
         product_overflows(s.batch, s.heads, s.query_len, s.key_len))
         throw shape_error("attend.shape.overflow",
-                          concat("element counts overflow Eigen::Index (query ", qs, ", key ", ks, ", value ", vs,
+                          concat("element counts overflow Eigen::Index (query ", qs(), ", key ", ks(), ", value ", vs(),
                                  ", scores [", s.batch, ',', s.heads, ',', s.query_len, ',', s.key_len, "])"));
     return s;
 }

@@ -206,6 +206,19 @@ TEST(Q8Cache, ScoresThatCanOverflowAreRejectedAsOverAFloatCacheAndBoundedOnesNee
     }
 }
 
+TEST(Q8Cache, ShapeErrorsNameItsViewsWithTheirBlocks) {
+    attend::q8_kv_cache cache(1, 2, 8, 64, 32);
+    cache.append(random_rows(31, 1, 2, 5, 64), random_rows(32, 1, 2, 5, 32));
+    attend::tensor<float, 4> q(1, 4, 1, 32), out(1, 4, 1, 32);
+    q.setConstant(0.5f);
+    out.setConstant(-5.0f);
+    const std::string message = attend_test::expect_error<attend::shape_error>(
+        [&] { attend::scaled_dot_product_attention_into(q, cache.keys(), cache.values(), attend::no_mask{}, out, {}); },
+        "attend.shape.key_dim");
+    EXPECT_NE(message.find("query [1,4,1,32], key [1,2,5,64] (q8_0 blocks))"), std::string::npos) << message;
+    for (index n = 0; n < out.size(); ++n) ASSERT_EQ(out.data()[n], -5.0f);
+}
+
 TEST(Q8Cache, EveryBadAppendIsRefusedBeforeAnythingChanges) {
     using attend_test::expect_error;
     expect_error<attend::value_error>([] { attend::q8_kv_cache(1, 2, 8, 48, 64); }, "attend.value.quantized_dim");

@@ -69,20 +69,25 @@ memory_range range_of(const strided_view<T>& v) {
 /// A tensor of a call, for the aliasing check: its name in messages, its shape as spelled there, its memory.
 struct named_range {
     const char* name;
-    std::string shape;
+    shape_words shape;
     memory_range range;
 };
 
 template <class T>
 named_range named(const char* name, const strided_view<T>& v) {
-    return {name, spell_view(v), range_of(v)};
+    return {name, words_of(v), range_of(v)};
 }
 
 template <class T, std::size_t N>
 named_range named(const char* name, const T* data, const std::array<index, N>& dims) {
+    static_assert(N <= 4, "shapes of rank 4 at most");
     index size = 1;
-    for (index d : dims) size *= d;
-    return {name, format_shape(dims), range_of(data, size)};
+    shape_words words{{}, N};
+    for (std::size_t a = 0; a < N; ++a) {
+        size *= dims[a];
+        words.dims[a] = dims[a];
+    }
+    return {name, words, range_of(data, size)};
 }
 
 /// Throws shape_error attend.shape.aliasing, naming both tensors, when an output overlaps an input or an
@@ -90,8 +95,8 @@ named_range named(const char* name, const T* data, const std::array<index, N>& d
 inline void check_no_aliasing(std::initializer_list<named_range> inputs, std::initializer_list<named_range> outputs) {
     const auto fail = [](const named_range& out, const char* kind, const named_range& other) {
         throw shape_error("attend.shape.aliasing",
-                          concat("output ", out.name, ' ', out.shape, " overlaps ", kind, ' ', other.name, ' ',
-                                 other.shape,
+                          concat("output ", out.name, ' ', out.shape.text(), " overlaps ", kind, ' ', other.name, ' ',
+                                 other.shape.text(),
                                  " in memory; outputs are written while inputs are still read, so an "
                                  "output may share no memory with an input or another output: pass separate buffers"));
     };

@@ -81,7 +81,8 @@ void widen_rows(const q8_view& x, index b, index h, index i, index n, Acc* dst) 
     }
 }
 
-inline std::string spell_view(const q8_view& v) { return concat(format_shape(v.dims), " (q8_0 blocks)"); }
+inline shape_words words_of(const q8_view& v) { return {v.dims, 4, " (q8_0 blocks)"}; }
+inline std::string spell_view(const q8_view& v) { return words_of(v).text(); }
 
 /// The view's size checks: a q8 view comes from a cache, which made it well formed.
 inline void check_view_sizes(const q8_view&, const char*) {}
@@ -90,10 +91,10 @@ inline void check_view_sizes(const q8_view&, const char*) {}
 inline named_range named(const char* name, const q8_view& v) {
     index last = 0;  // the block after the last one
     for (std::size_t a = 0; a < 3; ++a) {
-        if (v.dims[a] <= 0) return {name, spell_view(v), {}};
+        if (v.dims[a] <= 0) return {name, words_of(v), {}};
         last += (v.dims[a] - 1) * v.strides[a];
     }
-    return {name, spell_view(v), range_of(v.data, last + v.dims[3] / q8_0_block::size)};
+    return {name, words_of(v), range_of(v.data, last + v.dims[3] / q8_0_block::size)};
 }
 
 template <>
