@@ -40,7 +40,7 @@ void prefill(benchmark::State& state) {
 
 BENCHMARK_TEMPLATE(prefill, float)
     ->ArgNames({"L", "D", "threads", "causal"})
-    ->ArgsProduct({{1024, 2048, 4096}, {64, 128}, {1, 2}, {0, 1}})
+    ->ArgsProduct({{256, 1024, 2048, 4096}, {64, 128}, {1, 2}, {0, 1}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK_TEMPLATE(prefill, Eigen::half)

@@ -118,7 +118,7 @@ def all_cases(quick):
         return [prefill("fp32", 1024, 64, t, c) for c in (False, True) for t in (1, 2)] + [
             decode("fp32", 1), prefill("fp16", 1024, 64, 1, False), prefill("bf16", 1024, 64, 1, False),
             decode("bf16", 1)]
-    cases = [prefill("fp32", n, d, t, c) for c in (False, True) for n in (1024, 2048, 4096) for d in (64, 128)
+    cases = [prefill("fp32", n, d, t, c) for c in (False, True) for n in (256, 1024, 2048, 4096) for d in (64, 128)
              for t in (1, 2)]
     cases += [decode("fp32", t) for t in (1, 2)]
     for dtype in ("fp16", "bf16"):

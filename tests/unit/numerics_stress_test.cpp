@@ -366,6 +366,34 @@ TYPED_TEST(NumericsStress, LargeRowsThatNeverMeetAreComputedExactlyByBothKernels
     expect_both_kernels_match_oracle(y, attend::no_mask{});
 }
 
+TYPED_TEST(NumericsStress, AQueryRowWhoseMagnitudesSumPastTheTypeHasItsPairsChecked) {
+    using T = TypeParam;
+    // Row 0 of q holds three elements of max / 2: their sum of magnitudes overflows T, so the row's bound is
+    // infinite and its pairs decide, whatever the other rows' bounds. Keys of about 2^-120 (float; 2^-1016 double)
+    // give scores of a few hundred: computed. Keys of 4 give scores past the range: rejected, nothing written.
+    problem<T> x(2, 5, 4, 43);
+    for (index d = 0; d < 4; ++d) x.q(0, 0, d) = d < 3 ? std::numeric_limits<T>::max() / 2 : T(0);
+    for (index j = 0; j < 5; ++j)
+        for (index d = 0; d < 4; ++d)
+            x.k(0, j, d) = std::ldexp(T(0.5) + T(0.1) * static_cast<T>((3 * j + d) % 5),
+                                      -(std::numeric_limits<T>::max_exponent - 8)) *
+                           ((j + d) % 2 != 0 ? T(1) : T(-1));
+    for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
+        attend::sdpa_options o;
+        o.kernel = kernel;
+        const auto r = attend::scaled_dot_product_attention(x.q, x.k, x.v, o);
+        for (index n = 0; n < r.out.size(); ++n) ASSERT_TRUE(std::isfinite(r.out.data()[n])) << n;
+        problem<T> y = x;
+        y.k.setConstant(T(4));
+        attend::tensor<T, 3> out(1, 2, 4);
+        out.setConstant(T(-7));
+        attend_test::expect_error<attend::value_error>(
+            [&] { attend::scaled_dot_product_attention_into(y.q, y.k, y.v, attend::no_mask{}, out, o); },
+            "attend.value.score_overflow");
+        for (index n = 0; n < out.size(); ++n) EXPECT_EQ(out.data()[n], T(-7));
+    }
+}
+
 TYPED_TEST(NumericsStress, CheckFiniteOffSkipsTheScoreRangeScan) {
     using T = TypeParam;
     const problem<T> x = score_range::uniform_magnitude(std::sqrt(std::numeric_limits<T>::max()));

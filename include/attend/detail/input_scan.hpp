@@ -127,27 +127,49 @@ row_magnitudes scan_magnitudes(const View& x, index b, index h, const char* name
                        return allocation_text("the input scan's row", std::array<index, 1>{x.dims[3]}, sizeof(Acc));
                    },
                    "Use a smaller head_dim");
+    // One pass a row on packets: |x| into the row's sum and into a largest-|x| packet that runs over all the rows,
+    // so a row costs one horizontal sum (a row's sum had cost two passes, two horizontal reductions and long double
+    // compares, about a tenth of a 256-token causal prefill). The bound holds in any order of summation.
+    using namespace Eigen::internal;
+    using packet = typename packet_traits<Acc>::type;
+    constexpr index lanes = packet_traits<Acc>::size;
+    const index dim = x.dims[3];
+    packet largest = pset1<packet>(Acc(0));
+    Acc largest_tail = 0, max_l1 = 0;
+    bool overflowed = false;
     for (index i = 0; i < x.dims[2]; ++i) {
         const T* row = x.row(b, h, i);
         const Acc* values = nullptr;
         if constexpr (std::is_same_v<T, Acc>) {
             values = row;
         } else {
-            widen(row, x.dims[3], wide.data());
+            widen(row, dim, wide.data());
             values = wide.data();
         }
-        const auto a = Eigen::Map<const Eigen::Array<Acc, Eigen::Dynamic, 1>>(values, x.dims[3]).abs();
-        const Acc l1 = a.sum();
+        packet sums = pset1<packet>(Acc(0));
+        index d = 0;
+        for (; d + lanes <= dim; d += lanes) {
+            const packet a = pabs(ploadu<packet>(values + d));
+            sums = padd(sums, a);
+            largest = pmax(largest, a);
+        }
+        Acc l1 = predux(sums);
+        for (; d < dim; ++d) {
+            const Acc a = std::abs(values[d]);
+            l1 += a;
+            largest_tail = std::max(largest_tail, a);
+        }
         if (!(l1 <= std::numeric_limits<Acc>::max())) {  // NaN, inf, or finite terms whose sum overflows Acc
-            for (index d = 0; d < x.dims[3]; ++d)
+            for (d = 0; d < dim; ++d)
                 if (!std::isfinite(static_cast<Acc>(row[d]))) throw_non_finite(x, b, h, i, d, name);
-            m.max_abs = std::max(m.max_abs, static_cast<long double>(a.maxCoeff()));
-            m.max_l1 = std::numeric_limits<long double>::infinity();
+            overflowed = true;
             continue;
         }
-        m.max_abs = std::max(m.max_abs, static_cast<long double>(a.maxCoeff()));
-        m.max_l1 = std::max(m.max_l1, static_cast<long double>(l1) * rounding);
+        max_l1 = std::max(max_l1, l1);
     }
+    // Every value was finite here (a NaN or inf would have thrown), so pmax saw no NaN.
+    m.max_abs = static_cast<long double>(std::max(predux_max(largest), largest_tail));
+    m.max_l1 = overflowed ? std::numeric_limits<long double>::infinity() : static_cast<long double>(max_l1) * rounding;
     return m;
 }
 
