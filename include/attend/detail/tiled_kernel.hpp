@@ -222,6 +222,10 @@ public:
         block_queries_ = std::max<index>(1, std::min(s.query_len, (c.query_rows + group_ - 1) / group_));
         query_blocks_ = (s.query_len + block_queries_ - 1) / block_queries_;
         rows_ = group_ * block_queries_;
+        // Fewer keys than a tile are one tile whatever its size, so the scratch is sized for them (to 64 keys, a
+        // whole number of micro-kernel panels): zeroing a full tile's scores and panels had been a tenth of a
+        // 64-token prefill. No bit changes.
+        c_.key_tile = std::min(c_.key_tile, std::max<index>(64, (s.key_len + 63) / 64 * 64));
     }
 
     void run(int threads) {
