@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -17,6 +18,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -683,6 +685,60 @@ TEST(TiledKernel, ThreadsOption) {
     EXPECT_EQ(r.out.dimension(2), 9);
     EXPECT_GE(attend::detail::resolve_threads(0), 1);
     EXPECT_EQ(attend::detail::resolve_threads(3), 3);
+}
+
+TEST(TiledKernel, ScratchKeptFromEarlierCallsChangesNoBit) {
+    // The calling thread keeps its freed scratch blocks for the next call of the same shape (scratch_blocks): a
+    // call whose scratch held another call's scores and panels gives the bits of a call on fresh scratch, and the
+    // kept blocks are reused, not added to.
+    using attend::detail::scratch_blocks;
+    const auto inputs = [](std::uint64_t seed) {
+        return std::array<attend::tensor<float, 4>, 3>{attend_test::random_tensor<float>(seed, 1, 4, 300, 64),
+                                                       attend_test::random_tensor<float>(seed + 1, 1, 2, 300, 64),
+                                                       attend_test::random_tensor<float>(seed + 2, 1, 2, 300, 64)};
+    };
+    const auto a = inputs(71), b = inputs(81);
+    for (const int threads : {1, 2}) {
+        attend::sdpa_options o;
+        o.kernel = attend::kernel::tiled;
+        o.threads = threads;
+        const auto run = [&](const std::array<attend::tensor<float, 4>, 3>& x) {
+            return attend::scaled_dot_product_attention(x[0], x[1], x[2], attend::causal(alignment::top_left), o);
+        };
+        const auto first = run(a);
+        const scratch_blocks* kept = scratch_blocks::of_this_thread();
+        ASSERT_NE(kept, nullptr);
+        const std::size_t blocks = kept->block_count(), bytes = kept->held_bytes();
+        EXPECT_GT(bytes, 0u);
+        (void)run(b);  // the same shape: every block reused, other values left in them
+        const auto again = run(a);
+        EXPECT_EQ(kept->block_count(), blocks);
+        EXPECT_EQ(kept->held_bytes(), bytes);
+        EXPECT_TRUE(bit_equal(first.out, again.out));
+        EXPECT_TRUE(bit_equal(first.lse, again.lse));
+    }
+}
+
+TEST(TiledKernel, KeptScratchStaysWithinItsLimits) {
+    using attend::detail::scratch_blocks;
+    for (index len = 40; len <= 1400; len += 97) {  // many shapes: many sizes of blocks
+        const auto q = attend_test::random_tensor<float>(5, 1, 2, len, 64);
+        const auto k = attend_test::random_tensor<float>(6, 1, 2, len, 64);
+        attend::sdpa_options o;
+        o.kernel = attend::kernel::tiled;
+        o.threads = 2;
+        (void)attend::scaled_dot_product_attention(q, k, k, o);
+        const scratch_blocks* kept = scratch_blocks::of_this_thread();
+        ASSERT_NE(kept, nullptr);
+        EXPECT_LE(kept->block_count(), scratch_blocks::max_blocks);
+        EXPECT_LE(kept->held_bytes(), scratch_blocks::max_bytes);
+    }
+    // A thread that calls and exits gives its blocks back (a leak checker sees any that stay).
+    std::thread([] {
+        const auto q = attend_test::random_tensor<float>(7, 1, 1, 100, 32);
+        (void)attend::scaled_dot_product_attention(q, q, q);
+        EXPECT_GT(scratch_blocks::of_this_thread()->held_bytes(), 0u);
+    }).join();
 }
 
 TEST(TiledKernel, ParallelForRunsEveryUnitOnceAndRethrows) {

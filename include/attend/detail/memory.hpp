@@ -24,12 +24,106 @@
 
 namespace attend::detail {
 
+/// Scratch blocks this thread has freed, kept for its next call of the same shape. A call's scratch (a worker's
+/// score tile, packed K and V: about a megabyte) is freed at its end; glibc gives such blocks back to the system
+/// (munmap, or a trim of the heap's top), so every call faulted its scratch in again, page by page: with 2
+/// threads that had been about 40 % of a 256-token prefill. Kept: blocks of exactly the size asked for, at most
+/// max_blocks of them and max_bytes in all; a block past either limit is freed as before.
+class scratch_blocks {
+public:
+    static constexpr std::size_t max_blocks = 64;
+    static constexpr std::size_t max_bytes = std::size_t(64) << 20;
+
+    /// A kept block of exactly `bytes`, or nullptr.
+    void* take(std::size_t bytes) {
+        for (std::size_t n = blocks_.size(); n-- > 0;)
+            if (blocks_[n].bytes == bytes) {
+                void* p = blocks_[n].data;
+                blocks_.erase(blocks_.begin() + static_cast<std::ptrdiff_t>(n));
+                held_ -= bytes;
+                return p;
+            }
+        return nullptr;
+    }
+    /// Keeps p (of `bytes`) if the limits allow; false: the caller frees it.
+    bool keep(void* p, std::size_t bytes) {
+        if (blocks_.size() >= max_blocks || bytes > max_bytes - held_) return false;
+        try {
+            blocks_.push_back({p, bytes});
+        } catch (const std::bad_alloc&) {
+            return false;
+        }
+        held_ += bytes;
+        return true;
+    }
+    std::size_t held_bytes() const { return held_; }
+    std::size_t block_count() const { return blocks_.size(); }
+
+    scratch_blocks() { blocks_.reserve(max_blocks); }
+    scratch_blocks(const scratch_blocks&) = delete;
+    scratch_blocks& operator=(const scratch_blocks&) = delete;
+    ~scratch_blocks() {
+        for (const block& b : blocks_) Eigen::internal::aligned_free(b.data);
+        gone() = true;
+    }
+
+    /// This thread's blocks; nullptr once they were destroyed at the thread's exit (a scratch vector freed later,
+    /// by another thread_local's destructor, is then freed directly).
+    static scratch_blocks* of_this_thread() {
+        if (gone()) return nullptr;
+        thread_local scratch_blocks blocks;
+        return gone() ? nullptr : &blocks;
+    }
+
+private:
+    struct block {
+        void* data;
+        std::size_t bytes;
+    };
+    static bool& gone() {
+        thread_local bool destroyed = false;  // trivially destructible: readable after the blocks are gone
+        return destroyed;
+    }
+    std::vector<block> blocks_;
+    std::size_t held_ = 0;
+};
+
+/// Eigen's aligned allocation, through this thread's scratch_blocks.
+template <class T>
+struct scratch_allocator {
+    using value_type = T;
+    scratch_allocator() = default;
+    template <class U>
+    scratch_allocator(const scratch_allocator<U>&) noexcept {}
+
+    T* allocate(std::size_t n) {
+        const std::size_t bytes = n * sizeof(T);  // std::vector keeps n within max_size()
+        if (scratch_blocks* kept = scratch_blocks::of_this_thread())
+            if (void* p = kept->take(bytes)) return static_cast<T*>(p);
+        return static_cast<T*>(Eigen::internal::aligned_malloc(bytes));  // std::bad_alloc when it fails
+    }
+    void deallocate(T* p, std::size_t n) noexcept {
+        scratch_blocks* kept = scratch_blocks::of_this_thread();
+        if (!kept || !kept->keep(p, n * sizeof(T))) Eigen::internal::aligned_free(p);
+    }
+    template <class U>
+    bool operator==(const scratch_allocator<U>&) const noexcept {
+        return true;
+    }
+    template <class U>
+    bool operator!=(const scratch_allocator<U>&) const noexcept {
+        return false;
+    }
+};
+
 /// A vector whose data is aligned for the widest SIMD packet of the target (Eigen's EIGEN_MAX_ALIGN_BYTES). The
 /// kernels' scratch is one: Eigen's vectorized sums and exps handle a buffer's unaligned head element by element,
 /// so with malloc's 16-byte alignment an AVX build would sum and exponentiate in an order, and with a precision,
 /// that depend on where the heap put the buffer, and the same call could give different bits twice in a row.
+/// Its blocks are kept for the thread's next call (scratch_blocks); a vector's elements are still value-initialized
+/// (zero) when it is sized.
 template <class T>
-using aligned_vector = std::vector<T, Eigen::aligned_allocator<T>>;
+using aligned_vector = std::vector<T, scratch_allocator<T>>;
 
 /// The bytes [begin, end) from a tensor's lowest to its highest element address (empty: begin == end). For a
 /// strided view this is conservative: two views whose rows interleave (two heads of one projected buffer)
