@@ -733,6 +733,12 @@ TEST(TiledKernel, KeptScratchStaysWithinItsLimits) {
         EXPECT_LE(kept->block_count(), scratch_blocks::max_blocks);
         EXPECT_LE(kept->held_bytes(), scratch_blocks::max_bytes);
     }
+    // release_scratch frees them at once.
+    const std::size_t held = attend::detail::scratch_blocks::of_this_thread()->held_bytes();
+    EXPECT_GT(held, 0u);
+    EXPECT_EQ(attend::release_scratch(), held);
+    EXPECT_EQ(attend::detail::scratch_blocks::of_this_thread()->held_bytes(), 0u);
+    EXPECT_EQ(attend::detail::scratch_blocks::of_this_thread()->block_count(), 0u);
     // A thread that calls and exits gives its blocks back (a leak checker sees any that stay).
     std::thread([] {
         const auto q = attend_test::random_tensor<float>(7, 1, 1, 100, 32);

@@ -58,12 +58,20 @@ public:
     }
     std::size_t held_bytes() const { return held_; }
     std::size_t block_count() const { return blocks_.size(); }
+    /// Frees every kept block; returns their bytes.
+    std::size_t release() noexcept {
+        for (const block& b : blocks_) Eigen::internal::aligned_free(b.data);
+        blocks_.clear();
+        const std::size_t freed = held_;
+        held_ = 0;
+        return freed;
+    }
 
     scratch_blocks() { blocks_.reserve(max_blocks); }
     scratch_blocks(const scratch_blocks&) = delete;
     scratch_blocks& operator=(const scratch_blocks&) = delete;
     ~scratch_blocks() {
-        for (const block& b : blocks_) Eigen::internal::aligned_free(b.data);
+        release();
         gone() = true;
     }
 
@@ -238,3 +246,14 @@ void resize_guarded(Tensor& t, const Dims& dims, const char* what, const char* h
 }
 
 }  // namespace attend::detail
+
+namespace attend {
+
+/// Frees the scratch the calling thread kept from its earlier calls for its next one (at most 64 MiB a thread;
+/// docs/guarantees.md), for a thread that is done with attention but lives on. Returns the bytes freed.
+inline std::size_t release_scratch() noexcept {
+    detail::scratch_blocks* kept = detail::scratch_blocks::of_this_thread();
+    return kept ? kept->release() : 0;
+}
+
+}  // namespace attend
