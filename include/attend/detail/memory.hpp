@@ -27,7 +27,7 @@ namespace attend::detail {
 /// Scratch blocks this thread has freed, kept for its next call of the same shape. A call's scratch (a worker's
 /// score tile, packed K and V: about a megabyte) is freed at its end; glibc gives such blocks back to the system
 /// (munmap, or a trim of the heap's top), so every call faulted its scratch in again, page by page: with 2
-/// threads that had been about 40 % of a 256-token prefill. Kept: blocks of exactly the size asked for, at most
+/// threads that had been over a third of a 256-token prefill. Kept: blocks of exactly the size asked for, at most
 /// max_blocks of them and max_bytes in all; a block past either limit is freed as before.
 class scratch_blocks {
 public:
@@ -50,7 +50,7 @@ public:
         if (blocks_.size() >= max_blocks || bytes > max_bytes - held_) return false;
         try {
             blocks_.push_back({p, bytes});
-        } catch (const std::bad_alloc&) {
+        } catch (const std::bad_alloc&) {  // no room to note it: freed as before
             return false;
         }
         held_ += bytes;
@@ -67,7 +67,7 @@ public:
         return freed;
     }
 
-    scratch_blocks() { blocks_.reserve(max_blocks); }
+    scratch_blocks() = default;  // allocates nothing: a thread's first free may come before any allocation
     scratch_blocks(const scratch_blocks&) = delete;
     scratch_blocks& operator=(const scratch_blocks&) = delete;
     ~scratch_blocks() {
