@@ -17,9 +17,9 @@
 //   decode_storage<KV>/threads/check_finite  the same, float queries over K and V stored as KV (a 16-bit cache);
 //                                      its `bytes` counter counts KV's bytes
 //   decode_short/threads/check_finite  decode's case over 1024 keys (one decode chunk)
+//   decode_q8/threads/check_finite     decode's case over an int8 cache (q8_kv_cache, ggml's q8_0 blocks); `bytes`
+//                                      counts its blocks (34 bytes per 32 values)
 //   call_overhead/check_finite         one query of one head over 16 keys, D = 64, 1 thread: a call's fixed cost
-//   decode_q8/threads/check_finite     the same over an int8 cache (q8_kv_cache, ggml's q8_0 blocks); `bytes` counts
-//                                      its blocks (34 bytes per 32 values)
 //   tiled<half>, tiled<bfloat16>       tiled<float>'s case with q, k, v and out in 16 bits, float accumulation
 //   stream_kv/threads                  the same K and V read once, summed: the bandwidth decode is held to
 #include <benchmark/benchmark.h>

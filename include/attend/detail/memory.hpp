@@ -80,7 +80,7 @@ public:
     static scratch_blocks* of_this_thread() {
         if (gone()) return nullptr;
         thread_local scratch_blocks blocks;
-        return gone() ? nullptr : &blocks;
+        return &blocks;
     }
 
 private:
