@@ -39,14 +39,20 @@ namespace {
 
 bool fail_now() { return armed.load(std::memory_order_relaxed) && countdown.fetch_sub(1) == 0; }
 
+/// A refused allocation, as glibc's: null with errno ENOMEM (glibc's thread creation asserts on that errno).
+void* refused() noexcept {
+    errno = ENOMEM;
+    return nullptr;
+}
+
 }  // namespace
 
 extern "C" {
-void* malloc(std::size_t n) noexcept { return fail_now() ? nullptr : __libc_malloc(n); }
-void* calloc(std::size_t count, std::size_t n) noexcept { return fail_now() ? nullptr : __libc_calloc(count, n); }
-void* realloc(void* old, std::size_t n) noexcept { return fail_now() ? nullptr : __libc_realloc(old, n); }
+void* malloc(std::size_t n) noexcept { return fail_now() ? refused() : __libc_malloc(n); }
+void* calloc(std::size_t count, std::size_t n) noexcept { return fail_now() ? refused() : __libc_calloc(count, n); }
+void* realloc(void* old, std::size_t n) noexcept { return fail_now() ? refused() : __libc_realloc(old, n); }
 void* memalign(std::size_t alignment, std::size_t n) noexcept {
-    return fail_now() ? nullptr : __libc_memalign(alignment, n);
+    return fail_now() ? refused() : __libc_memalign(alignment, n);
 }
 void free(void* p) noexcept { __libc_free(p); }
 }

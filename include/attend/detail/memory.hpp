@@ -8,6 +8,7 @@
 /// deep inside Eigen or the standard library.
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -21,6 +22,7 @@
 #include "../error.hpp"
 #include "../shape.hpp"
 #include "../tensor.hpp"
+#include "worker_pool.hpp"
 
 namespace attend::detail {
 
@@ -250,10 +252,16 @@ void resize_guarded(Tensor& t, const Dims& dims, const char* what, const char* h
 namespace attend {
 
 /// Frees the scratch the calling thread kept from its earlier calls for its next one (at most 64 MiB a thread;
-/// docs/guarantees.md), for a thread that is done with attention but lives on. Returns the bytes freed.
+/// docs/guarantees.md), and that of attend's kept worker threads unless a call is using them at that moment,
+/// for a program done with attention that lives on. Returns the bytes freed.
 inline std::size_t release_scratch() noexcept {
-    detail::scratch_blocks* kept = detail::scratch_blocks::of_this_thread();
-    return kept ? kept->release() : 0;
+    std::atomic<std::size_t> freed{0};
+    const auto release_here = [&freed](int) noexcept {
+        if (detail::scratch_blocks* kept = detail::scratch_blocks::of_this_thread()) freed += kept->release();
+    };
+    release_here(0);
+    detail::worker_pool::each_helper(release_here);
+    return freed.load();
 }
 
 }  // namespace attend

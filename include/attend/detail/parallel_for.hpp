@@ -20,20 +20,12 @@
 #endif
 
 #include "../tensor.hpp"
+#include "worker_pool.hpp"
 
 namespace attend::detail {
 
-/// The number of threads a call uses: `requested`, or the hardware concurrency when it is 0 (1 if unknown), read
-/// once per process: glibc reads it from a file on every query, an open, read and close that had cost a small call
-/// (a one-token decode step of a small model) about a third of its time.
-inline int resolve_threads(int requested) {
-    if (requested > 0) return requested;
-    static const int hardware = [] {
-        const unsigned n = std::thread::hardware_concurrency();
-        return n == 0 ? 1 : static_cast<int>(n);
-    }();
-    return hardware;
-}
+/// The number of threads a call uses: `requested`, or the hardware concurrency when it is 0.
+inline int resolve_threads(int requested) { return requested > 0 ? requested : hardware_threads(); }
 
 /// Keeps Eigen single-threaded inside a worker (a no-op without OpenMP).
 class eigen_single_thread_scope {
@@ -76,14 +68,14 @@ private:
 /// Runs body(unit, worker) for every unit in [0, units), worker in [0, workers) with
 /// workers = min(threads, units). Worker w takes units w, w + workers, w + 2 workers, ... (round robin, so
 /// units of rising cost, such as the query tiles of a causal mask, spread evenly). The calling thread is
-/// worker 0; the others are std::threads started for this call and joined before it returns (starting a
-/// thread costs tens of microseconds, nothing next to a tile of attention). The first exception a worker
-/// throws is rethrown here after every worker has stopped.
+/// worker 0; the others are the process's kept threads (worker_pool) or, when those are busy with another
+/// call, std::threads started for this call and joined before it returns. Which thread runs a worker changes
+/// nothing it computes. The first exception a worker throws is rethrown here after every worker has stopped.
 inline void run_units(index units, int threads, const unit_body& body) {
     if (units <= 0) return;
     const int workers = static_cast<int>(std::min<index>(std::max(threads, 1), units));
     std::vector<std::exception_ptr> errors(static_cast<std::size_t>(workers));
-    const auto work = [&](int worker) {
+    const auto work = [&](int worker) noexcept {
         try {
             eigen_single_thread_scope single;
             for (index unit = worker; unit < units; unit += workers) body(unit, worker);
@@ -91,27 +83,29 @@ inline void run_units(index units, int threads, const unit_body& body) {
             errors[static_cast<std::size_t>(worker)] = std::current_exception();
         }
     };
+    // Workers [1, started) run on other threads; the units of any worker past them run here afterwards, still
+    // one worker's units on one thread, so results do not change when the system refuses a thread.
+    int started = 1;
     if (workers == 1) {
         work(0);
+    } else if (worker_pool* pool = worker_pool::acquire()) {
+        started = pool->reserve(workers - 1) + 1;
+        pool->run({[](void* w, int worker) { (*static_cast<decltype(work)*>(w))(worker); },
+                   const_cast<void*>(static_cast<const void*>(&work))},
+                  started - 1, [&] { work(0); });
+        pool->release();
     } else {
-        std::vector<std::thread> pool;
-        pool.reserve(static_cast<std::size_t>(workers - 1));
+        std::vector<std::thread> own;
         try {
-            for (int w = 1; w < workers; ++w) pool.emplace_back(work, w);
-        } catch (...) {
-            // Could not start a thread: the started ones and this one finish the units they were given; the
-            // units of the missing workers run here, still one unit per thread, so results do not change.
-            const int started = static_cast<int>(pool.size()) + 1;
-            work(0);
-            for (auto& t : pool) t.join();
-            for (int w = started; w < workers; ++w) work(w);
-            for (const auto& e : errors)
-                if (e) std::rethrow_exception(e);
-            return;
+            own.reserve(static_cast<std::size_t>(workers - 1));
+            for (int w = 1; w < workers; ++w) own.emplace_back(work, w);
+        } catch (...) {  // fewer threads: the rest run below
         }
+        started = static_cast<int>(own.size()) + 1;
         work(0);
-        for (auto& t : pool) t.join();
+        for (auto& t : own) t.join();
     }
+    for (int w = started; w < workers; ++w) work(w);
     for (const auto& e : errors)
         if (e) std::rethrow_exception(e);
 }

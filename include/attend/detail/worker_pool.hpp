@@ -1,0 +1,232 @@
+// SPDX-License-Identifier: MIT
+#pragma once
+/// The threads run_units hands its workers to, kept between calls. Starting and joining a std::thread costs
+/// about 100 microseconds on a virtual machine and waking one from a futex tens more: as much as a whole
+/// 256-token prefill's tile work on 2 threads, or a decode step of a small model. A helper that finished its
+/// units spins a while for the next call before it sleeps, so a loop of calls never waits for a thread.
+///
+/// One caller at a time uses the pool: a call made while it is busy (from another application thread, or from
+/// inside a unit) starts its own threads, as every call did before, so nothing waits for another call. The pool
+/// grows to the most helpers a call asked for (up to max_helpers) and its threads live until the process exits.
+/// A child made by fork() has none of its parent's threads: it never uses the pool it inherited.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__) || defined(_M_IX86)
+#include <emmintrin.h>
+#endif
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#endif
+
+namespace attend::detail {
+
+/// The hardware's thread count (1 if unknown), read once per process: glibc reads it from a file on every query,
+/// an open, read and close that had cost a small call (a one-token decode step of a small model) a third of its
+/// time.
+inline int hardware_threads() noexcept {
+    static const int n = [] {
+        const unsigned h = std::thread::hardware_concurrency();
+        return h == 0 ? 1 : static_cast<int>(h);
+    }();
+    return n;
+}
+
+/// What a helper runs: run(context, worker), which must not throw (run_units catches inside it).
+struct pool_job {
+    void (*run)(void*, int) = nullptr;
+    void* context = nullptr;
+};
+
+/// A hint to the core that this thread is spinning (x86 pause; a plain loop elsewhere).
+inline void spin_pause() noexcept {
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__) || defined(_M_IX86)
+    _mm_pause();
+#elif defined(__aarch64__) || defined(__arm__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/// Spins until ready() or until `budget` has passed; returns ready(). The clock is read every 64 pauses.
+template <class Ready>
+bool spin_until(const Ready& ready, std::chrono::microseconds budget) {
+    if (budget.count() <= 0) return ready();
+    const auto until = std::chrono::steady_clock::now() + budget;
+    for (;;) {
+        for (int i = 0; i < 64; ++i) {
+            if (ready()) return true;
+            spin_pause();
+        }
+        if (std::chrono::steady_clock::now() >= until) return ready();
+    }
+}
+
+class worker_pool {
+public:
+    /// Threads beyond these are started per call, as by a busy pool.
+    static constexpr int max_helpers = 63;
+    /// How long a helper spins for its next job, and the caller for its helpers, before sleeping. Longer than
+    /// the gap between the attention calls of a decode step; shorter than a human would notice a core busy.
+    static constexpr std::chrono::microseconds spin_budget{200};
+
+    /// The process's pool, marked busy for the caller; nullptr when another call holds it, in a forked child,
+    /// or after it was destroyed at exit. Give it back with release().
+    static worker_pool* acquire() noexcept {
+        worker_pool* pool = instance();
+        if (pool == nullptr || forked().load(std::memory_order_relaxed)) return nullptr;
+        if (pool->busy_.exchange(true, std::memory_order_acquire)) return nullptr;
+        return pool;
+    }
+    void release() noexcept { busy_.store(false, std::memory_order_release); }
+
+    /// Grows the pool toward `helpers` threads (at most max_helpers); returns how many it has for this call,
+    /// fewer when the system refused a thread.
+    int reserve(int helpers) noexcept {
+        helpers = std::min(helpers, max_helpers);
+        try {
+            while (static_cast<int>(slots_.size()) < helpers) {
+                auto s = std::make_unique<slot>();
+                s->thread = std::thread(&worker_pool::serve, this, s.get(), static_cast<int>(slots_.size()) + 1);
+                slots_.push_back(std::move(s));
+                helper_count_.store(static_cast<int>(slots_.size()), std::memory_order_relaxed);
+            }
+        } catch (...) {  // a thread or its slot could not be made: use those there are
+        }
+        return std::min(helpers, static_cast<int>(slots_.size()));
+    }
+
+    /// Runs job.run(job.context, w) on helper w for w in [1, helpers], then returns once all have finished;
+    /// meanwhile the caller runs own(), its own share. helpers <= reserve()'s answer.
+    template <class Own>
+    void run(const pool_job& job, int helpers, const Own& own) noexcept {
+        job_ = job;
+        pending_.store(helpers, std::memory_order_relaxed);
+        for (int w = 1; w <= helpers; ++w) wake(*slots_[static_cast<std::size_t>(w - 1)]);
+        own();
+        if (spin_until([this] { return pending_.load(std::memory_order_acquire) == 0; }, spin())) return;
+        std::unique_lock<std::mutex> lock(done_mutex_);
+        caller_sleeping_.store(true);  // paired with the last helper's decrement, as in wake()
+        done_cv_.wait(lock, [this] { return pending_.load() == 0; });
+        caller_sleeping_.store(false);
+    }
+
+    /// Runs each(w) once on every helper thread the pool has, w its number, if no call holds the pool; returns
+    /// whether it ran. For per-thread state of the helpers (their kept scratch). each must not throw.
+    template <class Each>
+    static bool each_helper(const Each& each) noexcept {
+        worker_pool* pool = acquire();
+        if (pool == nullptr) return false;
+        pool->run({[](void* e, int w) { (*static_cast<const Each*>(e))(w); },
+                   const_cast<void*>(static_cast<const void*>(&each))},
+                  static_cast<int>(pool->slots_.size()), [] {});
+        pool->release();
+        return true;
+    }
+
+    worker_pool() = default;
+    worker_pool(const worker_pool&) = delete;
+    worker_pool& operator=(const worker_pool&) = delete;
+    ~worker_pool() {
+        for (auto& s : slots_) {
+            s->state.store(slot::stopping);
+            std::lock_guard<std::mutex> lock(s->mutex);
+            s->cv.notify_one();
+        }
+        for (auto& s : slots_) s->thread.join();
+    }
+
+private:
+    struct slot {
+        enum : int { idle, given, stopping };
+        std::atomic<int> state{idle};
+        std::atomic<bool> sleeping{false};
+        std::mutex mutex;
+        std::condition_variable cv;
+        std::thread thread;
+    };
+
+    /// The pool lives on the heap behind a static owner: destroyed at exit (joining its threads) unless the
+    /// process is a forked child, whose copies of the threads do not exist; there it is left as it is.
+    struct owner {
+        worker_pool* pool = nullptr;
+        owner() noexcept {
+            try {
+                pool = new worker_pool;
+            } catch (...) {  // no pool: every call starts its own threads
+            }
+        }
+        ~owner() {
+            worker_pool* p = pool;
+            pool = nullptr;
+            if (!forked().load()) delete p;
+        }
+    };
+    static worker_pool* instance() noexcept {
+        static owner o = [] {
+#if defined(__unix__) || defined(__APPLE__)
+            pthread_atfork(nullptr, nullptr, [] { forked().store(true); });
+#endif
+            return owner{};
+        }();
+        return o.pool;
+    }
+    static std::atomic<bool>& forked() noexcept {
+        static std::atomic<bool> f{false};
+        return f;
+    }
+    /// No spinning when the pool's threads and the caller outnumber the hardware's: a spinning helper would
+    /// take a core from one still working.
+    std::chrono::microseconds spin() const noexcept {
+        return helper_count_.load(std::memory_order_relaxed) + 1 <= hardware_threads() ? spin_budget
+                                                                                       : std::chrono::microseconds{0};
+    }
+
+    /// Sets the slot's job and wakes its thread if it sleeps. The store of `state` and the load of `sleeping`
+    /// here, and the helper's store of `sleeping` and load of `state`, are sequentially consistent: one of the
+    /// two sees the other's, so a helper never sleeps through its job.
+    void wake(slot& s) {
+        s.state.store(slot::given);
+        if (s.sleeping.load()) {
+            std::lock_guard<std::mutex> lock(s.mutex);
+            s.cv.notify_one();
+        }
+    }
+
+    void serve(slot* s, int worker) {
+        const auto has_job = [s] { return s->state.load(std::memory_order_acquire) != slot::idle; };
+        for (;;) {
+            if (!spin_until(has_job, spin())) {
+                std::unique_lock<std::mutex> lock(s->mutex);
+                s->sleeping.store(true);
+                s->cv.wait(lock, [s] { return s->state.load() != slot::idle; });
+                s->sleeping.store(false);
+            }
+            if (s->state.load(std::memory_order_acquire) == slot::stopping) return;
+            job_.run(job_.context, worker);
+            s->state.store(slot::idle, std::memory_order_relaxed);
+            // The last helper to finish wakes the caller if it sleeps (the same pairing as wake()).
+            if (pending_.fetch_sub(1) == 1 && caller_sleeping_.load()) {
+                std::lock_guard<std::mutex> lock(done_mutex_);
+                done_cv_.notify_one();
+            }
+        }
+    }
+
+    std::atomic<bool> busy_{false};
+    std::vector<std::unique_ptr<slot>> slots_;  // helper w is slots_[w - 1]
+    pool_job job_;                              // the current call's, written before any helper is woken
+    std::atomic<int> helper_count_{0};          // slots_.size(), for the helpers' spin()
+    std::atomic<int> pending_{0};
+    std::atomic<bool> caller_sleeping_{false};
+    std::mutex done_mutex_;
+    std::condition_variable done_cv_;
+};
+
+}  // namespace attend::detail
