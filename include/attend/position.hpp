@@ -244,6 +244,23 @@ struct rotary_embedding {
     }
 
 private:
+    /// base^(-2i / dim) for i < dim / 2, kept by the calling thread for the (dim, base) it was last asked for: a
+    /// decode step rotates one position of q and of k, and its dim / 2 pows had cost as much as the rotation.
+    static const std::vector<double>& inverse_frequencies(index dim, double base) {
+        thread_local std::vector<double> kept;
+        thread_local index kept_dim = 0;
+        thread_local double kept_base = 0;
+        if (dim != kept_dim || base != kept_base) {
+            std::vector<double> fresh(static_cast<std::size_t>(dim / 2));
+            for (std::size_t i = 0; i < fresh.size(); ++i)
+                fresh[i] = std::pow(base, -static_cast<double>(2 * i) / static_cast<double>(dim));
+            kept.swap(fresh);
+            kept_dim = dim;
+            kept_base = base;
+        }
+        return kept;
+    }
+
     template <class T>
     void rotate(strided_view<T> x, index position_offset, double direction) const {
         static_assert(is_storage_type_v<T>,
@@ -253,9 +270,7 @@ private:
         ATTEND_ASSERT(x.strides[3] == 1);
         const index half = dim / 2;
         const auto h = static_cast<std::size_t>(half);
-        std::vector<double> inv_freq(h);
-        for (std::size_t i = 0; i < h; ++i)
-            inv_freq[i] = std::pow(base, -static_cast<double>(2 * i) / static_cast<double>(dim));
+        const std::vector<double>& inv_freq = inverse_frequencies(dim, base);
         std::vector<Acc> cos_row(h), sin_row(h);
         // Features a[i] and b[i] form pair i: (x[i], x[i + half]) or (x[2i], x[2i + 1]).
         const index first_step = layout == rotary_layout::half_split ? 1 : 2;

@@ -8,7 +8,9 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <thread>
 #include <typeinfo>
+#include <utility>
 #include <vector>
 
 #include "support/compare.hpp"
@@ -225,6 +227,27 @@ TEST(Rotary, KnownValuesForBothLayouts) {
     attend::rotary_embedding{2, 10000, attend::rotary_layout::interleaved}.apply(y, 1);
     EXPECT_DOUBLE_EQ(y(0, 0, 0), -std::sin(1.0));
     EXPECT_DOUBLE_EQ(y(0, 0, 1), std::cos(1.0));
+}
+
+TEST(Rotary, FrequenciesKeptFromAnotherDimOrBaseChangeNoBit) {
+    // The calling thread keeps the last (dim, base)'s frequencies: a rotation after one of another dim or base
+    // gives the bits of a thread that computed nothing before (a fresh thread's keep is empty).
+    const auto x = attend_test::random_tensor<double>(5, 1, 2, 3, 8);
+    const auto rotated = [&](index dim, double base) {
+        tensor<double, 4> y = x;
+        attend::rotary_embedding{dim, base}.apply(y, 11);
+        return y;
+    };
+    using config = std::pair<index, double>;  // dim, base
+    for (const config& c : {config{8, 10000}, config{8, 500}, config{4, 500}, config{4, 10000}}) {
+        tensor<double, 4> fresh;
+        std::thread([&] { fresh = rotated(c.first, c.second); }).join();
+        for (const config& other : {config{8, 10000}, config{8, 500}, config{4, 10000}}) {
+            (void)rotated(other.first, other.second);
+            EXPECT_TRUE(bit_equal(rotated(c.first, c.second), fresh))
+                << c.first << ' ' << c.second << " after " << other.first << ' ' << other.second;
+        }
+    }
 }
 
 TEST(Rotary, PositionZeroIsTheIdentity) {
