@@ -50,6 +50,8 @@ bool runs_round_robin(index units, int threads) {
 TEST(WorkerPool, EveryUnitRunsOnceOnItsRoundRobinWorkerForAnyThreadCount) {
     for (int threads = 1; threads <= 9; ++threads)
         for (index units = 1; units <= 40; units += 3) EXPECT_TRUE(runs_round_robin(units, threads)) << threads;
+    // More workers than the pool keeps: the call starts its own threads.
+    EXPECT_TRUE(runs_round_robin(100, attend::detail::worker_pool::max_helpers + 5));
 }
 
 TEST(WorkerPool, ALoopOfCallsRunsOnTheSameKeptThread) {

@@ -88,7 +88,7 @@ inline void run_units(index units, int threads, const unit_body& body) {
     int started = 1;
     if (workers == 1) {
         work(0);
-    } else if (worker_pool* pool = worker_pool::acquire()) {
+    } else if (worker_pool* pool = workers - 1 <= worker_pool::max_helpers ? worker_pool::acquire() : nullptr) {
         started = pool->reserve(workers - 1) + 1;
         pool->run({[](void* w, int worker) { (*static_cast<decltype(work)*>(w))(worker); },
                    const_cast<void*>(static_cast<const void*>(&work))},

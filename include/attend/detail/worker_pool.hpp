@@ -1,13 +1,15 @@
 // SPDX-License-Identifier: MIT
 #pragma once
 /// The threads run_units hands its workers to, kept between calls. Starting and joining a std::thread costs
-/// about 100 microseconds on a virtual machine and waking one from a futex tens more: as much as a whole
-/// 256-token prefill's tile work on 2 threads, or a decode step of a small model. A helper that finished its
-/// units spins a while for the next call before it sleeps, so a loop of calls never waits for a thread.
+/// about 100 microseconds on a virtual machine (a tenth of a 256-token prefill on 2 threads; a decode over 1024
+/// keys started threads twice and spent a third of its time so), and waking a sleeping one tens of
+/// microseconds. A helper that finished its units spins a while for the next call before it sleeps, so a loop
+/// of calls does not wait for a thread.
 ///
 /// One caller at a time uses the pool: a call made while it is busy (from another application thread, or from
 /// inside a unit) starts its own threads, as every call did before, so nothing waits for another call. The pool
-/// grows to the most helpers a call asked for (up to max_helpers) and its threads live until the process exits.
+/// grows to the most helpers a call asked for and its threads live until the process exits; a call that needs
+/// more than max_helpers starts its own.
 /// A child made by fork() has none of its parent's threads: it never uses the pool it inherited.
 
 #include <algorithm>
@@ -70,7 +72,7 @@ bool spin_until(const Ready& ready, std::chrono::microseconds budget) {
 
 class worker_pool {
 public:
-    /// Threads beyond these are started per call, as by a busy pool.
+    /// A call that needs more helpers than these starts its own threads, as a call does when the pool is busy.
     static constexpr int max_helpers = 63;
     /// How long a helper spins for its next job, and the caller for its helpers, before sleeping. Longer than
     /// the gap between the attention calls of a decode step; shorter than a human would notice a core busy.
@@ -153,29 +155,32 @@ private:
     };
 
     /// The pool lives on the heap behind a static owner: destroyed at exit (joining its threads) unless the
-    /// process is a forked child, whose copies of the threads do not exist; there it is left as it is.
+    /// process is a forked child, whose copies of the threads do not exist; there it is left as it is. Callers
+    /// read it through `current`, which is never destroyed, so a call made after the owner's destruction (from
+    /// a later static's destructor) finds no pool and starts its own threads.
     struct owner {
-        worker_pool* pool = nullptr;
         owner() noexcept {
+#if defined(__unix__) || defined(__APPLE__)
+            pthread_atfork(nullptr, nullptr, [] { forked().store(true); });
+#endif
             try {
-                pool = new worker_pool;
+                current().store(new worker_pool);
             } catch (...) {  // no pool: every call starts its own threads
             }
         }
         ~owner() {
-            worker_pool* p = pool;
-            pool = nullptr;
+            worker_pool* p = current().exchange(nullptr);
             if (!forked().load()) delete p;
         }
     };
+    static std::atomic<worker_pool*>& current() noexcept {
+        static std::atomic<worker_pool*> pool{nullptr};  // trivially destructible: outlives every owner
+        return pool;
+    }
     static worker_pool* instance() noexcept {
-        static owner o = [] {
-#if defined(__unix__) || defined(__APPLE__)
-            pthread_atfork(nullptr, nullptr, [] { forked().store(true); });
-#endif
-            return owner{};
-        }();
-        return o.pool;
+        static const owner o;
+        (void)o;
+        return current().load();
     }
     static std::atomic<bool>& forked() noexcept {
         static std::atomic<bool> f{false};
