@@ -93,6 +93,8 @@ public:
     int reserve(int helpers) noexcept {
         helpers = std::min(helpers, max_helpers);
         try {
+            // Room first: a started thread's slot is then stored without an allocation that could fail.
+            slots_.reserve(static_cast<std::size_t>(helpers));
             while (static_cast<int>(slots_.size()) < helpers) {
                 auto s = std::make_unique<slot>();
                 s->thread = std::thread(&worker_pool::serve, this, s.get(), static_cast<int>(slots_.size()) + 1);
@@ -105,7 +107,8 @@ public:
     }
 
     /// Runs job.run(job.context, w) on helper w for w in [1, helpers], then returns once all have finished;
-    /// meanwhile the caller runs own(), its own share. helpers <= reserve()'s answer.
+    /// meanwhile the caller runs own(), its own share. helpers <= reserve()'s answer. noexcept: the helpers read
+    /// the caller's job until they finish, so it may not unwind before they have.
     template <class Own>
     void run(const pool_job& job, int helpers, const Own& own) noexcept {
         job_ = job;
@@ -215,7 +218,8 @@ private:
             }
             if (s->state.load(std::memory_order_acquire) == slot::stopping) return;
             job_.run(job_.context, worker);
-            s->state.store(slot::idle, std::memory_order_relaxed);
+            int given = slot::given;  // idle again, unless the pool was told to stop meanwhile
+            s->state.compare_exchange_strong(given, slot::idle, std::memory_order_relaxed);
             // The last helper to finish wakes the caller if it sleeps (the same pairing as wake()).
             if (pending_.fetch_sub(1) == 1 && caller_sleeping_.load()) {
                 std::lock_guard<std::mutex> lock(done_mutex_);
