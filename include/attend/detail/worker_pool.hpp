@@ -57,15 +57,14 @@ inline void spin_pause() noexcept {
 }
 
 /// Spins until ready() or until `budget` has passed; returns ready(). The clock is read every 64 pauses; after the
-/// first 20 µs each of those rounds also yields the core to any other thread ready to run on it: where threads
-/// outnumber cores (a parallel build, another process), a spinning helper had taken half the time of its own
-/// process's thread (a loop of small 2-thread calls next to a busy process made 0.5 times the calls of
-/// std::threads started per call; yielding, 1.0 to 0.8; alone, 1.5 to 2 times either way).
+/// first 5 µs each of those rounds also yields the core to any other thread ready to run on it: where threads
+/// outnumber cores (a parallel build, another process), a helper spinning on pause alone had taken the time its
+/// own caller needed (bench/README.md, fifth sitting).
 template <class Ready>
 bool spin_until(const Ready& ready, std::chrono::microseconds budget) {
     if (budget.count() <= 0) return ready();
     const auto start = std::chrono::steady_clock::now();
-    const auto until = start + budget, pausing = start + std::chrono::microseconds(20);
+    const auto until = start + budget, pausing = start + std::chrono::microseconds(5);
     for (;;) {
         for (int i = 0; i < 64; ++i) {
             if (ready()) return true;
@@ -83,7 +82,7 @@ public:
     static constexpr int max_helpers = 63;
     /// How long a helper spins for its next job, and the caller for its helpers, before sleeping (spin_until).
     /// Longer than the gap between the attention calls of a decode step of a small model.
-    static constexpr std::chrono::microseconds spin_budget{200};
+    static constexpr std::chrono::microseconds spin_budget{500};
 
     /// The process's pool, marked busy for the caller; nullptr when another call holds it, in a forked child,
     /// or after it was destroyed at exit. Give it back with release().
