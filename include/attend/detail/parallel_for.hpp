@@ -90,9 +90,7 @@ inline void run_units(index units, int threads, const unit_body& body) {
         work(0);
     } else if (worker_pool* pool = workers - 1 <= worker_pool::max_helpers ? worker_pool::acquire() : nullptr) {
         started = pool->reserve(workers - 1) + 1;
-        pool->run({[](void* w, int worker) { (*static_cast<decltype(work)*>(w))(worker); },
-                   const_cast<void*>(static_cast<const void*>(&work))},
-                  started - 1, [&] { work(0); });
+        pool->run(pool_job::of(work), started - 1, [&] { work(0); });
         pool->release();
     } else {
         std::vector<std::thread> own;

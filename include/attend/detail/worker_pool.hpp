@@ -45,6 +45,13 @@ inline int hardware_threads() noexcept {
 struct pool_job {
     void (*run)(void*, int) = nullptr;
     void* context = nullptr;
+
+    /// The job that calls f(worker); f must outlive it.
+    template <class F>
+    static pool_job of(const F& f) {
+        return {[](void* c, int worker) { (*static_cast<const F*>(c))(worker); },
+                const_cast<void*>(static_cast<const void*>(&f))};
+    }
 };
 
 /// A hint to the core that this thread is spinning (x86 pause; a plain loop elsewhere).
@@ -134,9 +141,7 @@ public:
     static bool each_helper(const Each& each) noexcept {
         worker_pool* pool = acquire();
         if (pool == nullptr) return false;
-        pool->run({[](void* e, int w) { (*static_cast<const Each*>(e))(w); },
-                   const_cast<void*>(static_cast<const void*>(&each))},
-                  static_cast<int>(pool->slots_.size()), [] {});
+        pool->run(pool_job::of(each), static_cast<int>(pool->slots_.size()), [] {});
         pool->release();
         return true;
     }
