@@ -477,6 +477,35 @@ TEST(RowKernels, TheScanFindsTheLargestKeyAndAnyNaNOrInfinityInPacketsAndTails) 
             }
 }
 
+/// The value kernel tells a NaN or an inf among the values from the sums they reach: found where every
+/// probability is 0 (0 x inf is NaN), where a +inf and a -inf meet in one sum, on every row count and column group;
+/// and finite values whose products overflow the sums are not taken for one (the scan of the values decides).
+TEST(RowKernels, ValuesAreFoundNonFiniteThroughTheirSumsOnlyWhenOneIs) {
+    attend_test::rng g(46);
+    const float inf = std::numeric_limits<float>::infinity();
+    for (index dim : {index(16), index(67), index(128), index(400)})
+        for (index rows = 1; rows <= attend::detail::row_kernel_rows; ++rows) {
+            const index nk = 40;
+            const auto q = random_values<float>(g, rows * dim);
+            const auto k = random_values<float>(g, nk * dim);
+            std::vector<float> zeros(static_cast<std::size_t>(rows * nk), 0.0f), ones(zeros.size(), 1.0f);
+            for (const index at : {index(0), dim / 2, dim - 1}) {
+                SCOPED_TRACE("dim " + std::to_string(dim) + ", rows " + std::to_string(rows) + ", column " +
+                             std::to_string(at));
+                auto v = random_values<float>(g, nk * dim);
+                v[static_cast<std::size_t>(7 * dim + at)] = inf;
+                EXPECT_TRUE(run_row_kernels<float>(q, zeros, rows, nk, dim, k, v, dim).non_finite_values);
+                v[static_cast<std::size_t>(30 * dim + at)] = -inf;
+                EXPECT_TRUE(run_row_kernels<float>(q, ones, rows, nk, dim, k, v, dim).non_finite_values);
+                // 40 values of 3e38 times 1: the sums overflow to +inf, the values are finite.
+                std::vector<float> large(static_cast<std::size_t>(nk * dim), 3e38f);
+                const auto overflowed = run_row_kernels<float>(q, ones, rows, nk, dim, k, large, dim);
+                EXPECT_TRUE(std::isinf(overflowed.acc[static_cast<std::size_t>(at)]));
+                EXPECT_FALSE(overflowed.non_finite_values);
+            }
+        }
+}
+
 /// sums_of_packets<N> for one N: each sum against predux of the same packet, bit for bit.
 template <class Acc, int N>
 void expect_predux_bits(attend_test::rng& g) {

@@ -476,13 +476,38 @@ void scores(const Acc* q, index ldq, index dim, index nk, const KeyRow& key_row,
     if constexpr (Scan) scan->merge(seen);
 }
 
+/// With Scan, whether values [0, nk) x columns [e0, e0 + Packets packets) hold a NaN or an inf, told from the sums
+/// `c` they were added into: p v is NaN or +-inf wherever v is (0 x inf is NaN), and a sum that met one stays NaN or
+/// +-inf, so finite sums clear every value in one look at Rows x Packets packets, where noting each value packet
+/// had cost two instructions per packet. Sums that are not finite (a bad value, or finite products that overflowed)
+/// send the values through the scan itself, which tells the two apart; `scan` gets what it finds.
+template <int Rows, int Packets, class Acc, class ValueRow>
+void note_values_through_sums(const row_packet<Acc> (&c)[Rows][Packets], index nk, const ValueRow& value_row, index e0,
+                              row_scan<Acc>* scan) {
+    row_scan<Acc> sums;
+    ATTEND_UNROLL_FULLY
+    for (int r = 0; r < Rows; ++r) {
+        ATTEND_UNROLL_FULLY
+        for (int i = 0; i < Packets; ++i) sums.note(c[r][i], false);
+    }
+    if (!sums.non_finite()) return;
+    row_scan<Acc> seen;
+    using stored = std::remove_const_t<std::remove_pointer_t<decltype(value_row(0))>>;
+    constexpr index lanes = row_lanes<Acc>;
+    for (index j = 0; j < nk; ++j) {
+        widening_row<Acc, stored> v;
+        v.start(value_row(j), e0, Packets * lanes);
+        for (int i = 0; i < Packets; ++i) seen.note(v.packet(e0 + i * lanes), false);
+    }
+    scan->merge(seen);
+}
+
 /// acc[r, e] += sum over j < nk of p[r, j] (at p + r * ldp + j) v[j, e], value j's row at value_row(j), for the
-/// Packets packets of columns from e0; with Scan, also note those values in `scan`. Rows up to `readable` exist
-/// (value_row(j) for j < readable), for the prefetch.
+/// Packets packets of columns from e0; with Scan, also note in `scan` whether those values hold a NaN or an inf
+/// (note_values_through_sums). Rows up to `readable` exist (value_row(j) for j < readable), for the prefetch.
 template <int Rows, int Packets, bool Scan, class Acc, class ValueRow>
 void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const ValueRow& value_row, index e0,
                         index dv, Acc* acc, index lda, row_scan<Acc>* scan) {
-    row_scan<Acc> seen;
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
     constexpr index lanes = row_lanes<Acc>;
@@ -501,10 +526,7 @@ void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const
         if (e0 == 0 && j + ahead < readable) prefetch_row(value_row(j + ahead), bytes);
         packet vx[Packets];
         ATTEND_UNROLL_FULLY
-        for (int i = 0; i < Packets; ++i) {
-            vx[i] = v.packet(e0 + i * lanes);
-            if constexpr (Scan) seen.note(vx[i], false);
-        }
+        for (int i = 0; i < Packets; ++i) vx[i] = v.packet(e0 + i * lanes);
         ATTEND_UNROLL_FULLY
         for (int r = 0; r < Rows; ++r) {
             const packet a = pset1<packet>(p[r * ldp + j]);
@@ -517,7 +539,7 @@ void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const
         ATTEND_UNROLL_FULLY
         for (int i = 0; i < Packets; ++i) pstoreu(acc + r * lda + e0 + i * lanes, c[r][i]);
     }
-    if constexpr (Scan) scan->merge(seen);
+    if constexpr (Scan) note_values_through_sums(c, nk, value_row, e0, scan);
 }
 
 /// Value rows from a slice's first key on.
