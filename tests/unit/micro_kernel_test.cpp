@@ -454,27 +454,47 @@ TEST(RowKernels, AccumulateAddsEveryColumnOnceWhateverGroupsItsWidthSplitsInto) 
             for (index tail : {index(0), index(1)}) expect_accumulates_p_times_v(g, rows, packets * lanes + tail, 5);
 }
 
+/// Float, fp16 and bf16 rows (16-bit keys are noted on their own bits, 32 at a time, on AVX-512): dims with and
+/// without a tail of packets and of 32-value runs, the value first, last, and in the middle of a run.
 TEST(RowKernels, TheScanFindsTheLargestKeyAndAnyNaNOrInfinityInPacketsAndTails) {
     attend_test::rng g(43);
-    for (index dim : {index(7), index(64), index(67)})
-        for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
-                                -std::numeric_limits<float>::infinity(), 0.0f})
-            for (index at : {index(0), dim - 1}) {  // in the first packet, and in the tail when dim has one
-                const index nk = 5, rows = 2;
-                const auto q = random_values<float>(g, rows * dim), p = random_values<float>(g, rows * nk);
-                auto k = random_values<float>(g, nk * dim), v = k;
-                k[static_cast<std::size_t>(3 * dim + at)] = -7.5f;
-                const auto clean = run_row_kernels<float>(q, p, rows, nk, dim, k, v, dim);
-                EXPECT_FALSE(clean.non_finite_keys);
-                EXPECT_FALSE(clean.non_finite_values);
-                EXPECT_EQ(clean.largest_key, 7.5f);
-                k[static_cast<std::size_t>(2 * dim + at)] = bad;
-                v[static_cast<std::size_t>(4 * dim + at)] = bad;
-                const auto found = run_row_kernels<float>(q, p, rows, nk, dim, k, v, dim);
-                const bool finite = std::isfinite(bad);
-                EXPECT_EQ(found.non_finite_keys, !finite) << "dim " << dim << " at " << at << " value " << bad;
-                EXPECT_EQ(found.non_finite_values, !finite) << "dim " << dim << " at " << at << " value " << bad;
-            }
+    const auto check = [&](auto stored) {
+        using S = decltype(stored);
+        const auto as_stored = [](const std::vector<float>& x) {
+            if constexpr (std::is_same_v<S, float>) return x;
+            else return stored_as<S>(x);
+        };
+        for (index dim : {index(7), index(64), index(67), index(80), index(128)})
+            for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                                    -std::numeric_limits<float>::infinity(), 0.0f})
+                for (index at : {index(0), dim / 2, dim - 1}) {  // first packet, middle, tail when dim has one
+                    SCOPED_TRACE(std::string(sizeof(S) == 4            ? "float"
+                                             : std::is_same_v<S, bf16> ? "bf16"
+                                                                       : "fp16") +
+                                 ", dim " + std::to_string(dim) + ", at " + std::to_string(at) + ", value " +
+                                 std::to_string(bad));
+                    const index nk = 5, rows = 2;
+                    const auto q = random_values<float>(g, rows * dim), p = random_values<float>(g, rows * nk);
+                    auto k = random_values<float>(g, nk * dim), v = k;
+                    k[static_cast<std::size_t>(3 * dim + at)] = -7.5f;
+                    const auto clean = run_row_kernels<S>(q, p, rows, nk, dim, as_stored(k), as_stored(v), dim);
+                    EXPECT_FALSE(clean.non_finite_keys);
+                    EXPECT_FALSE(clean.non_finite_values);
+                    EXPECT_EQ(clean.largest_key, 7.5f);
+                    k[static_cast<std::size_t>(2 * dim + at)] = bad;
+                    v[static_cast<std::size_t>(4 * dim + at)] = bad;
+                    const auto found = run_row_kernels<S>(q, p, rows, nk, dim, as_stored(k), as_stored(v), dim);
+                    const bool finite = std::isfinite(bad);
+                    EXPECT_EQ(found.non_finite_keys, !finite);
+                    EXPECT_EQ(found.non_finite_values, !finite);
+                    if (finite) {
+                        EXPECT_EQ(found.largest_key, 7.5f);
+                    }
+                }
+    };
+    check(float{});
+    check(bf16{});
+    check(Eigen::half{});
 }
 
 /// The value kernel tells a NaN or an inf among the values from the sums they reach: found where every

@@ -355,6 +355,46 @@ struct row_scan<float> {
 };
 #endif
 
+/// What the key kernel notes for check_finite on a row's stored values themselves, before they are widened: nothing
+/// in general (it notes the widened packets). For fp16 and bf16 keys on AVX-512: the largest |k|'s bits, by an
+/// unsigned 16-bit max 32 values at a time (both formats' bits order their magnitudes, and bits at or above inf's
+/// are NaN or inf), where the widened packets took as many instructions per 16; folded into a row_scan<float> once,
+/// as that largest value widened, which is NaN or inf exactly when a key was.
+template <class Acc, class S>
+struct stored_scan {
+    static constexpr bool on_bits = false;
+    void note_row(const S*, index) {}
+    void fold_into(row_scan<Acc>&) const {}
+};
+#if defined(EIGEN_VECTORIZE_AVX512) && defined(__AVX512BW__)
+template <class S>
+struct sixteen_bit_scan {
+    static constexpr bool on_bits = true;
+    __m512i largest = _mm512_setzero_si512();
+
+    void note_row(const S* row, index n) {
+        const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+        index x = 0;
+        for (; x + 32 <= n; x += 32)
+            largest = _mm512_max_epu16(largest, _mm512_and_si512(_mm512_loadu_si512(row + x), magnitude));
+        if (x < n) {  // the last n - x < 32 values; the lanes past them load as 0
+            const auto tail = static_cast<__mmask32>((std::uint64_t{1} << (n - x)) - 1);
+            largest = _mm512_max_epu16(largest, _mm512_and_si512(_mm512_maskz_loadu_epi16(tail, row + x), magnitude));
+        }
+    }
+    void fold_into(row_scan<float>& seen) const {
+        alignas(64) std::uint16_t lanes[32];
+        _mm512_store_si512(lanes, largest);
+        const std::uint16_t top = *std::max_element(std::begin(lanes), std::end(lanes));
+        seen.note(static_cast<float>(Eigen::numext::bit_cast<S>(top)), true);
+    }
+};
+template <>
+struct stored_scan<float, Eigen::half> : sixteen_bit_scan<Eigen::half> {};
+template <>
+struct stored_scan<float, Eigen::bfloat16> : sixteen_bit_scan<Eigen::bfloat16> {};
+#endif
+
 namespace rows {
 
 /// Accumulator registers the value kernel may hold: three quarters of the target's vector registers, leaving
@@ -394,19 +434,22 @@ inline constexpr int score_keys = std::clamp((register_budget - 2) / (Rows + 1),
 
 /// scores[r, j0 + i] for i < Keys, Rows rows; see scores. Not forced inline: forced, the fp32 decode from memory
 /// ran about a quarter slower on an Emerald Rapids Xeon (alternating runs), and no storage type gained.
-template <int Rows, int Keys, bool Scan, class Acc, class KeyRow>
+template <int Rows, int Keys, bool Scan, class Acc, class KeyRow, class Stored>
 EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index j0, index nk, const KeyRow& key_row,
-                                       Acc* out, index lds, row_scan<Acc>& seen, index bytes, index ahead) {
+                                       Acc* out, index lds, row_scan<Acc>& seen, stored_scan<Acc, Stored>& on_bits,
+                                       index bytes, index ahead) {
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
     constexpr index lanes = row_lanes<Acc>;
     static_assert(Keys >= 1 && Keys <= 4, "ATTEND_IN_REGISTERS below is spelled out for 1 to 4 keys");
     const index whole = dim / lanes * lanes;
-    using stored = std::remove_const_t<std::remove_pointer_t<decltype(key_row(0))>>;
+    using stored = Stored;
+    constexpr bool note_packets = Scan && !stored_scan<Acc, Stored>::on_bits;
     widening_row<Acc, stored> k[Keys];
     ATTEND_UNROLL_FULLY
     for (int i = 0; i < Keys; ++i) {
         k[i].start(key_row(j0 + i), 0, dim);
+        if constexpr (Scan && !note_packets) on_bits.note_row(key_row(j0 + i), dim);
         if (j0 + i + ahead < nk) prefetch_row(key_row(j0 + i + ahead), bytes);
     }
     packet acc[Rows * Keys];  // row r, key i at r * Keys + i
@@ -425,7 +468,7 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
                 ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]), ATTEND_REGISTER(kx[2]),
                                     ATTEND_REGISTER(kx[3]));
         }
-        if constexpr (Scan) {
+        if constexpr (note_packets) {
             ATTEND_UNROLL_FULLY
             for (int i = 0; i < Keys; ++i) seen.note(kx[i], true);
         }
@@ -453,7 +496,7 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
         for (int r = 0; r < Rows; ++r) sum[r] = sums[r * Keys + i];
         for (index x = whole; x < dim; ++x) {
             const Acc kx = k[i].element(x);
-            if constexpr (Scan) seen.note(kx, true);
+            if constexpr (note_packets) seen.note(kx, true);
             for (int r = 0; r < Rows; ++r) sum[r] += q[r * ldq + x] * kx;
         }
         for (int r = 0; r < Rows; ++r) out[r * lds + j0 + i] = sum[r];
@@ -468,12 +511,17 @@ void scores(const Acc* q, index ldq, index dim, index nk, const KeyRow& key_row,
     constexpr int keys = score_keys<Rows>;
     row_scan<Acc> seen;
     using stored = std::remove_const_t<std::remove_pointer_t<decltype(key_row(0))>>;
+    stored_scan<Acc, stored> on_bits;
     const index bytes = row_bytes<stored>(dim), ahead = prefetch_distance(bytes);
     index j = 0;
     for (; j + keys <= nk; j += keys)
-        score_keys_at<Rows, keys, Scan>(q, ldq, dim, j, nk, key_row, out, lds, seen, bytes, ahead);
-    for (; j < nk; ++j) score_keys_at<Rows, 1, Scan>(q, ldq, dim, j, nk, key_row, out, lds, seen, bytes, ahead);
-    if constexpr (Scan) scan->merge(seen);
+        score_keys_at<Rows, keys, Scan>(q, ldq, dim, j, nk, key_row, out, lds, seen, on_bits, bytes, ahead);
+    for (; j < nk; ++j)
+        score_keys_at<Rows, 1, Scan>(q, ldq, dim, j, nk, key_row, out, lds, seen, on_bits, bytes, ahead);
+    if constexpr (Scan) {
+        on_bits.fold_into(seen);
+        scan->merge(seen);
+    }
 }
 
 /// With Scan, whether values [0, nk) x columns [e0, e0 + Packets packets) hold a NaN or an inf, told from the sums
