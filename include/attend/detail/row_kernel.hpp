@@ -524,21 +524,10 @@ void scores(const Acc* q, index ldq, index dim, index nk, const KeyRow& key_row,
     }
 }
 
-/// With Scan, whether values [0, nk) x columns [e0, e0 + Packets packets) hold a NaN or an inf, told from the sums
-/// `c` they were added into: p v is NaN or +-inf wherever v is (0 x inf is NaN), and a sum that met one stays NaN or
-/// +-inf, so finite sums clear every value in one look at Rows x Packets packets, where noting each value packet
-/// had cost two instructions per packet. Sums that are not finite (a bad value, or finite products that overflowed)
-/// send the values through the scan itself, which tells the two apart; `scan` gets what it finds.
-template <int Rows, int Packets, class Acc, class ValueRow>
-void note_values_through_sums(const row_packet<Acc> (&c)[Rows][Packets], index nk, const ValueRow& value_row, index e0,
-                              row_scan<Acc>* scan) {
-    row_scan<Acc> sums;
-    ATTEND_UNROLL_FULLY
-    for (int r = 0; r < Rows; ++r) {
-        ATTEND_UNROLL_FULLY
-        for (int i = 0; i < Packets; ++i) sums.note(c[r][i], false);
-    }
-    if (!sums.non_finite()) return;
+/// Notes values [0, nk) x columns [e0, e0 + Packets packets) in `scan` one packet at a time: what the value kernel
+/// does when the sums they reached are not finite (see accumulate_columns).
+template <int Packets, class Acc, class ValueRow>
+void scan_values(index nk, const ValueRow& value_row, index e0, row_scan<Acc>* scan) {
     row_scan<Acc> seen;
     using stored = std::remove_const_t<std::remove_pointer_t<decltype(value_row(0))>>;
     constexpr index lanes = row_lanes<Acc>;
@@ -551,8 +540,14 @@ void note_values_through_sums(const row_packet<Acc> (&c)[Rows][Packets], index n
 }
 
 /// acc[r, e] += sum over j < nk of p[r, j] (at p + r * ldp + j) v[j, e], value j's row at value_row(j), for the
-/// Packets packets of columns from e0; with Scan, also note in `scan` whether those values hold a NaN or an inf
-/// (note_values_through_sums). Rows up to `readable` exist (value_row(j) for j < readable), for the prefetch.
+/// Packets packets of columns from e0; with Scan, also note in `scan` whether those values hold a NaN or an inf.
+/// Rows up to `readable` exist (value_row(j) for j < readable), for the prefetch.
+///
+/// The values are told from the sums they reach, not noted one packet at a time (two instructions a packet): p v
+/// is NaN or +-inf wherever v is (0 x inf is NaN), and a sum that met one stays NaN or +-inf, so finite sums clear
+/// every value at once. Sums that are not finite (a bad value, or finite products that overflowed) send the values
+/// through scan_values, which tells the two apart. (The sums are noted here, in registers: handed to a function by
+/// reference, they had been kept in memory through the loop.)
 template <int Rows, int Packets, bool Scan, class Acc, class ValueRow>
 void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const ValueRow& value_row, index e0,
                         index dv, Acc* acc, index lda, row_scan<Acc>* scan) {
@@ -587,7 +582,15 @@ void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const
         ATTEND_UNROLL_FULLY
         for (int i = 0; i < Packets; ++i) pstoreu(acc + r * lda + e0 + i * lanes, c[r][i]);
     }
-    if constexpr (Scan) note_values_through_sums(c, nk, value_row, e0, scan);
+    if constexpr (Scan) {
+        row_scan<Acc> sums;
+        ATTEND_UNROLL_FULLY
+        for (int r = 0; r < Rows; ++r) {
+            ATTEND_UNROLL_FULLY
+            for (int i = 0; i < Packets; ++i) sums.note(c[r][i], false);
+        }
+        if (sums.non_finite()) scan_values<Packets>(nk, value_row, e0, scan);
+    }
 }
 
 /// Value rows from a slice's first key on.
