@@ -526,6 +526,24 @@ TEST(RowKernels, ValuesAreFoundNonFiniteThroughTheirSumsOnlyWhenOneIs) {
         }
 }
 
+/// Float keys noted two packets at a time (AVX-512) tell a NaN by their scores, which a finite key whose scores
+/// overflow makes inf too: the keys' own scan then finds them finite, with their largest magnitude.
+TEST(RowKernels, KeysWhoseScoresOverflowAreFoundFiniteWithTheirLargestMagnitude) {
+    attend_test::rng g(47);
+    for (index dim : {index(16), index(67), index(128)})
+        for (index rows : {index(1), index(4), index(8)}) {
+            const index nk = 9;
+            const std::vector<float> q(static_cast<std::size_t>(rows * dim), 1e20f);
+            const auto p = random_values<float>(g, rows * nk);
+            auto k = random_values<float>(g, nk * dim);
+            k[static_cast<std::size_t>(5 * dim + dim / 2)] = 3e19f;  // q.k about 3e39: +inf in float
+            const auto found = run_row_kernels<float>(q, p, rows, nk, dim, k, k, dim);
+            EXPECT_TRUE(std::isinf(found.scores[5])) << "dim " << dim << ", rows " << rows;
+            EXPECT_FALSE(found.non_finite_keys) << "dim " << dim << ", rows " << rows;
+            EXPECT_EQ(found.largest_key, 3e19f) << "dim " << dim << ", rows " << rows;
+        }
+}
+
 /// sums_of_packets<N> for one N: each sum against predux of the same packet, bit for bit.
 template <class Acc, int N>
 void expect_predux_bits(attend_test::rng& g) {

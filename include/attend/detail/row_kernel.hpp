@@ -211,9 +211,10 @@ EIGEN_ALWAYS_INLINE void lane_sums_tree(const __m512 (&a)[N], __m512 (&w)[(N + 1
 
 /// Rows x Keys sums (Rows * Keys <= 16 packets a[r * Keys + i]) stored as out[r * ld + i], the bits of
 /// sums_of_packets: the same tree, its lanes put in row order by one permutation and each row's Keys sums written
-/// by one masked store, where moving 16 sums one by one took about 30 shuffles and stores.
+/// by one masked store, where moving 16 sums one by one took about 30 shuffles and stores. Returns that packet
+/// (lanes past Rows x Keys repeat sums of it).
 template <int Rows, int Keys>
-EIGEN_ALWAYS_INLINE void store_sums_by_rows(const __m512 (&a)[Rows * Keys], float* out, index ld) {
+EIGEN_ALWAYS_INLINE __m512 store_sums_by_rows(const __m512 (&a)[Rows * Keys], float* out, index ld) {
     static_assert(Rows * Keys <= 16, "one packet of sums");
     __m512 w[1];
     lane_sums_tree<Rows * Keys>(a, w);
@@ -223,6 +224,7 @@ EIGEN_ALWAYS_INLINE void store_sums_by_rows(const __m512 (&a)[Rows * Keys], floa
     ATTEND_UNROLL_FULLY
     for (int r = 0; r < Rows; ++r)  // lanes r * Keys .. + Keys - 1 of sums, at out + r * ld; ld >= Keys
         _mm512_mask_storeu_ps(out + r * (ld - Keys), static_cast<__mmask16>(((1u << Keys) - 1) << (r * Keys)), sums);
+    return sums;
 }
 #endif
 
@@ -274,6 +276,7 @@ EIGEN_ALWAYS_INLINE void sums_of_packets(const Packet (&a)[N], Acc* out) {
 /// NaN once one is not (x * 0 is NaN exactly for NaN and +-inf).
 template <class Acc>
 struct row_scan {
+    static constexpr bool pairs = false;  ///< whether note_larger_of exists (row_scan<float> on AVX-512 DQ)
     row_packet<Acc> max_abs = Eigen::internal::pset1<row_packet<Acc>>(Acc(0));
     row_packet<Acc> probe = Eigen::internal::pset1<row_packet<Acc>>(Acc(0));
     Acc tail_max_abs = 0, tail_probe = 0;
@@ -335,6 +338,18 @@ struct row_scan<float> {
     void note(const row_packet<float>& x, bool /*magnitude: always gathered, as cheap as the check*/) {
         bits = larger(bits, magnitude(x));
     }
+#if defined(EIGEN_VECTORIZE_AVX512) && defined(EIGEN_VECTORIZE_AVX512DQ)
+    /// The larger |x| of two packets' lanes by one range instruction, folded in by the integer max: half the
+    /// instructions of two notes. A NaN loses to the other lane's value there (range returns the operand that is
+    /// not NaN), so only for keys whose scores are noted too (scores_tell_nan): a NaN or inf key makes its scores
+    /// NaN or inf.
+    static constexpr bool pairs = true;
+    void note_larger_of(const __m512& a, const __m512& b) {
+        bits = larger(bits, _mm512_castps_si512(_mm512_range_ps(a, b, 0x0B)));  // max |a|, |b|; sign cleared
+    }
+#else
+    static constexpr bool pairs = false;
+#endif
     void note(float x, bool) {
         std::uint32_t b;
         std::memcpy(&b, &x, sizeof b);
@@ -354,6 +369,23 @@ struct row_scan<float> {
     }
 };
 #endif
+
+/// Notes n stored rows of `dim` values (row j at row_of(j)) in `scan`, as the row kernels' own pass does, for rows
+/// read for the scan alone or packed by another kernel, and rows whose products came out NaN or inf (the kernels'
+/// own notes do not tell a bad value from an overflow): no widened copy. `magnitude`: keys (their largest |k| too).
+template <class Acc, class RowOf>
+void scan_rows(index n, index dim, const RowOf& row_of, bool magnitude, row_scan<Acc>& scan) {
+    constexpr index lanes = row_lanes<Acc>;
+    const index whole = dim / lanes * lanes;
+    row_scan<Acc> seen;
+    widening_row<Acc, std::remove_const_t<std::remove_pointer_t<decltype(row_of(0))>>> row;
+    for (index j = 0; j < n; ++j) {
+        row.start(row_of(j), 0, dim);
+        for (index x = 0; x < whole; x += lanes) seen.note(row.packet(x), magnitude);
+        for (index x = whole; x < dim; ++x) seen.note(row.element(x), magnitude);
+    }
+    scan.merge(seen);
+}
 
 /// What the key kernel notes for check_finite on a row's stored values themselves, before they are widened: nothing
 /// in general (it notes the widened packets). For fp16 and bf16 keys on AVX-512: the largest |k|'s bits, by an
@@ -436,8 +468,8 @@ inline constexpr int score_keys = std::clamp((register_budget - 2) / (Rows + 1),
 /// ran about a quarter slower on an Emerald Rapids Xeon (alternating runs), and no storage type gained.
 template <int Rows, int Keys, bool Scan, class Acc, class KeyRow, class Stored>
 EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index j0, index nk, const KeyRow& key_row,
-                                       Acc* out, index lds, row_scan<Acc>& seen, stored_scan<Acc, Stored>& on_bits,
-                                       index bytes, index ahead) {
+                                       Acc* out, index lds, row_scan<Acc>& seen, row_scan<Acc>& scores_seen,
+                                       stored_scan<Acc, Stored>& on_bits, index bytes, index ahead) {
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
     constexpr index lanes = row_lanes<Acc>;
@@ -445,6 +477,7 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
     const index whole = dim / lanes * lanes;
     using stored = Stored;
     constexpr bool note_packets = Scan && !stored_scan<Acc, Stored>::on_bits;
+    constexpr bool note_pairs = note_packets && row_scan<Acc>::pairs;  // NaN then told by the scores
     widening_row<Acc, stored> k[Keys];
     ATTEND_UNROLL_FULLY
     for (int i = 0; i < Keys; ++i) {
@@ -468,7 +501,10 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
                 ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]), ATTEND_REGISTER(kx[2]),
                                     ATTEND_REGISTER(kx[3]));
         }
-        if constexpr (note_packets) {
+        if constexpr (note_pairs) {
+            ATTEND_UNROLL_FULLY
+            for (int i = 0; i < Keys; i += 2) seen.note_larger_of(kx[i], kx[std::min(i + 1, Keys - 1)]);
+        } else if constexpr (note_packets) {
             ATTEND_UNROLL_FULLY
             for (int i = 0; i < Keys; ++i) seen.note(kx[i], true);
         }
@@ -483,7 +519,8 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
 #if defined(EIGEN_VECTORIZE_AVX512) && defined(EIGEN_VECTORIZE_AVX512DQ)
     if constexpr (std::is_same_v<Acc, float> && Rows * Keys <= 16)
         if (whole == dim) {  // no column left over: the sums are the scores
-            store_sums_by_rows<Rows, Keys>(acc, out + j0, lds);
+            const __m512 sums = store_sums_by_rows<Rows, Keys>(acc, out + j0, lds);
+            if constexpr (note_pairs) scores_seen.note(sums, false);
             return;
         }
 #endif
@@ -499,7 +536,10 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
             if constexpr (note_packets) seen.note(kx, true);
             for (int r = 0; r < Rows; ++r) sum[r] += q[r * ldq + x] * kx;
         }
-        for (int r = 0; r < Rows; ++r) out[r * lds + j0 + i] = sum[r];
+        for (int r = 0; r < Rows; ++r) {
+            out[r * lds + j0 + i] = sum[r];
+            if constexpr (note_pairs) scores_seen.note(sum[r], false);
+        }
     }
 }
 
@@ -509,17 +549,22 @@ template <int Rows, bool Scan, class Acc, class KeyRow>
 void scores(const Acc* q, index ldq, index dim, index nk, const KeyRow& key_row, Acc* out, index lds,
             row_scan<Acc>* scan) {
     constexpr int keys = score_keys<Rows>;
-    row_scan<Acc> seen;
+    row_scan<Acc> seen, scores_seen;
     using stored = std::remove_const_t<std::remove_pointer_t<decltype(key_row(0))>>;
     stored_scan<Acc, stored> on_bits;
     const index bytes = row_bytes<stored>(dim), ahead = prefetch_distance(bytes);
     index j = 0;
     for (; j + keys <= nk; j += keys)
-        score_keys_at<Rows, keys, Scan>(q, ldq, dim, j, nk, key_row, out, lds, seen, on_bits, bytes, ahead);
+        score_keys_at<Rows, keys, Scan>(q, ldq, dim, j, nk, key_row, out, lds, seen, scores_seen, on_bits, bytes,
+                                        ahead);
     for (; j < nk; ++j)
-        score_keys_at<Rows, 1, Scan>(q, ldq, dim, j, nk, key_row, out, lds, seen, on_bits, bytes, ahead);
+        score_keys_at<Rows, 1, Scan>(q, ldq, dim, j, nk, key_row, out, lds, seen, scores_seen, on_bits, bytes, ahead);
     if constexpr (Scan) {
         on_bits.fold_into(seen);
+        // Keys noted in pairs miss a NaN; a NaN or inf key makes its scores NaN or inf (q is finite), and so do
+        // finite keys whose scores overflow: the keys' own scan tells the two apart.
+        if constexpr (!stored_scan<Acc, stored>::on_bits && row_scan<Acc>::pairs)
+            if (scores_seen.non_finite()) scan_rows(nk, dim, key_row, true, seen);
         scan->merge(seen);
     }
 }
@@ -661,22 +706,6 @@ struct rows_of {
     index batch, head, first;
     auto operator()(index j) const { return view->row(batch, head, first + j); }
 };
-
-/// Notes n stored rows of `dim` values (row j at row_of(j)) in `scan`, as the row kernels' own pass does, for rows
-/// read for the scan alone or packed by another kernel: no widened copy. `magnitude`: keys (their largest |k| too).
-template <class Acc, class RowOf>
-void scan_rows(index n, index dim, const RowOf& row_of, bool magnitude, row_scan<Acc>& scan) {
-    constexpr index lanes = row_lanes<Acc>;
-    const index whole = dim / lanes * lanes;
-    row_scan<Acc> seen;
-    widening_row<Acc, std::remove_const_t<std::remove_pointer_t<decltype(row_of(0))>>> row;
-    for (index j = 0; j < n; ++j) {
-        row.start(row_of(j), 0, dim);
-        for (index x = 0; x < whole; x += lanes) seen.note(row.packet(x), magnitude);
-        for (index x = whole; x < dim; ++x) seen.note(row.element(x), magnitude);
-    }
-    scan.merge(seen);
-}
 
 /// The row kernels for 1 to row_kernel_rows rows, the count a constant inside them; `scan` null for no scan.
 inline constexpr index row_kernel_rows = 8;
