@@ -341,8 +341,8 @@ struct row_scan<float> {
 #if defined(EIGEN_VECTORIZE_AVX512) && defined(EIGEN_VECTORIZE_AVX512DQ)
     /// The larger |x| of two packets' lanes by one range instruction, folded in by the integer max: half the
     /// instructions of two notes. A NaN loses to the other lane's value there (range returns the operand that is
-    /// not NaN), so only for keys whose scores are noted too (scores_tell_nan): a NaN or inf key makes its scores
-    /// NaN or inf.
+    /// not NaN), so only for keys whose scores are noted too (score_keys_at): with q finite, a NaN or inf key makes
+    /// its scores NaN or inf.
     static constexpr bool pairs = true;
     void note_larger_of(const __m512& a, const __m512& b) {
         bits = larger(bits, _mm512_castps_si512(_mm512_range_ps(a, b, 0x0B)));  // max |a|, |b|; sign cleared
