@@ -390,6 +390,41 @@ void expect_same_bits_wherever_the_scratch_lands(std::uint64_t seed) {
     }
 }
 
+/// The weights' second pass takes the forward pass's steps (slabs, strips, kernels), so a score reaches the
+/// weights with the bits it had in the softmax. Here because this file is built for every instruction set: with
+/// multiply-adds fused, a row kernel's and a micro-kernel's sums of the same products can differ in the last bit,
+/// and a single allowed key had got a weight of 1 - 2^-24 where the weights pass recomputed its score otherwise.
+template <class T>
+void expect_a_single_allowed_key_to_get_weight_one(std::uint64_t seed) {
+    const index L = 40, S = 700;  // 40 queries: a mixed tile's slabs of 32 rows (micro-kernel) and 8 (row kernels)
+    const inputs16<T> in(2, 1, L, S, 8, seed);
+    attend::tensor<bool, 2> allowed(L, S);
+    allowed.setConstant(false);
+    std::vector<index> only(static_cast<std::size_t>(L));
+    for (index i = 0; i < L; ++i) {
+        only[static_cast<std::size_t>(i)] = (i * 97 + 13) % S;
+        allowed(i, only[static_cast<std::size_t>(i)]) = true;
+    }
+    attend::sdpa_options o;
+    o.kernel = attend::kernel::tiled;
+    o.need_weights = true;
+    const auto r =
+        attend::scaled_dot_product_attention(in.q, in.k, in.v, attend::allowed_mask::from_torch_sdpa(allowed), o);
+    for (index b = 0; b < 2; ++b)
+        for (index h = 0; h < 2; ++h)
+            for (index i = 0; i < L; ++i) {
+                const index j = only[static_cast<std::size_t>(i)];
+                ASSERT_EQ(static_cast<double>(r.weights(b, h, i, j)), 1.0)
+                    << "batch " << b << ", head " << h << ", query " << i;
+                for (index d = 0; d < 8; ++d) ASSERT_EQ(r.out(b, h, i, d), in.v(b, 0, j, d)) << "query " << i;
+            }
+}
+
+TEST(Storage16Weights, ASingleAllowedKeyGetsWeightOneOnEveryInstructionSet) {
+    expect_a_single_allowed_key_to_get_weight_one<float>(111);
+    expect_a_single_allowed_key_to_get_weight_one<bf16>(112);
+}
+
 TEST(Storage16Determinism, TheSameCallGivesTheSameBitsWhereverTheHeapPutsItsScratch) {
     expect_same_bits_wherever_the_scratch_lands<float>(101);
     expect_same_bits_wherever_the_scratch_lands<bf16>(102);

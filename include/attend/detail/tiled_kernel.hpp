@@ -602,15 +602,15 @@ private:
                               w.scores.data() + (hh * blk.queries + sl.query_begin) * ld, ld, capped);
     }
 
-    /// The online softmax over keys [key_begin, key_end): leaves w.acc (unnormalized, dropout applied) and
-    /// w.softmax (max and the undropped normalizer, with the sinks when key_begin is 0) for the block's rows. A
-    /// mixed tile (a causal diagonal, the edge of a window) is cut into runs of key strips: runs every row of the
-    /// block may fully see go through the whole block at once, the rest in slabs of slab_rows queries of one head, each
-    /// trimmed to the key columns it may see, so masked-out work shrinks with the slab, not with the block.
-    void stream_keys(tiled_workspace<Acc>& w, const block& blk, index key_begin, index key_end) const {
-        const index rows = group_ * blk.queries, dv = s_.value_dim;
-        std::fill(w.acc.begin(), w.acc.begin() + rows * dv, Acc(0));
-        w.softmax.reset(rows);
+    /// The steps the online softmax takes over keys [key_begin, key_end), in order: step(slab, k0, k1, mixed) for
+    /// each, w.tile naming the tile being streamed. A mixed tile (a causal diagonal, the edge of a window) is cut
+    /// into runs of key strips: runs every row of the block may fully see go through the whole block at once, the
+    /// rest in slabs of slab_rows queries of one head, each trimmed to the key columns it may see (trim), so
+    /// masked-out work shrinks with the slab, not with the block. The forward pass and the weights' second pass
+    /// both take these steps, so a score reaches the weights with the bits it had in the softmax.
+    template <class Step>
+    void for_each_step(tiled_workspace<Acc>& w, const block& blk, index key_begin, index key_end,
+                       const Step& step) const {
         const slab all = whole(blk);
         for (index k0 = key_begin; k0 < key_end; k0 += c_.key_tile) {
             const index k1 = std::min(key_end, k0 + c_.key_tile);
@@ -627,19 +627,46 @@ private:
                            (classify(w, blk, all, b, std::min(k1, b + c_.trim_step)) == tile_class::full) == full)
                         b = std::min(k1, b + c_.trim_step);
                     if (full) {
-                        stream_tile(w, blk, all, a, b, false);
+                        step(all, a, b, false);
                     } else {
                         for (index hh = 0; hh < group_; ++hh)
                             for (index q = 0; q < blk.queries; q += c_.slab_rows)
-                                stream_tile(w, blk, slab{hh, hh + 1, q, std::min(blk.queries, q + c_.slab_rows)}, a, b,
-                                            true);
+                                step(slab{hh, hh + 1, q, std::min(blk.queries, q + c_.slab_rows)}, a, b, true);
                     }
                     a = b;
                 }
             } else {
-                stream_tile(w, blk, all, k0, k1, c == tile_class::mixed);
+                step(all, k0, k1, c == tile_class::mixed);
             }
         }
+    }
+
+    /// A step's keys [k0, k1) for the slab: when mixed, without the key strips at either end no row of the slab may
+    /// see; false if it may see none. Leaves w.classes classified for the slab and the keys that are left.
+    bool trim(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index& k0, index& k1, bool mixed) const {
+        if (mixed) {
+            const tile_class c = classify(w, blk, sl, k0, k1);
+            if (c == tile_class::empty) return false;
+            if (c == tile_class::mixed) {
+                // Drop key columns no row of the slab may see (the far side of a causal diagonal, the outside of
+                // a window); what is left is classified again below.
+                while (k1 - k0 > c_.trim_step && all_empty(blk, sl, k0, k0 + c_.trim_step)) k0 += c_.trim_step;
+                while (k1 - k0 > c_.trim_step && all_empty(blk, sl, k1 - c_.trim_step, k1)) k1 -= c_.trim_step;
+            }
+        }
+        classify(w, blk, sl, k0, k1);
+        return true;
+    }
+
+    /// The online softmax over keys [key_begin, key_end) (for_each_step): leaves w.acc (unnormalized, dropout
+    /// applied) and w.softmax (max and the undropped normalizer, with the sinks when key_begin is 0) for the
+    /// block's rows.
+    void stream_keys(tiled_workspace<Acc>& w, const block& blk, index key_begin, index key_end) const {
+        const index rows = group_ * blk.queries, dv = s_.value_dim;
+        std::fill(w.acc.begin(), w.acc.begin() + rows * dv, Acc(0));
+        w.softmax.reset(rows);
+        for_each_step(w, blk, key_begin, key_end,
+                      [&](const slab& sl, index k0, index k1, bool mixed) { stream_tile(w, blk, sl, k0, k1, mixed); });
         if (w.found.active) scan_skipped(w, blk, key_end);
         // The sinks join the softmax of the first key range only, so the decode path's chunks count them once.
         if (key_begin == 0 && p_.has_sinks())
@@ -649,17 +676,7 @@ private:
 
     /// One step of the online softmax: the slab's rows against keys [k0, k1) (trimmed first when mixed).
     void stream_tile(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index k0, index k1, bool mixed) const {
-        if (mixed) {
-            const tile_class c = classify(w, blk, sl, k0, k1);
-            if (c == tile_class::empty) return;
-            if (c == tile_class::mixed) {
-                // Drop key columns no row of the slab may see (the far side of a causal diagonal, the outside of
-                // a window); what is left is classified again below.
-                while (k1 - k0 > c_.trim_step && all_empty(blk, sl, k0, k0 + c_.trim_step)) k0 += c_.trim_step;
-                while (k1 - k0 > c_.trim_step && all_empty(blk, sl, k1 - c_.trim_step, k1)) k1 -= c_.trim_step;
-            }
-        }
-        classify(w, blk, sl, k0, k1);
+        if (!trim(w, blk, sl, k0, k1, mixed)) return;
         const index r0 = sl.first_row(blk), rows = sl.rows(blk), nk = k1 - k0, ld = c_.key_tile, dv = s_.value_dim;
         if (w.found.active) scan_skipped(w, blk, k0);
         compute_scores(w, blk, sl, k0, k1);
@@ -694,43 +711,34 @@ private:
         }
     }
 
-    /// Second pass for the weights output: P = exp(S - max) / sum tile by tile, written straight into weights.
-    /// Not exp(S - lse): lse rounded in T would cost |lse| ulps of relative accuracy when scores are large.
+    /// Second pass for the weights output: P = exp(S - max) / sum, written straight into weights, over the steps
+    /// of the forward pass (for_each_step), so each score comes from the kernel and the sums that gave it in the
+    /// softmax: a single allowed key gets weight 1 exactly. Not exp(S - lse): lse rounded in T would cost |lse| ulps
+    /// of relative accuracy when scores are large.
     void write_weights(tiled_workspace<Acc>& w, const block& blk) const {
         const index rows = group_ * blk.queries, ld = c_.key_tile, S = s_.key_len;
         const bool drop = p_.weights_after_dropout && p_.dropout.active();
-        const slab all = whole(blk);
         const auto weights_row = [&](index r) {
             return o_.weights + ((blk.batch * s_.heads + head_of(blk, r)) * s_.query_len + query_of(blk, r)) * S;
         };
-        for (index k0 = 0; k0 < S; k0 += c_.key_tile) {
-            const index k1 = std::min(S, k0 + c_.key_tile), nk = k1 - k0;
-            if (classify(w, blk, all, k0, k1) == tile_class::empty) {
-                for (index r = 0; r < rows; ++r) std::fill(weights_row(r) + k0, weights_row(r) + k1, Storage(0));
-                continue;
-            }
-            w.tile = {blk.batch, blk.kv_head, k0, k1};
-            compute_scores(w, blk, all, k0, k1);
-            for (index r = 0; r < rows; ++r) {
-                Storage* out = weights_row(r) + k0;
-                if (w.softmax.empty(r)) {
-                    std::fill(out, out + nk, Storage(0));
-                    continue;
-                }
+        for (index r = 0; r < rows; ++r) std::fill(weights_row(r), weights_row(r) + S, Storage(0));
+        for_each_step(w, blk, 0, S, [&](const slab& sl, index k0, index k1, bool mixed) {
+            if (!trim(w, blk, sl, k0, k1, mixed)) return;
+            compute_scores(w, blk, sl, k0, k1);
+            const index r0 = sl.first_row(blk), nk = k1 - k0;
+            for (index r = r0; r < r0 + sl.rows(blk); ++r) {
+                if (w.softmax.empty(r)) continue;
                 Acc* p = w.scores.data() + r * ld;
-                // The forward pass took a mixed tile's scores by slabs (the row kernels for slabs of few rows), this
-                // pass over the whole block (the micro-kernel): sums in another order, so a score can come out a
-                // rounding above its row's max. Near the top of the range that rounding is itself huge (scores of
-                // 1e100 in double) and exp of it overflows; capped at the max, every weight stays in [0, 1].
+                // Capped at the row's max, so every weight stays in [0, 1] whatever a score's last bit.
                 const Acc max = w.softmax.max(r);
                 for (index j = 0; j < nk; ++j) p[j] = std::min(p[j], max);
                 exp_shifted(p, nk, max);
                 const Acc l = w.softmax.sum(r);
                 for (index j = 0; j < nk; ++j) p[j] /= l;
                 if (drop) p_.dropout.apply(p, nk, blk.batch, head_of(blk, r), query_of(blk, r), k0);
-                std::transform(p, p + nk, out, [](Acc x) { return static_cast<Storage>(x); });
+                std::transform(p, p + nk, weights_row(r) + k0, [](Acc x) { return static_cast<Storage>(x); });
             }
-        }
+        });
     }
 
     const strided_view<const Storage>& q_;
