@@ -370,21 +370,28 @@ struct row_scan<float> {
 };
 #endif
 
-/// Notes n stored rows of `dim` values (row j at row_of(j)) in `scan`, as the row kernels' own pass does, for rows
-/// read for the scan alone or packed by another kernel, and rows whose products came out NaN or inf (the kernels'
-/// own notes do not tell a bad value from an overflow): no widened copy. `magnitude`: keys (their largest |k| too).
+/// Notes columns [first, first + count) of n stored rows (row j at row_of(j)) in `scan`, as the row kernels' own
+/// pass does, for rows read for the scan alone or packed by another kernel, and rows whose products came out NaN
+/// or inf (the kernels' own notes do not tell a bad value from an overflow): no widened copy. `first` is a whole
+/// number of packets. `magnitude`: keys (their largest |k| too).
 template <class Acc, class RowOf>
-void scan_rows(index n, index dim, const RowOf& row_of, bool magnitude, row_scan<Acc>& scan) {
+void scan_columns(index n, index first, index count, const RowOf& row_of, bool magnitude, row_scan<Acc>& scan) {
     constexpr index lanes = row_lanes<Acc>;
-    const index whole = dim / lanes * lanes;
+    const index whole = first + count / lanes * lanes, end = first + count;
     row_scan<Acc> seen;
     widening_row<Acc, std::remove_const_t<std::remove_pointer_t<decltype(row_of(0))>>> row;
     for (index j = 0; j < n; ++j) {
-        row.start(row_of(j), 0, dim);
-        for (index x = 0; x < whole; x += lanes) seen.note(row.packet(x), magnitude);
-        for (index x = whole; x < dim; ++x) seen.note(row.element(x), magnitude);
+        row.start(row_of(j), first, count);
+        for (index x = first; x < whole; x += lanes) seen.note(row.packet(x), magnitude);
+        for (index x = whole; x < end; ++x) seen.note(row.element(x), magnitude);
     }
     scan.merge(seen);
+}
+
+/// scan_columns of whole rows of `dim` values.
+template <class Acc, class RowOf>
+void scan_rows(index n, index dim, const RowOf& row_of, bool magnitude, row_scan<Acc>& scan) {
+    scan_columns(n, 0, dim, row_of, magnitude, scan);
 }
 
 /// What the key kernel notes for check_finite on a row's stored values themselves, before they are widened: nothing
@@ -426,6 +433,11 @@ struct stored_scan<float, Eigen::half> : sixteen_bit_scan<Eigen::half> {};
 template <>
 struct stored_scan<float, Eigen::bfloat16> : sixteen_bit_scan<Eigen::bfloat16> {};
 #endif
+
+/// Whether the key kernel notes keys of storage S two packets at a time (row_scan::note_larger_of), and so needs
+/// their scores noted to see a NaN.
+template <class Acc, class S>
+inline constexpr bool keys_in_pairs = !stored_scan<Acc, S>::on_bits && row_scan<Acc>::pairs;
 
 namespace rows {
 
@@ -477,7 +489,7 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
     const index whole = dim / lanes * lanes;
     using stored = Stored;
     constexpr bool note_packets = Scan && !stored_scan<Acc, Stored>::on_bits;
-    constexpr bool note_pairs = note_packets && row_scan<Acc>::pairs;  // NaN then told by the scores
+    constexpr bool note_pairs = Scan && keys_in_pairs<Acc, Stored>;  // NaN then told by the scores
     widening_row<Acc, stored> k[Keys];
     ATTEND_UNROLL_FULLY
     for (int i = 0; i < Keys; ++i) {
@@ -563,25 +575,10 @@ void scores(const Acc* q, index ldq, index dim, index nk, const KeyRow& key_row,
         on_bits.fold_into(seen);
         // Keys noted in pairs miss a NaN; a NaN or inf key makes its scores NaN or inf (q is finite), and so do
         // finite keys whose scores overflow: the keys' own scan tells the two apart.
-        if constexpr (!stored_scan<Acc, stored>::on_bits && row_scan<Acc>::pairs)
+        if constexpr (keys_in_pairs<Acc, stored>)
             if (scores_seen.non_finite()) scan_rows(nk, dim, key_row, true, seen);
         scan->merge(seen);
     }
-}
-
-/// Notes values [0, nk) x columns [e0, e0 + Packets packets) in `scan` one packet at a time: what the value kernel
-/// does when the sums they reached are not finite (see accumulate_columns).
-template <int Packets, class Acc, class ValueRow>
-void scan_values(index nk, const ValueRow& value_row, index e0, row_scan<Acc>* scan) {
-    row_scan<Acc> seen;
-    using stored = std::remove_const_t<std::remove_pointer_t<decltype(value_row(0))>>;
-    constexpr index lanes = row_lanes<Acc>;
-    for (index j = 0; j < nk; ++j) {
-        widening_row<Acc, stored> v;
-        v.start(value_row(j), e0, Packets * lanes);
-        for (int i = 0; i < Packets; ++i) seen.note(v.packet(e0 + i * lanes), false);
-    }
-    scan->merge(seen);
 }
 
 /// acc[r, e] += sum over j < nk of p[r, j] (at p + r * ldp + j) v[j, e], value j's row at value_row(j), for the
@@ -591,7 +588,7 @@ void scan_values(index nk, const ValueRow& value_row, index e0, row_scan<Acc>* s
 /// The values are told from the sums they reach, not noted one packet at a time (two instructions a packet): p v
 /// is NaN or +-inf wherever v is (0 x inf is NaN), and a sum that met one stays NaN or +-inf, so finite sums clear
 /// every value at once. Sums that are not finite (a bad value, or finite products that overflowed) send the values
-/// through scan_values, which tells the two apart. (The sums are noted here, in registers: handed to a function by
+/// through scan_columns, which tells the two apart. (The sums are noted here, in registers: handed to a function by
 /// reference, they had been kept in memory through the loop.)
 template <int Rows, int Packets, bool Scan, class Acc, class ValueRow>
 void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const ValueRow& value_row, index e0,
@@ -634,7 +631,7 @@ void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const
             ATTEND_UNROLL_FULLY
             for (int i = 0; i < Packets; ++i) sums.note(c[r][i], false);
         }
-        if (sums.non_finite()) scan_values<Packets>(nk, value_row, e0, scan);
+        if (sums.non_finite()) scan_columns(nk, e0, Packets * lanes, value_row, false, *scan);
     }
 }
 

@@ -729,10 +729,7 @@ private:
             for (index r = r0; r < r0 + sl.rows(blk); ++r) {
                 if (w.softmax.empty(r)) continue;
                 Acc* p = w.scores.data() + r * ld;
-                // Capped at the row's max, so every weight stays in [0, 1] whatever a score's last bit.
-                const Acc max = w.softmax.max(r);
-                for (index j = 0; j < nk; ++j) p[j] = std::min(p[j], max);
-                exp_shifted(p, nk, max);
+                exp_shifted(p, nk, w.softmax.max(r));  // the softmax's own scores: none above the row's max
                 const Acc l = w.softmax.sum(r);
                 for (index j = 0; j < nk; ++j) p[j] /= l;
                 if (drop) p_.dropout.apply(p, nk, blk.batch, head_of(blk, r), query_of(blk, r), k0);
