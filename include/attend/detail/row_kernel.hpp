@@ -455,20 +455,35 @@ constexpr index row_bytes(index dim) {
                                          : dim * static_cast<index>(sizeof(S));
 }
 
-/// How many rows ahead of the one being read the kernels ask the memory system for: about 4 KiB ahead (Zen 5:
-/// paired runs of 2, 4, 6 and 8 KiB; 2 KiB was best while the kernels took half again as long per row).
-inline index prefetch_distance(index bytes) { return std::clamp<index>(4096 / std::max<index>(bytes, 1), 1, 32); }
+/// Where and how far ahead the kernels ask the memory system for stored rows of type S (a hint; no effect on any
+/// result). Float and double rows carry the least work per byte, so their decode is bound by the read: asked into
+/// L2 about 8 KiB ahead, more of the read is in flight than L1's few miss buffers hold (Zen 4, both versions in one
+/// program, alternated: fp32 decode 0.67 of the time of L1 requests 4 KiB ahead at 1 thread, 0.73 at 2). 16-bit
+/// and int8 rows are bound by their widening: asked into L1 about 4 KiB ahead (Zen 5: paired runs of 2, 4, 6 and
+/// 8 KiB; into L2 they were 4 to 20 % slower on Zen 4).
+template <class S>
+struct row_prefetch {
+    static constexpr bool into_l2 = std::is_same_v<S, float> || std::is_same_v<S, double>;
 
-/// Asks for the cache lines of a stored row of `bytes` bytes (a hint; no effect on any result).
-inline void prefetch_row(const void* row, index bytes) {
+    /// Rows ahead of the one being read, for rows of `bytes` bytes.
+    static index distance(index bytes) {
+        return std::clamp<index>((into_l2 ? 8192 : 4096) / std::max<index>(bytes, 1), 1, into_l2 ? 64 : 32);
+    }
+
+    /// Asks for the cache lines of the row at `row`, `bytes` bytes long.
+    static void ask(const void* row, index bytes) {
 #if defined(__GNUC__)
-    const char* first = static_cast<const char*>(row);
-    for (index b = 0; b < bytes; b += 64) __builtin_prefetch(first + b);
+        const char* first = static_cast<const char*>(row);
+        for (index b = 0; b < bytes; b += 64) {
+            if constexpr (into_l2) __builtin_prefetch(first + b, 0, 2);  // prefetcht1
+            else __builtin_prefetch(first + b, 0, 3);                    // prefetcht0
+        }
 #else
-    (void)row;
-    (void)bytes;
+        (void)row;
+        (void)bytes;
 #endif
-}
+    }
+};
 
 /// Keys the score kernel takes at once for Rows rows: each key's sum is a chain of head_dim / lanes dependent
 /// multiply-adds, so a lone key leaves the core waiting on their latency; Keys chains side by side (Rows x Keys
@@ -495,7 +510,7 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
     for (int i = 0; i < Keys; ++i) {
         k[i].start(key_row(j0 + i), 0, dim);
         if constexpr (Scan && !note_packets) on_bits.note_row(key_row(j0 + i), dim);
-        if (j0 + i + ahead < nk) prefetch_row(key_row(j0 + i + ahead), bytes);
+        if (j0 + i + ahead < nk) row_prefetch<Stored>::ask(key_row(j0 + i + ahead), bytes);
     }
     packet acc[Rows * Keys];  // row r, key i at r * Keys + i
     ATTEND_UNROLL_FULLY
@@ -564,7 +579,7 @@ void scores(const Acc* q, index ldq, index dim, index nk, const KeyRow& key_row,
     row_scan<Acc> seen, scores_seen;
     using stored = std::remove_const_t<std::remove_pointer_t<decltype(key_row(0))>>;
     stored_scan<Acc, stored> on_bits;
-    const index bytes = row_bytes<stored>(dim), ahead = prefetch_distance(bytes);
+    const index bytes = row_bytes<stored>(dim), ahead = row_prefetch<stored>::distance(bytes);
     index j = 0;
     for (; j + keys <= nk; j += keys)
         score_keys_at<Rows, keys, Scan>(q, ldq, dim, j, nk, key_row, out, lds, seen, scores_seen, on_bits, bytes,
@@ -603,12 +618,12 @@ void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const
         for (int i = 0; i < Packets; ++i) c[r][i] = ploadu<packet>(acc + r * lda + e0 + i * lanes);
     }
     using stored = std::remove_const_t<std::remove_pointer_t<decltype(value_row(0))>>;
-    const index bytes = row_bytes<stored>(dv), ahead = prefetch_distance(bytes);
+    const index bytes = row_bytes<stored>(dv), ahead = row_prefetch<stored>::distance(bytes);
     for (index j = 0; j < nk; ++j) {
         widening_row<Acc, stored> v;
         v.start(value_row(j), e0, Packets * lanes);
         // The first column group reads V; its prefetch runs on into the next slice (rows up to `readable`).
-        if (e0 == 0 && j + ahead < readable) prefetch_row(value_row(j + ahead), bytes);
+        if (e0 == 0 && j + ahead < readable) row_prefetch<stored>::ask(value_row(j + ahead), bytes);
         packet vx[Packets];
         ATTEND_UNROLL_FULLY
         for (int i = 0; i < Packets; ++i) vx[i] = v.packet(e0 + i * lanes);
