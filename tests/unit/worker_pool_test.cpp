@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
 // The kept worker threads (detail/worker_pool.hpp) behind parallel_for: a loop of calls reuses them; every unit
-// runs once on the worker round robin deals it to, whoever calls and however calls nest or overlap; an exception
+// runs once on the worker worker_of deals it to, whoever calls and however calls nest or overlap; an exception
 // on a kept thread reaches the caller and leaves the pool usable; a forked child never waits for its parent's
 // threads; release_scratch reaches the kept threads' scratch.
 #include <gtest/gtest.h>
@@ -32,26 +32,39 @@ struct unit_record {
         ++runs[static_cast<std::size_t>(unit)];
         worker[static_cast<std::size_t>(unit)] = w;
     }
-    /// Every unit ran once, on worker unit % workers.
-    bool dealt_round_robin(int workers) const {
+    /// Every unit ran once, on worker worker_of(unit, workers).
+    bool dealt_by_worker_of(int workers) const {
         for (std::size_t u = 0; u < runs.size(); ++u)
-            if (runs[u] != 1 || worker[u] != static_cast<int>(u % static_cast<std::size_t>(workers))) return false;
+            if (runs[u] != 1 || worker[u] != attend::detail::worker_of(static_cast<index>(u), workers)) return false;
         return true;
     }
 };
 
-/// parallel_for(units, threads) recorded; true when every unit ran once on its round-robin worker.
-bool runs_round_robin(index units, int threads) {
+/// parallel_for(units, threads) recorded; true when every unit ran once on the worker worker_of gives it.
+bool runs_on_its_worker(index units, int threads) {
     unit_record r(units);
     parallel_for(units, threads, [&](index unit, int w) { r.note(unit, w); });
-    return r.dealt_round_robin(static_cast<int>(std::min<index>(threads, units)));
+    return r.dealt_by_worker_of(static_cast<int>(std::min<index>(threads, units)));
 }
 
-TEST(WorkerPool, EveryUnitRunsOnceOnItsRoundRobinWorkerForAnyThreadCount) {
+TEST(WorkerPool, EveryUnitRunsOnceOnItsWorkerForAnyThreadCount) {
     for (int threads = 1; threads <= 9; ++threads)
-        for (index units = 1; units <= 40; units += 3) EXPECT_TRUE(runs_round_robin(units, threads)) << threads;
+        for (index units = 1; units <= 40; units += 3) EXPECT_TRUE(runs_on_its_worker(units, threads)) << threads;
     // More workers than the pool keeps: the call starts its own threads.
-    EXPECT_TRUE(runs_round_robin(100, attend::detail::worker_pool::max_helpers + 5));
+    EXPECT_TRUE(runs_on_its_worker(100, attend::detail::worker_pool::max_helpers + 5));
+}
+
+TEST(WorkerPool, UnitsOfRisingCostAreDealtEvenlyToTwoOrThreeWorkers) {
+    // Unit u costs u (a causal head's query blocks), over an even number of rounds: every worker's share is the
+    // mean, where plain round robin gave the last worker the dearer unit of every round (2 workers, 8 units: 16
+    // against 12).
+    for (int workers = 2; workers <= 3; ++workers) {
+        const index units = 8 * workers;
+        std::vector<index> cost(static_cast<std::size_t>(workers), 0);
+        for (index u = 0; u < units; ++u) cost[static_cast<std::size_t>(attend::detail::worker_of(u, workers))] += u;
+        const index mean = units * (units - 1) / 2 / workers;
+        for (int w = 0; w < workers; ++w) EXPECT_EQ(cost[static_cast<std::size_t>(w)], mean) << workers << ' ' << w;
+    }
 }
 
 TEST(WorkerPool, ALoopOfCallsRunsOnTheSameKeptThread) {
@@ -76,7 +89,7 @@ TEST(WorkerPool, SleepingHelpersAndASleepingCallerAreWoken) {
             if (unit == 1) std::this_thread::sleep_for(past_spin);
             r.note(unit, w);
         });
-        EXPECT_TRUE(r.dealt_round_robin(2));
+        EXPECT_TRUE(r.dealt_by_worker_of(2));
     }
 }
 
@@ -87,7 +100,7 @@ TEST(WorkerPool, CallsFromManyApplicationThreadsAtOnceAllComplete) {
     for (int c = 0; c < 4; ++c)
         callers.emplace_back([&, c] {
             for (int call = 0; call < 200; ++call)
-                if (!runs_round_robin(17 + c, 2 + (call + c) % 3)) ++wrong;
+                if (!runs_on_its_worker(17 + c, 2 + (call + c) % 3)) ++wrong;
         });
     for (auto& t : callers) t.join();
     EXPECT_EQ(wrong.load(), 0);
@@ -98,10 +111,10 @@ TEST(WorkerPool, AUnitThatCallsParallelForCompletes) {
     std::atomic<int> inner_wrong{0};
     unit_record outer(6);
     parallel_for(6, 2, [&](index unit, int w) {
-        if (!runs_round_robin(5, 2)) ++inner_wrong;
+        if (!runs_on_its_worker(5, 2)) ++inner_wrong;
         outer.note(unit, w);
     });
-    EXPECT_TRUE(outer.dealt_round_robin(2));
+    EXPECT_TRUE(outer.dealt_by_worker_of(2));
     EXPECT_EQ(inner_wrong.load(), 0);
 }
 
@@ -118,7 +131,7 @@ TEST(WorkerPool, AnExceptionOnAKeptThreadReachesTheCallerAndThePoolStaysUsable) 
     } catch (const std::runtime_error& e) {
         EXPECT_STREQ(e.what(), "unit 3");
     }
-    EXPECT_TRUE(runs_round_robin(9, 2));
+    EXPECT_TRUE(runs_on_its_worker(9, 2));
     parallel_for(2, 2, [&](index unit, int) {
         if (unit == 1) after = std::this_thread::get_id();
     });
@@ -144,20 +157,20 @@ TEST(WorkerPool, ReleaseScratchFreesTheKeptThreadsScratch) {
 
 #if defined(__unix__) || defined(__APPLE__)
 TEST(WorkerPool, AForkedChildRunsItsCallsWithoutItsParentsThreads) {
-    EXPECT_TRUE(runs_round_robin(8, 2));  // the parent's pool has a kept thread
+    EXPECT_TRUE(runs_on_its_worker(8, 2));  // the parent's pool has a kept thread
     const pid_t child = fork();
     ASSERT_GE(child, 0);
     if (child == 0) {
         alarm(30);  // a child waiting for a thread that does not exist in it would hang: end it instead
         bool ok = true;
-        for (int call = 0; call < 20; ++call) ok = ok && runs_round_robin(8, 2);
+        for (int call = 0; call < 20; ++call) ok = ok && runs_on_its_worker(8, 2);
         _exit(ok ? 0 : 1);
     }
     int status = 0;
     ASSERT_EQ(waitpid(child, &status, 0), child);
     EXPECT_TRUE(WIFEXITED(status)) << "the child was ended by signal " << WTERMSIG(status);
     EXPECT_EQ(WEXITSTATUS(status), 0);
-    EXPECT_TRUE(runs_round_robin(8, 2));  // and the parent's pool still works
+    EXPECT_TRUE(runs_on_its_worker(8, 2));  // and the parent's pool still works
 }
 #endif
 

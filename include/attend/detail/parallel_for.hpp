@@ -65,9 +65,18 @@ private:
     void (*call_)(void*, index, int);
 };
 
+/// The worker that runs unit u of a call with `workers` workers: one unit of each round of `workers` units, dealt
+/// forward in even rounds and backward in odd ones (w, 2 workers - 1 - w, 2 workers + w, ...). Units of rising
+/// cost, such as the query blocks of a causal mask, then even out: plain round robin gave the last worker the
+/// dearer unit of every round (2 workers, the 8 query blocks of a causal head, block b doing b + 1/2 tiles of
+/// work: 18 against 14 tiles; dealt this way, 16 and 16).
+inline int worker_of(index unit, int workers) {
+    const index round = unit / workers, at = unit % workers;
+    return static_cast<int>(round % 2 == 0 ? at : workers - 1 - at);
+}
+
 /// Runs body(unit, worker) for every unit in [0, units), worker in [0, workers) with
-/// workers = min(threads, units). Worker w takes units w, w + workers, w + 2 workers, ... (round robin, so
-/// units of rising cost, such as the query tiles of a causal mask, spread evenly). The calling thread is
+/// workers = min(threads, units), unit u on worker_of(u, workers). The calling thread is
 /// worker 0; the others are the process's kept threads (worker_pool) or, when those are busy with another
 /// call, std::threads started for this call and joined before it returns. Which thread runs a worker changes
 /// nothing it computes. The first exception a worker throws is rethrown here after every worker has stopped.
@@ -78,7 +87,8 @@ inline void run_units(index units, int threads, const unit_body& body) {
     const auto work = [&](int worker) noexcept {
         try {
             eigen_single_thread_scope single;
-            for (index unit = worker; unit < units; unit += workers) body(unit, worker);
+            for (index unit = 0; unit < units; ++unit)
+                if (worker_of(unit, workers) == worker) body(unit, worker);
         } catch (...) {
             errors[static_cast<std::size_t>(worker)] = std::current_exception();
         }

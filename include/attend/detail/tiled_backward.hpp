@@ -129,8 +129,8 @@ inline index backward_key_chunks(const attention_shape& s, index key_tiles, std:
 /// gradients' type is not the accumulation type, chunk 0 has a partial buffer too, and that pass writes dq once).
 /// The score_bias gradient is accumulated per unit and reduced in unit order. The decomposition (tiles, chunks)
 /// depends on the shape only and every sum runs in a fixed order, so the result is bit-identical for any thread
-/// count. Units run round robin on the thread pool (parallel_for), which spreads the uneven units of a causal
-/// mask evenly.
+/// count. Units are dealt to the thread pool's workers forward and backward in turn (parallel_for, worker_of),
+/// which spreads the uneven units of a causal mask evenly.
 template <class Storage, class Acc, class Grad>
 class tiled_backward_runner {
 public:
