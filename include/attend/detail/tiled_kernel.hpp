@@ -602,15 +602,19 @@ private:
                               w.scores.data() + (hh * blk.queries + sl.query_begin) * ld, ld, capped);
     }
 
-    /// The steps the online softmax takes over keys [key_begin, key_end), in order: step(slab, k0, k1, mixed) for
-    /// each, w.tile naming the tile being streamed. A mixed tile (a causal diagonal, the edge of a window) is cut
-    /// into runs of key strips: runs every row of the block may fully see go through the whole block at once, the
-    /// rest in slabs of slab_rows queries of one head, each trimmed to the key columns it may see (trim), so
-    /// masked-out work shrinks with the slab, not with the block. The forward pass and the weights' second pass
+    /// The steps the online softmax takes over keys [key_begin, key_end), in order: step(slab, k0, k1) for each,
+    /// its keys trimmed (trim; steps left with no key are skipped), w.classes classified for them and w.tile naming
+    /// the tile being streamed. A mixed tile (a causal diagonal, the edge of a window) is cut into runs of key
+    /// strips: runs every row of the block may fully see go through the whole block at once, the rest in slabs of
+    /// slab_rows queries of one head, each trimmed to the key columns it may see, so masked-out work shrinks with
+    /// the slab, not with the block. The forward pass and the weights' second pass
     /// both take these steps, so a score reaches the weights with the bits it had in the softmax.
     template <class Step>
     void for_each_step(tiled_workspace<Acc>& w, const block& blk, index key_begin, index key_end,
                        const Step& step) const {
+        const auto trimmed_step = [&](const slab& sl, index k0, index k1, bool mixed) {
+            if (trim(w, blk, sl, k0, k1, mixed)) step(sl, k0, k1);
+        };
         const slab all = whole(blk);
         for (index k0 = key_begin; k0 < key_end; k0 += c_.key_tile) {
             const index k1 = std::min(key_end, k0 + c_.key_tile);
@@ -627,16 +631,16 @@ private:
                            (classify(w, blk, all, b, std::min(k1, b + c_.trim_step)) == tile_class::full) == full)
                         b = std::min(k1, b + c_.trim_step);
                     if (full) {
-                        step(all, a, b, false);
+                        trimmed_step(all, a, b, false);
                     } else {
                         for (index hh = 0; hh < group_; ++hh)
                             for (index q = 0; q < blk.queries; q += c_.slab_rows)
-                                step(slab{hh, hh + 1, q, std::min(blk.queries, q + c_.slab_rows)}, a, b, true);
+                                trimmed_step(slab{hh, hh + 1, q, std::min(blk.queries, q + c_.slab_rows)}, a, b, true);
                     }
                     a = b;
                 }
             } else {
-                step(all, k0, k1, c == tile_class::mixed);
+                trimmed_step(all, k0, k1, c == tile_class::mixed);
             }
         }
     }
@@ -666,7 +670,7 @@ private:
         std::fill(w.acc.begin(), w.acc.begin() + rows * dv, Acc(0));
         w.softmax.reset(rows);
         for_each_step(w, blk, key_begin, key_end,
-                      [&](const slab& sl, index k0, index k1, bool mixed) { stream_tile(w, blk, sl, k0, k1, mixed); });
+                      [&](const slab& sl, index k0, index k1) { stream_tile(w, blk, sl, k0, k1); });
         if (w.found.active) scan_skipped(w, blk, key_end);
         // The sinks join the softmax of the first key range only, so the decode path's chunks count them once.
         if (key_begin == 0 && p_.has_sinks())
@@ -674,9 +678,8 @@ private:
                 w.softmax.absorb_sink(r, p_.sink(head_of(blk, r)), w.acc.data() + r * dv, dv);
     }
 
-    /// One step of the online softmax: the slab's rows against keys [k0, k1) (trimmed first when mixed).
-    void stream_tile(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index k0, index k1, bool mixed) const {
-        if (!trim(w, blk, sl, k0, k1, mixed)) return;
+    /// One step of the online softmax: the slab's rows against keys [k0, k1) (as for_each_step trimmed them).
+    void stream_tile(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index k0, index k1) const {
         const index r0 = sl.first_row(blk), rows = sl.rows(blk), nk = k1 - k0, ld = c_.key_tile, dv = s_.value_dim;
         if (w.found.active) scan_skipped(w, blk, k0);
         compute_scores(w, blk, sl, k0, k1);
@@ -722,8 +725,7 @@ private:
             return o_.weights + ((blk.batch * s_.heads + head_of(blk, r)) * s_.query_len + query_of(blk, r)) * S;
         };
         for (index r = 0; r < rows; ++r) std::fill(weights_row(r), weights_row(r) + S, Storage(0));
-        for_each_step(w, blk, 0, S, [&](const slab& sl, index k0, index k1, bool mixed) {
-            if (!trim(w, blk, sl, k0, k1, mixed)) return;
+        for_each_step(w, blk, 0, S, [&](const slab& sl, index k0, index k1) {
             compute_scores(w, blk, sl, k0, k1);
             const index r0 = sl.first_row(blk), nk = k1 - k0;
             for (index r = r0; r < r0 + sl.rows(blk); ++r) {
