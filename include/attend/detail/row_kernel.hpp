@@ -445,29 +445,43 @@ constexpr index row_bytes(index dim) {
                                          : dim * static_cast<index>(sizeof(S));
 }
 
-/// Where and how far ahead the kernels ask the memory system for stored rows of type S (a hint; no effect on any
-/// result). Float and double rows carry the least work per byte, so their decode is bound by the read: asked into
-/// L2 about 8 KiB ahead, more of the read is in flight than L1's few miss buffers hold (Zen 4, both versions in one
-/// program, alternated: fp32 decode 0.67 of the time of L1 requests 4 KiB ahead at 1 thread, 0.73 at 2). 16-bit
-/// and int8 rows are bound by their widening: asked into L1 about 4 KiB ahead (Zen 5: paired runs of 2, 4, 6 and
-/// 8 KiB; into L2 they were 4 to 20 % slower on Zen 4).
+/// How far ahead the row kernels ask the memory system for stored rows of type S, and where to (a hint; no effect
+/// on any result). Every type is asked into L1 about 4 KiB ahead. Float and double rows carry the least work per
+/// byte, so their decode is bound by the read, and L1's few miss buffers hold too little of it in flight: they are
+/// also asked into L2 about 8 KiB ahead. fp32 decode, 1 thread, versions alternated: on Zen 4, L2 alone took 0.67
+/// of the time of L1 alone; on Zen 5, 1.15 of it, and both 0.98 of it. A decode from L3 (1024 keys) pays for the
+/// second request: 1.07 of the time of L2 alone on Zen 5. 16-bit and int8 rows are bound by their widening: asked
+/// into L1 alone (into L2 as well, 10 to 20 % slower on Zen 5; into L2 alone, 4 to 20 % slower on Zen 4).
 template <class S>
-struct row_prefetch {
-    static constexpr bool into_l2 = std::is_same_v<S, float> || std::is_same_v<S, double>;
+class row_prefetch {
+public:
+    /// For rows of `bytes` bytes.
+    explicit row_prefetch(index bytes)
+        : bytes_(bytes), near_(rows_in(4096, 32)), far_(also_into_l2 ? std::max(rows_in(8192, 64), near_ + 1) : 0) {}
 
-    /// Rows ahead of the one being read, for rows of `bytes` bytes.
-    static index distance(index bytes) {
-        return std::clamp<index>((into_l2 ? 8192 : 4096) / std::max<index>(bytes, 1), 1, into_l2 ? 64 : 32);
+    /// Asks for the rows `near` and `far` rows past row j, as far as they are below `end` (row_at(i) is row i).
+    template <class RowAt>
+    EIGEN_ALWAYS_INLINE void ask_past(const RowAt& row_at, index j, index end) const {
+        if (j + near_ < end) ask<3>(row_at(j + near_), bytes_);
+        if constexpr (also_into_l2)
+            if (j + far_ < end) ask<2>(row_at(j + far_), bytes_);
     }
 
-    /// Asks for the cache lines of the row at `row`, `bytes` bytes long.
-    static void ask(const void* row, index bytes) {
+private:
+    static constexpr bool also_into_l2 = std::is_same_v<S, float> || std::is_same_v<S, double>;
+    index bytes_, near_, far_;
+
+    index rows_in(index span, index most) const {
+        return std::clamp<index>(span / std::max<index>(bytes_, 1), 1, most);
+    }
+
+    /// The cache lines of a row of `bytes` bytes, into L1 (Locality 3, prefetcht0) or L2 (2, prefetcht1). Inlined
+    /// always, like ask_past: GCC takes a function whose only effect is a prefetch for one without effects, and a
+    /// call to one that is not inlined before its interprocedural passes is removed, with the prefetch.
+    template <int Locality>
+    EIGEN_ALWAYS_INLINE static void ask(const void* row, index bytes) {
 #if defined(__GNUC__)
-        const char* first = static_cast<const char*>(row);
-        for (index b = 0; b < bytes; b += 64) {
-            if constexpr (into_l2) __builtin_prefetch(first + b, 0, 2);  // prefetcht1
-            else __builtin_prefetch(first + b, 0, 3);                    // prefetcht0
-        }
+        for (index b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(row) + b, 0, Locality);
 #else
         (void)row;
         (void)bytes;
@@ -486,7 +500,7 @@ inline constexpr int score_keys = std::clamp((register_budget - 2) / (Rows + 1),
 template <int Rows, int Keys, bool Scan, class Acc, class KeyRow, class Stored>
 EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index j0, index nk, const KeyRow& key_row,
                                        Acc* out, index lds, row_scan<Acc>& seen, row_scan<Acc>& scores_seen,
-                                       stored_scan<Acc, Stored>& on_bits, index bytes, index ahead) {
+                                       stored_scan<Acc, Stored>& on_bits, const row_prefetch<Stored>& prefetch) {
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
     constexpr index lanes = row_lanes<Acc>;
@@ -500,7 +514,7 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
     for (int i = 0; i < Keys; ++i) {
         k[i].start(key_row(j0 + i), 0, dim);
         if constexpr (Scan && !note_packets) on_bits.note_row(key_row(j0 + i), dim);
-        if (j0 + i + ahead < nk) row_prefetch<Stored>::ask(key_row(j0 + i + ahead), bytes);
+        prefetch.ask_past(key_row, j0 + i, nk);
     }
     packet acc[Rows * Keys];  // row r, key i at r * Keys + i
     ATTEND_UNROLL_FULLY
@@ -569,13 +583,12 @@ void scores(const Acc* q, index ldq, index dim, index nk, const KeyRow& key_row,
     row_scan<Acc> seen, scores_seen;
     using stored = std::remove_const_t<std::remove_pointer_t<decltype(key_row(0))>>;
     stored_scan<Acc, stored> on_bits;
-    const index bytes = row_bytes<stored>(dim), ahead = row_prefetch<stored>::distance(bytes);
+    const row_prefetch<stored> prefetch(row_bytes<stored>(dim));
     index j = 0;
     for (; j + keys <= nk; j += keys)
-        score_keys_at<Rows, keys, Scan>(q, ldq, dim, j, nk, key_row, out, lds, seen, scores_seen, on_bits, bytes,
-                                        ahead);
+        score_keys_at<Rows, keys, Scan>(q, ldq, dim, j, nk, key_row, out, lds, seen, scores_seen, on_bits, prefetch);
     for (; j < nk; ++j)
-        score_keys_at<Rows, 1, Scan>(q, ldq, dim, j, nk, key_row, out, lds, seen, scores_seen, on_bits, bytes, ahead);
+        score_keys_at<Rows, 1, Scan>(q, ldq, dim, j, nk, key_row, out, lds, seen, scores_seen, on_bits, prefetch);
     if constexpr (Scan) {
         on_bits.fold_into(seen);
         // Keys noted in pairs miss a NaN; a NaN or inf key makes its scores NaN or inf (q is finite), and so do
@@ -608,12 +621,12 @@ void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const
         for (int i = 0; i < Packets; ++i) c[r][i] = ploadu<packet>(acc + r * lda + e0 + i * lanes);
     }
     using stored = std::remove_const_t<std::remove_pointer_t<decltype(value_row(0))>>;
-    const index bytes = row_bytes<stored>(dv), ahead = row_prefetch<stored>::distance(bytes);
+    const row_prefetch<stored> prefetch(row_bytes<stored>(dv));
     for (index j = 0; j < nk; ++j) {
         widening_row<Acc, stored> v;
         v.start(value_row(j), e0, Packets * lanes);
         // The first column group reads V; its prefetch runs on into the next slice (rows up to `readable`).
-        if (e0 == 0 && j + ahead < readable) row_prefetch<stored>::ask(value_row(j + ahead), bytes);
+        if (e0 == 0) prefetch.ask_past(value_row, j, readable);
         packet vx[Packets];
         ATTEND_UNROLL_FULLY
         for (int i = 0; i < Packets; ++i) vx[i] = v.packet(e0 + i * lanes);
