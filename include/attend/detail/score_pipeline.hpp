@@ -52,9 +52,9 @@ Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> row_array(const T* x, index
 /// Eigen's pexp scales by a general ldexp instead (four multiplies and eight integer operations for any m), which
 /// was half of its cost. Within 2 ulp of exp from ln FLT_MIN to 88.37 (micro_kernel_test, half a million floats
 /// through that range and every float near its ends), +inf only above it (where exp is within a factor of 1.25 of
-/// FLT_MAX; from 88.70 with the table), exactly 0 below ln FLT_MIN (no subnormal results: a result at k = -126 is at least 2^-126) and for
-/// -inf, exactly 1 at 0, NaN kept. (The integer packet's vector attributes are not part of the types it is a
-/// template argument of, which GCC warns about, as in transpose_square.)
+/// FLT_MAX; from 88.70 with the table), exactly 0 below ln FLT_MIN (no subnormal results: a result at k = -126 is
+/// at least 2^-126) and for -inf, exactly 1 at 0, NaN kept. (The integer packet's vector attributes are not part of
+/// the types it is a template argument of, which GCC warns about, as in transpose_square.)
 #if defined(__GNUC__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wignored-attributes"
