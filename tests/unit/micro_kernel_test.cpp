@@ -278,6 +278,28 @@ TEST(PacketExp, IsWithinTwoUlpOfExpAndNeverSubnormal) {
     EXPECT_EQ(es[n - 9], 0.0f);
 }
 
+// max_of (the online softmax's row maximum over a tile's scores): the largest element wherever it sits, for every
+// length around the four packets it keeps side by side and the scalar tail, at any start alignment; a row of -inf
+// (every key masked) gives -inf.
+TYPED_TEST(MicroKernel, MaxOfIsTheLargestElementWhereverItSitsAndWhateverTheLength) {
+    using T = TypeParam;
+    using attend::detail::max_of;
+    constexpr index lanes = Eigen::internal::packet_traits<T>::size;
+    const T minus_inf = -std::numeric_limits<T>::infinity();
+    attend_test::rng g(31);
+    const auto pool = random_values<T>(g, 6 * lanes + 8);
+    for (index offset = 0; offset < 2; ++offset)
+        for (index n = 1; n <= 5 * lanes + 3; ++n)
+            for (index at = 0; at < n; ++at) {
+                std::vector<T> x(pool.begin() + offset, pool.begin() + offset + n);
+                x[static_cast<std::size_t>(at)] = T(9);
+                if (n > 2) x[static_cast<std::size_t>((at + 1) % n)] = minus_inf;
+                ASSERT_EQ(max_of(x.data(), n), T(9)) << n << ", " << at << ", " << offset;
+            }
+    const std::vector<T> masked(static_cast<std::size_t>(3 * lanes + 1), minus_inf);
+    EXPECT_EQ(max_of(masked.data(), static_cast<index>(masked.size())), minus_inf);
+}
+
 // The soft-cap that finish_tile applies, on this instruction set's packets (support/soft_cap_check.hpp).
 TYPED_TEST(MicroKernel, SoftCapOnPacketsAndTailIsWithinFourEpsilonsOfTanh) {
     attend_test::expect_soft_cap_within_four_epsilons<TypeParam>();
