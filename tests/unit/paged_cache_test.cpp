@@ -197,6 +197,36 @@ TEST(PagedCache, TheReferenceKernelReadsTheBlocksToo) {
     EXPECT_LT(attend_test::max_abs_diff(a.lse, b.lse), 1e-14);
 }
 
+// The kernels read a paged sequence's rows in runs that follow each other in the pool (rows_following): a run ends
+// exactly where the next block of the table is not the next block of the pool, and each row of the run the row
+// kernels' prefetch runs on into (run_of_rows) is at the address the view gives that row.
+TEST(PagedCache, RowRunsEndWhereTheBlocksStopFollowingAndHoldTheViewsRows) {
+    const index block_size = 4, heads = 2, dim = 8, pool_blocks = 9;
+    const std::vector<index> table = {3, 4, 5, 0, 7, 8, 1, 2};
+    std::vector<float> pool(static_cast<std::size_t>(heads * pool_blocks * block_size * dim));
+    attend::detail::paged_view<float> view;
+    view.pool = pool.data();
+    view.table = table.data();
+    view.dims = {1, heads, static_cast<index>(table.size()) * block_size, dim};
+    view.block_size = block_size;
+    view.pool_blocks = pool_blocks;
+    const index len = view.dims[2];
+    for (index h = 0; h < heads; ++h)
+        for (index i = 0; i < len; ++i)
+            for (index n = 1; i + n <= len; ++n) {
+                index following = 1;  // rows after i whose address is one row further on
+                while (following < n && view.row(0, h, i + following) == view.row(0, h, i + following - 1) + dim)
+                    ++following;
+                ASSERT_EQ(attend::detail::rows_following(view, i, n), following) << i << ", " << n;
+                EXPECT_EQ(attend::detail::rows_contiguous(view, i, n), following == n);
+                const attend::detail::row_run run = attend::detail::run_of_rows(view, 0, h, i, n);
+                ASSERT_EQ(run.rows, std::min<index>(following, attend::detail::row_run::most));
+                for (index m = 0; m < run.rows; ++m)
+                    ASSERT_EQ(run.first + m * run.stride, reinterpret_cast<const char*>(view.row(0, h, i + m)));
+            }
+    EXPECT_EQ(attend::detail::run_of_rows(view, 0, 0, 3, 0).rows, 0);
+}
+
 TEST(PagedCache, AForkCopiesBlockNumbersNotKeysAndAWriteCopiesOnlyTheSharedTailBlock) {
     const auto cfg = attend_test::paged_config(2, 4, 8, 40, 4);
     attend::paged_kv_cache<float> c(cfg);

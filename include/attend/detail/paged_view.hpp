@@ -31,18 +31,29 @@ struct paged_view {
     }
 };
 
-/// True when rows [i, i + n) of a (batch, head) follow each other at row_stride(x): always for a strided view;
-/// for a paged view when the blocks they span are consecutive in the pool.
+/// How many of rows [i, i + n) of a (batch, head) follow row i at row_stride(x), row i included: all of them in a
+/// strided view; in a paged view, up to the first block that does not follow the one before it in the pool.
 template <class T>
-bool rows_contiguous(const strided_view<T>&, index, index) {
-    return true;
+index rows_following(const strided_view<T>&, index, index n) {
+    return n;
 }
 template <class T>
-bool rows_contiguous(const paged_view<T>& x, index i, index n) {
-    for (index b = i / x.block_size; b < (i + n - 1) / x.block_size; ++b)
-        if (x.table[b + 1] != x.table[b] + 1) return false;
-    return true;
+index rows_following(const paged_view<T>& x, index i, index n) {
+    index b = i / x.block_size, end = (b + 1) * x.block_size;
+    while (end < i + n && x.table[b + 1] == x.table[b] + 1) {
+        ++b;
+        end += x.block_size;
+    }
+    return std::min(n, end - i);
 }
+
+/// True when rows [i, i + n) of a (batch, head), n >= 1, follow each other at row_stride(x): always for a strided
+/// view; for a paged view when the blocks they span are consecutive in the pool.
+template <class View>
+bool rows_contiguous(const View& x, index i, index n) {
+    return rows_following(x, i, n) == n;
+}
+
 /// Rows from i on that are packed one after another (row stride == dim), so they copy as one span: to the end
 /// of a dense view (one row of a strided one), or of a block.
 template <class T>

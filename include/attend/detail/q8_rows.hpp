@@ -44,6 +44,9 @@ struct q8_view {
     }
 };
 
+/// Rows of a q8 view always follow each other at one stride (paged_view.hpp's rows_following for the others).
+inline index rows_following(const q8_view&, index, index n) { return n; }
+
 /// q8_0 of one row of `dim` values (dim a multiple of 32) into dim / 32 blocks. Per block: d = fp16(amax / 127),
 /// q = round(x / d) clamped to [-127, 127], computed with d as stored, so |x - d q| <= d / 2 for each value. A
 /// block whose amax / 127 rounds to 0 in fp16 (amax below 127 x 2^-25) is stored as zeros. The values must be

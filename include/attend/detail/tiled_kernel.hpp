@@ -124,6 +124,16 @@ const_tile_map<Acc> rows_as_accumulator(const q8_view& x, index b, index h, inde
     return const_tile_map<Acc>(stage.data(), n, x.dims[3], Eigen::OuterStride<>(x.dims[3]));
 }
 
+/// Rows [i, i + n) of (b, h) of keys or values, at most row_run::most of them and as far as they follow each other
+/// at one stride: where a row kernel's prefetch runs on to after its own rows.
+template <class View>
+row_run run_of_rows(const View& x, index b, index h, index i, index n) {
+    if (n <= 0) return {};
+    n = rows_following(x, i, std::min(n, row_run::most));
+    const auto* first = reinterpret_cast<const char*>(x.row(b, h, i));
+    return {first, n > 1 ? reinterpret_cast<const char*>(x.row(b, h, i + 1)) - first : 0, n};
+}
+
 /// What one decode unit's pass saw of its keys and values, for check_finite (deferred_kv_scan): the largest |k| and
 /// whether any key or value was NaN or +-inf, over every row from the chunk's first key to `scanned_to`, always
 /// gathered as a row_scan. Rows the row kernels read are noted in the same registers; rows copied for the float
@@ -575,7 +585,9 @@ private:
     /// Scores of the slab against keys [k0, k1) into its rows of w.scores: the micro-kernel on the stacked rows and
     /// the tile's packed keys (the row kernels for a few rows, which read K straight from its rows where the
     /// micro-kernel would first pack it), then the score pipeline per head. Needs w.classes from classify on the same slab and keys.
-    void compute_scores(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index k0, index k1) const {
+    /// `then`: the rows read next, where the row kernels' prefetch runs on to.
+    void compute_scores(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index k0, index k1,
+                        const row_run& then) const {
         const index r0 = sl.first_row(blk), rows = sl.rows(blk), nk = k1 - k0, ld = c_.key_tile;
         const_tile_map<Acc> queries(w.queries.data() + r0 * s_.head_dim, rows, s_.head_dim,
                                     Eigen::OuterStride<>(s_.head_dim));
@@ -586,7 +598,7 @@ private:
             row_scan<Acc> seen;
             scores_of_rows(rows, queries.data(), s_.head_dim, s_.head_dim, nk,
                            rows_of<Rows>{&k_, blk.batch, blk.kv_head, k0}, scores.data(), ld,
-                           w.found.active ? &seen : nullptr);
+                           w.found.active ? &seen : nullptr, then);
             if (w.found.active) w.found.keys(seen);
         } else if (uses_pairs()) {
             capped = pair_scores(w, blk, r0, rows, k0, k1);
@@ -670,7 +682,7 @@ private:
         std::fill(w.acc.begin(), w.acc.begin() + rows * dv, Acc(0));
         w.softmax.reset(rows);
         for_each_step(w, blk, key_begin, key_end,
-                      [&](const slab& sl, index k0, index k1) { stream_tile(w, blk, sl, k0, k1); });
+                      [&](const slab& sl, index k0, index k1) { stream_tile(w, blk, sl, k0, k1, key_end); });
         if (w.found.active) scan_skipped(w, blk, key_end);
         // The sinks join the softmax of the first key range only, so the decode path's chunks count them once.
         if (key_begin == 0 && p_.has_sinks())
@@ -678,11 +690,14 @@ private:
                 w.softmax.absorb_sink(r, p_.sink(head_of(blk, r)), w.acc.data() + r * dv, dv);
     }
 
-    /// One step of the online softmax: the slab's rows against keys [k0, k1) (as for_each_step trimmed them).
-    void stream_tile(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index k0, index k1) const {
+    /// One step of the online softmax: the slab's rows against keys [k0, k1) (as for_each_step trimmed them) of a
+    /// stream that ends at key_end.
+    void stream_tile(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index k0, index k1,
+                     index key_end) const {
         const index r0 = sl.first_row(blk), rows = sl.rows(blk), nk = k1 - k0, ld = c_.key_tile, dv = s_.value_dim;
         if (w.found.active) scan_skipped(w, blk, k0);
-        compute_scores(w, blk, sl, k0, k1);
+        // Reading rows in place, the prefetch runs on from the keys into their values, and from them into the next keys.
+        compute_scores(w, blk, sl, k0, k1, run_of_rows(v_, blk.batch, blk.kv_head, k0, nk));
         w.softmax.absorb(w.scores.data() + r0 * ld, ld, r0, rows, nk, w.acc.data() + r0 * dv, dv);
         if (p_.dropout.active())
             for (index r = r0; r < r0 + rows; ++r)
@@ -692,7 +707,8 @@ private:
         if (rows <= c_.gemv_rows) {
             row_scan<Acc> seen;
             accumulate_rows(rows, probabilities.data(), ld, nk, dv, rows_of<Rows>{&v_, blk.batch, blk.kv_head, k0},
-                            acc.data(), dv, w.found.active ? &seen : nullptr);
+                            acc.data(), dv, w.found.active ? &seen : nullptr,
+                            run_of_rows(k_, blk.batch, blk.kv_head, k1, key_end - k1));
             if (w.found.active) w.found.values(seen);
         } else if (uses_pairs()) {
             accumulate_value_pairs(w, blk, r0, rows, k0, k1);
@@ -726,7 +742,7 @@ private:
         };
         for (index r = 0; r < rows; ++r) std::fill(weights_row(r), weights_row(r) + S, Storage(0));
         for_each_step(w, blk, 0, S, [&](const slab& sl, index k0, index k1) {
-            compute_scores(w, blk, sl, k0, k1);
+            compute_scores(w, blk, sl, k0, k1, row_run{});
             const index r0 = sl.first_row(blk), nk = k1 - k0;
             for (index r = r0; r < r0 + sl.rows(blk); ++r) {
                 if (w.softmax.empty(r)) continue;
