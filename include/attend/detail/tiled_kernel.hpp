@@ -696,15 +696,17 @@ private:
                      index key_end) const {
         const index r0 = sl.first_row(blk), rows = sl.rows(blk), nk = k1 - k0, ld = c_.key_tile, dv = s_.value_dim;
         if (w.found.active) scan_skipped(w, blk, k0);
-        // Reading rows in place, the prefetch runs on from the keys into their values, and from them into the next keys.
-        compute_scores(w, blk, sl, k0, k1, run_of_rows(v_, blk.batch, blk.kv_head, k0, nk));
+        // A few rows read K and V in place (the row kernels): their prefetch runs on from the keys into their
+        // values, and from them into the next keys.
+        const bool in_place = rows <= c_.gemv_rows;
+        compute_scores(w, blk, sl, k0, k1, in_place ? run_of_rows(v_, blk.batch, blk.kv_head, k0, nk) : row_run{});
         w.softmax.absorb(w.scores.data() + r0 * ld, ld, r0, rows, nk, w.acc.data() + r0 * dv, dv);
         if (p_.dropout.active())
             for (index r = r0; r < r0 + rows; ++r)
                 p_.dropout.apply(w.scores.data() + r * ld, nk, blk.batch, head_of(blk, r), query_of(blk, r), k0);
         tile_map<Acc> acc(w.acc.data() + r0 * dv, rows, dv, Eigen::OuterStride<>(dv));
         const_tile_map<Acc> probabilities(w.scores.data() + r0 * ld, rows, nk, Eigen::OuterStride<>(ld));
-        if (rows <= c_.gemv_rows) {
+        if (in_place) {
             row_scan<Acc> seen;
             accumulate_rows(rows, probabilities.data(), ld, nk, dv, rows_of<Rows>{&v_, blk.batch, blk.kv_head, k0},
                             acc.data(), dv, w.found.active ? &seen : nullptr,
