@@ -457,18 +457,23 @@ struct row_run {
 };
 
 /// How far ahead the row kernels ask the memory system for stored rows of type S, and where to (a hint; no effect
-/// on any result). Every type is asked into L1 about 4 KiB ahead. Float and double rows carry the least work per
-/// byte, so their decode is bound by the read, and L1's few miss buffers hold too little of it in flight: they are
-/// also asked into L2 about 8 KiB ahead. fp32 decode, 1 thread, versions alternated: on Zen 4, L2 alone took 0.67
-/// of the time of L1 alone; on Zen 5, 1.15 of it, and both 0.98 of it. A decode from L3 (1024 keys) pays for the
-/// second request: 1.07 of the time of L2 alone on Zen 5. 16-bit and int8 rows are bound by their widening: asked
-/// into L1 alone (into L2 as well, 10 to 20 % slower on Zen 5; into L2 alone, 4 to 20 % slower on Zen 4).
+/// on any result). Float and double rows carry the least work per byte, so their decode is bound by the read, and
+/// L1's few miss buffers hold too little of it in flight: they are asked into L1 about 4 KiB ahead and into L2
+/// about 8 KiB ahead. fp32 decode, 1 thread, versions alternated: on Zen 4, L2 alone took 0.67 of the time of L1
+/// alone; on Zen 5, 1.15 of it, and both 0.98 of it. A decode from L3 (1024 keys) pays for the second request: 1.07
+/// of the time of L2 alone on Zen 5. 16-bit and int8 rows are bound by their widening: asked into L1 alone (into L2
+/// as well, 10 to 20 % slower on Zen 5; into L2 alone, 4 to 20 % slower on Zen 4). 16-bit rows about 8 KiB ahead:
+/// their rows go by twice as fast as float rows of the same bytes, and 4 KiB ahead was too short a lead for the
+/// memory's latency (Zen 5, versions alternated: bf16 and fp16 decode took 0.87 of 4 KiB's time at 1 thread, bf16
+/// 0.92 at 2; 12 and 16 KiB ahead 0.93 and 0.95). q8_0 rows 4 KiB ahead (8 KiB: 1.02 to 1.05 of the time).
 template <class S>
 class row_prefetch {
 public:
     /// For rows of `bytes` bytes.
     explicit row_prefetch(index bytes)
-        : bytes_(bytes), near_(rows_in(4096, 32)), far_(also_into_l2 ? std::max(rows_in(8192, 64), near_ + 1) : 0) {}
+        : bytes_(bytes),
+          near_(rows_in(sixteen_bit ? 8192 : 4096, row_run::most / 2)),
+          far_(also_into_l2 ? std::max(rows_in(8192, row_run::most), near_ + 1) : 0) {}
 
     /// Asks for the rows `near` and `far` rows past row j (row_at(i) is row i), those at or past `end` in `then`:
     /// float and double rows there only into L2 (into L1 as well, alternated against this: the contiguous fp32
@@ -481,6 +486,7 @@ public:
 
 private:
     static constexpr bool also_into_l2 = std::is_same_v<S, float> || std::is_same_v<S, double>;
+    static constexpr bool sixteen_bit = std::is_same_v<S, Eigen::half> || std::is_same_v<S, Eigen::bfloat16>;
     index bytes_, near_, far_;
 
     index rows_in(index span, index most) const {
