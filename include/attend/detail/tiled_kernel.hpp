@@ -67,6 +67,13 @@ struct tile_config {
     index decode_chunk = 2048;  ///< keys per chunk of the decode path
 };
 
+/// Rows of a tiled_runner's query blocks for shape s: every query head of a kv head, times as many queries as
+/// c.query_rows holds (at least one).
+inline index block_rows(const attention_shape& s, const tile_config& c) {
+    const index group = s.group_size();
+    return group * std::max<index>(1, std::min(s.query_len, (c.query_rows + group - 1) / group));
+}
+
 /// Tile sizes chosen by measurement (bench/README.md has the sweep, `attend_bench --benchmark_filter=tiled_tiles`),
 /// fp32, head_dim 64, L = S = 2048, one thread. With Eigen GEMMs per tile (Zen 4, AVX-512), blocks of 64 to 256
 /// query rows x 256 to 1024 keys ran within about 5 % of each other; 32 rows or 128 keys were up to 50 % slower,
@@ -84,6 +91,11 @@ struct tile_config {
 /// strips and slabs, so a size that followed the batch would give a sequence other bits in another batch (the
 /// paged cache promises each sequence the bits it gets alone). Small calls get fewer blocks to spread over threads
 /// (1 head, L = 1024: 4).
+/// Blocks of at most gemv_rows rows (a decode's query heads of one kv head) read K and V in place through the row
+/// kernels, with no panels to keep in L2: their key tile is a whole decode chunk. Each tile is a pass over its keys,
+/// a softmax step and a pass over its values; four times fewer of them took 0.94 to 0.97 of the time of an fp32,
+/// bf16 or q8_0 decode from memory (Zen 5, 1 thread, versions alternated). Decided by the shape, as above, so the
+/// decode path and the blocks' path still give a call the same bits.
 template <class T>
 tile_config default_tile_config(const attention_shape& s) {
     tile_config c;
@@ -91,6 +103,7 @@ tile_config default_tile_config(const attention_shape& s) {
     c.key_tile = sizeof(accumulator_t<T>) == 4 ? 512 : 256;  // tiles hold the accumulation type
     if (std::max(s.head_dim, s.value_dim) >= 128) c.key_tile /= 2;
     c.decode_chunk = 4 * c.key_tile;
+    if (block_rows(s, c) <= c.gemv_rows) c.key_tile = c.decode_chunk;
     return c;
 }
 
@@ -229,9 +242,9 @@ public:
         : q_(q), k_(k), v_(v), s_(s), mask_(mask), pipe_(s, mask, p), p_(p), o_(o), c_(c) {
         group_ = s.group_size();
         // At least 1 even for query_len == 0, where query_blocks_ becomes 0 and there is no work.
-        block_queries_ = std::max<index>(1, std::min(s.query_len, (c.query_rows + group_ - 1) / group_));
+        rows_ = block_rows(s, c);
+        block_queries_ = rows_ / group_;
         query_blocks_ = (s.query_len + block_queries_ - 1) / block_queries_;
-        rows_ = group_ * block_queries_;
         // Fewer keys than a tile are one tile whatever its size, so the scratch is sized for them (to 64 keys, a
         // whole number of micro-kernel panels): zeroing a full tile's scores and panels had been a tenth of a
         // 64-token prefill. No bit changes.
