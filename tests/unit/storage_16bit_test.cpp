@@ -319,6 +319,33 @@ TYPED_TEST(Storage16, ADecodeOfManyRowsFindsANonFiniteKeyOrValueBeforeAnyWrite) 
         }
 }
 
+// A decode of one query on 2 query heads per kv head takes the row kernels, head_dim 32 (two packets a row on
+// AVX-512): there bf16 keys are noted for check_finite two widened packets at a time, where a NaN loses to the other
+// packet's value and is told by the scores it makes, and fp16 keys on their bits. Either way a NaN, inf or -inf key
+// is named, wherever it sits in its row and in its two chunks, before any write.
+TYPED_TEST(Storage16, ADecodeOnTheRowKernelsNamesANonFiniteKeyWhereverItSits) {
+    using T = TypeParam;
+    const T sentinel(0.75f);
+    const inputs16<T> in(4, 2, 1, 2600, 32, 91);
+    for (const index key : {index(0), index(5), index(1023), index(2300), index(2599)})
+        for (const index dim : {index(0), index(2), index(17), index(31)})
+            for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                                    -std::numeric_limits<float>::infinity()}) {
+                SCOPED_TRACE("key " + std::to_string(key) + ", dim " + std::to_string(dim) + " holds " +
+                             std::to_string(bad));
+                attend::tensor<T, 4> k = in.k;
+                k(1, 1, key, dim) = T(bad);
+                attend::tensor<T, 4> out(2, 4, 1, 32);
+                out.setConstant(sentinel);
+                const std::string message = attend_test::expect_error<attend::value_error>(
+                    [&] { attend::scaled_dot_product_attention_into(in.q, k, in.v, attend::no_mask{}, out); },
+                    "attend.value.non_finite");
+                const std::string named = "[1,1," + std::to_string(key) + "," + std::to_string(dim) + "]";
+                EXPECT_NE(message.find(named), std::string::npos) << message;
+                for (index n = 0; n < out.size(); ++n) ASSERT_TRUE(out.data()[n] == sentinel);
+            }
+}
+
 TYPED_TEST(Storage16, ASixteenBitAdditiveMaskIsTheFloatMaskOfTheSameValues) {
     using T = TypeParam;
     const inputs16<T> in(4, 2, 70, 90, 16, 61);
