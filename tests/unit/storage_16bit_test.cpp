@@ -279,21 +279,30 @@ TYPED_TEST(Storage16, RotaryRotatesInFloatAndRoundsOnce) {
     }
 }
 
+/// Expects attention over q, k, v (options) to throw value_error attend.value.non_finite naming `element`, with
+/// nothing written into a sentinel-filled out [batch, heads, query_len, value_dim].
+template <class T>
+void expect_non_finite_named_before_any_write(const attend::tensor<T, 4>& q, const attend::tensor<T, 4>& k,
+                                              const attend::tensor<T, 4>& v, const std::string& element,
+                                              const attend::sdpa_options& options = {}) {
+    const T sentinel(0.75f);
+    attend::tensor<T, 4> out(q.dimension(0), q.dimension(1), q.dimension(2), v.dimension(3));
+    out.setConstant(sentinel);
+    const std::string message = attend_test::expect_error<attend::value_error>(
+        [&] { attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, out, options); },
+        "attend.value.non_finite");
+    EXPECT_NE(message.find(element), std::string::npos) << message;
+    for (index n = 0; n < out.size(); ++n) ASSERT_TRUE(out.data()[n] == sentinel);
+}
+
 TYPED_TEST(Storage16, NonFiniteInputsAreRejectedBeforeAnyWrite) {
     using T = TypeParam;
-    const T sentinel(0.75f);
     for (const int which : {0, 1, 2})
         for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
             inputs16<T> in(2, 1, 5, 7, 8, 81);
             attend::tensor<T, 4>& target = which == 0 ? in.q : which == 1 ? in.k : in.v;
             target(1, 0, 3, 2) = T(bad);
-            attend::tensor<T, 4> out(2, 2, 5, 8);
-            out.setConstant(sentinel);
-            const std::string message = attend_test::expect_error<attend::value_error>(
-                [&] { attend::scaled_dot_product_attention_into(in.q, in.k, in.v, attend::no_mask{}, out); },
-                "attend.value.non_finite");
-            EXPECT_NE(message.find("[1,0,3,2]"), std::string::npos) << message;
-            for (index n = 0; n < out.size(); ++n) ASSERT_TRUE(out.data()[n] == sentinel);
+            expect_non_finite_named_before_any_write(in.q, in.k, in.v, "[1,0,3,2]");
         }
 }
 
@@ -302,20 +311,13 @@ TYPED_TEST(Storage16, NonFiniteInputsAreRejectedBeforeAnyWrite) {
 // check_finite's deferred scan. A NaN or inf past the first decode chunk is found there, before any write.
 TYPED_TEST(Storage16, ADecodeOfManyRowsFindsANonFiniteKeyOrValueBeforeAnyWrite) {
     using T = TypeParam;
-    const T sentinel(0.75f);
+    attend::sdpa_options options;
+    options.threads = 2;
     for (const int which : {1, 2})
         for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
             inputs16<T> in(8, 2, 16, 5000, 64, 83);
             (which == 1 ? in.k : in.v)(1, 1, 4321, 7) = T(bad);
-            attend::tensor<T, 4> out(2, 8, 16, 64);
-            out.setConstant(sentinel);
-            attend::sdpa_options options;
-            options.threads = 2;
-            const std::string message = attend_test::expect_error<attend::value_error>(
-                [&] { attend::scaled_dot_product_attention_into(in.q, in.k, in.v, attend::no_mask{}, out, options); },
-                "attend.value.non_finite");
-            EXPECT_NE(message.find("[1,1,4321,7]"), std::string::npos) << message;
-            for (index n = 0; n < out.size(); ++n) ASSERT_TRUE(out.data()[n] == sentinel);
+            expect_non_finite_named_before_any_write(in.q, in.k, in.v, "[1,1,4321,7]", options);
         }
 }
 
@@ -325,7 +327,6 @@ TYPED_TEST(Storage16, ADecodeOfManyRowsFindsANonFiniteKeyOrValueBeforeAnyWrite) 
 // is named, wherever it sits in its row and in its two chunks, before any write.
 TYPED_TEST(Storage16, ADecodeOnTheRowKernelsNamesANonFiniteKeyWhereverItSits) {
     using T = TypeParam;
-    const T sentinel(0.75f);
     const inputs16<T> in(4, 2, 1, 2600, 32, 91);
     for (const index key : {index(0), index(5), index(1023), index(2300), index(2599)})
         for (const index dim : {index(0), index(2), index(17), index(31)})
@@ -335,14 +336,8 @@ TYPED_TEST(Storage16, ADecodeOnTheRowKernelsNamesANonFiniteKeyWhereverItSits) {
                              std::to_string(bad));
                 attend::tensor<T, 4> k = in.k;
                 k(1, 1, key, dim) = T(bad);
-                attend::tensor<T, 4> out(2, 4, 1, 32);
-                out.setConstant(sentinel);
-                const std::string message = attend_test::expect_error<attend::value_error>(
-                    [&] { attend::scaled_dot_product_attention_into(in.q, k, in.v, attend::no_mask{}, out); },
-                    "attend.value.non_finite");
-                const std::string named = "[1,1," + std::to_string(key) + "," + std::to_string(dim) + "]";
-                EXPECT_NE(message.find(named), std::string::npos) << message;
-                for (index n = 0; n < out.size(); ++n) ASSERT_TRUE(out.data()[n] == sentinel);
+                expect_non_finite_named_before_any_write(
+                    in.q, k, in.v, "[1,1," + std::to_string(key) + "," + std::to_string(dim) + "]");
             }
 }
 

@@ -399,12 +399,12 @@ struct stored_scan {
     void fold_into(row_scan<Acc>&) const {}
 };
 #if defined(EIGEN_VECTORIZE_AVX512) && defined(__AVX512BW__)
-template <class S>
-struct sixteen_bit_scan {
+template <>
+struct stored_scan<float, Eigen::half> {
     static constexpr bool on_bits = true;
     __m512i largest = _mm512_setzero_si512();
 
-    void note_row(const S* row, index n) {
+    void note_row(const Eigen::half* row, index n) {
         const __m512i magnitude = _mm512_set1_epi16(0x7fff);
         index x = 0;
         for (; x + 32 <= n; x += 32)
@@ -418,11 +418,9 @@ struct sixteen_bit_scan {
         alignas(64) std::uint16_t lanes[32];
         _mm512_store_si512(lanes, largest);
         const std::uint16_t top = *std::max_element(std::begin(lanes), std::end(lanes));
-        seen.note(static_cast<float>(Eigen::numext::bit_cast<S>(top)), true);
+        seen.note(static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(top)), true);
     }
 };
-template <>
-struct stored_scan<float, Eigen::half> : sixteen_bit_scan<Eigen::half> {};
 #endif
 
 /// Whether the key kernel notes keys of storage S two packets at a time (row_scan::note_larger_of), and so needs

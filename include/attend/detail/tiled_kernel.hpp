@@ -93,7 +93,7 @@ inline index block_rows(const attention_shape& s, const tile_config& c) {
 /// (1 head, L = 1024: 4).
 /// Blocks of at most gemv_rows rows (a decode's query heads of one kv head) read K and V in place through the row
 /// kernels, with no panels to keep in L2: their key tile is a whole decode chunk. Each tile is a pass over its keys,
-/// a softmax step and a pass over its values; four times fewer of them took 0.94 to 0.97 of the time of an fp32,
+/// a softmax step and a pass over its values; four times fewer of them took 0.93 to 0.97 of the time of an fp32,
 /// bf16 or q8_0 decode from memory (Zen 5, 1 thread, versions alternated). Decided by the shape, as above, so the
 /// decode path and the blocks' path still give a call the same bits.
 template <class T>
