@@ -1,12 +1,14 @@
 #!/usr/bin/python3
 # SPDX-License-Identifier: MIT
-"""Turns attend_bench JSON (run with --benchmark_repetitions) and compare_pytorch.py JSON into the tables of
-bench/README.md and the data + plot of bench/gflops.png.
+"""Turns attend_bench JSON (run with --benchmark_repetitions), compare_pytorch.py JSON and bench/peers/compare.py
+JSON into the tables of bench/README.md and the data + plot of bench/gflops.png.
 
-    /usr/bin/python3 bench/summarize.py attend.json [more-attend.json ...] [pytorch.json] [--plot bench/gflops.png]
+    /usr/bin/python3 bench/summarize.py attend.json [more-attend.json ...] [pytorch.json] [peers.json] \
+        [--plot bench/gflops.png] [--machine "Zen 5, 2 vCPUs"]
 
-(a file whose name contains "pytorch" is read as compare_pytorch.py output; later attend files replace the cases
-they contain)
+(a file whose name contains "pytorch" is read as compare_pytorch.py output, a file holding "cases" as compare.py
+output; later attend files replace the cases they contain). The plot takes compare.py's output: its attend, ONNX
+Runtime and PyTorch lines all come from that one sitting, the same-binary sgemm and FMA peak from attend_bench's.
 
 Every figure is the best (shortest real time) of the repetitions: on a shared machine the other processes only
 ever make a run slower, so the best run is the closest to what the code does. Single-thread cases also show the
@@ -55,19 +57,39 @@ def main():
         i = args.index("--plot")
         plot = args[i + 1]
         del args[i:i + 2]
+    machine = "machine not named"
+    if "--machine" in args:
+        i = args.index("--machine")
+        machine = args[i + 1]
+        del args[i:i + 2]
     torch_json = [a for a in args if "pytorch" in a]
-    b = load_bench([a for a in args if a not in torch_json])
+    peers_json = []
+    for a in args:
+        if a not in torch_json:
+            with open(a) as f:
+                if "cases" in json.load(f):
+                    peers_json.append(a)
+    if plot and not peers_json:
+        sys.exit("--plot draws one sitting of bench/peers/compare.py: give its --json output too")
+    b = load_bench([a for a in args if a not in torch_json and a not in peers_json])
+    peers, peers_env = {}, {}
+    if peers_json:
+        with open(peers_json[0]) as f:
+            doc = json.load(f)
+            peers_env = doc.get("environment", {})
+            peers = {c["name"]: c["results"] for c in doc["cases"]}
     torch = {}
-    torch_version = "PyTorch"
     if torch_json:
         with open(torch_json[0]) as f:
             doc = json.load(f)
-            torch_version = "PyTorch " + doc.get("torch", "").split("+")[0]
             for r in doc["results"]:
                 torch[(r["name"], r["path"], r["threads"])] = r
 
     def rate(name, key="flops"):
         return b[name][key] if name in b else None
+
+    def ratio(x, y):
+        return f"{x / y:.2f}" if x and y else "-"
 
     def work(name):
         # flops per call = rate * the time the rate was computed from
@@ -93,11 +115,11 @@ def main():
                 f" [{b[c]['cpu'] / b[t]['cpu']:.3f}]" if threads == 1 else "")
             lines.append(
                 f"| {length} | {threads} | {gf(tr)}{cpu} | {gf(rate(g))}{gcpu} | "
-                f"{tr / rate(g):.2f} | {gf(rate(sq))} | {tr / rate(sq):.2f} | "
+                f"{ratio(tr, rate(g))} | {gf(rate(sq))} | {ratio(tr, rate(sq))} | "
                 f"{causal} | "
                 f"{py['gflops']:.2f} | {tr / 1e9 / py['gflops']:.2f}x |" if py else
                 f"| {length} | {threads} | {gf(tr)}{cpu} | {gf(rate(g))}{gcpu} | "
-                f"{tr / rate(g):.2f} | {gf(rate(sq))} | {tr / rate(sq):.2f} | "
+                f"{ratio(tr, rate(g))} | {gf(rate(sq))} | {ratio(tr, rate(sq))} | "
                 f"{b[c]['real'] / b[t]['real']:.3f} | not measured | - |")
     print("\n".join(lines))
     print()
@@ -113,13 +135,13 @@ def main():
     for threads in (1, 2):
         d, g = f"tiled<double>/2048/{threads}", f"gemm_attention_shape<double>/2048/{threads}"
         sq = f"gemm_square<double>/2048/{threads}"
-        if d in b and g in b and threads == 1:
+        if d in b and g in b and sq in b and threads == 1:
             print(f"| double L = 2048, 1 thread, by CPU time: tiled / dgemm (attention shape), / dgemm (square) | "
                   f"{b[g]['cpu'] / b[d]['cpu']:.2f}, {(work(d) / b[d]['cpu']) / (work(sq) / b[sq]['cpu']):.2f} |")
         if d in b and g in b:
             print(f"| double L = 2048, {threads} thread(s): tiled / dgemm (attention shape), / dgemm (square) | "
-                  f"{gf(rate(d))} / {gf(rate(g))} GFLOP/s = {rate(d) / rate(g):.2f}; "
-                  f"{rate(d) / rate(sq):.2f} of {gf(rate(sq))} |")
+                  f"{gf(rate(d))} / {gf(rate(g))} GFLOP/s = {ratio(rate(d), rate(g))}; "
+                  f"{ratio(rate(d), rate(sq))} of {gf(rate(sq))} |")
     for threads in (1, 2):
         w, f_ = f"tiled_window256/16384/{threads}", f"tiled<float>/16384/{threads}"
         if w in b and f_ in b:
@@ -141,44 +163,53 @@ def main():
         print("| peak RSS, L = S = 65536, H = 1 | see the peak_rss run |")
 
     if plot:
-        data = plot.rsplit(".", 1)[0] + ".dat"
-        with open(data, "w") as f:
-            f.write("# L tiled1 tiled2 reference1 sgemm1 sgemm2 torch1 torch2 (GFLOP/s)\n")
-            for length in (1024, 2048, 4096):
-                row = [length]
-                for name in (f"tiled<float>/{length}/1", f"tiled<float>/{length}/2", f"reference_kernel<float>/{length}",
-                             f"gemm_attention_shape<float>/{length}/1", f"gemm_attention_shape<float>/{length}/2"):
-                    # one thread: CPU-time rate (what the code does when it has the core); two: wall clock
-                    one = not name.endswith("/2")
-                    value = (work(name) / b[name]["cpu"] if one else rate(name)) if name in b else None
-                    row.append(f"{value / 1e9:.3f}" if value else "NaN")
+        plot_peers(plot, b, peers, peers_env, machine)
+
+
+def plot_peers(plot, b, peers, env, machine):
+    """gflops.png from one compare.py sitting (attend, ONNX Runtime MultiHeadAttention, PyTorch SDPA: wall clock,
+    fp32 non-causal, D = 64) with the same-binary sgemm of the attention's shape and the FMA peak."""
+    data = plot.rsplit(".", 1)[0] + ".dat"
+    peak = b.get("fma_peak<float>/1", {}).get("flops")
+    with open(data, "w") as f:
+        f.write("# L attend1 attend2 ort-mha1 ort-mha2 torch-sdpa1 torch-sdpa2 sgemm1 sgemm2 fma-peak1 (GFLOP/s, "
+                "wall clock)\n")
+        for length in (1024, 2048, 4096):
+            flops = 4.0 * 8 * length * length * 64
+            row = [length]
+            for impl in ("attend", "ort-mha", "torch-sdpa"):
                 for threads in (1, 2):
-                    py = torch.get((f"noncausal/{length}", "sdpa", threads))
-                    row.append(f"{py['gflops']:.3f}" if py else "NaN")
-                f.write(" ".join(str(x) for x in row) + "\n")
-        script = f"""
+                    r = peers.get(f"prefill/fp32/L{length}/D64/full/t{threads}", {}).get(impl, {})
+                    row.append(f"{flops / r['seconds'] / 1e9:.3f}" if "seconds" in r else "NaN")
+            for threads in (1, 2):
+                g = b.get(f"gemm_attention_shape<float>/{length}/{threads}")
+                row.append(f"{g['flops'] / 1e9:.3f}" if g else "NaN")
+            row.append(f"{peak / 1e9:.3f}" if peak else "NaN")
+            f.write(" ".join(str(x) for x in row) + "\n")
+    ort_version = "ONNX Runtime " + env.get("onnxruntime", "")
+    torch_version = "PyTorch " + env.get("torch", "").split("+")[0]
+    script = f"""
 set terminal pngcairo size 1100,560 font ',11'
 set output '{plot}'
-set title "attention fp32, B = 1, H = 8, D = 64 (Zen 4, 2 shared vCPUs)\\n1 thread: rate by thread CPU time; 2 threads and PyTorch: wall clock"
+set title "attention fp32, non-causal, B = 1, H = 8, D = 64 ({machine})\\nwall clock, one sitting; GFLOP/s = 4 B H L S D / time"
 set xlabel 'sequence length L = S'
-set ylabel 'GFLOP/s (4 B H L S D per call)'
+set ylabel 'GFLOP/s'
 set logscale x 2
-set logscale y 10
-set yrange [20:300]
-set ytics (20, 30, 50, 70, 100, 150, 200, 300)
+set yrange [0:*]
 set xtics (1024, 2048, 4096)
 set xrange [900:4600]
 set key outside right center box font ',9'
 set grid
-plot '{data}' using 1:2 with linespoints lw 2 title 'attend tiled, 1 thread', \\
-     '' using 1:3 with linespoints lw 2 title 'attend tiled, 2 threads', \\
-     '' using 1:5 with linespoints dt 2 title 'Eigen sgemm (attention shape), 1 thread', \\
-     '' using 1:6 with linespoints dt 2 title 'Eigen sgemm (attention shape), 2 threads', \\
-     '' using 1:4 with linespoints title 'attend reference kernel', \\
-     '' using 1:7 with linespoints title '{torch_version} SDPA, 1 thread', \\
-     '' using 1:8 with linespoints title '{torch_version} SDPA, 2 threads'
+plot '{data}' using 1:2 with linespoints lw 2 pt 7 lc rgb '#c0392b' title 'attend, 1 thread', \\
+     '' using 1:3 with linespoints lw 2 pt 5 lc rgb '#c0392b' dt 2 title 'attend, 2 threads', \\
+     '' using 1:4 with linespoints lw 2 pt 7 lc rgb '#2471a3' title '{ort_version} MHA, 1 thread', \\
+     '' using 1:5 with linespoints lw 2 pt 5 lc rgb '#2471a3' dt 2 title '{ort_version} MHA, 2 threads', \\
+     '' using 1:6 with linespoints lw 2 pt 7 lc rgb '#7d3c98' title '{torch_version} SDPA, 1 thread', \\
+     '' using 1:7 with linespoints lw 2 pt 5 lc rgb '#7d3c98' dt 2 title '{torch_version} SDPA, 2 threads', \\
+     '' using 1:8 with lines lc rgb '#7f8c8d' title 'Eigen sgemm (attention shape), 1 thread', \\
+     '' using 1:10 with lines lc rgb '#000000' dt 3 title 'FMA peak, 1 thread (in-binary probe)'
 """
-        subprocess.run(["gnuplot"], input=script, text=True, check=True)
+    subprocess.run(["gnuplot"], input=script, text=True, check=True)
 
 
 if __name__ == "__main__":
