@@ -13,10 +13,12 @@
 // - non-finite 16-bit inputs are rejected before anything is written;
 // - and, for every instruction set this file is built for (tests/CMakeLists.txt: the default target, x86-64-v3,
 //   and native where it has AVX-512): the same call gives the same bits wherever the heap puts the kernels'
-//   scratch (AVX builds once summed an unaligned buffer's head element by element).
+//   scratch (AVX builds once summed an unaligned buffer's head element by element), and wherever the caller's q,
+//   k and v start (a decode over K and V 16 bytes past a cache line is slower, never different).
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -412,6 +414,33 @@ void expect_same_bits_wherever_the_scratch_lands(std::uint64_t seed) {
     }
 }
 
+/// q, k and v copied to `offset` elements past an aligned allocation and mapped there (TensorMap), as a caller's
+/// memory is read in place: the decode (row kernels) and a causal prefill (micro-kernels, panels packed from the
+/// mapped rows) give the bits of the same call on attend's own, aligned tensors.
+template <class T>
+void expect_same_bits_wherever_the_inputs_start(std::uint64_t seed) {
+    using map = Eigen::TensorMap<Eigen::Tensor<const T, 4, Eigen::RowMajor>>;
+    for (const index L : {index{1}, index{300}}) {
+        const inputs16<T> in(4, 2, L, 700, 64, seed + static_cast<std::uint64_t>(L));
+        attend::sdpa_options o;
+        o.threads = 1;
+        const auto mask = attend::causal(attend::alignment::bottom_right);
+        const auto want = attend::scaled_dot_product_attention(in.q, in.k, in.v, mask, o);
+        for (const index offset : {1, 4, 8, 12}) {
+            std::vector<std::vector<T, Eigen::aligned_allocator<T>>> copies;
+            const auto placed = [&](const attend::tensor<T, 4>& t) {
+                copies.emplace_back(static_cast<std::size_t>(t.size() + offset));
+                std::copy(t.data(), t.data() + t.size(), copies.back().data() + offset);
+                return map(copies.back().data() + offset, t.dimensions());
+            };
+            const map q = placed(in.q), k = placed(in.k), v = placed(in.v);
+            const auto got = attend::scaled_dot_product_attention(q, k, v, mask, o);
+            EXPECT_TRUE(bit_equal(got.out, want.out)) << "query_len " << L << ", " << offset << " elements in";
+            EXPECT_TRUE(bit_equal(got.lse, want.lse)) << "query_len " << L << ", " << offset << " elements in";
+        }
+    }
+}
+
 /// The weights' second pass takes the forward pass's steps (slabs, strips, kernels), so a score reaches the
 /// weights with the bits it had in the softmax. Here because this file is built for every instruction set: with
 /// multiply-adds fused, a row kernel's and a micro-kernel's sums of the same products can differ in the last bit,
@@ -450,6 +479,12 @@ TEST(Storage16Weights, ASingleAllowedKeyGetsWeightOneOnEveryInstructionSet) {
 TEST(Storage16Determinism, TheSameCallGivesTheSameBitsWhereverTheHeapPutsItsScratch) {
     expect_same_bits_wherever_the_scratch_lands<float>(101);
     expect_same_bits_wherever_the_scratch_lands<bf16>(102);
+}
+
+TEST(Storage16Determinism, TheSameCallGivesTheSameBitsWhereverTheCallersMemoryStarts) {
+    expect_same_bits_wherever_the_inputs_start<float>(103);
+    expect_same_bits_wherever_the_inputs_start<bf16>(104);
+    expect_same_bits_wherever_the_inputs_start<half>(105);
 }
 
 }  // namespace
