@@ -428,6 +428,7 @@ void expect_same_bits_wherever_the_inputs_start(std::uint64_t seed) {
         const auto want = attend::scaled_dot_product_attention(in.q, in.k, in.v, mask, o);
         for (const index offset : {1, 4, 8, 12}) {
             std::vector<std::vector<T, Eigen::aligned_allocator<T>>> copies;
+            copies.reserve(3);  // the maps point into them
             const auto placed = [&](const attend::tensor<T, 4>& t) {
                 copies.emplace_back(static_cast<std::size_t>(t.size() + offset));
                 std::copy(t.data(), t.data() + t.size(), copies.back().data() + offset);

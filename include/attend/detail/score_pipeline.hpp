@@ -111,20 +111,11 @@ public:
 private:
     static constexpr float lowest = -87.3365402f;  // ln FLT_MIN, rounded up: exp of it is at least FLT_MIN
     static constexpr float highest = 88.7228394f;  // ln FLT_MAX: 2^k is at most 2^128, which is +inf
-    using integer = typename Eigen::internal::unpacket_traits<value>::integer_packet;
 
     /// t = 1.5 * 2^23 + round(x s / ln 2): n sits in t's low mantissa bits, and t's bits are a multiple of s plus n.
     static value rounded(const value& x, float s_over_ln2) {
         return Eigen::internal::pmadd(x, Eigen::internal::pset1<value>(s_over_ln2),
                                       Eigen::internal::pset1<value>(magic));
-    }
-    /// 2^k for k = (t's bits) / s rounded down, s = 2^LogS (1 or 16): the magic's bits are a multiple of 2^22, so
-    /// the low 9 bits of k + 127 are k's biased exponent in [1, 255].
-    template <int LogS>
-    static value power_of_two(const value& t) {
-        using namespace Eigen::internal;
-        const integer k = plogical_shift_right<LogS>(preinterpret<integer>(t));
-        return preinterpret<value>(plogical_shift_left<23>(padd(k, pset1<integer>(127))));
     }
     static constexpr float magic = 12582912.0f;
 
@@ -142,10 +133,19 @@ private:
                                             1.61049032f, 1.68179286f, 1.75625217f, 1.83400810f, 1.91520655f);
         const value fraction = _mm512_permutexvar_ps(_mm512_castps_si512(t), powers);
         // times 2^k, k = floor(n / 16): scalef multiplies by 2 to the floor of its second operand (one instruction
-        // for the shifts, add and multiply of power_of_two, and the zeroing below ln FLT_MIN in its mask).
+        // for an exponent field's shifts, add and multiply, and the zeroing below ln FLT_MIN in its mask).
         return _mm512_maskz_scalef_ps(kept, pmadd(fraction, q, fraction), pmul(m, pset1<value>(0.0625f)));
     }
 #else
+    using integer = typename Eigen::internal::unpacket_traits<value>::integer_packet;
+
+    /// 2^n for n in t's bits (s = 1): the magic's bits are a multiple of 2^22, so the low 9 bits of n + 127 are n's
+    /// biased exponent in [1, 255].
+    static value power_of_two(const value& t) {
+        using namespace Eigen::internal;
+        return preinterpret<value>(plogical_shift_left<23>(padd(preinterpret<integer>(t), pset1<integer>(127))));
+    }
+
     static value by_polynomial(const value& xc) {
         using namespace Eigen::internal;
         const value t = rounded(xc, 1.44269504088896341f);
@@ -159,7 +159,7 @@ private:
         y = pmadd(y, r, pset1<value>(1.6666665459e-1f));
         y = pmadd(y, r, pset1<value>(5.0000001201e-1f));
         y = padd(pmadd(y, r2, r), pset1<value>(1.0f));
-        return pmul(y, power_of_two<0>(t));
+        return pmul(y, power_of_two(t));
     }
 #endif
 };
