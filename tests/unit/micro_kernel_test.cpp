@@ -158,6 +158,23 @@ TYPED_TEST(MicroKernel, ARowGetsTheSameBitsWhateverRowsShareItsCall) {
     EXPECT_EQ(std::memcmp(acc_together.data(), acc_alone.data(), acc_together.size() * sizeof(T)), 0);
 }
 
+TEST(MicroKernelRowGroups, CoverEveryRowOnceInOrderAndNoneIsShortWhereAWholeTileFits) {
+    for (index tile : {index(6), index(12)})
+        for (index rows = 0; rows <= 5 * tile; ++rows) {
+            std::vector<std::pair<index, index>> groups;
+            attend::detail::for_each_row_group(rows, tile, [&](index r0, index m) { groups.emplace_back(r0, m); });
+            index next = 0;
+            for (const auto& [r0, m] : groups) {
+                EXPECT_EQ(r0, next) << "tile " << tile << " rows " << rows;
+                EXPECT_TRUE(m >= 1 && m <= tile) << "tile " << tile << " rows " << rows << " group of " << m;
+                // At least half a tile whenever the rows fill one: 256 rows of 12 end in 8 + 8, not 12 + 4.
+                EXPECT_TRUE(rows < tile || 2 * m >= tile) << "tile " << tile << " rows " << rows << " group of " << m;
+                next = r0 + m;
+            }
+            EXPECT_EQ(next, rows) << "tile " << tile;
+        }
+}
+
 TYPED_TEST(MicroKernel, AccumulatingFromATransposedTileEqualsAccumulatingFromItsTransposedCopy) {
     // The backward's dV += Pᵀ dO reads P by columns (row stride 1, column stride ld): the same result as the same
     // call on a row-major copy of Pᵀ, for every edge of the row groups and column blocks.

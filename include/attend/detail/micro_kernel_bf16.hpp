@@ -231,15 +231,14 @@ void scores_from_key_pairs(const std::uint32_t* q, index ldq, index rows, index 
     for (index p0 = 0; p0 < nk; p0 += bt::cols) {
         const std::uint32_t* panel = panels + p0 * pairs;
         const index n = std::min(bt::cols, nk - p0);
-        for (index r0 = 0; r0 < rows; r0 += bt::rows) {
-            const index m = std::min(bt::rows, rows - r0);
+        for_each_row_group(rows, bt::rows, [&](index r0, index m) {
             float* out = n == bt::cols ? scores + r0 * lds + p0 : edge;
             const index ldo = n == bt::cols ? lds : bt::cols;
             micro::score_pairs_for<Epilogue>(m)(q + r0 * ldq, ldq, pairs, panel, scale, out, ldo, epilogue);
             if (n < bt::cols)
                 for (index r = 0; r < m; ++r)
                     std::copy(edge + r * bt::cols, edge + r * bt::cols + n, scores + (r0 + r) * lds + p0);
-        }
+        });
     }
 }
 
@@ -253,10 +252,11 @@ inline void accumulate_from_value_pairs(const std::uint32_t* p, index ldp, index
     for (index j0 = 0; j0 < pairs; j0 += slice) {
         const index nj = std::min(slice, pairs - j0);
         for (index e = 0; e < dv; e += bt::cols)
-            for (index r0 = 0; r0 < rows; r0 += bt::rows)
-                micro::accumulate_pairs_for(std::min(bt::rows, rows - r0))(
-                    p + r0 * ldp + j0, ldp, nj, blocks + (e / bt::cols) * block_stride + j0 * bt::cols,
-                    acc + r0 * lda + e, lda);
+            for_each_row_group(rows, bt::rows, [&](index r0, index m) {
+                micro::accumulate_pairs_for(m)(p + r0 * ldp + j0, ldp, nj,
+                                               blocks + (e / bt::cols) * block_stride + j0 * bt::cols,
+                                               acc + r0 * lda + e, lda);
+            });
     }
 }
 
