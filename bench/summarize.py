@@ -16,6 +16,7 @@ CPU-time rate (thread CPU time, immune to time slicing by other processes) in br
 """
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -42,6 +43,8 @@ def load_bench(paths):
             "bytes": r.get("bytes"),
             "n": len(rs),
             "real_time_rate": name.endswith("/real_time"),
+            "median_real": statistics.median(x["real_time"] for x in rs) * scale,
+            "median_flops": statistics.median(x.get("flops") or 0 for x in rs),
         }
     return best
 
@@ -72,12 +75,13 @@ def main():
     if plot and not peers_json:
         sys.exit("--plot draws one sitting of bench/peers/compare.py: give its --json output too")
     b = load_bench([a for a in args if a not in torch_json and a not in peers_json])
-    peers, peers_env = {}, {}
+    peers, peers_env, peer_cases = {}, {}, []
     if peers_json:
         with open(peers_json[0]) as f:
             doc = json.load(f)
             peers_env = doc.get("environment", {})
             peers = {c["name"]: c["results"] for c in doc["cases"]}
+            peer_cases = doc["cases"]
     torch = {}
     if torch_json:
         with open(torch_json[0]) as f:
@@ -162,8 +166,52 @@ def main():
     if "peak_rss" in b:
         print("| peak RSS, L = S = 65536, H = 1 | see the peak_rss run |")
 
+    print_bounds(b, peer_cases)
+
     if plot:
         plot_peers(plot, b, peers, peers_env, machine)
+
+
+def print_bounds(b, peer_cases):
+    """What the speed targets ask of the core, in fractions of the in-binary FMA peak (fma_peak<float>, the median
+    of its runs): for each non-causal prefill of compare.py's sitting (its medians; 4 H L S D flops), attend's
+    rate, the best peer's and the rate that 0.87 x the best peer's time would need; and the time the q8_0 decode's
+    vector multiplies take at that peak against a third of the fp32 decode's (medians of attend_bench's runs).
+    Unlike the tables above, medians: the targets are read from medians."""
+    peak = {t: b[f"fma_peak<float>/{t}"]["median_flops"] for t in (1, 2) if f"fma_peak<float>/{t}" in b}
+    if not peak:
+        return
+    rows = []
+    for c in peer_cases:
+        r = c["results"]
+        # fp32, and fp16, which widens to float where the core has no fp16 arithmetic; bf16 runs on bf16 pairs.
+        if (c["kind"] != "prefill" or c["causal"] or c.get("segments") or c["dtype"] not in ("fp32", "fp16")
+                or "seconds" not in r.get("attend", {})):
+            continue
+        peers = [(v["seconds"], k) for k, v in r.items() if k != "attend" and "seconds" in v]
+        if not peers or c["threads"] not in peak:
+            continue
+        best, who = min(peers)
+        flops = 4.0 * c["heads"] * c["query_len"] * c["key_len"] * c["dim"]
+        p = peak[c["threads"]]
+        rows.append(f"| {c['dtype']} L {c['query_len']} D {c['dim']} t{c['threads']} | {flops / r['attend']['seconds'] / p:.2f} "
+                    f"| {flops / best / p:.2f} ({who}) | {flops / (0.87 * best) / p:.2f} |")
+    if rows:
+        print()
+        print("| non-causal prefill | attend / FMA peak | best peer / FMA peak | 0.87 x the best peer's time needs |")
+        print("|---|---|---|---|")
+        print("\n".join(rows))
+    # The q8_0 decode case: S = 8192 keys, 8 kv heads of 4 query heads, D = 128. Per key and kv head, K and V each
+    # take D / 16 packets, each widened and multiplied by its block's scale, then one multiply-add per query row.
+    keys, kv_heads, packets, rows_per_head = 8192, 8, 128 // 16, 4
+    ops = keys * kv_heads * 2 * packets * (rows_per_head + 1)
+    for t in (1, 2):
+        q8, fp32 = f"decode_q8/threads:{t}/check_finite:1", f"decode/threads:{t}/check_finite:1"
+        if t in peak and q8 in b and fp32 in b:
+            floor = ops * 32 / peak[t]  # a packet's multiply-add: 16 lanes x 2 flops
+            print(f"| q8_0 decode, {t} thread(s): its {ops / 1e6:.2f} M vector multiplies and multiply-adds at the FMA "
+                  f"peak | {floor * 1e6:.0f} us; attend {b[q8]['median_real'] * 1e6:.0f} us; 3 x faster than fp32 "
+                  f"({b[fp32]['median_real'] * 1e6:.0f} us) needs {b[fp32]['median_real'] / 3 * 1e6:.0f} us |")
 
 
 def plot_peers(plot, b, peers, env, machine):
