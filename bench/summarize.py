@@ -205,13 +205,19 @@ def print_bounds(b, peer_cases):
     # take D / 16 packets, each widened and multiplied by its block's scale, then one multiply-add per query row.
     keys, kv_heads, packets, rows_per_head = 8192, 8, 128 // 16, 4
     ops = keys * kv_heads * 2 * packets * (rows_per_head + 1)
+    rows = []
     for t in (1, 2):
         q8, fp32 = f"decode_q8/threads:{t}/check_finite:1", f"decode/threads:{t}/check_finite:1"
         if t in peak and q8 in b and fp32 in b:
             floor = ops * 32 / peak[t]  # a packet's multiply-add: 16 lanes x 2 flops
-            print(f"| q8_0 decode, {t} thread(s): its {ops / 1e6:.2f} M vector multiplies and multiply-adds at the FMA "
-                  f"peak | {floor * 1e6:.0f} us; attend {b[q8]['median_real'] * 1e6:.0f} us; 3 x faster than fp32 "
-                  f"({b[fp32]['median_real'] * 1e6:.0f} us) needs {b[fp32]['median_real'] / 3 * 1e6:.0f} us |")
+            rows.append(f"| {t} | {floor * 1e6:.0f} | {b[q8]['median_real'] * 1e6:.0f} | "
+                        f"{b[fp32]['median_real'] * 1e6:.0f} | {b[fp32]['median_real'] / 3 * 1e6:.0f} |")
+    if rows:
+        print()
+        print(f"| q8_0 decode, threads | its {ops / 1e6:.2f} M vector multiplies at the FMA peak, us | attend, us | "
+              "fp32 decode, us | 3 x faster than fp32 needs, us |")
+        print("|---|---|---|---|---|")
+        print("\n".join(rows))
 
 
 def plot_peers(plot, b, peers, env, machine):
