@@ -12,6 +12,7 @@
 
 #include "detail/memory.hpp"
 #include "detail/merge_rows.hpp"
+#include "detail/widen.hpp"
 #include "error.hpp"
 #include "tensor.hpp"
 
@@ -107,13 +108,11 @@ auto merge_partials(const OutA& out_a, const LseA& lse_a, const OutB& out_b, con
             },
             "Split the call over the batch");
         for (index row = 0; row < lse_a.size(); ++row) {
-            std::transform(out_a.data() + row * dim, out_a.data() + (row + 1) * dim, a.begin(),
-                           [](T x) { return static_cast<Acc>(x); });
-            std::transform(out_b.data() + row * dim, out_b.data() + (row + 1) * dim, b.begin(),
-                           [](T x) { return static_cast<Acc>(x); });
+            detail::widen(out_a.data() + row * dim, dim, a.data());
+            detail::widen(out_b.data() + row * dim, dim, b.data());
             r.lse.data()[row] =
                 detail::merge_row(a.data(), lse_a.data()[row], b.data(), lse_b.data()[row], a.data(), dim);
-            std::transform(a.begin(), a.end(), r.out.data() + row * dim, [](Acc x) { return static_cast<T>(x); });
+            detail::narrow(a.data(), dim, r.out.data() + row * dim);
         }
     }
     return r;

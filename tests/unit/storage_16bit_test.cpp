@@ -268,6 +268,58 @@ TYPED_TEST(Storage16, EveryBitPatternWidensToItsExactFloat) {
     }
 }
 
+TYPED_TEST(Storage16, NarrowingRoundsEveryFloatAsEigensConversionDoes) {
+    // The outputs' rounding back to 16 bits (F16C, or Eigen's own conversion where the target has none; bf16 in
+    // integer arithmetic), against Eigen's scalar conversion: every 16-bit value and the floats around it (each
+    // value's neighbours and the midpoints to the next, where ties round to even), the overflow edge, and a sweep
+    // of all float bit patterns 65521 apart; in runs of 8 (the vector loop) and alone (its tail). NaN stays NaN.
+    using T = TypeParam;
+    std::vector<float> floats;
+    for (std::uint32_t b = 0; b < 65536; ++b) {
+        const auto bits = static_cast<std::uint16_t>(b);
+        T value;
+        std::memcpy(static_cast<void*>(&value), &bits, 2);
+        const float x = static_cast<float>(value);
+        if (!std::isfinite(x)) continue;
+        floats.push_back(x);
+        floats.push_back(std::nextafter(x, std::numeric_limits<float>::infinity()));
+        floats.push_back(std::nextafter(x, -std::numeric_limits<float>::infinity()));
+        T next_bits = value;
+        const auto up = static_cast<std::uint16_t>(b + 1);
+        std::memcpy(static_cast<void*>(&next_bits), &up, 2);
+        const float next = static_cast<float>(next_bits);
+        if (std::isfinite(next) && std::signbit(next) == std::signbit(x)) {
+            const float mid = x + (next - x) / 2;  // exact: 16-bit neighbours are far apart in float
+            floats.push_back(mid);
+            floats.push_back(std::nextafter(mid, next));
+            floats.push_back(std::nextafter(mid, x));
+        }
+    }
+    for (float x : {65504.0f, 65519.996f, 65520.0f, 3.3895314e38f, std::numeric_limits<float>::max()}) {
+        floats.push_back(x);
+        floats.push_back(-x);
+    }
+    for (std::uint64_t b = 0; b < (std::uint64_t{1} << 32); b += 65521) {
+        const auto bits = static_cast<std::uint32_t>(b);
+        float x;
+        std::memcpy(&x, &bits, 4);
+        floats.push_back(x);
+    }
+    std::vector<T> runs(floats.size());
+    attend::detail::narrow(floats.data(), static_cast<index>(floats.size()), runs.data());
+    for (std::size_t j = 0; j < floats.size(); ++j) {
+        const T want = static_cast<T>(floats[j]);
+        T alone;
+        attend::detail::narrow(&floats[j], 1, &alone);
+        if (std::isnan(floats[j])) {
+            ASSERT_TRUE(std::isnan(static_cast<float>(runs[j])) && std::isnan(static_cast<float>(alone))) << j;
+            continue;
+        }
+        ASSERT_EQ(std::memcmp(&runs[j], &want, 2), 0) << floats[j] << " (float bits " << j << ")";
+        ASSERT_EQ(std::memcmp(&alone, &want, 2), 0) << floats[j] << " alone";
+    }
+}
+
 TYPED_TEST(Storage16, RotaryRotatesInFloatAndRoundsOnce) {
     using T = TypeParam;
     for (const auto layout : {attend::rotary_layout::half_split, attend::rotary_layout::interleaved}) {

@@ -28,6 +28,7 @@
 #include "mask_nodes.hpp"
 #include "memory.hpp"
 #include "micro_kernel.hpp"
+#include "widen.hpp"
 
 namespace attend::detail {
 
@@ -510,7 +511,17 @@ public:
             return minus_infinity<Acc>();
         }
         const Acc l = sum(r);
-        for (index d = 0; d < dv; ++d) out[d] = static_cast<Storage>(acc[d] / l);
+        if constexpr (std::is_same_v<Storage, Acc>) {
+            for (index d = 0; d < dv; ++d) out[d] = acc[d] / l;
+        } else {  // divided in Acc, then rounded a run at a time (narrow: in registers where the target can)
+            constexpr index run = 64;
+            Acc quotient[run];
+            for (index d0 = 0; d0 < dv; d0 += run) {
+                const index n = std::min(run, dv - d0);
+                for (index d = 0; d < n; ++d) quotient[d] = acc[d0 + d] / l;
+                narrow(quotient, n, out + d0);
+            }
+        }
         return lse(r);
     }
 

@@ -429,7 +429,7 @@ private:
     /// to the storage type once, and its lse.
     void write_merged_row(index b, index h, index i, const Acc* row, Acc lse) const {
         Storage* out = o_.out.row(b, h, i);
-        if (row) std::transform(row, row + s_.value_dim, out, [](Acc x) { return static_cast<Storage>(x); });
+        if (row) narrow(row, s_.value_dim, out);
         else std::fill(out, out + s_.value_dim, Storage(0));
         write_lse(b, h, i, row ? lse : minus_infinity<Acc>());
     }
@@ -766,7 +766,7 @@ private:
                 const Acc l = w.softmax.sum(r);
                 for (index j = 0; j < nk; ++j) p[j] /= l;
                 if (drop) p_.dropout.apply(p, nk, blk.batch, head_of(blk, r), query_of(blk, r), k0);
-                std::transform(p, p + nk, weights_row(r) + k0, [](Acc x) { return static_cast<Storage>(x); });
+                narrow(p, nk, weights_row(r) + k0);
             }
         });
     }

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: MIT
 #pragma once
-/// Widening a run of stored values to the accumulation type, exactly, in loops the compiler vectorizes. Eigen 3.4
-/// converts half and bfloat16 one element at a time inside expressions (its cast is not vectorized there), which
-/// made a decode over a 16-bit cache slower than over a float one; these are what the kernels and the input scans
-/// use instead.
+/// Widening a run of stored values to the accumulation type, exactly, in loops the compiler vectorizes, and
+/// narrowing results back to the storage type, rounded once. Eigen 3.4 converts half and bfloat16 one element at
+/// a time inside expressions (its cast is not vectorized there), which made a decode over a 16-bit cache slower
+/// than over a float one; these are what the kernels and the input scans use instead.
 
 #include <cstdint>
 #include <cstring>
@@ -73,6 +73,43 @@ inline void widen(const Eigen::half* src, index n, float* dst) {
         std::memcpy(&r, &result, 4);
         r |= (h & 0x8000u) << 16;  // the sign
         std::memcpy(dst + j, &r, 4);
+    }
+}
+
+/// dst[j] = src[j] rounded to S once (to nearest even), for j < n: the outputs' way back to the storage type.
+template <class A, class S>
+void narrow(const A* src, index n, S* dst) {
+    for (index j = 0; j < n; ++j) dst[j] = static_cast<S>(src[j]);
+}
+
+/// float to fp16, to nearest even: F16C eight at a time where the target has it, else Eigen's conversion. Eigen 3.4
+/// takes F16C for its own conversion only under clang (under GCC its compiler test is false), so a GCC build had
+/// rounded every output value in integer arithmetic, one at a time: 4 % of an fp16 prefill's time (Zen 5). The same
+/// bits as Eigen's rounding for every value but NaN, which stays NaN (F16C keeps the payload's upper bits, where
+/// Eigen's integer path writes 0x7e00).
+inline void narrow(const float* src, index n, Eigen::half* dst) {
+    index j = 0;
+#if defined(__F16C__)
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(src + j), 0));
+    for (; j < n; ++j) {  // 0: to nearest even
+        const auto bits = static_cast<std::uint16_t>(_mm_cvtsi128_si32(_mm_cvtps_ph(_mm_set_ss(src[j]), 0)));
+        std::memcpy(static_cast<void*>(dst + j), &bits, 2);
+    }
+#endif
+    for (; j < n; ++j) dst[j] = static_cast<Eigen::half>(src[j]);
+}
+
+/// float to bfloat16, to nearest even, NaN as Eigen's conversion makes it (0x7fc0 with the sign): Eigen's own
+/// rounding, branch-free so the loop vectorizes (Eigen's call per value does not).
+inline void narrow(const float* src, index n, Eigen::bfloat16* dst) {
+    for (index j = 0; j < n; ++j) {
+        std::uint32_t u;
+        std::memcpy(&u, src + j, 4);
+        const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        const std::uint32_t quiet_nan = (u >> 16 & 0x8000u) | 0x7fc0u;
+        const auto bits = static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+        std::memcpy(static_cast<void*>(dst + j), &bits, 2);
     }
 }
 
