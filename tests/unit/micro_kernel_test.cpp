@@ -612,6 +612,30 @@ void expect_predux_bits_for(attend_test::rng& g, std::integer_sequence<int, N...
     for (int round = 0; round < 50; ++round) (expect_predux_bits<Acc, N + 1>(g), ...);
 }
 
+TEST(RowKernels, ADotOfTwoRowsIsExactOnSmallValuesAndTheSameForEveryStorage) {
+    // The backward's delta = rowsum(dO * O) (dot_of_rows): values k / 16, |k| <= 64, are exact in float, fp16 and
+    // bf16, and so are their products and sums of a few hundred of them, so every storage type must give the exact
+    // sum (a dropped or repeated product, or a wrong tail, would not), whatever the length around the packets.
+    attend_test::rng g(29);
+    for (index n : {index(1), index(7), index(15), index(16), index(17), index(31), index(32), index(33), index(48),
+                    index(64), index(100), index(128), index(257)}) {
+        std::vector<float> a(static_cast<std::size_t>(n)), b(a.size());
+        double exact = 0;
+        for (std::size_t x = 0; x < a.size(); ++x) {
+            a[x] = static_cast<float>(static_cast<int>(g.uniform() * 129) - 64) / 16;
+            b[x] = static_cast<float>(static_cast<int>(g.uniform() * 129) - 64) / 16;
+            exact += static_cast<double>(a[x]) * b[x];
+        }
+        std::vector<Eigen::half> ah(a.begin(), a.end()), bh(b.begin(), b.end());
+        std::vector<Eigen::bfloat16> ab(a.begin(), a.end()), bb(b.begin(), b.end());
+        std::vector<double> ad(a.begin(), a.end()), bd(b.begin(), b.end());
+        EXPECT_EQ(attend::detail::dot_of_rows<float>(a.data(), b.data(), n), static_cast<float>(exact)) << n;
+        EXPECT_EQ(attend::detail::dot_of_rows<float>(ah.data(), bh.data(), n), static_cast<float>(exact)) << n;
+        EXPECT_EQ(attend::detail::dot_of_rows<float>(ab.data(), bb.data(), n), static_cast<float>(exact)) << n;
+        EXPECT_EQ(attend::detail::dot_of_rows<double>(ad.data(), bd.data(), n), exact) << n;
+    }
+}
+
 TEST(RowKernels, SumsOfManyPacketsAtOnceHaveTheBitsOfOnePreduxEach) {
     attend_test::rng g(44);
     expect_predux_bits_for<float>(g, std::make_integer_sequence<int, 20>{});

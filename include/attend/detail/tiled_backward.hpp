@@ -284,11 +284,8 @@ private:
         }
         if (!any) return;
         for (index r = 0; r < nq; ++r) {
-            const Storage* o = in_.out.row(b, h, q0 + r);
-            const Storage* g = in_.d_out.row(b, h, q0 + r);
-            Acc sum = 0;
-            for (index d = 0; d < dv; ++d) sum += static_cast<Acc>(o[d]) * static_cast<Acc>(g[d]);
-            w.delta[static_cast<std::size_t>(r)] = sum;
+            w.delta[static_cast<std::size_t>(r)] =
+                dot_of_rows<Acc>(in_.out.row(b, h, q0 + r), in_.d_out.row(b, h, q0 + r), dv);
         }
         const auto queries = query_rows(w, t);
         const auto d_out = rows_as_accumulator<Acc>(in_.d_out, b, h, q0, nq, w.d_out_stage);
@@ -434,10 +431,7 @@ private:
                     if (lse == minus_infinity<Acc>()) continue;
                     const Acc shift = row_shift_.empty() ? lse : row_shift_[row];
                     const Acc inv_sum = row_inv_sum_.empty() ? Acc(1) : row_inv_sum_[row];
-                    const Storage* o = in_.out.row(b, h, i);
-                    const Storage* g = in_.d_out.row(b, h, i);
-                    Acc delta = 0;
-                    for (index d = 0; d < s_.value_dim; ++d) delta += static_cast<Acc>(o[d]) * static_cast<Acc>(g[d]);
+                    const Acc delta = dot_of_rows<Acc>(in_.out.row(b, h, i), in_.d_out.row(b, h, i), s_.value_dim);
                     sum -= std::exp(z - shift) * inv_sum * delta;
                 }
             o_.sink_gradient[h] = static_cast<Grad>(sum);
