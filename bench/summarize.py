@@ -75,12 +75,11 @@ def main():
     if plot and not peers_json:
         sys.exit("--plot draws one sitting of bench/peers/compare.py: give its --json output too")
     b = load_bench([a for a in args if a not in torch_json and a not in peers_json])
-    peers, peers_env, peer_cases = {}, {}, []
+    peers_env, peer_cases = {}, []
     if peers_json:
         with open(peers_json[0]) as f:
             doc = json.load(f)
             peers_env = doc.get("environment", {})
-            peers = {c["name"]: c["results"] for c in doc["cases"]}
             peer_cases = doc["cases"]
     torch = {}
     if torch_json:
@@ -169,7 +168,7 @@ def main():
     print_bounds(b, peer_cases)
 
     if plot:
-        plot_peers(plot, b, peers, peers_env, machine)
+        plot_peers(plot, b, peer_cases, peers_env, machine)
 
 
 def print_bounds(b, peer_cases):
@@ -220,10 +219,11 @@ def print_bounds(b, peer_cases):
         print("\n".join(rows))
 
 
-def plot_peers(plot, b, peers, env, machine):
+def plot_peers(plot, b, peer_cases, env, machine):
     """gflops.png from one compare.py sitting (attend, ONNX Runtime MultiHeadAttention, PyTorch SDPA: wall clock,
     fp32 non-causal, D = 64) with the same-binary sgemm of the attention's shape and the FMA peak."""
     data = plot.rsplit(".", 1)[0] + ".dat"
+    peers = {c["name"]: c["results"] for c in peer_cases}
     peak = b.get("fma_peak<float>/1", {}).get("flops")
     with open(data, "w") as f:
         f.write("# L attend1 attend2 ort-mha1 ort-mha2 torch-sdpa1 torch-sdpa2 sgemm1 sgemm2 fma-peak1 (GFLOP/s, "

@@ -19,6 +19,7 @@
 #include "detail/parallel_for.hpp"
 #include "detail/reference_kernel.hpp"
 #include "detail/tiled_kernel.hpp"
+#include "detail/widen.hpp"
 #include "error.hpp"
 #include "mask.hpp"
 #include "score_bias.hpp"
@@ -251,14 +252,11 @@ void run_checked(const strided_view<const T>& q, const Rows& k, const Rows& v, c
             o.weights = out.weights ? wide_weights.data() : nullptr;
             o.lse = out.lse;
             reference_attention(as_view(queries), as_view(keys), as_view(values), s, call.mask, call.params, o);
-            const auto narrow = [](Acc x) { return static_cast<T>(x); };
             for (index b = 0; b < s.batch; ++b)
                 for (index h = 0; h < s.heads; ++h)
                     for (index i = 0; i < s.query_len; ++i)
-                        std::transform(o.out.row(b, h, i), o.out.row(b, h, i) + s.value_dim, out.out.row(b, h, i),
-                                       narrow);
-            if (out.weights)
-                std::transform(wide_weights.data(), wide_weights.data() + wide_weights.size(), out.weights, narrow);
+                        narrow(o.out.row(b, h, i), s.value_dim, out.out.row(b, h, i));
+            if (out.weights) narrow(wide_weights.data(), wide_weights.size(), out.weights);
         }
     }
 }

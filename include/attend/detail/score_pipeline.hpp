@@ -510,17 +510,15 @@ public:
             std::fill(out, out + dv, Storage(0));
             return minus_infinity<Acc>();
         }
+        // Divided in Acc, then stored a run at a time through narrow (a copy for Storage = Acc; 16-bit rounding in
+        // registers where the target can).
         const Acc l = sum(r);
-        if constexpr (std::is_same_v<Storage, Acc>) {
-            for (index d = 0; d < dv; ++d) out[d] = acc[d] / l;
-        } else {  // divided in Acc, then rounded a run at a time (narrow: in registers where the target can)
-            constexpr index run = 64;
-            Acc quotient[run];
-            for (index d0 = 0; d0 < dv; d0 += run) {
-                const index n = std::min(run, dv - d0);
-                for (index d = 0; d < n; ++d) quotient[d] = acc[d0 + d] / l;
-                narrow(quotient, n, out + d0);
-            }
+        constexpr index run = 64;
+        Acc quotient[run];
+        for (index d0 = 0; d0 < dv; d0 += run) {
+            const index n = std::min(run, dv - d0);
+            for (index d = 0; d < n; ++d) quotient[d] = acc[d0 + d] / l;
+            narrow(quotient, n, out + d0);
         }
         return lse(r);
     }
