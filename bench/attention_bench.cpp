@@ -22,6 +22,9 @@
 //   call_overhead/check_finite         one query of one head over 16 keys, D = 64, 1 thread: a call's fixed cost
 //   tiled<half>, tiled<bfloat16>       tiled<float>'s case with q, k, v and out in 16 bits, float accumulation
 //   stream_kv/threads                  the same K and V read once, summed: the bandwidth decode is held to
+//   append<Cache>                      a prefill's keys and values (8 kv heads, 2048 positions, D = 128, fp32) into
+//                                      an empty kv_cache<float> or q8_kv_cache (checks, quantization): `bytes` counts
+//                                      the fp32 input read
 #include <benchmark/benchmark.h>
 
 #include <cstdlib>
@@ -249,6 +252,21 @@ void decode_q8(benchmark::State& state) {
     attend_bench::set_flops(state, attend_bench::attention_flops(1, decode_heads, 1, decode_keys, decode_dim));
 }
 
+/// A prefill's keys and values appended to an empty cache, as a server fills one per layer: checks and copy (float)
+/// or quantization (q8_0).
+template <class Cache>
+void append(benchmark::State& state) {
+    const index kv_heads = 8, len = 2048, dim = 128;
+    problem<float> p(kv_heads, kv_heads, 1, len, dim);
+    Cache cache(1, kv_heads, len, dim, dim);
+    for (auto _ : state) {
+        cache.clear();
+        cache.append(p.k, p.v);
+        benchmark::ClobberMemory();
+    }
+    attend_bench::set_bytes(state, 2.0 * kv_heads * len * dim * sizeof(float));
+}
+
 void stream_kv(benchmark::State& state) {
     problem<float> p(decode_heads, decode_kv_heads, 1, decode_keys, decode_dim);
     const int threads = static_cast<int>(state.range(0));
@@ -321,6 +339,8 @@ BENCHMARK(decode_q8)
     ->ArgsProduct({{1, 2}, {0, 1}})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
+BENCHMARK_TEMPLATE(append, attend::kv_cache<float>)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK_TEMPLATE(append, attend::q8_kv_cache)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK_TEMPLATE(tiled, Eigen::bfloat16)
     ->Args({2048, 1})
     ->Args({2048, 2})

@@ -14,6 +14,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -127,23 +130,76 @@ public:
     }
 
 private:
+    /// Throws value_error `attend.value.non_finite` (before anything else) or `attend.value.quantized_range` for
+    /// the first value of x that is NaN or +-inf or beyond max_magnitude: one pass over the rows' bits finds out
+    /// whether any is, the checks that name it run only then (two passes, the finiteness scan's and a magnitude's
+    /// through double, had taken as long as the quantization).
     template <class T>
     static void check_values(const strided_view<const T>& x, const char* name) {
         static_assert(is_storage_type_v<T>,
                       "attend: q8_kv_cache::append takes float, double, Eigen::half or Eigen::bfloat16 values");
-        detail::check_finite(x, name);
+        const auto infinity = bits_of(std::numeric_limits<T>::infinity());
+        decltype(bits_of(T{})) largest = 0;
         for (index b = 0; b < x.dims[0]; ++b)
             for (index h = 0; h < x.dims[1]; ++h)
                 for (index i = 0; i < x.dims[2]; ++i)
-                    for (index d = 0; d < x.dims[3]; ++d) {
-                        const auto value = static_cast<double>(static_cast<accumulator_t<T>>(x.row(b, h, i)[d]));
-                        if (std::abs(value) > max_magnitude)
-                            throw value_error("attend.value.quantized_range",
-                                              detail::concat(name, ' ', detail::spell_view(x), " holds ", value, " at ",
-                                                             detail::format_shape(std::array<index, 4>{b, h, i, d}),
-                                                             ", beyond the ", max_magnitude,
-                                                             " an int8 block with an fp16 scale can hold"));
-                    }
+                    largest = std::max(largest, largest_magnitude_bits(x.row(b, h, i), x.dims[3]));
+        if (largest < infinity && magnitude_of<T>(largest) <= max_magnitude) return;
+        detail::check_finite(x, name);  // throws if a value is NaN or +-inf
+        for (index b = 0; b < x.dims[0]; ++b)
+            for (index h = 0; h < x.dims[1]; ++h)
+                for (index i = 0; i < x.dims[2]; ++i)
+                    if (magnitude_of<T>(largest_magnitude_bits(x.row(b, h, i), x.dims[3])) > max_magnitude)
+                        refuse_range(x, name, b, h, i);
+    }
+
+    /// The bits of x as an unsigned integer of its width. With the sign cleared, their integer order is the
+    /// magnitudes' order, and bits at or above +inf's are +-inf or NaN.
+    template <class T>
+    static auto bits_of(T x) {
+        using bits = std::conditional_t<sizeof(T) == 8, std::uint64_t,
+                                        std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint16_t>>;
+        bits b;
+        std::memcpy(&b, static_cast<const void*>(&x), sizeof b);
+        return b;
+    }
+
+    /// The largest bits of |x| over a row of n values: an unsigned max the compiler vectorizes.
+    template <class T>
+    static auto largest_magnitude_bits(const T* row, index n) {
+        using bits = decltype(bits_of(T{}));
+        constexpr bits magnitude = std::numeric_limits<bits>::max() >> 1;  // all but the sign bit
+        bits largest = 0;
+        for (index j = 0; j < n; ++j) {
+            bits b;
+            std::memcpy(&b, static_cast<const void*>(row + j), sizeof b);
+            largest = std::max(largest, static_cast<bits>(b & magnitude));
+        }
+        return largest;
+    }
+
+    /// The magnitude whose bits (of a T) these are.
+    template <class T, class Bits>
+    static double magnitude_of(Bits b) {
+        T x;
+        std::memcpy(static_cast<void*>(&x), &b, sizeof x);
+        return static_cast<double>(static_cast<accumulator_t<T>>(x));
+    }
+
+    /// Throws value_error `attend.value.quantized_range` for row (b, h, i), which holds a value beyond
+    /// max_magnitude, naming the first one.
+    template <class T>
+    [[noreturn]] static void refuse_range(const strided_view<const T>& x, const char* name, index b, index h, index i) {
+        index d = 0;
+        double value = 0;
+        for (; d < x.dims[3]; ++d) {
+            value = static_cast<double>(static_cast<accumulator_t<T>>(x.row(b, h, i)[d]));
+            if (std::abs(value) > max_magnitude) break;
+        }
+        throw value_error("attend.value.quantized_range",
+                          detail::concat(name, ' ', detail::spell_view(x), " holds ", value, " at ",
+                                         detail::format_shape(std::array<index, 4>{b, h, i, d}), ", beyond the ",
+                                         max_magnitude, " an int8 block with an fp16 scale can hold"));
     }
 
     detail::q8_view view(const q8_0_block* data, index dim) const {

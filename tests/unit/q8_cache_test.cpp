@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -134,6 +135,64 @@ TEST(Q8Cache, BlocksAreGgmlsQ8_0Bytes) {
     EXPECT_EQ(cache.value_blocks()[0].values[31], -127);
 }
 
+/// q8_0 of one block of float values, a value at a time as ggml's reference quantizer: d = fp16(amax / 127),
+/// q = std::round(x / d) (half away from zero) clamped to [-127, 127].
+q8_0_block quantized_one_at_a_time(const float* x) {
+    float amax = 0;
+    for (index j = 0; j < 32; ++j) amax = std::max(amax, std::abs(x[j]));
+    q8_0_block block{};
+    block.scale = Eigen::half(amax / 127.0f);
+    const float d = static_cast<float>(block.scale), inverse = d > 0 ? 1.0f / d : 0.0f;
+    for (index j = 0; j < 32; ++j)
+        block.values[j] = static_cast<std::int8_t>(std::clamp(std::round(x[j] * inverse), -127.0f, 127.0f));
+    return block;
+}
+
+// The append quantizes a block at a time in packets (rounding by an add and a truncation); these rows make every
+// rounding case happen: exact ties k + 1/2 of the step on both signs (d = 2^-4, so x / d is exact), the floats on
+// either side of each tie, values whose quotient lands past 127 (d rounded down), blocks of zeros, of tiny values
+// (d rounds to 0) and of fp16-subnormal scales, and random rows of every magnitude; from float, double and bf16.
+TEST(Q8Cache, QuantizingInPacketsGivesTheBytesOfAValueAtATimeRoundingHalfAwayFromZero) {
+    const index D = 64, rows = 300;
+    attend::tensor<float, 4> k = random_rows(21, 1, 1, rows, D);
+    for (index r = 0; r < 256; ++r)  // rows 0 .. 255: ties, and their neighbours
+        for (index j = 0; j < D; ++j) {
+            const float tie = (static_cast<float>((r + j) % 254) - 127.0f + 0.5f) / 16.0f;  // (k + 1/2) d
+            const int side = static_cast<int>((r / 64 + j) % 3);                            // tie, below, above
+            k(0, 0, r, j) = side == 0 ? tie : std::nextafter(tie, side == 1 ? -1e9f : 1e9f);
+            if (j % 32 == 0) k(0, 0, r, j) = r % 2 == 0 ? 127.0f / 16.0f : -127.0f / 16.0f;  // amax: d = 2^-4
+        }
+    for (index j = 0; j < D; ++j) {
+        k(0, 0, 256, j) = 0.0f;                                      // zeros
+        k(0, 0, 257, j) = 1e-9f * static_cast<float>(j % 5 - 2);     // d rounds to 0: zeros
+        k(0, 0, 258, j) = 3e-6f * static_cast<float>(j % 7 - 3);     // d an fp16 subnormal
+        k(0, 0, 259, j) = 100.0f * static_cast<float>(j) / (D - 1);  // q up to 127 where x / d is 127.0x
+        k(0, 0, 260, j) = -std::nextafter(1000.0f, 0.0f) * static_cast<float>(j % 32 == 31);
+    }
+    attend::q8_kv_cache from_float(1, 1, rows, D, D), from_double(1, 1, rows, D, D), from_bf16(1, 1, rows, D, D);
+    from_float.append(k, k);
+    from_double.append(attend::tensor<double, 4>(k.cast<double>()), attend::tensor<double, 4>(k.cast<double>()));
+    const attend::tensor<Eigen::bfloat16, 4> k16 = k.cast<Eigen::bfloat16>();
+    from_bf16.append(k16, k16);
+    const attend::tensor<float, 4> k16_values = k16.cast<float>();
+    index ties = 0;
+    for (index r = 0; r < rows; ++r)
+        for (index b = 0; b < D / 32; ++b) {
+            const auto at = static_cast<std::size_t>(r * (D / 32) + b);
+            const q8_0_block want = quantized_one_at_a_time(&k(0, 0, r, b * 32));
+            const q8_0_block want16 = quantized_one_at_a_time(&k16_values(0, 0, r, b * 32));
+            for (const auto* got :
+                 {&from_float.key_blocks()[at], &from_float.value_blocks()[at], &from_double.key_blocks()[at]})
+                ASSERT_EQ(std::memcmp(got, &want, sizeof want), 0) << "row " << r << " block " << b;
+            ASSERT_EQ(std::memcmp(&from_bf16.key_blocks()[at], &want16, sizeof want16), 0) << "row " << r;
+            for (index j = 0; j < 32; ++j) {
+                const float y = k(0, 0, r, b * 32 + j) * 16.0f;
+                ties += r < 256 && y - std::trunc(y) == (y > 0 ? 0.5f : -0.5f) ? 1 : 0;
+            }
+        }
+    EXPECT_GT(ties, 4000);  // the ties were there to round
+}
+
 TEST(Q8Cache, TakesAboutAQuarterOfAFloatCachesBytes) {
     const attend::kv_cache<float> f(2, 4, 1000, 128, 64);
     const attend::q8_kv_cache q(2, 4, 1000, 128, 64);
@@ -236,6 +295,19 @@ TEST(Q8Cache, EveryBadAppendIsRefusedBeforeAnythingChanges) {
     auto nan = k;
     nan(0, 0, 1, 3) = std::numeric_limits<float>::quiet_NaN();
     expect_error<attend::value_error>([&] { cache.append(nan, v); }, "attend.value.non_finite");
+    nan(0, 0, 0, 1) = -1e7f;  // a value out of range before the NaN: the NaN is named, as a finiteness scan first
+    message = expect_error<attend::value_error>([&] { cache.append(nan, v); }, "attend.value.non_finite");
+    EXPECT_NE(message.find("[0,0,1,3]"), std::string::npos) << message;
+    attend::tensor<Eigen::bfloat16, 4> huge16 = huge.cast<Eigen::bfloat16>(), k16 = k.cast<Eigen::bfloat16>();
+    huge16(0, 0, 0, 9) = Eigen::bfloat16(-3e7f);
+    message = expect_error<attend::value_error>([&] { cache.append(k16, huge16); }, "attend.value.quantized_range");
+    EXPECT_NE(message.find("[0,0,0,9]"), std::string::npos) << message;
+    attend::tensor<double, 4> k64 = k.cast<double>(), v64 = v.cast<double>();
+    k64(0, 1, 0, 31) = std::nextafter(attend::q8_kv_cache::max_magnitude, 1e300);  // just past the bound
+    expect_error<attend::value_error>([&] { cache.append(k64, v64); }, "attend.value.quantized_range");
+    k64(0, 1, 0, 31) = attend::q8_kv_cache::max_magnitude;  // the bound itself fits
+    attend::q8_kv_cache roomy(1, 2, 8, 32, 64);
+    roomy.append(k64, v64);
     expect_error<attend::shape_error>([&] { cache.append(v, v); }, "attend.shape.cache");
     expect_error<attend::position_error>(
         [&] { cache.append(random_rows(11, 1, 2, 6, 32), random_rows(12, 1, 2, 6, 64)); },
