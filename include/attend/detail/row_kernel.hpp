@@ -115,19 +115,14 @@ row_packet<Acc> broadcast_scale(Eigen::half scale) {
     return Eigen::internal::pset1<row_packet<Acc>>(static_cast<Acc>(widened));
 }
 
-/// Values [x, x + lanes) of a q8_0 row widened: the block's integers times its scale, exact (an integer of 8 bits
-/// times a scale of 11 is a float without rounding). Each packet widens its block's scale itself: caching a row's
-/// scales as it started (a scalar conversion and a store per block, a branch and a reload per packet) had made
-/// the decode's value kernel a tenth slower (Zen 5).
+/// lanes int8 values of a q8_0 block from q widened, given the block's scale in every lane (broadcast_scale): the
+/// integers times the scale, exact (an integer of 8 bits times a scale of 11 is a float without rounding).
 template <class Acc>
-row_packet<Acc> load_widened(const q8_0_block* row, index x) {
+row_packet<Acc> widened_q8(const std::int8_t* q, const row_packet<Acc>& scale) {
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
     constexpr index lanes = row_lanes<Acc>;
     static_assert(q8_0_block::size % lanes == 0, "a packet never straddles two q8_0 blocks");
-    const q8_0_block& b = row[x / q8_0_block::size];
-    const std::int8_t* q = b.values + x % q8_0_block::size;
-    const packet scale = broadcast_scale<Acc>(b.scale);
     if constexpr (std::is_same_v<Acc, float>) {
 #if defined(EIGEN_VECTORIZE_AVX512)
         if constexpr (lanes == 16)
@@ -142,6 +137,15 @@ row_packet<Acc> load_widened(const q8_0_block* row, index x) {
     alignas(64) Acc buffer[lanes];
     for (index j = 0; j < lanes; ++j) buffer[j] = static_cast<Acc>(q[j]);
     return pmul(scale, pload<packet>(buffer));
+}
+
+/// Values [x, x + lanes) of a q8_0 row widened, the packet widening its block's scale itself: caching a row's
+/// scales as it started (a scalar conversion and a store per block, a branch and a reload per packet) had made
+/// the decode's value kernel a tenth slower (Zen 5).
+template <class Acc>
+row_packet<Acc> load_widened(const q8_0_block* row, index x) {
+    const q8_0_block& b = row[x / q8_0_block::size];
+    return widened_q8<Acc>(b.values + x % q8_0_block::size, broadcast_scale<Acc>(b.scale));
 }
 
 /// sum over x < n of a[x] b[x] in Acc, two stored rows widened in registers: two packets of multiply-adds side by
@@ -568,32 +572,51 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
     packet acc[Rows * Keys];  // row r, key i at r * Keys + i
     ATTEND_UNROLL_FULLY
     for (int n = 0; n < Rows * Keys; ++n) acc[n] = pset1<packet>(Acc(0));
-    for (index x = 0; x < whole; x += lanes) {
-        packet kx[Keys];
-        ATTEND_UNROLL_FULLY
-        for (int i = 0; i < Keys; ++i) kx[i] = k[i].packet(x);
-        if constexpr (std::is_same_v<stored, Acc>) {  // the scan and every row read them
-            if constexpr (Keys == 1) ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]));
-            if constexpr (Keys == 2) ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]));
-            if constexpr (Keys == 3)
-                ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]), ATTEND_REGISTER(kx[2]));
-            if constexpr (Keys == 4)
-                ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]), ATTEND_REGISTER(kx[2]),
-                                    ATTEND_REGISTER(kx[3]));
-        }
-        if constexpr (note_pairs) {
+    // q8_0 keys a block at a time, each key's scale widened once per block (whole = dim, a multiple of 32)
+    constexpr bool q8 = std::is_same_v<stored, q8_0_block>;
+    constexpr index step = q8 ? q8_0_block::size : lanes;
+    for (index xb = 0; xb < whole; xb += step) {
+        [[maybe_unused]] packet scale[Keys];
+        [[maybe_unused]] const std::int8_t* ints[Keys];
+        if constexpr (q8) {
             ATTEND_UNROLL_FULLY
-            for (int i = 0; i < Keys; i += 2) seen.note_larger_of(kx[i], kx[std::min(i + 1, Keys - 1)]);
-        } else if constexpr (note_packets) {
-            ATTEND_UNROLL_FULLY
-            for (int i = 0; i < Keys; ++i) seen.note(kx[i], true);
+            for (int i = 0; i < Keys; ++i) {
+                const q8_0_block& block = k[i].row[xb / q8_0_block::size];
+                scale[i] = broadcast_scale<Acc>(block.scale);
+                ints[i] = block.values;
+            }
         }
         ATTEND_UNROLL_FULLY
-        for (int r = 0; r < Rows; ++r) {
-            packet qx = ploadu<packet>(q + r * ldq + x);
-            ATTEND_IN_REGISTERS(ATTEND_REGISTER(qx));
+        for (index x = xb; x < xb + step; x += lanes) {
+            packet kx[Keys];
             ATTEND_UNROLL_FULLY
-            for (int i = 0; i < Keys; ++i) acc[r * Keys + i] = pmadd(qx, kx[i], acc[r * Keys + i]);
+            for (int i = 0; i < Keys; ++i) {
+                if constexpr (q8) kx[i] = widened_q8<Acc>(ints[i] + (x - xb), scale[i]);
+                else kx[i] = k[i].packet(x);
+            }
+            if constexpr (std::is_same_v<stored, Acc>) {  // the scan and every row read them
+                if constexpr (Keys == 1) ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]));
+                if constexpr (Keys == 2) ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]));
+                if constexpr (Keys == 3)
+                    ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]), ATTEND_REGISTER(kx[2]));
+                if constexpr (Keys == 4)
+                    ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]), ATTEND_REGISTER(kx[2]),
+                                        ATTEND_REGISTER(kx[3]));
+            }
+            if constexpr (note_pairs) {
+                ATTEND_UNROLL_FULLY
+                for (int i = 0; i < Keys; i += 2) seen.note_larger_of(kx[i], kx[std::min(i + 1, Keys - 1)]);
+            } else if constexpr (note_packets) {
+                ATTEND_UNROLL_FULLY
+                for (int i = 0; i < Keys; ++i) seen.note(kx[i], true);
+            }
+            ATTEND_UNROLL_FULLY
+            for (int r = 0; r < Rows; ++r) {
+                packet qx = ploadu<packet>(q + r * ldq + x);
+                ATTEND_IN_REGISTERS(ATTEND_REGISTER(qx));
+                ATTEND_UNROLL_FULLY
+                for (int i = 0; i < Keys; ++i) acc[r * Keys + i] = pmadd(qx, kx[i], acc[r * Keys + i]);
+            }
         }
     }
 #if defined(EIGEN_VECTORIZE_AVX512) && defined(EIGEN_VECTORIZE_AVX512DQ)
@@ -678,8 +701,20 @@ void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const
         // The first column group reads V; its prefetch runs on into the next slice (rows up to `readable`).
         if (e0 == 0) prefetch.ask_past(value_row, j, readable, then);
         packet vx[Packets];
-        ATTEND_UNROLL_FULLY
-        for (int i = 0; i < Packets; ++i) vx[i] = v.packet(e0 + i * lanes);
+        if constexpr (std::is_same_v<stored, q8_0_block>) {  // each block's scale widened once (e0: whole packets)
+            const q8_0_block* row = v.row;
+            packet scale{};
+            ATTEND_UNROLL_FULLY
+            for (int i = 0; i < Packets; ++i) {
+                const index x = e0 + i * lanes;
+                const q8_0_block& block = row[x / q8_0_block::size];
+                if (i == 0 || x % q8_0_block::size == 0) scale = broadcast_scale<Acc>(block.scale);
+                vx[i] = widened_q8<Acc>(block.values + x % q8_0_block::size, scale);
+            }
+        } else {
+            ATTEND_UNROLL_FULLY
+            for (int i = 0; i < Packets; ++i) vx[i] = v.packet(e0 + i * lanes);
+        }
         ATTEND_UNROLL_FULLY
         for (int r = 0; r < Rows; ++r) {
             const packet a = pset1<packet>(p[r * ldp + j]);
