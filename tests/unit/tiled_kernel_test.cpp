@@ -13,6 +13,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -20,6 +21,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <attend/attend.hpp>
@@ -554,6 +556,54 @@ void expect_weights_in_unit_range_at_huge_scores(T amplitude) {
     attend::detail::tiled_attention(in.qv, in.kv, in.vv, in.s, call.mask, call.params, r, 1, tiles);
     for (index n = 0; n < w.size(); ++n)
         ASSERT_TRUE(w.data()[n] >= T(0) && w.data()[n] <= T(1)) << "weight " << n << " is " << w.data()[n];
+}
+
+/// A unit runs up to tile_config::shared_blocks query blocks of one (batch, kv head) over each packed K and V tile,
+/// switching their states tile by tile: out, lse and weights have the bits of one block per unit, for any grouping
+/// (one that leaves a short last unit too) and thread count, with a causal diagonal, padding, bias, dropout and sinks,
+/// in float panels and (bf16, where the target has AVX-512 BF16) the pair kernels.
+template <class T>
+void expect_shared_blocks_change_no_bit() {
+    const index B = 2, H = 4, KH = 2, L = 150, S = 170, D = 32;
+    const attend::tensor<T, 4> q = attend_test::random_tensor<float>(41, B, H, L, D).cast<T>();
+    const attend::tensor<T, 4> k = attend_test::random_tensor<float>(42, B, KH, S, D).cast<T>();
+    const attend::tensor<T, 4> v = attend_test::random_tensor<float>(43, B, KH, S, D).cast<T>();
+    const auto qv = attend::detail::as_view(q), kv = attend::detail::as_view(k), vv = attend::detail::as_view(v);
+    const auto s = attend::check_shapes(q, k, v);
+    attend::sdpa_options o;
+    o.need_weights = true;
+    o.dropout = {0.1, 99, true};
+    o.score_bias = attend::score_bias::alibi(attend::alibi_slopes(H));
+    o.sinks = attend::attention_sinks(std::vector<double>{0.5, -1.0, 2.0, 0.0});
+    o.empty_rows = attend::empty_rows::zero;
+    const auto mask = attend::causal(alignment::bottom_right) && attend::key_padding({170, 131});
+    const auto call = attend::detail::check_call(qv, kv, vv, s, mask, o);
+    tile_config tiles;
+    tiles.query_rows = 32;  // 16 queries of 2 heads a block: 10 blocks per (batch, kv head)
+    tiles.key_tile = 64;
+    std::vector<std::vector<T>> results;
+    for (const auto& [shared, threads] : {std::pair{index(1), 1}, std::pair{index(8), 1}, std::pair{index(3), 1},
+                                          std::pair{index(8), 2}, std::pair{index(4), 7}}) {
+        tiles.shared_blocks = shared;
+        attend::tensor<T, 4> out(B, H, L, D), w(B, H, L, S);
+        attend::tensor<float, 3> lse(B, H, L);
+        attend::detail::attention_outputs<T> r;
+        r.out = attend::detail::as_mutable_view(out);
+        r.weights = w.data();
+        r.lse = lse.data();
+        attend::detail::tiled_attention(qv, kv, vv, s, call.mask, call.params, r, threads, tiles);
+        std::vector<T> all(out.data(), out.data() + out.size());
+        all.insert(all.end(), w.data(), w.data() + w.size());
+        for (index n = 0; n < lse.size(); ++n) all.push_back(static_cast<T>(lse.data()[n]));
+        results.push_back(std::move(all));
+    }
+    for (std::size_t n = 1; n < results.size(); ++n)
+        EXPECT_EQ(std::memcmp(results[0].data(), results[n].data(), results[0].size() * sizeof(T)), 0) << "run " << n;
+}
+
+TEST(TiledKernel, QueryBlocksSharingPackedTilesChangeNoBit) {
+    expect_shared_blocks_change_no_bit<float>();
+    expect_shared_blocks_change_no_bit<Eigen::bfloat16>();
 }
 
 TEST(TiledKernel, WeightsStayInZeroToOneWhereSlabsAndBlocksRoundScoresApart) {

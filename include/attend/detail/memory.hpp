@@ -33,7 +33,7 @@ namespace attend::detail {
 /// max_blocks of them and max_bytes in all; a block past either limit is freed as before.
 class scratch_blocks {
 public:
-    static constexpr std::size_t max_blocks = 64;
+    static constexpr std::size_t max_blocks = 128;  // a worker's scratch plus up to 7 parked query blocks' (6 each)
     static constexpr std::size_t max_bytes = std::size_t(64) << 20;
 
     /// A kept block of exactly `bytes`, or nullptr.

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: MIT
 #pragma once
 /// The tiled kernel: FlashAttention-2's forward pass on register-blocked micro-tiles (micro_kernel.hpp: each K and
-/// V tile packed once per block, Q·Kᵀ and P·V on packets). Per work unit (batch, kv
-/// head, query block) the keys stream by in tiles; each row keeps a running max, a running sum and an accumulator that is
+/// V tile packed once for the query blocks of a work unit, Q·Kᵀ and P·V on packets). Per work unit (batch, kv
+/// head, a few query blocks run side by side) the keys stream by in tiles; each row keeps a running max, a running sum and an accumulator that is
 /// rescaled when the max grows, so memory is O(threads x tile), never O(query_len x key_len) (except the weights
 /// output, when asked for). Semantics are the reference kernel's (reference_kernel.hpp) within rounding:
 /// scores = scale q.k + score_bias, masked, softmax along keys, lse kept, dropout on the probabilities that
@@ -65,6 +65,7 @@ struct tile_config {
     index gemv_rows = 8;        ///< slabs of at most this many rows (<= 8) use the row kernels, not the micro-kernels
     index decode_queries = 16;  ///< query_len at or below which keys are split into chunks (decode path)
     index decode_chunk = 2048;  ///< keys per chunk of the decode path
+    index shared_blocks = 8;    ///< query blocks of one (batch, kv head) a unit runs over each packed K and V tile
 };
 
 /// Rows of a tiled_runner's query blocks for shape s: every query head of a kv head, times as many queries as
@@ -84,13 +85,15 @@ inline index block_rows(const attention_shape& s, const tile_config& c) {
 /// window edge into mixed tiles (those are cut into 32-key strips and 32-query slabs). Double uses half the keys,
 /// so its tiles take the same bytes; head dims of 128 or more halve the key tile again. The decode chunk is 4 key
 /// tiles: at key_len 8192, head_dim 128 that is 8 chunks per kv head to spread over threads.
-/// Since then, blocks of 256 rows: a block packs every K and V tile it reads, so twice the rows pack half as often
+/// Since then, blocks of 256 rows: a block packed every K and V tile it read, so twice the rows packed half as often
 /// (the score tile grows to 512 KiB). On an Emerald Rapids Xeon (AVX-512, 2 MiB L2; alternating runs of both
 /// binaries) that was 4 to 10 % faster at L = 1024 to 4096, head_dim 64 and 128, causal or not, 1 and 2 threads.
 /// A fixed size, not one picked from the batch or the heads: a row's sums are grouped by its block's micro-tiles,
 /// strips and slabs, so a size that followed the batch would give a sequence other bits in another batch (the
 /// paged cache promises each sequence the bits it gets alone). Small calls get fewer blocks to spread over threads
 /// (1 head, L = 1024: 4).
+/// Now up to shared_blocks blocks share each packed tile (run_blocks), which blocks of 384 or 512 rows could not do
+/// (measured before that change: their score tiles outgrow L2, and they were slower than 256).
 /// Blocks of at most gemv_rows rows (a decode's query heads of one kv head) read K and V in place through the row
 /// kernels, with no panels to keep in L2: their key tile is a whole decode chunk. Each tile is a pass over its keys,
 /// a softmax step and a pass over its values; four times fewer of them took 0.93 to 0.97 of the time of an fp32,
@@ -207,6 +210,35 @@ struct tiled_workspace {
         }
     } packed_keys, packed_values, tile;
 
+    /// What a query block keeps from one key tile to the next, parked while the worker runs another block of its
+    /// unit over the same packed tile (tiled_runner::run_blocks); switch_to swaps buffers, it copies nothing.
+    struct block_state {
+        aligned_vector<Acc> queries, acc;
+        online_softmax<Acc> softmax;
+        aligned_vector<std::uint32_t> pair_queries;
+    };
+    std::vector<block_state> parked;  ///< [blocks per unit]; the current block's slot holds spare buffers
+    index current = 0;                ///< the block whose state queries, acc, softmax and pairs.queries hold
+
+    /// Makes queries, acc, softmax and pairs.queries block g's (of the unit's blocks; allocated by park).
+    void switch_to(index g) {
+        if (g == current) return;
+        swap_state(parked[static_cast<std::size_t>(current)]);
+        swap_state(parked[static_cast<std::size_t>(g)]);
+        current = g;
+    }
+
+    /// Room for `blocks` blocks' states of `rows` rows, each as large as this workspace's own.
+    void park(index blocks, index rows) {
+        parked.resize(static_cast<std::size_t>(blocks));
+        for (std::size_t g = 1; g < parked.size(); ++g) {
+            parked[g].queries.resize(queries.size());
+            parked[g].acc.resize(acc.size());
+            parked[g].softmax = online_softmax<Acc>(rows);
+            parked[g].pair_queries.resize(pairs.queries.size());
+        }
+    }
+
     /// `panels`: whether any slab can take the micro-kernels (more than gemv_rows rows); a decode's blocks never do,
     /// and leave the panels empty. `bf16_pairs`: whether they take the bf16 pair kernels instead (then the float
     /// panels stay empty).
@@ -228,6 +260,14 @@ struct tiled_workspace {
         pairs.keys.resize(static_cast<std::size_t>(bf16_tile::key_panel_words(key_tile, head_dim)));
         pairs.values.resize(static_cast<std::size_t>(bf16_tile::value_panel_words(key_tile, value_dim)));
         pairs.probabilities.resize(static_cast<std::size_t>(rows * ((key_tile + 1) / 2)));
+    }
+
+private:
+    void swap_state(block_state& st) {
+        std::swap(queries, st.queries);
+        std::swap(acc, st.acc);
+        std::swap(softmax, st.softmax);
+        std::swap(pairs.queries, st.pair_queries);
     }
 };
 
@@ -325,16 +365,58 @@ private:
             "Fewer threads need less scratch");
     }
 
+    /// Query blocks of one (batch, kv head) a unit runs side by side, key tile by key tile, so that each K and V
+    /// tile is packed once for all of them, not once per block (blocks on the micro-kernels' panels only): at most
+    /// c.shared_blocks, fewer where the units would be too few to keep `threads` threads busy. A block's sums are
+    /// the same whatever unit it is in, so this changes no bit. (Zen 5, fp32, L = S 1024 to 4096, D 64 / 128,
+    /// alternated: 8 blocks 0.93 to 0.99 of the time of one, 4 blocks 0.96 to 0.99.)
+    index blocks_per_unit(int threads) const {
+        if (!uses_panels()) return 1;
+        index together = std::max<index>(1, std::min(c_.shared_blocks, query_blocks_));
+        const index wanted = threads > 1 ? 2 * index{threads} : 1;
+        while (together > 1 && s_.batch * s_.kv_heads * ((query_blocks_ + together - 1) / together) < wanted)
+            together = (together + 1) / 2;
+        return together;
+    }
+
     void run_blocks(int threads) {
-        const index units = block_count();
+        const index together = blocks_per_unit(threads);
+        const index runs = (query_blocks_ + together - 1) / together;  // units per (batch, kv head)
+        const index units = s_.batch * s_.kv_heads * runs;
         auto ws = workspaces(units, threads);
+        if (together > 1)
+            allocating(
+                [&] {
+                    for (auto& w : ws) w.park(together, rows_);
+                },
+                [&] {
+                    return allocation_text("the tiled kernel's parked query blocks (workers x blocks x elements)",
+                                           std::array<index, 3>{static_cast<index>(ws.size()), together - 1,
+                                                                rows_ * (s_.head_dim + s_.value_dim + 4)},
+                                           sizeof(Acc));
+                },
+                "Fewer threads need less scratch");
         parallel_for(units, threads, [&](index unit, int worker) {
             auto& w = ws[static_cast<std::size_t>(worker)];
-            const block blk = block_of(unit);
-            load_queries(w, blk);
-            stream_keys(w, blk, 0, s_.key_len);
-            finish_rows(w, blk);
-            if (o_.weights) write_weights(w, blk);
+            const index first = unit / runs * query_blocks_ + unit % runs * together;
+            const index count = std::min(together, (unit / runs + 1) * query_blocks_ - first);
+            const auto blk = [&](index g) { return block_of(first + g); };
+            for (index g = 0; g < count; ++g) {
+                w.switch_to(g);
+                load_queries(w, blk(g));
+                start_stream(w, blk(g));
+            }
+            for (index k0 = 0; k0 < s_.key_len; k0 += c_.key_tile)
+                for (index g = 0; g < count; ++g) {
+                    w.switch_to(g);
+                    stream_range(w, blk(g), k0, std::min(s_.key_len, k0 + c_.key_tile), s_.key_len);
+                }
+            for (index g = 0; g < count; ++g) {
+                w.switch_to(g);
+                end_stream(w, blk(g), 0, s_.key_len);
+                finish_rows(w, blk(g));
+                if (o_.weights) write_weights(w, blk(g));
+            }
         });
     }
 
@@ -691,11 +773,24 @@ private:
     /// applied) and w.softmax (max and the undropped normalizer, with the sinks when key_begin is 0) for the
     /// block's rows.
     void stream_keys(tiled_workspace<Acc>& w, const block& blk, index key_begin, index key_end) const {
-        const index rows = group_ * blk.queries, dv = s_.value_dim;
-        std::fill(w.acc.begin(), w.acc.begin() + rows * dv, Acc(0));
+        start_stream(w, blk);
+        stream_range(w, blk, key_begin, key_end, key_end);
+        end_stream(w, blk, key_begin, key_end);
+    }
+
+    /// stream_keys in parts: the block's accumulators and softmax state emptied; keys [k0, k1) of a stream that
+    /// ends at key_end (k0 on a key tile's edge, so the steps are those of the whole stream); the end.
+    void start_stream(tiled_workspace<Acc>& w, const block& blk) const {
+        const index rows = group_ * blk.queries;
+        std::fill(w.acc.begin(), w.acc.begin() + rows * s_.value_dim, Acc(0));
         w.softmax.reset(rows);
-        for_each_step(w, blk, key_begin, key_end,
-                      [&](const slab& sl, index k0, index k1) { stream_tile(w, blk, sl, k0, k1, key_end); });
+    }
+    void stream_range(tiled_workspace<Acc>& w, const block& blk, index k0, index k1, index key_end) const {
+        for_each_step(w, blk, k0, k1,
+                      [&](const slab& sl, index a, index b) { stream_tile(w, blk, sl, a, b, key_end); });
+    }
+    void end_stream(tiled_workspace<Acc>& w, const block& blk, index key_begin, index key_end) const {
+        const index rows = group_ * blk.queries, dv = s_.value_dim;
         if (w.found.active) scan_skipped(w, blk, key_end);
         // The sinks join the softmax of the first key range only, so the decode path's chunks count them once.
         if (key_begin == 0 && p_.has_sinks())
