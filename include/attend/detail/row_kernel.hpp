@@ -572,26 +572,27 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
     packet acc[Rows * Keys];  // row r, key i at r * Keys + i
     ATTEND_UNROLL_FULLY
     for (int n = 0; n < Rows * Keys; ++n) acc[n] = pset1<packet>(Acc(0));
-    // q8_0 keys a block at a time, each key's scale widened once per block (whole = dim, a multiple of 32)
+    // q8_0 keys: each key's scale widened once per block of 32 values (whole = dim, a multiple of 32)
     constexpr bool q8 = std::is_same_v<stored, q8_0_block>;
-    constexpr index step = q8 ? q8_0_block::size : lanes;
-    for (index xb = 0; xb < whole; xb += step) {
-        [[maybe_unused]] packet scale[Keys];
-        [[maybe_unused]] const std::int8_t* ints[Keys];
-        if constexpr (q8) {
-            ATTEND_UNROLL_FULLY
-            for (int i = 0; i < Keys; ++i) {
-                const q8_0_block& block = k[i].row[xb / q8_0_block::size];
-                scale[i] = broadcast_scale<Acc>(block.scale);
-                ints[i] = block.values;
+    [[maybe_unused]] packet scale[Keys];
+    [[maybe_unused]] const std::int8_t* ints[Keys];
+    [[maybe_unused]] index block_first = 0;
+    for (index x = 0; x < whole; x += lanes) {
+        if constexpr (q8)
+            if (x % q8_0_block::size == 0) {
+                ATTEND_UNROLL_FULLY
+                for (int i = 0; i < Keys; ++i) {
+                    const q8_0_block& block = k[i].row[x / q8_0_block::size];
+                    scale[i] = broadcast_scale<Acc>(block.scale);
+                    ints[i] = block.values;
+                }
+                block_first = x;
             }
-        }
-        ATTEND_UNROLL_FULLY
-        for (index x = xb; x < xb + step; x += lanes) {
+        {
             packet kx[Keys];
             ATTEND_UNROLL_FULLY
             for (int i = 0; i < Keys; ++i) {
-                if constexpr (q8) kx[i] = widened_q8<Acc>(ints[i] + (x - xb), scale[i]);
+                if constexpr (q8) kx[i] = widened_q8<Acc>(ints[i] + (x - block_first), scale[i]);
                 else kx[i] = k[i].packet(x);
             }
             if constexpr (std::is_same_v<stored, Acc>) {  // the scan and every row read them
