@@ -574,8 +574,8 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
     for (int n = 0; n < Rows * Keys; ++n) acc[n] = pset1<packet>(Acc(0));
     // q8_0 keys: each key's scale widened once per block of 32 values (whole = dim, a multiple of 32)
     constexpr bool q8 = std::is_same_v<stored, q8_0_block>;
-    [[maybe_unused]] packet scale[Keys];
-    [[maybe_unused]] const std::int8_t* ints[Keys];
+    [[maybe_unused]] packet scale[Keys]{};
+    [[maybe_unused]] const std::int8_t* ints[Keys]{};
     [[maybe_unused]] index block_first = 0;
     for (index x = 0; x < whole; x += lanes) {
         if constexpr (q8)
