@@ -2,12 +2,12 @@
 #pragma once
 /// The tiled kernel: FlashAttention-2's forward pass on register-blocked micro-tiles (micro_kernel.hpp: each K and
 /// V tile packed once for the query blocks of a work unit, Q·Kᵀ and P·V on packets). Per work unit (batch, kv
-/// head, a few query blocks run side by side) the keys stream by in tiles; each row keeps a running max, a running sum and an accumulator that is
-/// rescaled when the max grows, so memory is O(threads x tile), never O(query_len x key_len) (except the weights
-/// output, when asked for). Semantics are the reference kernel's (reference_kernel.hpp) within rounding:
-/// scores = scale q.k + score_bias, masked, softmax along keys, lse kept, dropout on the probabilities that
-/// multiply V (replayed from dropout_rule, the same decisions as the reference), padded queries and empty rows
-/// give zero rows and lse -inf, never NaN.
+/// head, a few query blocks run side by side) the keys stream by in tiles; each row keeps a running max, a running
+/// sum and an accumulator that is rescaled when the max grows, so memory is O(threads x tile), never
+/// O(query_len x key_len) (except the weights output, when asked for). Semantics are the reference kernel's
+/// (reference_kernel.hpp) within rounding: scores = scale q.k + score_bias, masked, softmax along keys, lse kept,
+/// dropout on the probabilities that multiply V (replayed from dropout_rule, the same decisions as the reference),
+/// padded queries and empty rows give zero rows and lse -inf, never NaN.
 ///
 /// Grouped-query attention: a work unit holds all `heads / kv_heads` query heads of one kv head, their query rows
 /// stacked into one block ([head 0 rows; head 1 rows; ...]), so each K and V tile is read from memory and packed
