@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -24,6 +23,7 @@
 #include "detail/input_scan.hpp"
 #include "detail/memory.hpp"
 #include "detail/q8_rows.hpp"
+#include "detail/widen.hpp"
 #include "error.hpp"
 #include "shape.hpp"
 #include "tensor.hpp"
@@ -138,8 +138,9 @@ private:
     static void check_values(const strided_view<const T>& x, const char* name) {
         static_assert(is_storage_type_v<T>,
                       "attend: q8_kv_cache::append takes float, double, Eigen::half or Eigen::bfloat16 values");
-        const auto infinity = bits_of(std::numeric_limits<T>::infinity());
-        decltype(bits_of(T{})) largest = 0;
+        using detail::largest_magnitude_bits;
+        const auto infinity = detail::bits_of(std::numeric_limits<T>::infinity());
+        std::remove_const_t<decltype(infinity)> largest = 0;
         for (index b = 0; b < x.dims[0]; ++b)
             for (index h = 0; h < x.dims[1]; ++h)
                 for (index i = 0; i < x.dims[2]; ++i)
@@ -151,31 +152,6 @@ private:
                 for (index i = 0; i < x.dims[2]; ++i)
                     if (magnitude_of<T>(largest_magnitude_bits(x.row(b, h, i), x.dims[3])) > max_magnitude)
                         refuse_range(x, name, b, h, i);
-    }
-
-    /// The bits of x as an unsigned integer of its width. With the sign cleared, their integer order is the
-    /// magnitudes' order, and bits at or above +inf's are +-inf or NaN.
-    template <class T>
-    static auto bits_of(T x) {
-        using bits = std::conditional_t<sizeof(T) == 8, std::uint64_t,
-                                        std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint16_t>>;
-        bits b;
-        std::memcpy(&b, static_cast<const void*>(&x), sizeof b);
-        return b;
-    }
-
-    /// The largest bits of |x| over a row of n values: an unsigned max the compiler vectorizes.
-    template <class T>
-    static auto largest_magnitude_bits(const T* row, index n) {
-        using bits = decltype(bits_of(T{}));
-        constexpr bits magnitude = std::numeric_limits<bits>::max() >> 1;  // all but the sign bit
-        bits largest = 0;
-        for (index j = 0; j < n; ++j) {
-            bits b;
-            std::memcpy(&b, static_cast<const void*>(row + j), sizeof b);
-            largest = std::max(largest, static_cast<bits>(b & magnitude));
-        }
-        return largest;
     }
 
     /// The magnitude whose bits (of a T) these are.

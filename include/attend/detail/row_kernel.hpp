@@ -139,15 +139,6 @@ row_packet<Acc> widened_q8(const std::int8_t* q, const row_packet<Acc>& scale) {
     return pmul(scale, pload<packet>(buffer));
 }
 
-/// Values [x, x + lanes) of a q8_0 row widened, the packet widening its block's scale itself: caching a row's
-/// scales as it started (a scalar conversion and a store per block, a branch and a reload per packet) had made
-/// the decode's value kernel a tenth slower (Zen 5).
-template <class Acc>
-row_packet<Acc> load_widened(const q8_0_block* row, index x) {
-    const q8_0_block& b = row[x / q8_0_block::size];
-    return widened_q8<Acc>(b.values + x % q8_0_block::size, broadcast_scale<Acc>(b.scale));
-}
-
 /// sum over x < n of a[x] b[x] in Acc, two stored rows widened in registers: two packets of multiply-adds side by
 /// side, added and then across lanes (predux), the last n % lanes products after in order. The same operations for
 /// every storage type holding the same values (widening is exact). The backward's delta = rowsum(dO * O), once per
@@ -180,6 +171,30 @@ struct widening_row {
     const S* row = nullptr;
     void start(const S* r, index /*first*/, index /*count*/) { row = r; }
     row_packet<Acc> packet(index x) const { return load_widened<Acc>(row, x); }
+    Acc element(index x) const { return widened_at<Acc>(row, x); }
+};
+
+/// A q8_0 row: each block's scale is widened once, by the first packet asked for in it, and kept for the packets
+/// after it in the same block (the kernels ask for a row's packets in ascending order). A scale widened per packet
+/// had cost a q8_0 decode 3 to 5 % (Zen 5, in cache); all of a row's scales cached as it started (a scalar
+/// conversion and a store per block, a reload per packet) had made the value kernel a tenth slower.
+template <class Acc>
+struct widening_row<Acc, q8_0_block> {
+    const q8_0_block* row = nullptr;
+    const q8_0_block* block = nullptr;  ///< the block whose scale `scale` holds
+    row_packet<Acc> scale{};
+    void start(const q8_0_block* r, index /*first*/, index /*count*/) {
+        row = r;
+        block = nullptr;
+    }
+    row_packet<Acc> packet(index x) {
+        const q8_0_block* b = row + x / q8_0_block::size;
+        if (b != block) {
+            scale = broadcast_scale<Acc>(b->scale);
+            block = b;
+        }
+        return widened_q8<Acc>(b->values + x % q8_0_block::size, scale);
+    }
     Acc element(index x) const { return widened_at<Acc>(row, x); }
 };
 
@@ -572,52 +587,32 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
     packet acc[Rows * Keys];  // row r, key i at r * Keys + i
     ATTEND_UNROLL_FULLY
     for (int n = 0; n < Rows * Keys; ++n) acc[n] = pset1<packet>(Acc(0));
-    // q8_0 keys: each key's scale widened once per block of 32 values (whole = dim, a multiple of 32)
-    constexpr bool q8 = std::is_same_v<stored, q8_0_block>;
-    [[maybe_unused]] packet scale[Keys]{};
-    [[maybe_unused]] const std::int8_t* ints[Keys]{};
-    [[maybe_unused]] index block_first = 0;
     for (index x = 0; x < whole; x += lanes) {
-        if constexpr (q8)
-            if (x % q8_0_block::size == 0) {
-                ATTEND_UNROLL_FULLY
-                for (int i = 0; i < Keys; ++i) {
-                    const q8_0_block& block = k[i].row[x / q8_0_block::size];
-                    scale[i] = broadcast_scale<Acc>(block.scale);
-                    ints[i] = block.values;
-                }
-                block_first = x;
-            }
-        {
-            packet kx[Keys];
+        packet kx[Keys];
+        ATTEND_UNROLL_FULLY
+        for (int i = 0; i < Keys; ++i) kx[i] = k[i].packet(x);
+        if constexpr (std::is_same_v<stored, Acc>) {  // the scan and every row read them
+            if constexpr (Keys == 1) ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]));
+            if constexpr (Keys == 2) ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]));
+            if constexpr (Keys == 3)
+                ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]), ATTEND_REGISTER(kx[2]));
+            if constexpr (Keys == 4)
+                ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]), ATTEND_REGISTER(kx[2]),
+                                    ATTEND_REGISTER(kx[3]));
+        }
+        if constexpr (note_pairs) {
             ATTEND_UNROLL_FULLY
-            for (int i = 0; i < Keys; ++i) {
-                if constexpr (q8) kx[i] = widened_q8<Acc>(ints[i] + (x - block_first), scale[i]);
-                else kx[i] = k[i].packet(x);
-            }
-            if constexpr (std::is_same_v<stored, Acc>) {  // the scan and every row read them
-                if constexpr (Keys == 1) ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]));
-                if constexpr (Keys == 2) ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]));
-                if constexpr (Keys == 3)
-                    ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]), ATTEND_REGISTER(kx[2]));
-                if constexpr (Keys == 4)
-                    ATTEND_IN_REGISTERS(ATTEND_REGISTER(kx[0]), ATTEND_REGISTER(kx[1]), ATTEND_REGISTER(kx[2]),
-                                        ATTEND_REGISTER(kx[3]));
-            }
-            if constexpr (note_pairs) {
-                ATTEND_UNROLL_FULLY
-                for (int i = 0; i < Keys; i += 2) seen.note_larger_of(kx[i], kx[std::min(i + 1, Keys - 1)]);
-            } else if constexpr (note_packets) {
-                ATTEND_UNROLL_FULLY
-                for (int i = 0; i < Keys; ++i) seen.note(kx[i], true);
-            }
+            for (int i = 0; i < Keys; i += 2) seen.note_larger_of(kx[i], kx[std::min(i + 1, Keys - 1)]);
+        } else if constexpr (note_packets) {
             ATTEND_UNROLL_FULLY
-            for (int r = 0; r < Rows; ++r) {
-                packet qx = ploadu<packet>(q + r * ldq + x);
-                ATTEND_IN_REGISTERS(ATTEND_REGISTER(qx));
-                ATTEND_UNROLL_FULLY
-                for (int i = 0; i < Keys; ++i) acc[r * Keys + i] = pmadd(qx, kx[i], acc[r * Keys + i]);
-            }
+            for (int i = 0; i < Keys; ++i) seen.note(kx[i], true);
+        }
+        ATTEND_UNROLL_FULLY
+        for (int r = 0; r < Rows; ++r) {
+            packet qx = ploadu<packet>(q + r * ldq + x);
+            ATTEND_IN_REGISTERS(ATTEND_REGISTER(qx));
+            ATTEND_UNROLL_FULLY
+            for (int i = 0; i < Keys; ++i) acc[r * Keys + i] = pmadd(qx, kx[i], acc[r * Keys + i]);
         }
     }
 #if defined(EIGEN_VECTORIZE_AVX512) && defined(EIGEN_VECTORIZE_AVX512DQ)
@@ -702,20 +697,8 @@ void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const
         // The first column group reads V; its prefetch runs on into the next slice (rows up to `readable`).
         if (e0 == 0) prefetch.ask_past(value_row, j, readable, then);
         packet vx[Packets];
-        if constexpr (std::is_same_v<stored, q8_0_block>) {  // each block's scale widened once (e0: whole packets)
-            const q8_0_block* row = v.row;
-            packet scale{};
-            ATTEND_UNROLL_FULLY
-            for (int i = 0; i < Packets; ++i) {
-                const index x = e0 + i * lanes;
-                const q8_0_block& block = row[x / q8_0_block::size];
-                if (i == 0 || x % q8_0_block::size == 0) scale = broadcast_scale<Acc>(block.scale);
-                vx[i] = widened_q8<Acc>(block.values + x % q8_0_block::size, scale);
-            }
-        } else {
-            ATTEND_UNROLL_FULLY
-            for (int i = 0; i < Packets; ++i) vx[i] = v.packet(e0 + i * lanes);
-        }
+        ATTEND_UNROLL_FULLY
+        for (int i = 0; i < Packets; ++i) vx[i] = v.packet(e0 + i * lanes);
         ATTEND_UNROLL_FULLY
         for (int r = 0; r < Rows; ++r) {
             const packet a = pset1<packet>(p[r * ldp + j]);

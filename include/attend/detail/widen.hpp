@@ -5,8 +5,10 @@
 /// a time inside expressions (its cast is not vectorized there), which made a decode over a 16-bit cache slower
 /// than over a float one; these are what the kernels and the input scans use instead.
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include <Eigen/Core>
@@ -25,12 +27,16 @@ void widen(const S* src, index n, A* dst) {
     for (index j = 0; j < n; ++j) dst[j] = static_cast<A>(src[j]);
 }
 
-/// The bits of a 16-bit value.
+/// The bits of a 16-, 32- or 64-bit value as an unsigned integer of its width. With the sign cleared, their integer
+/// order is the magnitudes' order (for floating-point types), and bits at or above +inf's are +-inf or NaN.
 template <class T>
-std::uint16_t bits_of(T x) {
-    static_assert(sizeof(T) == 2, "attend: bits_of takes a 16-bit type");
-    std::uint16_t b;
-    std::memcpy(&b, &x, 2);
+auto bits_of(T x) {
+    static_assert(sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8,
+                  "attend: bits_of takes a 16-, 32- or 64-bit type");
+    using bits = std::conditional_t<sizeof(T) == 8, std::uint64_t,
+                                    std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint16_t>>;
+    bits b;
+    std::memcpy(&b, static_cast<const void*>(&x), sizeof b);
     return b;
 }
 
@@ -113,13 +119,21 @@ inline void narrow(const float* src, index n, Eigen::bfloat16* dst) {
     }
 }
 
-/// Whether any of n 16-bit values is NaN or +-inf (an all-ones exponent), on the bits: one vectorized pass.
+/// The largest bits of |x| over n values (bits_of with the sign cleared): an unsigned max the compiler vectorizes.
+template <class T>
+auto largest_magnitude_bits(const T* x, index n) {
+    using bits = decltype(bits_of(T{}));
+    constexpr bits magnitude = std::numeric_limits<bits>::max() >> 1;  // all but the sign bit
+    bits largest = 0;
+    for (index j = 0; j < n; ++j) largest = std::max(largest, static_cast<bits>(bits_of(x[j]) & magnitude));
+    return largest;
+}
+
+/// Whether any of n 16-bit values is NaN or +-inf: an all-ones exponent, so magnitude bits at or above it.
 template <class T>
 bool any_non_finite_16(const T* x, index n) {
     const std::uint16_t exponent = std::is_same_v<T, Eigen::half> ? 0x7c00 : 0x7f80;
-    std::uint32_t found = 0;
-    for (index j = 0; j < n; ++j) found |= (bits_of(x[j]) & exponent) == exponent ? 1u : 0u;
-    return found != 0;
+    return largest_magnitude_bits(x, n) >= exponent;
 }
 
 }  // namespace attend::detail
