@@ -12,7 +12,8 @@
 //   mask_mod_window256/L/threads       tiled_window256's window as a mask_mod function with a block rule
 //   packed_8x512/threads               8 sequences of 512 packed in 4096, packed_segments (skips cross tiles)
 //   packed_8x512_dense_mask/threads    the same as a dense block-diagonal allowed_mask [4096, 4096]
-//   tiled_tiles/query_rows/key_tile    tile-size sweep at L = 2048, 1 thread (how default_tile_config was chosen)
+//   tiled_tiles/query_rows/key_tile/shared_blocks  tile-size sweep at L = 2048, D = 64, 1 thread (how
+//                                      default_tile_config was chosen); shared_blocks query blocks per packed tile
 //   decode/threads/check_finite        L = 1, S = 8192, 32 query heads on 8 kv heads, D = 128 (GQA decoding)
 //   decode_storage<KV>/threads/check_finite  the same, float queries over K and V stored as KV (a 16-bit cache);
 //                                      its `bytes` counter counts KV's bytes
@@ -177,6 +178,7 @@ void tiled_tiles(benchmark::State& state) {
     attend::detail::tile_config tiles;
     tiles.query_rows = state.range(0);
     tiles.key_tile = state.range(1);
+    tiles.shared_blocks = state.range(2);
     attend::detail::attention_outputs<float> out;
     out.out = attend::detail::as_mutable_view(p.out);
     for (auto _ : state) {
@@ -309,7 +311,7 @@ BENCHMARK(mask_mod_window256)->Apply(lengths_and_threads)->Unit(benchmark::kMill
 BENCHMARK(packed_8x512)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(packed_8x512_dense_mask)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(tiled_tiles)
-    ->ArgsProduct({{32, 64, 128, 256}, {128, 256, 512, 1024}})
+    ->ArgsProduct({{32, 64, 128, 256}, {128, 256, 512, 1024}, {1, 8}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(decode)
