@@ -769,6 +769,42 @@ TEST(TiledKernel, ScratchKeptFromEarlierCallsChangesNoBit) {
     }
 }
 
+/// The tiled kernel's workspaces are not zeroed when sized (unzeroed_vector): each buffer is written before it is
+/// read. They are sized from the calling thread's kept scratch blocks, so blocks filled with NaN bytes between two
+/// calls change no bit of out or lse, wherever a read came before its write would carry the NaN: partial panels and
+/// blocks, causal slabs, the decode path's chunks, staged fp16 rows, bf16 and double.
+template <class T>
+void expect_scratch_full_of_nan_changes_no_bit(index L, index S, bool causal, int threads) {
+    const attend::tensor<T, 4> q = attend_test::random_tensor<float>(51, 1, 4, L, 64).cast<T>();
+    const attend::tensor<T, 4> k = attend_test::random_tensor<float>(52, 1, 2, S, 64).cast<T>();
+    const attend::tensor<T, 4> v = attend_test::random_tensor<float>(53, 1, 2, S, 64).cast<T>();
+    attend::sdpa_options o;
+    o.kernel = attend::kernel::tiled;
+    o.threads = threads;
+    const auto run = [&] {
+        return causal ? attend::scaled_dot_product_attention(q, k, v, attend::causal(alignment::bottom_right), o)
+                      : attend::scaled_dot_product_attention(q, k, v, o);
+    };
+    (void)attend::release_scratch();
+    const auto fresh = run();
+    const attend::detail::scratch_blocks* kept = attend::detail::scratch_blocks::of_this_thread();
+    ASSERT_NE(kept, nullptr);
+    ASSERT_GT(kept->block_count(), 0u);
+    kept->for_each_kept([](void* data, std::size_t bytes) { std::memset(data, 0xff, bytes); });  // NaN
+    const auto poisoned = run();
+    EXPECT_TRUE(bit_equal(fresh.out, poisoned.out)) << "L " << L << ", S " << S << ", causal " << causal;
+    EXPECT_TRUE(bit_equal(fresh.lse, poisoned.lse)) << "L " << L << ", S " << S << ", causal " << causal;
+}
+
+TEST(TiledKernel, ScratchFullOfNanChangesNoBit) {
+    expect_scratch_full_of_nan_changes_no_bit<float>(300, 300, false, 2);
+    expect_scratch_full_of_nan_changes_no_bit<float>(300, 300, true, 1);
+    expect_scratch_full_of_nan_changes_no_bit<float>(1, 3000, false, 2);
+    expect_scratch_full_of_nan_changes_no_bit<Eigen::half>(200, 200, true, 1);
+    expect_scratch_full_of_nan_changes_no_bit<Eigen::bfloat16>(200, 260, false, 2);
+    expect_scratch_full_of_nan_changes_no_bit<double>(130, 300, false, 1);
+}
+
 TEST(TiledKernel, KeptScratchStaysWithinItsLimits) {
     using attend::detail::scratch_blocks;
     for (index len = 40; len <= 1400; len += 97) {  // many shapes: many sizes of blocks

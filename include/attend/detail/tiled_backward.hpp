@@ -261,7 +261,7 @@ private:
     /// The key tile's other packed operands: scale * K for dQ += dS (scale * K), V for dP = dO Vᵀ.
     void pack_for_gradients(backward_workspace<Acc>& w, index b, index kvh, index k0, index nk) const {
         pack_value_panels(w.keys.data(), s_.head_dim, nk, s_.head_dim, w.key_columns.data());
-        const auto values = rows_as_accumulator<Acc>(in_.v, b, kvh, k0, nk, w.value_stage);
+        const auto values = rows_as_accumulator<Acc>(in_.v, b, kvh, k0, nk, w.value_stage.data());
         pack_key_panels(values.data(), values.outerStride(), nk, s_.value_dim, w.value_panels.data());
     }
 
@@ -288,7 +288,7 @@ private:
                 dot_of_rows<Acc>(in_.out.row(b, h, q0 + r), in_.d_out.row(b, h, q0 + r), dv);
         }
         const auto queries = query_rows(w, t);
-        const auto d_out = rows_as_accumulator<Acc>(in_.d_out, b, h, q0, nq, w.d_out_stage);
+        const auto d_out = rows_as_accumulator<Acc>(in_.d_out, b, h, q0, nq, w.d_out_stage.data());
         auto probs = w.probs.topLeftCorner(nq, nk);
         // P = exp(scale q k^T + bias + mask - lse), the forward's probabilities, recomputed (exp(s - max) / sum
         // for the rows of exact_statistics).
@@ -341,7 +341,7 @@ private:
     /// The tile's query rows in Acc (converted into w.query_stage when stored in another type).
     const_tile_map<Acc> query_rows(backward_workspace<Acc>& w, const tile& t) const {
         return rows_as_accumulator<Acc>(in_.q, t.batch, t.head, t.query_begin, t.query_end - t.query_begin,
-                                        w.query_stage);
+                                        w.query_stage.data());
     }
 
     /// Scores of tile t, whose scaled keys are in w.keys, through the score pipeline into w.probs (and the

@@ -116,8 +116,7 @@ tile_config default_tile_config(const attention_shape& s) {
 /// in widen.hpp's vectorized loops). Which of the two it is never changes
 /// a result: the same values reach the same products.
 template <class Acc, class Rows>
-const_tile_map<Acc> rows_as_accumulator(const Rows& x, index b, index h, index j0, index n,
-                                        aligned_vector<Acc>& stage) {
+const_tile_map<Acc> rows_as_accumulator(const Rows& x, index b, index h, index j0, index n, Acc* stage) {
     using Storage = std::remove_const_t<std::remove_pointer_t<decltype(x.row(0, 0, 0))>>;
     const index cols = x.dims[3];
     if constexpr (std::is_same_v<Acc, Storage>)
@@ -125,19 +124,18 @@ const_tile_map<Acc> rows_as_accumulator(const Rows& x, index b, index h, index j
             return const_tile_map<Acc>(x.row(b, h, j0), n, cols, Eigen::OuterStride<>(row_stride(x)));
     for (index r = 0; r < n;) {  // run by run of rows packed one after another (a block, a dense view)
         const index run = std::min(n - r, packed_rows(x, j0 + r));
-        widen(x.row(b, h, j0 + r), run * cols, stage.data() + r * cols);
+        widen(x.row(b, h, j0 + r), run * cols, stage + r * cols);
         r += run;
     }
-    return const_tile_map<Acc>(stage.data(), n, cols, Eigen::OuterStride<>(cols));
+    return const_tile_map<Acc>(stage, n, cols, Eigen::OuterStride<>(cols));
 }
 
 /// q8_0 rows (an int8 cache) are always widened into `stage`, exactly: a scale of 11 significant bits times an
 /// integer of 7 is a float without rounding.
 template <class Acc>
-const_tile_map<Acc> rows_as_accumulator(const q8_view& x, index b, index h, index j0, index n,
-                                        aligned_vector<Acc>& stage) {
-    widen_rows(x, b, h, j0, n, stage.data());
-    return const_tile_map<Acc>(stage.data(), n, x.dims[3], Eigen::OuterStride<>(x.dims[3]));
+const_tile_map<Acc> rows_as_accumulator(const q8_view& x, index b, index h, index j0, index n, Acc* stage) {
+    widen_rows(x, b, h, j0, n, stage);
+    return const_tile_map<Acc>(stage, n, x.dims[3], Eigen::OuterStride<>(x.dims[3]));
 }
 
 /// Rows [i, i + n) of (b, h) of keys or values, at most row_run::most of them and as far as they follow each other
@@ -190,17 +188,18 @@ row_scan<Acc> scan_of(const const_tile_map<Acc>& x, bool magnitude) {
 /// All in the accumulation type.
 template <class Acc>
 struct tiled_workspace {
-    aligned_vector<Acc> queries;       ///< [rows, head_dim], scaled
-    aligned_vector<Acc> scores;        ///< [rows, key_tile], scores then probabilities
-    aligned_vector<Acc> acc;           ///< [rows, value_dim]
-    online_softmax<Acc> softmax;       ///< [rows] running max and sum
-    std::vector<tile_class> classes;   ///< [group]
-    aligned_vector<Acc> key_stage;     ///< [key_tile, head_dim] converted keys for the float panels, when not Acc
-    aligned_vector<Acc> value_stage;   ///< [key_tile, value_dim] converted values for the float panels, when not Acc
-    kv_findings<Acc> found;            ///< the decode path's check_finite findings, when it scans
-    aligned_vector<Acc> key_panels;    ///< [key_tile rounded to panels, head_dim]: keys packed for the micro-kernel
-    aligned_vector<Acc> value_panels;  ///< [key_tile, value_dim]: values packed for the micro-kernel
-    pair_scratch pairs;                ///< bf16 pairs instead of the panels, where the pair path runs
+    // The buffers each block or tile writes before it reads them are not zeroed when sized (unzeroed_vector).
+    unzeroed_vector<Acc> queries;       ///< [rows, head_dim], scaled
+    unzeroed_vector<Acc> scores;        ///< [rows, key_tile], scores then probabilities
+    unzeroed_vector<Acc> acc;           ///< [rows, value_dim], zeroed as a block starts (start_stream)
+    online_softmax<Acc> softmax;        ///< [rows] running max and sum
+    std::vector<tile_class> classes;    ///< [group]
+    unzeroed_vector<Acc> key_stage;     ///< [key_tile, head_dim] converted keys for the float panels, when not Acc
+    unzeroed_vector<Acc> value_stage;   ///< [key_tile, value_dim] converted values for the float panels, when not Acc
+    kv_findings<Acc> found;             ///< the decode path's check_finite findings, when it scans
+    unzeroed_vector<Acc> key_panels;    ///< [key_tile rounded to panels, head_dim]: keys packed for the micro-kernel
+    unzeroed_vector<Acc> value_panels;  ///< [key_tile, value_dim]: values packed for the micro-kernel
+    pair_scratch pairs;                 ///< bf16 pairs instead of the panels, where the pair path runs
     /// Which keys or values the panels hold (batch -1: none), and the tile being streamed, whose keys and values
     /// are packed whole the first time a slab of it needs them, so every slab of the tile reads the same panels.
     struct key_range {
@@ -213,7 +212,7 @@ struct tiled_workspace {
     /// What a query block keeps from one key tile to the next, parked while the worker runs another block of its
     /// unit over the same packed tile (tiled_runner::run_blocks); switch_to swaps buffers, it copies nothing.
     struct block_state {
-        aligned_vector<Acc> queries, acc;
+        unzeroed_vector<Acc> queries, acc;
         online_softmax<Acc> softmax;
         aligned_vector<std::uint32_t> pair_queries;
     };
@@ -598,7 +597,7 @@ private:
         const auto want = pack_range(w, blk, k0, k1, micro_tile<Acc>::cols);
         if (!(w.packed_keys == want)) {
             const index n = want.end - want.begin;
-            const auto keys = rows_as_accumulator<Acc>(k_, blk.batch, blk.kv_head, want.begin, n, w.key_stage);
+            const auto keys = rows_as_accumulator<Acc>(k_, blk.batch, blk.kv_head, want.begin, n, w.key_stage.data());
             pack_key_panels(keys.data(), keys.outerStride(), n, s_.head_dim, w.key_panels.data());
             if (w.found.active) w.found.keys(scan_of(keys, true));
             w.packed_keys = want;
@@ -614,7 +613,8 @@ private:
         const auto want = pack_range(w, blk, k0, k1, 1);
         if (!(w.packed_values == want)) {
             const index n = want.end - want.begin;
-            const auto values = rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, want.begin, n, w.value_stage);
+            const auto values =
+                rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, want.begin, n, w.value_stage.data());
             pack_value_panels(values.data(), values.outerStride(), n, dv, w.value_panels.data());
             if (w.found.active) w.found.values(scan_of(values, false));
             w.packed_values = want;
@@ -622,7 +622,7 @@ private:
         const Acc* in_place = nullptr;
         index ldv = dv;
         if (dv % micro_tile<Acc>::cols != 0) {
-            const auto values = rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, k0, nk, w.value_stage);
+            const auto values = rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, k0, nk, w.value_stage.data());
             in_place = values.data();
             ldv = values.outerStride();
         }
