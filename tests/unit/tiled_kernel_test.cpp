@@ -13,6 +13,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -27,6 +28,7 @@
 #include <attend/attend.hpp>
 
 #include "support/compare.hpp"
+#include "support/paged_model.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -771,38 +773,74 @@ TEST(TiledKernel, ScratchKeptFromEarlierCallsChangesNoBit) {
 
 /// The tiled kernel's workspaces are not zeroed when sized (unzeroed_vector): each buffer is written before it is
 /// read. They are sized from the calling thread's kept scratch blocks, so blocks filled with NaN bytes between two
-/// calls change no bit of out or lse, wherever a read came before its write would carry the NaN: partial panels and
-/// blocks, causal slabs, the decode path's chunks, staged fp16 rows, bf16 and double.
+/// runs of one call change no bit of its out or lse, wherever a read came before its write would carry the NaN.
+template <class Call>
+void expect_scratch_full_of_nan_changes_no_bit(const Call& call, const std::string& what) {
+    (void)attend::release_scratch();
+    const auto fresh = call();
+    const attend::detail::scratch_blocks* kept = attend::detail::scratch_blocks::of_this_thread();
+    ASSERT_NE(kept, nullptr);
+    ASSERT_GT(kept->block_count(), 0u) << what;
+    kept->for_each_kept([](void* data, std::size_t bytes) { std::memset(data, 0xff, bytes); });  // NaN
+    const auto poisoned = call();
+    EXPECT_TRUE(bit_equal(fresh.out, poisoned.out)) << what;
+    EXPECT_TRUE(bit_equal(fresh.lse, poisoned.lse)) << what;
+}
+
+/// q [1, 4, L, 64] of T over k and v [1, 2, S, 64]: causal (bottom right) or not, on `threads` threads.
 template <class T>
-void expect_scratch_full_of_nan_changes_no_bit(index L, index S, bool causal, int threads) {
+void expect_sdpa_scratch_full_of_nan_changes_no_bit(index L, index S, bool causal, int threads) {
     const attend::tensor<T, 4> q = attend_test::random_tensor<float>(51, 1, 4, L, 64).cast<T>();
     const attend::tensor<T, 4> k = attend_test::random_tensor<float>(52, 1, 2, S, 64).cast<T>();
     const attend::tensor<T, 4> v = attend_test::random_tensor<float>(53, 1, 2, S, 64).cast<T>();
     attend::sdpa_options o;
     o.kernel = attend::kernel::tiled;
     o.threads = threads;
-    const auto run = [&] {
-        return causal ? attend::scaled_dot_product_attention(q, k, v, attend::causal(alignment::bottom_right), o)
-                      : attend::scaled_dot_product_attention(q, k, v, o);
-    };
-    (void)attend::release_scratch();
-    const auto fresh = run();
-    const attend::detail::scratch_blocks* kept = attend::detail::scratch_blocks::of_this_thread();
-    ASSERT_NE(kept, nullptr);
-    ASSERT_GT(kept->block_count(), 0u);
-    kept->for_each_kept([](void* data, std::size_t bytes) { std::memset(data, 0xff, bytes); });  // NaN
-    const auto poisoned = run();
-    EXPECT_TRUE(bit_equal(fresh.out, poisoned.out)) << "L " << L << ", S " << S << ", causal " << causal;
-    EXPECT_TRUE(bit_equal(fresh.lse, poisoned.lse)) << "L " << L << ", S " << S << ", causal " << causal;
+    expect_scratch_full_of_nan_changes_no_bit(
+        [&] {
+            return causal ? attend::scaled_dot_product_attention(q, k, v, attend::causal(alignment::bottom_right), o)
+                          : attend::scaled_dot_product_attention(q, k, v, o);
+        },
+        attend_test::describe("L ", L, ", S ", S, causal ? ", causal" : "", ", ", sizeof(T), "-byte storage"));
 }
 
 TEST(TiledKernel, ScratchFullOfNanChangesNoBit) {
-    expect_scratch_full_of_nan_changes_no_bit<float>(300, 300, false, 2);
-    expect_scratch_full_of_nan_changes_no_bit<float>(300, 300, true, 1);
-    expect_scratch_full_of_nan_changes_no_bit<float>(1, 3000, false, 2);
-    expect_scratch_full_of_nan_changes_no_bit<Eigen::half>(200, 200, true, 1);
-    expect_scratch_full_of_nan_changes_no_bit<Eigen::bfloat16>(200, 260, false, 2);
-    expect_scratch_full_of_nan_changes_no_bit<double>(130, 300, false, 1);
+    // Partial panels and blocks, causal slabs, the decode path's chunks, staged fp16 rows, bf16, double.
+    expect_sdpa_scratch_full_of_nan_changes_no_bit<float>(300, 300, false, 2);
+    expect_sdpa_scratch_full_of_nan_changes_no_bit<float>(300, 300, true, 1);
+    expect_sdpa_scratch_full_of_nan_changes_no_bit<float>(1, 3000, false, 2);
+    expect_sdpa_scratch_full_of_nan_changes_no_bit<Eigen::half>(200, 200, true, 1);
+    expect_sdpa_scratch_full_of_nan_changes_no_bit<Eigen::bfloat16>(200, 260, false, 2);
+    expect_sdpa_scratch_full_of_nan_changes_no_bit<double>(130, 300, false, 1);
+    // An int8 cache (its rows widened into the stage) and a paged cache whose sequence's blocks alternate with
+    // another's (slices that cross a block edge are copied into the stage).
+    attend::q8_kv_cache q8(1, 2, 700, 64, 64);
+    q8.append(attend_test::random_tensor<float>(54, 1, 2, 700, 64),
+              attend_test::random_tensor<float>(55, 1, 2, 700, 64));
+    attend::paged_kv_cache<float> paged(attend_test::paged_config(2, 64, 48, 40, 2));
+    const index id = paged.add_sequence(), other = paged.add_sequence();
+    for (index at = 0; at < 700; at += 48) {
+        const index n = std::min<index>(48, 700 - at);
+        const attend::tensor<float, 4> kn =
+            attend_test::random_tensor<float>(56 + static_cast<std::uint64_t>(at), 1, 2, n, 64);
+        const attend::tensor<float, 4> vn =
+            attend_test::random_tensor<float>(57 + static_cast<std::uint64_t>(at), 1, 2, n, 64);
+        paged.append(id, kn, vn);
+        paged.append(other, kn, vn);
+    }
+    for (const index L : {index(1), index(40)}) {
+        const attend::tensor<float, 4> q = attend_test::random_tensor<float>(58, 1, 4, L, 64);
+        attend::sdpa_options o;
+        o.threads = 2;
+        expect_scratch_full_of_nan_changes_no_bit(
+            [&] {
+                return attend::scaled_dot_product_attention(q, q8.keys(), q8.values(),
+                                                            attend::causal(alignment::bottom_right), o);
+            },
+            attend_test::describe("q8_0 cache, L ", L));
+        expect_scratch_full_of_nan_changes_no_bit([&] { return attend::paged_attention(q, paged, {id}, {L}, o); },
+                                                  attend_test::describe("paged cache, L ", L));
+    }
 }
 
 TEST(TiledKernel, KeptScratchStaysWithinItsLimits) {
