@@ -12,8 +12,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -28,6 +28,7 @@
 #include <attend/attend.hpp>
 
 #include "support/compare.hpp"
+#include "support/kept_scratch.hpp"
 #include "support/paged_model.hpp"
 #include "support/random.hpp"
 
@@ -771,22 +772,6 @@ TEST(TiledKernel, ScratchKeptFromEarlierCallsChangesNoBit) {
     }
 }
 
-/// The tiled kernel's workspaces are not zeroed when sized (unzeroed_vector): each buffer is written before it is
-/// read. They are sized from the calling thread's kept scratch blocks, so blocks filled with NaN bytes between two
-/// runs of one call change no bit of its out or lse, wherever a read came before its write would carry the NaN.
-template <class Call>
-void expect_scratch_full_of_nan_changes_no_bit(const Call& call, const std::string& what) {
-    (void)attend::release_scratch();
-    const auto fresh = call();
-    const attend::detail::scratch_blocks* kept = attend::detail::scratch_blocks::of_this_thread();
-    ASSERT_NE(kept, nullptr);
-    ASSERT_GT(kept->block_count(), 0u) << what;
-    kept->for_each_kept([](void* data, std::size_t bytes) { std::memset(data, 0xff, bytes); });  // NaN
-    const auto poisoned = call();
-    EXPECT_TRUE(bit_equal(fresh.out, poisoned.out)) << what;
-    EXPECT_TRUE(bit_equal(fresh.lse, poisoned.lse)) << what;
-}
-
 /// q [1, 4, L, 64] of T over k and v [1, 2, S, 64]: causal (bottom right) or not, on `threads` threads.
 template <class T>
 void expect_sdpa_scratch_full_of_nan_changes_no_bit(index L, index S, bool causal, int threads) {
@@ -796,7 +781,7 @@ void expect_sdpa_scratch_full_of_nan_changes_no_bit(index L, index S, bool causa
     attend::sdpa_options o;
     o.kernel = attend::kernel::tiled;
     o.threads = threads;
-    expect_scratch_full_of_nan_changes_no_bit(
+    attend_test::expect_scratch_full_of_nan_changes_no_bit(
         [&] {
             return causal ? attend::scaled_dot_product_attention(q, k, v, attend::causal(alignment::bottom_right), o)
                           : attend::scaled_dot_product_attention(q, k, v, o);
@@ -832,14 +817,15 @@ TEST(TiledKernel, ScratchFullOfNanChangesNoBit) {
         const attend::tensor<float, 4> q = attend_test::random_tensor<float>(58, 1, 4, L, 64);
         attend::sdpa_options o;
         o.threads = 2;
-        expect_scratch_full_of_nan_changes_no_bit(
+        attend_test::expect_scratch_full_of_nan_changes_no_bit(
             [&] {
                 return attend::scaled_dot_product_attention(q, q8.keys(), q8.values(),
                                                             attend::causal(alignment::bottom_right), o);
             },
             attend_test::describe("q8_0 cache, L ", L));
-        expect_scratch_full_of_nan_changes_no_bit([&] { return attend::paged_attention(q, paged, {id}, {L}, o); },
-                                                  attend_test::describe("paged cache, L ", L));
+        attend_test::expect_scratch_full_of_nan_changes_no_bit(
+            [&] { return attend::paged_attention(q, paged, {id}, {L}, o); },
+            attend_test::describe("paged cache, L ", L));
     }
 }
 
