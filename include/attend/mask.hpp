@@ -109,7 +109,8 @@ V saturating_cast(X x) {
             if constexpr (std::is_floating_point_v<decltype(y)>) return y;
             else return static_cast<float>(y);
         };
-        if (std::isfinite(wide(x))) {
+        if ((Eigen::numext::isfinite)(x)) {  // in x's own type: valgrind's x87 emulation takes -inf widened to
+                                             // long double for a finite number
             if (wide(x) > wide(std::numeric_limits<V>::max())) return std::numeric_limits<V>::max();
             if (wide(x) < wide(std::numeric_limits<V>::lowest())) return std::numeric_limits<V>::lowest();
         }

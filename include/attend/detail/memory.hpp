@@ -139,7 +139,7 @@ struct scratch_allocator {
 /// so with malloc's 16-byte alignment an AVX build would sum and exponentiate in an order, and with a precision,
 /// that depend on where the heap put the buffer, and the same call could give different bits twice in a row.
 /// Its blocks are kept for the thread's next call (scratch_blocks); a vector's elements are still value-initialized
-/// (zero) when it is sized.
+/// (zero) when it is sized (unzeroed_vector, below, leaves them as the memory held them).
 template <class T>
 using aligned_vector = std::vector<T, scratch_allocator<T>>;
 
