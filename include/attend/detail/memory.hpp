@@ -16,7 +16,6 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include <Eigen/Core>
@@ -151,13 +150,10 @@ struct unzeroed_scratch_allocator : scratch_allocator<T> {
     unzeroed_scratch_allocator() = default;
     template <class U>
     unzeroed_scratch_allocator(const unzeroed_scratch_allocator<U>&) noexcept {}
+    /// Sizing default-initializes; a construction with arguments goes to std::allocator_traits' placement new.
     template <class U>
     void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
         ::new (static_cast<void*>(p)) U;
-    }
-    template <class U, class... Args>
-    void construct(U* p, Args&&... args) {
-        ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
     }
 };
 
