@@ -6,10 +6,11 @@
 /// tile at a time into the worker's scratch; they are never materialized whole in float. 34 bytes per 32 values:
 /// 0.27 of a float cache.
 ///
-/// Error bound, per value: d = fp16(amax / 127), amax the largest |x| of its block, and q = round(x / d) with d as
-/// stored, so |x - d q| <= d / 2 ~ amax / 254. A block whose amax is below 127 x 2^-25 (d rounds to 0) is stored as
-/// zeros. Attention over the cache is then exactly float attention over the values d q: the only error is the
-/// quantization, tests/unit/q8_cache_test.cpp checks both.
+/// Error bound, per value: d = fp16(amax / 127), amax the largest |x| of its block (the next fp16 up where amax / 127
+/// is so small that fp16's subnormals round it far down), and q = round(x / d) with d as stored, so
+/// |x - d q| <= d / 2 ~ amax / 254 (up to 2^-16 d: x / d is rounded to float first). A block whose amax is below
+/// 127 x 2^-25 (d rounds to 0) is stored as zeros. Attention over the cache is then exactly float attention over the
+/// values d q: the only error is the quantization, tests/unit/q8_cache_test.cpp checks both.
 
 #include <algorithm>
 #include <array>

@@ -116,6 +116,36 @@ TEST(Q8Cache, EveryValueIsWithinHalfItsBlockScaleOfWhatWasAppended) {
     EXPECT_EQ(static_cast<float>(cache.key_blocks()[(2 * 50 + 9) * 3 + 1].scale), 0.0f);
 }
 
+// Where amax / 127 is an fp16 subnormal (amax below 127 x 2^-14), fp16's spacing of 2^-24 can round it down by up
+// to a third; d rounded to nearest then left the block's largest values clamped at 127 d, up to 1.05 d from what was
+// appended (found by the differential fuzzer). The scale is then the next fp16 up. Swept over that whole range.
+TEST(Q8Cache, BlocksWithAnFp16SubnormalScaleHoldEveryValueWithinHalfAStep) {
+    const index blocks = 2000;
+    attend::tensor<float, 4> k(1, 1, blocks, 32);
+    for (index n = 0; n < blocks; ++n) {
+        const float amax = 127.0f * std::ldexp(1.0f, -24) * 0.6f * std::pow(1.0035f, static_cast<float>(n));
+        for (index j = 0; j < 32; ++j)
+            k(0, 0, n, j) = amax * (j == 0 ? 1.0f : static_cast<float>((j * 37) % 64 - 32) / 32.0f);
+    }
+    attend::q8_kv_cache cache(1, 1, blocks, 32, 32);
+    cache.append(k, k);
+    index raised = 0;  // blocks whose scale rounded to nearest would have clamped their largest value
+    for (index n = 0; n < blocks; ++n) {
+        const q8_0_block& block = cache.key_blocks()[static_cast<std::size_t>(n)];
+        const float amax = k(0, 0, n, 0);
+        const double d = static_cast<double>(static_cast<float>(block.scale));
+        ASSERT_GT(d, 0) << n;
+        ASSERT_LT(d, std::ldexp(1.0, -14)) << n;  // subnormal, as meant
+        raised += d > static_cast<double>(static_cast<float>(Eigen::half(amax / 127.0f))) ? 1 : 0;
+        EXPECT_LE(static_cast<double>(amax), 127.5 * d) << n;
+        for (index j = 0; j < 32; ++j) {
+            const double error = std::abs(d * block.values[j] - static_cast<double>(k(0, 0, n, j)));
+            ASSERT_LE(error, d * (0.5 + std::ldexp(1.0, -16))) << "block " << n << " value " << j;
+        }
+    }
+    EXPECT_GT(raised, 100);
+}
+
 TEST(Q8Cache, BlocksAreGgmlsQ8_0Bytes) {
     EXPECT_EQ(sizeof(q8_0_block), 34u);
     EXPECT_EQ(offsetof(q8_0_block, values), 2u);  // ggml_half d, then int8_t qs[32]
@@ -135,13 +165,17 @@ TEST(Q8Cache, BlocksAreGgmlsQ8_0Bytes) {
     EXPECT_EQ(cache.value_blocks()[0].values[31], -127);
 }
 
-/// q8_0 of one block of float values, a value at a time as ggml's reference quantizer: d = fp16(amax / 127),
-/// q = std::round(x / d) (half away from zero) clamped to [-127, 127].
+/// q8_0 of one block of float values, a value at a time as ggml's reference quantizer: d = fp16(amax / 127), the
+/// next fp16 up where that leaves amax above 127.5 d (fp16-subnormal scales), q = std::round(x / d) (half away from
+/// zero) clamped to [-127, 127].
 q8_0_block quantized_one_at_a_time(const float* x) {
     float amax = 0;
     for (index j = 0; j < 32; ++j) amax = std::max(amax, std::abs(x[j]));
     q8_0_block block{};
     block.scale = Eigen::half(amax / 127.0f);
+    if (static_cast<float>(block.scale) > 0 && amax > 127.5f * static_cast<float>(block.scale))
+        block.scale =
+            Eigen::half_impl::raw_uint16_to_half(static_cast<std::uint16_t>(attend::detail::bits_of(block.scale) + 1));
     const float d = static_cast<float>(block.scale), inverse = d > 0 ? 1.0f / d : 0.0f;
     for (index j = 0; j < 32; ++j)
         block.values[j] = static_cast<std::int8_t>(std::clamp(std::round(x[j] * inverse), -127.0f, 127.0f));

@@ -64,8 +64,11 @@ auto rounded_q8(const Packet& y) {
 }
 
 /// q8_0 of one row of `dim` values (dim a multiple of 32) into dim / 32 blocks. Per block: d = fp16(amax / 127),
-/// q = round(x / d) clamped to [-127, 127], computed with d as stored, so |x - d q| <= d / 2 for each value. A
-/// block whose amax / 127 rounds to 0 in fp16 (amax below 127 x 2^-25) is stored as zeros. The values must be
+/// q = round(x / d) clamped to [-127, 127], computed with d as stored, so |x - d q| <= d / 2 for each value (plus
+/// 2^-16 d: x / d is a float product, x times 1 / d). Where amax / 127 is an fp16 subnormal, rounding it to nearest
+/// can lose up to a third of it, and amax / d passes 127.5: d is then the next fp16 up, so the bound holds for
+/// every block (the differential fuzzer found a clamped value 1.05 d away). A block whose amax / 127 rounds to 0 in
+/// fp16 (amax below 127 x 2^-25) is stored as zeros. The values must be
 /// finite and below 127 x 65504 in magnitude (the caller checks). A block at a time in packets: the widened
 /// values, their largest magnitude, the products by 1 / d and their rounding, the bytes narrowed in registers where
 /// the target can; a call of std::round per value had made an append of 2048 positions (8 kv heads, head_dim 128)
@@ -91,6 +94,10 @@ void quantize_q8_0(const T* x, index dim, q8_0_block* out) {
         narrow(&ratio, 1, &out[b].scale);
         float scale;
         widen(&out[b].scale, 1, &scale);
+        if (scale > 0 && amax > 127.5f * scale) {  // exact: 127.5 d needs 19 bits; only fp16-subnormal d get here
+            out[b].scale = Eigen::half_impl::raw_uint16_to_half(static_cast<std::uint16_t>(bits_of(out[b].scale) + 1));
+            widen(&out[b].scale, 1, &scale);
+        }
         const float inverse = scale > 0 ? 1.0f / scale : 0.0f;
         std::int8_t* q = out[b].values;
         if constexpr (in_packets) {
