@@ -3,11 +3,13 @@
 // leave, fork, roll back, reorder, and ragged batches append and attend (tests/support/paged_model.hpp); after
 // every operation the cache must equal a model that keeps each sequence in a plain kv_cache of its own, the
 // pool's bookkeeping must hold, a refused operation must be the right typed error and change nothing, and
-// attention over the batch must equal, bit for bit, attention over each sequence alone.
+// attention over the batch must equal, bit for bit, attention over each sequence alone. Caches of float, double,
+// fp16 and bf16 (queries of the same type).
 #include <cstddef>
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <type_traits>
 
 #include "fuzz_check.hpp"
 #include "fuzz_input.hpp"
@@ -44,9 +46,13 @@ void run_session(fuzz_input& in) {
     o.threads = 1 + in.choose(2);
     if (in.chance(64)) o.softcap = 0.5 + static_cast<double>(in.in_range(0, 40)) / 8.0;
     std::ostringstream text;
-    text << "paged session: " << (sizeof(T) == 4 ? "float" : "double") << ", heads " << z.heads << "/" << z.kv_heads
-         << ", head_dim " << z.head_dim << ", block_size " << z.block_size << ", blocks " << z.blocks
-         << ", max_sequences " << z.max_sequences << ", window " << z.window << ", threads " << o.threads;
+    const char* type = std::is_same_v<T, float>         ? "float"
+                       : std::is_same_v<T, double>      ? "double"
+                       : std::is_same_v<T, Eigen::half> ? "fp16"
+                                                        : "bf16";
+    text << "paged session: " << type << ", heads " << z.heads << "/" << z.kv_heads << ", head_dim " << z.head_dim
+         << ", block_size " << z.block_size << ", blocks " << z.blocks << ", max_sequences " << z.max_sequences
+         << ", window " << z.window << ", threads " << o.threads;
     case_description() = text.str();
     attend_test::paged_session<T, input_choice, abort_failure> session(z, o, input_choice{&in}, abort_failure{},
                                                                        in.word());
@@ -61,7 +67,10 @@ void run_session(fuzz_input& in) {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
     attend_fuzz::fuzz_input in(data, size);
-    if (in.chance(128)) attend_fuzz::run_session<float>(in);
+    const unsigned kind = in.byte();  // float and double mostly; fp16 and bf16 (cache and queries) one in eight each
+    if (kind < 96) attend_fuzz::run_session<float>(in);
+    else if (kind < 128) attend_fuzz::run_session<Eigen::half>(in);
+    else if (kind < 160) attend_fuzz::run_session<Eigen::bfloat16>(in);
     else attend_fuzz::run_session<double>(in);
     return 0;
 }

@@ -20,6 +20,9 @@
 ///     same, and the same error; float queries over the rounded keys and values give the float call bit for bit;
 ///     when the call has a backward, so does the 16-bit backward (its gradients the float backward's on the
 ///     widened values, rounded once, or the same error);
+///   - for float inputs of rank 4, an int8 (q8_0) cache holds each value within half its block's scale and refuses
+///     exactly the values it cannot hold; float queries over it give the float call over the values it holds, bit
+///     for bit, or the same error (check_q8_cache);
 ///   - the backward of both kernels agrees within a bound derived the same way.
 
 #include <algorithm>
@@ -35,6 +38,7 @@
 
 #include <attend/backward.hpp>
 #include <attend/position.hpp>
+#include <attend/q8_cache.hpp>
 #include <attend/sdpa.hpp>
 
 #include "fuzz_check.hpp"
@@ -471,11 +475,11 @@ bool identical(const std::vector<T>& a, const std::vector<T>& b) {
 }
 
 /// The tiled kernel with explicit tile sizes, through the same checks as the public call, storing T and
-/// accumulating in Acc (float storage accumulated in double is the kernels' staged path).
-template <class T, class Acc = T, class Mask>
-outputs<T> tiled_with(const attend::strided_view<const T>& q, const attend::strided_view<const T>& k,
-                      const attend::strided_view<const T>& v, const Mask& mask, const attend::sdpa_options& options,
-                      const attend::detail::tile_config& tiles, int threads) {
+/// accumulating in Acc (float storage accumulated in double is the kernels' staged path); keys and values as
+/// `Rows` (strided views of T, or an int8 cache's q8_0 blocks).
+template <class T, class Acc = T, class Rows = attend::strided_view<const T>, class Mask>
+outputs<T> tiled_with(const attend::strided_view<const T>& q, const Rows& k, const Rows& v, const Mask& mask,
+                      const attend::sdpa_options& options, const attend::detail::tile_config& tiles, int threads) {
     const attention_shape s = attend::detail::check_views(q, k, v);
     // As the API does: the scan of k and v deferred to the kernel, so an empty row's error comes first.
     const auto call = attend::detail::check_call(q, k, v, s, mask, options, true);
@@ -500,10 +504,9 @@ outputs<T> tiled_with(const attend::strided_view<const T>& q, const attend::stri
     params.weights_after_dropout = call.params.weights_after_dropout;
     params.score_mod = call.params.score_mod;
     for (const T z : call.params.sinks) params.sinks.push_back(static_cast<Acc>(z));
-    const attend::detail::kv_scan_of<T, attend::strided_view<const T>> kv_scan(q, k, v, s, call.params.scale,
-                                                                               call.query_magnitudes);
-    if (call.kv_scan_deferred) params.kv_scan = &kv_scan;
-    attend::detail::tiled_forward<T, Acc>(q, k, v, s, erased, params, views, threads, tiles);
+    const attend::detail::kv_scan_of<T, Rows> kv_scan(q, k, v, s, call.params.scale, call.query_magnitudes);
+    if (call.kv_scan_deferred && !kv_scan.settled()) params.kv_scan = &kv_scan;
+    attend::detail::tiled_forward<T, Acc, Rows>(q, k, v, s, erased, params, views, threads, tiles);
     return o;
 }
 
@@ -648,6 +651,102 @@ void check_storage16(const attend::tensor<float, Rank>& q, const attend::tensor<
     }
 }
 
+/// The int8 cache check of the file comment. k and v are padded with zero columns to whole q8_0 blocks (q too,
+/// which leaves every score as it was) and appended to a q8_kv_cache: refused, with nothing appended, exactly when
+/// a value is not finite or beyond max_magnitude; otherwise each value is held within half its block's scale, up to
+/// the documented 2^-16 of it (a block whose amax / 127 rounds to 0 in fp16 holds zeros). Float queries over the
+/// cache give, in both kernels and in the tiled one with the drawn small tiles, the float call over the values it
+/// holds (scale x int8), bit for bit, or the same error.
+template <class Mask>
+void check_q8_cache(const attend::tensor<float, 4>& q, const attend::tensor<float, 4>& k,
+                    const attend::tensor<float, 4>& v, const Mask& mask, attend::sdpa_options o,
+                    const attend::detail::tile_config& tiles, int threads) {
+    using attend::q8_0_block;
+    using attend::detail::as_view;
+    if (error_id_of([&] { (void)attend::detail::check_views(as_view(q), as_view(k), as_view(v)); })) return;
+    for (const index size : {k.dimension(0), k.dimension(1), k.dimension(2), k.dimension(3), v.dimension(3)})
+        if (size < 1) return;  // the cache's own size errors are q8_cache_test's
+    const auto padded = [](const attend::tensor<float, 4>& x) {
+        const index dim = x.dimension(3);
+        attend::tensor<float, 4> p(x.dimension(0), x.dimension(1), x.dimension(2),
+                                   (dim + q8_0_block::size - 1) / q8_0_block::size * q8_0_block::size);
+        p.setZero();
+        for (index row = 0; row < x.size() / std::max<index>(dim, 1); ++row)
+            std::copy(x.data() + row * dim, x.data() + (row + 1) * dim, p.data() + row * p.dimension(3));
+        return p;
+    };
+    const attend::tensor<float, 4> qp = padded(q), kp = padded(k), vp = padded(v);
+    attend::q8_kv_cache cache(k.dimension(0), k.dimension(1), k.dimension(2), kp.dimension(3), vp.dimension(3));
+    std::optional<std::string> refusal;  // the keys are checked first, each for finiteness first
+    for (const auto* x : {&k, &v}) {
+        const float* first = x->data();
+        const float* last = first + x->size();
+        if (refusal) break;
+        if (std::any_of(first, last, [](float e) { return !std::isfinite(e); })) refusal = "attend.value.non_finite";
+        else if (std::any_of(first, last, [](float e) {
+                     return std::abs(static_cast<double>(e)) > attend::q8_kv_cache::max_magnitude;
+                 }))
+            refusal = "attend.value.quantized_range";
+    }
+    const auto id_append = error_id_of([&] { cache.append(kp, vp); });
+    require(id_append == refusal,
+            "q8_kv_cache::append throws " + spell(id_append) + ", its values call for " + spell(refusal));
+    if (id_append) {
+        require(cache.length() == 0, "a refused q8_kv_cache::append changed the cache");
+        return;
+    }
+    // What the cache holds, scale x int8 per value: rows in the order of the tensors (its capacity is key_len).
+    // Each value within half a step, plus the float rounding of x / d (q8_cache.hpp); a block of zeros exactly
+    // where its amax / 127 rounds to 0 in fp16.
+    const auto held = [](const std::vector<q8_0_block>& blocks, const attend::tensor<float, 4>& x) {
+        attend::tensor<float, 4> w(x.dimensions());
+        for (index first = 0; first < x.size(); first += q8_0_block::size) {
+            const q8_0_block& block = blocks[static_cast<std::size_t>(first / q8_0_block::size)];
+            const float d = static_cast<float>(block.scale);
+            float amax = 0;
+            for (index j = 0; j < q8_0_block::size; ++j) amax = std::max(amax, std::abs(x.data()[first + j]));
+            require((d == 0) == (static_cast<float>(Eigen::half(amax / 127.0f)) == 0),
+                    attend::detail::concat("a q8_0 block of largest magnitude ", amax, " has scale ", d));
+            for (index j = 0; j < q8_0_block::size; ++j) {
+                const index n = first + j;
+                w.data()[n] = d * static_cast<float>(block.values[j]);
+                const double error = std::abs(static_cast<double>(x.data()[n]) - static_cast<double>(w.data()[n]));
+                require(error <= static_cast<double>(d) * (0.5 + std::ldexp(1.0, -16)) || (d == 0 && w.data()[n] == 0),
+                        attend::detail::concat("q8_kv_cache holds ", w.data()[n], " for ", x.data()[n], " (scale ", d,
+                                               "), beyond half its block's scale"));
+            }
+        }
+        return w;
+    };
+    const attend::tensor<float, 4> kw = held(cache.key_blocks(), kp), vw = held(cache.value_blocks(), vp);
+    const auto same = [](const outputs<float>& a, const outputs<float>& b) {
+        return identical(a.out, b.out) && identical(a.weights, b.weights) && identical(a.lse, b.lse);
+    };
+    for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
+        o.kernel = kernel;
+        o.threads = kernel == attend::kernel::tiled ? threads : 1;
+        std::optional<attend::attention_result<float, 4>> got, want;
+        const auto id_got = error_id_of(
+            [&] { got.emplace(attend::scaled_dot_product_attention(qp, cache.keys(), cache.values(), mask, o)); });
+        const auto id_want =
+            error_id_of([&] { want.emplace(attend::scaled_dot_product_attention(qp, kw, vw, mask, o)); });
+        require(id_got == id_want,
+                "float queries over an int8 cache throw " + spell(id_got) + ", over its values " + spell(id_want));
+        if (!id_got)
+            require(same(flatten(*got), flatten(*want)),
+                    "float queries over an int8 cache differ from float keys of the values it holds");
+    }
+    std::optional<outputs<float>> got, want;
+    const auto id_got = error_id_of(
+        [&] { got.emplace(tiled_with<float>(as_view(qp), cache.keys(), cache.values(), mask, o, tiles, threads)); });
+    const auto id_want = error_id_of(
+        [&] { want.emplace(tiled_with<float>(as_view(qp), as_view(kw), as_view(vw), mask, o, tiles, threads)); });
+    require(id_got == id_want,
+            "small tiles over an int8 cache throw " + spell(id_got) + ", over its values " + spell(id_want));
+    if (!id_got)
+        require(same(*got, *want), "small tiles over an int8 cache differ from float keys of the values it holds");
+}
+
 template <class T, int Rank, class Mask>
 void run_call(fuzz_input& in, call_case<T>& c, const attend::tensor<T, Rank>& q, const attend::tensor<T, Rank>& k,
               const attend::tensor<T, Rank>& v, const Mask& mask) {
@@ -666,9 +765,11 @@ void run_call(fuzz_input& in, call_case<T>& c, const attend::tensor<T, Rank>& q,
     const auto id_til = error_id_of([&] { til.emplace(attend::scaled_dot_product_attention(q, k, v, mask, tiled)); });
     require(id_ref == id_til, "reference throws " + spell(id_ref) + ", tiled " + spell(id_til));
     if constexpr (std::is_same_v<T, float>) {
-        const int storage16 = in.choose(4);  // 0: half, 1: bfloat16, otherwise not this time
-        if (storage16 == 0) check_storage16<Eigen::half, Rank>(q, k, v, mask, c.options, threads, backward);
-        if (storage16 == 1) check_storage16<Eigen::bfloat16, Rank>(q, k, v, mask, c.options, threads, backward);
+        const int storage = in.choose(4);  // 0: half, 1: bfloat16, 2: an int8 cache (rank 4), otherwise none
+        if (storage == 0) check_storage16<Eigen::half, Rank>(q, k, v, mask, c.options, threads, backward);
+        if (storage == 1) check_storage16<Eigen::bfloat16, Rank>(q, k, v, mask, c.options, threads, backward);
+        if constexpr (Rank == 4)
+            if (storage == 2) check_q8_cache(q, k, v, mask, c.options, tiles, threads);
     }
     const auto qv = attend::detail::as_view(q), kv = attend::detail::as_view(k), vv = attend::detail::as_view(v);
     std::optional<outputs<T>> small1, small2;

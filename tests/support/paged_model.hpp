@@ -376,7 +376,7 @@ private:
                 if (!check(r.out.data()[m * H * L * D + e] == T(0), [&] { return "a padding row is not zero"; }))
                     return;
             for (attend::index e = 0; e < H * L; ++e)
-                if (!check(r.lse.data()[m * H * L + e] == -std::numeric_limits<T>::infinity(),
+                if (!check(r.lse.data()[m * H * L + e] == -std::numeric_limits<Lse>::infinity(),
                            [&] { return "a padding row's lse is not -inf"; }))
                     return;
             return;
@@ -405,7 +405,7 @@ private:
                         }))
                         return;
                 }
-                const T lse = i < t ? alone.lse(0, h, i) : -std::numeric_limits<T>::infinity();
+                const Lse lse = i < t ? alone.lse(0, h, i) : -std::numeric_limits<Lse>::infinity();
                 if (!check(same_bits(r.lse(m, h, i), lse),
                            [&] { return describe("lse of sequence ", id, " head ", h, " query ", i); }))
                     return;
@@ -413,7 +413,12 @@ private:
         done_.attended_rows += t;
     }
 
-    static bool same_bits(T a, T b) { return std::memcmp(&a, &b, sizeof(T)) == 0; }
+    using Lse = attend::accumulator_t<T>;  ///< the lse's type: float for 16-bit storage
+
+    template <class S>
+    static bool same_bits(S a, S b) {
+        return std::memcmp(&a, &b, sizeof(S)) == 0;
+    }
 
     sizes z_;
     attend::sdpa_options attention_;
