@@ -94,7 +94,9 @@ void quantize_q8_0(const T* x, index dim, q8_0_block* out) {
         narrow(&ratio, 1, &out[b].scale);
         float scale;
         widen(&out[b].scale, 1, &scale);
-        if (scale > 0 && amax > 127.5f * scale) {  // exact: 127.5 d needs 19 bits; only fp16-subnormal d get here
+        // Only an fp16-subnormal d (ratio below 2^-14) can need the next fp16 up; asked of the ratio first, off the
+        // conversions' chain (asked of the scale alone, the append took 1.07 of its time, Zen 4). 127.5 d is exact.
+        if (ratio < 0x1p-14f && scale > 0 && amax > 127.5f * scale) {
             out[b].scale = Eigen::half_impl::raw_uint16_to_half(static_cast<std::uint16_t>(bits_of(out[b].scale) + 1));
             widen(&out[b].scale, 1, &scale);
         }
