@@ -118,7 +118,7 @@ TEST(Q8Cache, EveryValueIsWithinHalfItsBlockScaleOfWhatWasAppended) {
 
 // Where amax / 127 is an fp16 subnormal (amax below 127 x 2^-14), fp16's spacing of 2^-24 can round it down by up
 // to a third; d rounded to nearest then left the block's largest values clamped at 127 d, up to 1.05 d from what was
-// appended (found by the differential fuzzer). The scale is then the next fp16 up. Swept over that whole range.
+// appended (found by the differential fuzzer). The scale is then the next fp16 up. Swept over most of that range.
 TEST(Q8Cache, BlocksWithAnFp16SubnormalScaleHoldEveryValueWithinHalfAStep) {
     const index blocks = 2000;
     attend::tensor<float, 4> k(1, 1, blocks, 32);

@@ -68,11 +68,11 @@ auto rounded_q8(const Packet& y) {
 /// 2^-16 d: x / d is a float product, x times 1 / d). Where amax / 127 is an fp16 subnormal, rounding it to nearest
 /// can lose up to a third of it, and amax / d passes 127.5: d is then the next fp16 up, so the bound holds for
 /// every block (the differential fuzzer found a clamped value 1.05 d away). A block whose amax / 127 rounds to 0 in
-/// fp16 (amax below 127 x 2^-25) is stored as zeros. The values must be
-/// finite and below 127 x 65504 in magnitude (the caller checks). A block at a time in packets: the widened
-/// values, their largest magnitude, the products by 1 / d and their rounding, the bytes narrowed in registers where
-/// the target can; a call of std::round per value had made an append of 2048 positions (8 kv heads, head_dim 128)
-/// take 14 times as long as a float cache's (Zen 5). The same bytes as a value at a time (q8_cache_test).
+/// fp16 (amax below 127 x 2^-25) is stored as zeros. The values must be finite and below 127 x 65504 in magnitude
+/// (the caller checks). A block at a time in packets: the widened values, their largest magnitude, the products by
+/// 1 / d and their rounding, the bytes narrowed in registers where the target can; a call of std::round per value had
+/// made an append of 2048 positions (8 kv heads, head_dim 128) take 14 times as long as a float cache's (Zen 5). The
+/// same bytes as a value at a time (q8_cache_test).
 template <class T>
 void quantize_q8_0(const T* x, index dim, q8_0_block* out) {
     using namespace Eigen::internal;
