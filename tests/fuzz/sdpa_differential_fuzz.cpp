@@ -474,6 +474,12 @@ bool identical(const std::vector<T>& a, const std::vector<T>& b) {
     return true;
 }
 
+/// Two runs' outputs bit for bit: out, weights and lse.
+template <class T>
+bool identical(const outputs<T>& a, const outputs<T>& b) {
+    return identical(a.out, b.out) && identical(a.weights, b.weights) && identical(a.lse, b.lse);
+}
+
 /// The tiled kernel with explicit tile sizes, through the same checks as the public call, storing T and
 /// accumulating in Acc (float storage accumulated in double is the kernels' staged path); keys and values as
 /// `Rows` (strided views of T, or an int8 cache's q8_0 blocks).
@@ -645,8 +651,7 @@ void check_storage16(const attend::tensor<float, Rank>& q, const attend::tensor<
                                                ", over float keys of the same values " + spell(id_mixed_want));
         if (!id_mixed) {
             const outputs<float> m = flatten(*mixed), mw = flatten(*mixed_want);
-            require(identical(m.out, mw.out) && identical(m.weights, mw.weights) && identical(m.lse, mw.lse),
-                    "float queries over 16-bit keys differ from float keys of the same values");
+            require(identical(m, mw), "float queries over 16-bit keys differ from float keys of the same values");
         }
     }
 }
@@ -719,9 +724,6 @@ void check_q8_cache(const attend::tensor<float, 4>& q, const attend::tensor<floa
         return w;
     };
     const attend::tensor<float, 4> kw = held(cache.key_blocks(), kp), vw = held(cache.value_blocks(), vp);
-    const auto same = [](const outputs<float>& a, const outputs<float>& b) {
-        return identical(a.out, b.out) && identical(a.weights, b.weights) && identical(a.lse, b.lse);
-    };
     for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
         o.kernel = kernel;
         o.threads = kernel == attend::kernel::tiled ? threads : 1;
@@ -733,7 +735,7 @@ void check_q8_cache(const attend::tensor<float, 4>& q, const attend::tensor<floa
         require(id_got == id_want,
                 "float queries over an int8 cache throw " + spell(id_got) + ", over its values " + spell(id_want));
         if (!id_got)
-            require(same(flatten(*got), flatten(*want)),
+            require(identical(flatten(*got), flatten(*want)),
                     "float queries over an int8 cache differ from float keys of the values it holds");
     }
     std::optional<outputs<float>> got, want;
@@ -744,7 +746,7 @@ void check_q8_cache(const attend::tensor<float, 4>& q, const attend::tensor<floa
     require(id_got == id_want,
             "small tiles over an int8 cache throw " + spell(id_got) + ", over its values " + spell(id_want));
     if (!id_got)
-        require(same(*got, *want), "small tiles over an int8 cache differ from float keys of the values it holds");
+        require(identical(*got, *want), "small tiles over an int8 cache differ from float keys of the values it holds");
 }
 
 template <class T, int Rank, class Mask>
@@ -798,9 +800,7 @@ void run_call(fuzz_input& in, call_case<T>& c, const attend::tensor<T, Rank>& q,
         require(!breaks_score_range(c), "no attend.value.score_overflow, but some score breaks the rule");
     if (threads == 2) {
         small2.emplace(tiled_with(qv, kv, vv, mask, c.options, tiles, 2));
-        require(identical(small1->out, small2->out) && identical(small1->weights, small2->weights) &&
-                    identical(small1->lse, small2->lse),
-                "tiled results differ between 1 and 2 threads");
+        require(identical(*small1, *small2), "tiled results differ between 1 and 2 threads");
     }
     if (!c.finite_inputs) return;  // check_finite off and non-finite values: no crash and the same errors suffice
 
