@@ -118,6 +118,42 @@ TEST(RingErrors, ANonFiniteValueInOneShardIsThrownOnEveryRankAfterTheRingComplet
         "attend.value.non_finite");
 }
 
+TEST(RingErrors, ShardsOfAnotherStorageTypeOnOneRankAreRingStorageOnEveryRank) {
+    const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, 8, 3);
+    const auto as = [](const tensor4& x, auto type) {
+        return attend::tensor<decltype(type), 4>(x.template cast<decltype(type)>());
+    };
+    // Rank 1 sends bf16 shards (half the bytes) to a ring of doubles; the forward and the backward both refuse.
+    expect_same_error_everywhere<attend::value_error>(
+        [&] {
+            if (mpi_rank() == 1)
+                ad::ring_attention(as(q, Eigen::bfloat16()), as(k, Eigen::bfloat16()), as(v, Eigen::bfloat16()),
+                                   MPI_COMM_WORLD);
+            else ad::ring_attention(q, k, v, MPI_COMM_WORLD);
+        },
+        "attend.value.ring_storage");
+    const auto out = filled(1, 2, 4, 8, 4);
+    const attend::tensor<double, 3> lse(1, 2, 4);
+    const attend::tensor<float, 3> lse_f(1, 2, 4);
+    expect_same_error_everywhere<attend::value_error>(
+        [&] {
+            if (mpi_rank() == 0)
+                ad::ring_attention_backward(as(q, float()), as(k, float()), as(v, float()), as(out, float()), lse_f,
+                                            as(out, float()), attend::no_mask{}, MPI_COMM_WORLD);
+            else ad::ring_attention_backward(q, k, v, out, lse, out, attend::no_mask{}, MPI_COMM_WORLD);
+        },
+        "attend.value.ring_storage");
+}
+
+TEST(RingErrors, ANonFiniteValueInOneSixteenBitShardIsThrownOnEveryRank) {
+    const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, 8, 3);
+    attend::tensor<Eigen::half, 4> qh = q.cast<Eigen::half>(), kh = k.cast<Eigen::half>(), vh = v.cast<Eigen::half>();
+    if (mpi_rank() == mpi_size() - 1) vh(0, 0, 1, 2) = Eigen::half(std::numeric_limits<float>::infinity());
+    expect_same_error_everywhere<attend::value_error>(
+        [&] { ad::ring_attention(qh, kh, vh, attend::causal(attend::alignment::top_left), MPI_COMM_WORLD); },
+        "attend.value.non_finite");
+}
+
 TEST(RingErrors, AnInvalidScaleIsAValueErrorOnEveryRank) {
     const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, 8, 3);
     ad::ring_options o;

@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -24,6 +26,7 @@
 
 #include "distributed/ring_support.hpp"
 #include "support/random.hpp"
+#include "support/storage16.hpp"
 
 namespace {
 
@@ -259,6 +262,83 @@ TEST(RingAttention, AShardTheMaskHidesFromEveryLaterRankIsNeitherSentNorComputed
     const auto full = ad::ring_attention(qs, qs, qs, MPI_COMM_WORLD);
     EXPECT_EQ(full.statistics.shards_sent, ranks - 1);
     EXPECT_EQ(full.statistics.blocks_computed, ranks);
+}
+
+/// 16-bit shards: the ring of float on the same (widened) values, rounded once. `dense` picks a dense mask
+/// (ragged shards, contiguous layout, no dropout) instead of causal and padding (zigzag, dropout, grouped query).
+template <class T>
+void expect_16bit_ring_is_the_float_ring_rounded_once(std::uint64_t seed, bool dense) {
+    const int rank = mpi_rank(), ranks = mpi_size();
+    attend_test::rng g(seed);  // same draws on every rank
+    std::vector<index> lengths;
+    for (int r = 0; r < ranks; ++r) lengths.push_back(dense ? g.uniform_int(0, 11) : 8);
+    lengths[0] += 1;
+    index total = 0;
+    for (index n : lengths) total += n;
+    const index batch = 2, heads = 4, kv_heads = dense ? 4 : 2, head_dim = 6, value_dim = 5;
+    const auto q = attend_test::random16<T>(g.next(), batch, heads, total, head_dim);
+    const auto k = attend_test::random16<T>(g.next(), batch, kv_heads, total, head_dim);
+    const auto v = attend_test::random16<T>(g.next(), batch, kv_heads, total, value_dim);
+    const auto d_out = attend_test::random16<T>(g.next(), batch, heads, total, value_dim);
+    ad::ring_options ro;
+    ro.layout = dense ? ad::sharding::contiguous : ad::sharding::zigzag;
+    ro.empty_rows = attend::empty_rows::zero;
+    if (!dense) ro.dropout = {0.2, seed, true};
+    const ad::shard_layout layout(ro.layout, lengths);
+    const auto shard = [&](const auto& x) { return ad::take_shard(x, layout, rank); };
+    const auto widened = [&](const auto& x) { return attend::tensor<float, 4>(shard(x).template cast<float>()); };
+    const auto check = [&](const auto& mask) {
+        const auto ring = ad::ring_attention(shard(q), shard(k), shard(v), mask, MPI_COMM_WORLD, ro);
+        const auto ring_f = ad::ring_attention(widened(q), widened(k), widened(v), mask, MPI_COMM_WORLD, ro);
+        const attend::tensor<T, 4> rounded = ring_f.out.template cast<T>();
+        EXPECT_TRUE(attend_test::bit_equal(ring.out, rounded)) << "out, rank " << rank;
+        EXPECT_TRUE(attend_test::bit_equal(ring.lse, ring_f.lse)) << "lse (float), rank " << rank;
+        // The shards travel in 16 bits: half the bytes of the float ring's, the same shards.
+        EXPECT_EQ(ring.statistics.shards_sent, ring_f.statistics.shards_sent);
+        EXPECT_EQ(2 * ring.statistics.bytes_sent, ring_f.statistics.bytes_sent);
+
+        // Against one process in float on the same values: the float ring's summation order (1e-5, as the float
+        // test above) plus the one rounding to T (half a unit: at most 2^-8 of the value for bf16, 2^-11 for fp16).
+        attend::sdpa_options so;
+        so.empty_rows = ro.empty_rows;
+        so.dropout = ro.dropout;
+        const attend::tensor<float, 4> qf = q.template cast<float>(), kf = k.template cast<float>(),
+                                       vf = v.template cast<float>();
+        const auto whole = attend::scaled_dot_product_attention(qf, kf, vf, mask, so);
+        const double half_unit = std::is_same_v<T, Eigen::bfloat16> ? 0x1p-8 : 0x1p-11;
+        EXPECT_LE(relative_error(attend::tensor<float, 4>(ring.out.template cast<float>()), shard(whole.out)),
+                  half_unit + 1e-5)
+            << "out against one process, rank " << rank;
+
+        const auto grads = ad::ring_attention_backward(shard(q), shard(k), shard(v), ring.out, ring.lse, shard(d_out),
+                                                       mask, MPI_COMM_WORLD, ro);
+        const auto grads_float = ad::ring_attention_backward<float>(shard(q), shard(k), shard(v), ring.out, ring.lse,
+                                                                    shard(d_out), mask, MPI_COMM_WORLD, ro);
+        const attend::tensor<float, 4> out_f = ring.out.template cast<float>();
+        const auto grads_f = ad::ring_attention_backward(widened(q), widened(k), widened(v), out_f, ring.lse,
+                                                         widened(d_out), mask, MPI_COMM_WORLD, ro);
+        for (const auto& [got, got_float, want, name] : {std::tuple{&grads.dq, &grads_float.dq, &grads_f.dq, "dq"},
+                                                         std::tuple{&grads.dk, &grads_float.dk, &grads_f.dk, "dk"},
+                                                         std::tuple{&grads.dv, &grads_float.dv, &grads_f.dv, "dv"}}) {
+            const attend::tensor<T, 4> want_rounded = want->template cast<T>();
+            EXPECT_TRUE(attend_test::bit_equal(*got, want_rounded)) << name << ", rank " << rank;
+            EXPECT_TRUE(attend_test::bit_equal(*got_float, *want)) << name << " in float, rank " << rank;
+        }
+    };
+    if (dense) {
+        attend::tensor<bool, 4> allowed(batch, 1, total, total);
+        for (index e = 0; e < allowed.size(); ++e) allowed.data()[e] = g.bernoulli(0.7);
+        check(attend::allowed_mask::true_means_allowed(allowed));
+    } else {
+        check(attend::causal(attend::alignment::top_left) && attend::key_padding({total - 3, total}));
+    }
+}
+
+TEST(RingAttention, SixteenBitShardsTravelInSixteenBitsAndGiveTheFloatRingOnTheirValuesRoundedOnce) {
+    for (const bool dense : {false, true}) {
+        expect_16bit_ring_is_the_float_ring_rounded_once<Eigen::half>(dense ? 91 : 92, dense);
+        expect_16bit_ring_is_the_float_ring_rounded_once<Eigen::bfloat16>(dense ? 93 : 94, dense);
+    }
 }
 
 }  // namespace

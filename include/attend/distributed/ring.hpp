@@ -73,9 +73,9 @@ struct ring_statistics {
 /// shard_len]` of its queries over the whole sequence, as one process would compute for those rows.
 template <class T>
 struct ring_attention_result {
-    tensor<T, 4> out;            ///< `[batch, heads, shard_len, value_dim]`
-    tensor<T, 3> lse;            ///< `[batch, heads, shard_len]`
-    ring_statistics statistics;  ///< what this rank did
+    tensor<T, 4> out;                 ///< `[batch, heads, shard_len, value_dim]`, rounded once for 16-bit storage
+    tensor<accumulator_t<T>, 3> lse;  ///< `[batch, heads, shard_len]`, float for 16-bit storage
+    ring_statistics statistics;       ///< what this rank did
 };
 
 /// This rank's gradients: dq like its q, dk / dv like its k / v, each over the whole sequence's loss.
@@ -92,11 +92,37 @@ namespace detail {
 using attend::detail::concat;
 using attend::detail::format_shape;
 
+/// The gradients' type of ring_attention_backward<Gradient>: the inputs' type T unless asked for another.
+template <class Gradient, class T>
+using gradient_of = std::conditional_t<std::is_void_v<Gradient>, T, Gradient>;
+
+/// The MPI type of a buffer the ring sends: 16-bit storage travels as its bits.
 template <class T>
 MPI_Datatype mpi_type() {
-    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                  "attend: ring attention runs on float or double tensors");
-    return std::is_same_v<T, float> ? MPI_FLOAT : MPI_DOUBLE;
+    static_assert(attend::is_storage_type_v<T>,
+                  "attend: ring attention runs on float, double, Eigen::half or Eigen::bfloat16 tensors");
+    if constexpr (std::is_same_v<T, float>) return MPI_FLOAT;
+    else if constexpr (std::is_same_v<T, double>) return MPI_DOUBLE;
+    else return MPI_UINT16_T;
+}
+
+/// A number per storage type, so the ranks can agree on one (a rank sending another type's bytes would break the
+/// ring's message sizes).
+template <class T>
+constexpr std::int64_t storage_code() {
+    if constexpr (std::is_same_v<T, float>) return 1;
+    else if constexpr (std::is_same_v<T, double>) return 2;
+    else if constexpr (std::is_same_v<T, Eigen::half>) return 3;
+    else return 4;
+}
+
+inline const char* storage_name(std::int64_t code) {
+    switch (code) {
+        case 1: return "float";
+        case 2: return "double";
+        case 3: return "Eigen::half";
+        default: return "Eigen::bfloat16";
+    }
 }
 
 /// Adds the wall time of its scope to `seconds`.
@@ -235,7 +261,7 @@ inline double step_work(const ring_geometry& g, index query_len, index key_len, 
 /// What every rank reports about its call before anything is sent: its error (if a local check failed), its
 /// shapes and its options, gathered from all ranks so every rank takes the same decision.
 struct rank_summary {
-    std::int64_t failed = 0, batch = 0, heads = 0, kv_heads = 0, query_len = 0, key_len = 0, head_dim = 0,
+    std::int64_t failed = 0, storage = 0, batch = 0, heads = 0, kv_heads = 0, query_len = 0, key_len = 0, head_dim = 0,
                  value_dim = 0;
     std::int64_t options[11] = {};
 };
@@ -261,10 +287,11 @@ inline void describe_options(const ring_options& o, std::int64_t (&out)[11]) {
 }
 
 /// Collective. Checks q, k, v on this rank (plus `local_checks`, e.g. the backward's out / lse / d_out), gathers
-/// every rank's shapes and options, and throws the same error on every rank when one rank's check failed
-/// (that rank's error), when batch, heads or kv_heads differ (attend.shape.ring_heads), head_dim or value_dim
-/// differ (attend.shape.ring_head_dim), the query shards and key shards cover different totals
-/// (attend.shape.ring_total) or the options differ (attend.value.ring_options).
+/// every rank's storage type, shapes and options, and throws the same error on every rank when one rank's check
+/// failed (that rank's error), when the storage types differ (attend.value.ring_storage), batch, heads or kv_heads
+/// differ (attend.shape.ring_heads), head_dim or value_dim differ (attend.shape.ring_head_dim), the query shards
+/// and key shards cover different totals (attend.shape.ring_total) or the options differ
+/// (attend.value.ring_options).
 template <class Q, class K, class V, class LocalChecks>
 ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm comm, const ring_options& options,
                                 LocalChecks&& local_checks) {
@@ -290,6 +317,7 @@ ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm com
         local_checks(s);
     });
     mine.failed = error ? 1 : 0;
+    mine.storage = storage_code<attend::detail::scalar_of<Q>>();
     describe_options(options, mine.options);
     constexpr int fields = static_cast<int>(sizeof(rank_summary) / sizeof(std::int64_t));
     std::vector<rank_summary> all(static_cast<std::size_t>(g.ranks));
@@ -304,6 +332,12 @@ ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm com
         return text;
     };
     const rank_summary& first = all[0];
+    for (const rank_summary& s : all)
+        if (s.storage != first.storage)
+            throw value_error("attend.value.ring_storage",
+                              concat("q, k and v must have one storage type on every rank (the shards travel as "
+                                     "their bytes): ",
+                                     spell([](const rank_summary& x) { return storage_name(x.storage); })));
     for (const rank_summary& s : all)
         if (s.batch != first.batch || s.heads != first.heads || s.kv_heads != first.kv_heads)
             throw shape_error(
@@ -415,18 +449,31 @@ tensor<T, 3> lse_run(const T* data, std::array<index, 3> dims, const shard_segme
     return whole.slice(std::array<index, 3>{0, 0, run.local_begin}, extent);
 }
 
-/// dest rows [run.local_begin, ..) of a `[batch, heads, len, dim]` buffer += part `[batch, heads, run.length,
-/// dim]`.
-template <class T>
-void add_run(const tensor<T, 4>& part, T* dest, index len, const shard_segment& run) {
+/// f(part row, dest row, dim) for each row of part `[batch, heads, run.length, dim]` and its row [run.local_begin
+/// + i] of a `[batch, heads, len, dim]` buffer.
+template <class A, class D, class F>
+void for_each_run_row(const tensor<A, 4>& part, D* dest, index len, const shard_segment& run, F&& f) {
     const index batch = part.dimension(0), heads = part.dimension(1), dim = part.dimension(3);
     for (index b = 0; b < batch; ++b)
         for (index h = 0; h < heads; ++h)
-            for (index i = 0; i < run.length; ++i) {
-                const T* from = part.data() + ((b * heads + h) * run.length + i) * dim;
-                T* to = dest + ((b * heads + h) * len + run.local_begin + i) * dim;
-                for (index d = 0; d < dim; ++d) to[d] += from[d];
-            }
+            for (index i = 0; i < run.length; ++i)
+                f(part.data() + ((b * heads + h) * run.length + i) * dim,
+                  dest + ((b * heads + h) * len + run.local_begin + i) * dim, dim);
+}
+
+/// dest rows of the run += part.
+template <class T>
+void add_run(const tensor<T, 4>& part, T* dest, index len, const shard_segment& run) {
+    for_each_run_row(part, dest, len, run, [](const T* from, T* to, index dim) {
+        for (index d = 0; d < dim; ++d) to[d] += from[d];
+    });
+}
+
+/// dest rows of the run = part, rounded once to the storage type D (a copy when D is part's type).
+template <class A, class D>
+void round_run(const tensor<A, 4>& part, D* dest, index len, const shard_segment& run) {
+    for_each_run_row(part, dest, len, run,
+                     [](const A* from, D* to, index dim) { attend::detail::narrow(from, dim, to); });
 }
 
 /// The options of one block call: the ring's, evaluated with empty rows allowed (a row empty in one block may
@@ -483,6 +530,17 @@ void require_rank4() {
                   "of 1");
 }
 
+/// The K / V shards travel in the queries' storage type, so the ring takes q, k and v of one type.
+template <class Q, class K, class V>
+void require_one_storage() {
+    require_rank4<Q>();
+    static_assert(std::is_same_v<attend::detail::scalar_of<Q>, attend::detail::scalar_of<K>> &&
+                      std::is_same_v<attend::detail::scalar_of<Q>, attend::detail::scalar_of<V>>,
+                  "attend: ring attention takes q, k and v of one scalar type (float, double, Eigen::half or "
+                  "Eigen::bfloat16)");
+    (void)mpi_type<attend::detail::scalar_of<Q>>();
+}
+
 }  // namespace detail
 
 /// Ring attention forward. Every rank passes its shard: q `[batch, heads, query_shard_len, head_dim]`, k
@@ -494,15 +552,18 @@ void require_rank4() {
 /// Returns this rank's rows of out and lse. Collective over the communicator (used through a private duplicate): every
 /// rank must call it. Throws, on every rank alike, everything scaled_dot_product_attention throws, shape_error
 /// attend.shape.ring_heads / ring_head_dim / ring_total, value_error attend.value.ring_options and mask_error
-/// attend.mask.empty_row (judged on the whole sequence).
+/// attend.mask.empty_row (judged on the whole sequence), value_error attend.value.ring_storage.
+/// 16-bit storage (Eigen::half, Eigen::bfloat16): the K / V shards travel in 16 bits; each block computes in float
+/// (this rank's queries widened once), the partial results merge in float and out is rounded once, so it is the
+/// float ring's out on the widened inputs, rounded; lse is float.
 template <class Q, class K, class V, class Mask>
 ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, const K& k, const V& v, const Mask& mask,
                                                                    MPI_Comm user_comm,
                                                                    const ring_options& options = {}) {
     attend::detail::require_mask<Mask>();
-    detail::require_rank4<Q>();
+    detail::require_one_storage<Q, K, V>();
     using T = attend::detail::scalar_of<Q>;
-    (void)detail::mpi_type<T>();
+    using Acc = accumulator_t<T>;
     const detail::private_communicator own(user_comm);
     const MPI_Comm comm = own.get();
     const auto noop = [](const attention_shape&) {};
@@ -512,8 +573,9 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
     const index query_len = g.queries.shard_length(g.rank);
     const std::array<index, 4> q_dims{g.batch, g.heads, query_len, g.head_dim};
     const auto& query_runs = g.queries.segments(g.rank);
-    std::vector<std::optional<partial_attention<T, 4>>> partial(query_runs.size());
-    std::vector<detail::run_of<T>> query_of_run;
+    std::vector<std::optional<partial_attention<Acc, 4>>> partial(query_runs.size());
+    std::vector<Acc> widened_q;  // 16-bit queries in float, so every block's out stays unrounded
+    std::vector<detail::run_of<Acc>> query_of_run;
     std::vector<T> current, incoming;  // K / V packed [k | v]: the shard in hand (first this rank's), the next one
 
     // Bind the mask to the whole sequence, plan the ring and allocate every buffer: an error here (a mask that
@@ -523,8 +585,15 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
     const auto prepare = [&] {
         bound.emplace(mask.bind(g.global));
         plan = detail::ring_plan::make(g, *bound);
+        const Acc* queries = nullptr;
+        if constexpr (std::is_same_v<T, Acc>) queries = q.data();
+        else {
+            widened_q.resize(static_cast<std::size_t>(q.size()));
+            attend::detail::widen(q.data(), q.size(), widened_q.data());
+            queries = widened_q.data();
+        }
         query_of_run.reserve(query_runs.size());
-        for (const shard_segment& run : query_runs) query_of_run.emplace_back(q.data(), q_dims, run);
+        for (const shard_segment& run : query_runs) query_of_run.emplace_back(queries, q_dims, run);
         current.reserve(g.largest_kv_elements());  // later resizes never allocate
         incoming.reserve(g.largest_kv_elements());
         current.resize(g.kv_elements(g.rank));
@@ -572,7 +641,7 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
                             detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin),
                             detail::block_options(options, query_run, key_run, true));
                         auto& acc = partial[qi];
-                        if (!acc) acc = partial_attention<T, 4>{std::move(block.out), std::move(block.lse)};
+                        if (!acc) acc = partial_attention<Acc, 4>{std::move(block.out), std::move(block.lse)};
                         else acc = merge_partials(acc->out, acc->lse, block.out, block.lse);
                     });
                 }
@@ -588,12 +657,11 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
             result.out.resize(g.batch, g.heads, query_len, g.value_dim);
             result.lse.resize(g.batch, g.heads, query_len);
             result.out.setZero();
-            result.lse.setConstant(-std::numeric_limits<T>::infinity());
+            result.lse.setConstant(-std::numeric_limits<Acc>::infinity());
             for (std::size_t qi = 0; qi < query_runs.size(); ++qi) {
                 if (!partial[qi]) continue;
                 const shard_segment& run = query_runs[qi];
-                result.out.slice(std::array<index, 4>{0, 0, run.local_begin, 0},
-                                 std::array<index, 4>{g.batch, g.heads, run.length, g.value_dim}) = partial[qi]->out;
+                detail::round_run(partial[qi]->out, result.out.data(), query_len, run);
                 result.lse.slice(std::array<index, 3>{0, 0, run.local_begin},
                                  std::array<index, 3>{g.batch, g.heads, run.length}) = partial[qi]->lse;
             }
@@ -615,21 +683,29 @@ auto ring_attention(const Q& q, const K& k, const V& v, MPI_Comm comm, const rin
 /// finished gradient goes straight home to the shard's owner from the last rank that needs the shard. Dropout is
 /// replayed at global positions. Collective; throws like ring_attention and, for out / lse / d_out of the wrong
 /// shape, shape_error attend.shape.backward_out / backward_lse / backward_d_out, on every rank alike.
-template <class Q, class K, class V, class Out, class Lse, class DOut, class Mask>
-ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q, const K& k, const V& v, const Out& out,
-                                                                     const Lse& lse, const DOut& d_out,
-                                                                     const Mask& mask, MPI_Comm user_comm,
-                                                                     const ring_options& options = {}) {
+/// 16-bit storage: out and d_out in it, lse the forward's float; each block's gradients are computed in float, dK /
+/// dV accumulators travel and sum in float, and dq, dk, dv are rounded once at the end, so they are the float
+/// ring's gradients on the widened inputs, rounded. `ring_attention_backward<float>(...)` returns them unrounded.
+template <class Gradient = void, class Q, class K, class V, class Out, class Lse, class DOut, class Mask>
+ring_gradients<detail::gradient_of<Gradient, attend::detail::scalar_of<Q>>> ring_attention_backward(
+    const Q& q, const K& k, const V& v, const Out& out, const Lse& lse, const DOut& d_out, const Mask& mask,
+    MPI_Comm user_comm, const ring_options& options = {}) {
     attend::detail::require_mask<Mask>();
-    detail::require_rank4<Q>();
+    detail::require_one_storage<Q, K, V>();
     detail::require_rank4<Out>();
     detail::require_rank4<DOut>();
     using T = attend::detail::scalar_of<Q>;
+    using Acc = accumulator_t<T>;
+    using G = detail::gradient_of<Gradient, T>;
     static_assert(std::is_same_v<T, attend::detail::scalar_of<Out>> &&
-                      std::is_same_v<T, attend::detail::scalar_of<Lse>> &&
+                      std::is_same_v<Acc, attend::detail::scalar_of<Lse>> &&
                       std::is_same_v<T, attend::detail::scalar_of<DOut>> &&
                       attend::detail::tensor_traits<std::decay_t<Lse>>::rank == 3,
-                  "attend: out, lse and d_out have the query's scalar type; lse is [batch, heads, len]");
+                  "attend: out and d_out have the query's scalar type, lse its accumulation type (float for "
+                  "half and bfloat16) as ring_attention returns it; lse is [batch, heads, len]");
+    static_assert(std::is_same_v<G, T> || (attend::detail::is_16bit_v<T> && std::is_same_v<G, float>),
+                  "attend: ring_attention_backward<G> gives gradients in the inputs' type or, for 16-bit inputs, "
+                  "in float");
     const auto local_checks = [&](const attention_shape& s) {
         const std::array<index, 4> expected{s.batch, s.heads, s.query_len, s.value_dim};
         const auto check = [&](const auto& x, const char* id, const char* what) {
@@ -652,7 +728,8 @@ ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q,
     const MPI_Comm comm = own.get();
     const detail::ring_geometry g = detail::agree_on_geometry(q, k, v, comm, options, local_checks);
 
-    ring_gradients<T> result;
+    ring_gradients<G> result;
+    tensor<Acc, 4> dq;  // summed over the key shards in the accumulation type, rounded once at the end
     const index query_len = g.queries.shard_length(g.rank), own_keys = g.keys.shard_length(g.rank);
     const std::array<index, 4> q_dims{g.batch, g.heads, query_len, g.head_dim},
         o_dims{g.batch, g.heads, query_len, g.value_dim};
@@ -660,12 +737,13 @@ ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q,
     const auto& query_runs = g.queries.segments(g.rank);
     struct query_rows {
         detail::run_of<T> q, out, d_out;
-        tensor<T, 3> lse;
+        tensor<Acc, 3> lse;
     };
     std::vector<query_rows> rows;
-    // K / V packed [k | v] (the shard in hand, the next one), dK / dV packed [dk | dv] (this rank's part, the
-    // accumulator arriving, the one sent last step) and, finished, this rank's own shard's.
-    std::vector<T> current, incoming, accumulator, accumulator_in, accumulator_sent, own_gradient;
+    // K / V packed [k | v] (the shard in hand, the next one), dK / dV packed [dk | dv] in the accumulation type
+    // (this rank's part, the accumulator arriving, the one sent last step) and, finished, this rank's own shard's.
+    std::vector<T> current, incoming;
+    std::vector<Acc> accumulator, accumulator_in, accumulator_sent, own_gradient;
     const auto grad_elements = [&](int s) { return g.kv_elements(s); };  // [dk | dv] has the size of [k | v]
 
     // Bind the mask to the whole sequence, plan the ring and allocate every buffer: an error here is agreed
@@ -679,11 +757,13 @@ ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q,
         for (const shard_segment& run : query_runs)
             rows.push_back(query_rows{
                 detail::run_of<T>(q.data(), q_dims, run), detail::run_of<T>(out.data(), o_dims, run),
-                detail::run_of<T>(d_out.data(), o_dims, run), detail::lse_run<T>(lse.data(), lse_dims, run)});
-        result.dq.resize(q_dims);
-        result.dq.setZero();
-        for (auto* buffer : {&current, &incoming, &accumulator, &accumulator_in, &accumulator_sent})
-            buffer->reserve(g.largest_kv_elements());  // later resizes never allocate
+                detail::run_of<T>(d_out.data(), o_dims, run), detail::lse_run<Acc>(lse.data(), lse_dims, run)});
+        dq.resize(q_dims);
+        dq.setZero();
+        // Later resizes never allocate.
+        for (auto* buffer : {&current, &incoming}) buffer->reserve(g.largest_kv_elements());
+        for (auto* buffer : {&accumulator, &accumulator_in, &accumulator_sent})
+            buffer->reserve(g.largest_kv_elements());
         current.resize(g.kv_elements(g.rank));
         own_gradient.resize(grad_elements(g.rank));
     };
@@ -730,7 +810,7 @@ ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q,
             v_dims{g.batch, g.kv_heads, key_len, g.value_dim};
         const index k_elements = g.batch * g.kv_heads * key_len * g.head_dim;
         const T* values = current.data() + k_elements;
-        accumulator.assign(grad_elements(shard), T(0));
+        accumulator.assign(grad_elements(shard), Acc(0));
         bool contributed = false;
         const auto compute = [&] {
             for (std::size_t qi = 0; qi < query_runs.size(); ++qi)
@@ -748,13 +828,17 @@ ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q,
                     error = detail::capture_errors([&] {
                         const detail::run_of<T> keys(current.data(), k_dims, key_run), vals(values, v_dims, key_run);
                         const query_rows& r = rows[qi];
-                        const auto block = scaled_dot_product_attention_backward(
+                        // The block's gradients in the accumulation type: 16-bit ones are summed unrounded.
+                        tensor<Acc, 4> block_dq(g.batch, g.heads, query_run.length, g.head_dim),
+                            block_dk(g.batch, g.kv_heads, key_run.length, g.head_dim),
+                            block_dv(g.batch, g.kv_heads, key_run.length, g.value_dim);
+                        scaled_dot_product_attention_backward_into(
                             *r.q, *keys, *vals, *r.out, r.lse, *r.d_out,
-                            detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin),
-                            detail::block_options(options, query_run, key_run, false));
-                        detail::add_run(block.dq, result.dq.data(), query_len, query_run);
-                        detail::add_run(block.dk, accumulator.data(), key_len, key_run);
-                        detail::add_run(block.dv, accumulator.data() + k_elements, key_len, key_run);
+                            detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin), block_dq,
+                            block_dk, block_dv, detail::block_options(options, query_run, key_run, false));
+                        detail::add_run(block_dq, dq.data(), query_len, query_run);
+                        detail::add_run(block_dk, accumulator.data(), key_len, key_run);
+                        detail::add_run(block_dv, accumulator.data() + k_elements, key_len, key_run);
                     });
                 }
         };
@@ -773,11 +857,11 @@ ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q,
             std::swap(accumulator_sent, accumulator);
             gradient_sends.send(accumulator_sent.data(), accumulator_sent.size(), g.next(), detail::tag_accumulator,
                                 comm);
-            result.statistics.bytes_sent += static_cast<std::int64_t>(accumulator_sent.size() * sizeof(T));
+            result.statistics.bytes_sent += static_cast<std::int64_t>(accumulator_sent.size() * sizeof(Acc));
         } else if (t > 0) {
             std::swap(accumulator_sent, accumulator);
             gradient_sends.send(accumulator_sent.data(), accumulator_sent.size(), shard, detail::tag_home, comm);
-            result.statistics.bytes_sent += static_cast<std::int64_t>(accumulator_sent.size() * sizeof(T));
+            result.statistics.bytes_sent += static_cast<std::int64_t>(accumulator_sent.size() * sizeof(Acc));
         } else {
             own_gradient = accumulator;
         }
@@ -789,11 +873,15 @@ ring_gradients<attend::detail::scalar_of<Q>> ring_attention_backward(const Q& q,
     if (!error)
         error = detail::capture_errors([&] {
             const index k_elements = g.batch * g.kv_heads * own_keys * g.head_dim;
-            result.dk = const_tensor_view<T, 4>(own_gradient.data(), g.batch, g.kv_heads, own_keys, g.head_dim);
-            result.dv =
-                const_tensor_view<T, 4>(own_gradient.data() + k_elements, g.batch, g.kv_heads, own_keys, g.value_dim);
+            const auto rounded = [](tensor<G, 4>& to, const Acc* from, std::array<index, 4> dims) {
+                to.resize(dims);
+                attend::detail::narrow(from, to.size(), to.data());
+            };
+            rounded(result.dq, dq.data(), q_dims);
+            rounded(result.dk, own_gradient.data(), {g.batch, g.kv_heads, own_keys, g.head_dim});
+            rounded(result.dv, own_gradient.data() + k_elements, {g.batch, g.kv_heads, own_keys, g.value_dim});
         });
-    const tensor<T, 3> lse_copy = const_tensor_view<T, 3>(lse.data(), lse_dims);
+    const tensor<Acc, 3> lse_copy = const_tensor_view<Acc, 3>(lse.data(), lse_dims);
     detail::finish_agreement(comm, error, g, *bound, &lse_copy, options);
     return result;
 }
