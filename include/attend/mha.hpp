@@ -32,6 +32,7 @@
 #include "mask.hpp"
 #include "paged_attention.hpp"
 #include "position.hpp"
+#include "q8_cache.hpp"
 #include "sdpa.hpp"
 #include "shape.hpp"
 #include "tensor.hpp"
@@ -594,6 +595,15 @@ public:
         return kv_cache<T>(batch, config_.kv_heads, capacity, head_dim(), head_dim());
     }
 
+    /// An empty int8 (q8_0) cache sized for this module, for forward_cached: a float module only (its queries read
+    /// the cache), and head_dim a multiple of 32 (value_error `attend.value.quantized_dim` otherwise).
+    q8_kv_cache make_q8_cache(index batch, index capacity) const {
+        static_assert(std::is_same_v<T, float>,
+                      "attend: an int8 (q8_0) cache is read by float queries: "
+                      "use multi_head_attention<float>");
+        return q8_kv_cache(batch, config_.kv_heads, capacity, head_dim(), head_dim());
+    }
+
     /// Attention of query `[batch, query_len, model_dim]` over key `[batch, key_len, key_dim]` and value
     /// `[batch, key_len, value_dim]` (self-attention: pass the same tensor three times) under `mask` (an allowed
     /// set or additive expression over scores `[batch, heads, query_len, key_len]` such as
@@ -636,60 +646,31 @@ public:
     template <class X, class Mask>
     mha_result<T> forward_cached(const X& x, kv_cache<T>& cache, const Mask& mask,
                                  const mha_options& options = {}) const {
-        detail::require_mha_mask<Mask>();
-        detail::require_mha_input<X, T>();
-        const auto xd = detail::dims3(x);
-        detail::check_width("x", xd, config_.model_dim, "model_dim", "[batch, new tokens, model_dim]");
-        check_self_attention();
-        const index B = xd[0], L = xd[1], H = config_.heads, G = config_.kv_heads, D = head_dim();
-        if (cache.batch() != B || cache.kv_heads() != G || cache.head_dim() != D || cache.value_dim() != D)
-            throw shape_error("attend.shape.cache",
-                              detail::concat("cache [batch ", cache.batch(), ", kv_heads ", cache.kv_heads(),
-                                             ", head_dim ", cache.head_dim(), ", value_dim ", cache.value_dim(),
-                                             "] does not fit x ", detail::format_shape(xd),
-                                             " and the module (kv_heads ", G, ", head_dim ", D, "): expected [batch ",
-                                             B, ", kv_heads ", G, ", head_dim ", D, ", value_dim ", D,
-                                             "] (see make_cache)"));
-        cache.check_fits(L);
-        const index past = cache.length(), S = past + L;
-        const index first_position =
-            detail::checked_position_sum(options.position_offset, past, "position_offset + cache length");
-        detail::checked_position_sum(first_position, L, "the position after the last new token");
-        detail::check_positions(config_, options, first_position);
-        if (options.check_finite) detail::check_finite_input(x.data(), xd, "x");
-        const projected_heads p = project_heads(x.data(), x.data(), x.data(), B, L, L, options, first_position);
-        const auto qv = split_heads(p.q.data(), B, L, H, D);
-        const auto k_new = split_heads(p.k.data(), B, L, G, D);
-        const auto v_new = split_heads(p.v.data(), B, L, G, D);
-        if (options.check_finite) detail::check_finite_projections(qv, k_new, v_new);
-        cache.check_append(k_new, v_new);
-        // Views of the cache as it will be after the append: the storage exists, only the length grows.
-        auto kv = cache.keys(), vv = cache.values();
-        kv.dims[2] = S;
-        vv.dims[2] = S;
-        const attention_shape s = detail::check_views(qv, kv, vv);
-        mha_result<T> r;
-        const auto causal_mask = detail::combine_masks(detail::mha_allowed(mask), causal(alignment::bottom_right));
-        detail::with_key_padding(causal_mask, options.key_padding, B, S, [&](const auto& full_mask) {
-            const auto call =
-                detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options, sinks_));
-            auto o = detail::mha_buffer<T, 3>({B, L, H * D}, "attention output [batch, new tokens, heads * head_dim]");
-            // The append is the call's only mutation: it runs after every buffer is allocated and cannot throw
-            // (checked above), so a failure anywhere leaves the cache as it was.
-            // A throw after it (the kernel's scratch) takes the new positions back out.
-            try {
-                attend_and_project(qv, kv, vv, s, call, options, o, nullptr, r, [&] { cache.append(k_new, v_new); });
-            } catch (...) {
-                cache.truncate(past);
-                throw;
-            }
-        });
-        return r;
+        return forward_cached_over(x, cache, mask, options);
     }
 
     /// forward_cached without a mask besides the causal rule (and options.key_padding).
     template <class X>
     mha_result<T> forward_cached(const X& x, kv_cache<T>& cache, const mha_options& options = {}) const {
+        return forward_cached(x, cache, no_mask{}, options);
+    }
+
+    /// forward_cached over an int8 (q8_0) cache (make_q8_cache; float modules): the new keys and values are
+    /// quantized as they are appended, and the queries attend over what the cache holds (q8_cache.hpp's bound).
+    /// Throws what q8_kv_cache::append throws (value_error `attend.value.quantized_range` for a projected key or
+    /// value beyond q8_kv_cache::max_magnitude) before anything changes, and everything the form above throws.
+    template <class X, class Mask>
+    mha_result<T> forward_cached(const X& x, q8_kv_cache& cache, const Mask& mask,
+                                 const mha_options& options = {}) const {
+        static_assert(std::is_same_v<T, float>,
+                      "attend: an int8 (q8_0) cache is read by float queries: "
+                      "use multi_head_attention<float>");
+        return forward_cached_over(x, cache, mask, options);
+    }
+
+    /// forward_cached over an int8 cache without a mask besides the causal rule (and options.key_padding).
+    template <class X>
+    mha_result<T> forward_cached(const X& x, q8_kv_cache& cache, const mha_options& options = {}) const {
         return forward_cached(x, cache, no_mask{}, options);
     }
 
@@ -925,15 +906,70 @@ private:
         return r;
     }
 
+    /// forward_cached over a kv_cache<T> or a q8_kv_cache: both check an append without changing, append and
+    /// truncate alike, and their keys() / values() are views the kernels read.
+    template <class X, class Mask, class Cache>
+    mha_result<T> forward_cached_over(const X& x, Cache& cache, const Mask& mask, const mha_options& options) const {
+        detail::require_mha_mask<Mask>();
+        detail::require_mha_input<X, T>();
+        const auto xd = detail::dims3(x);
+        detail::check_width("x", xd, config_.model_dim, "model_dim", "[batch, new tokens, model_dim]");
+        check_self_attention();
+        const index B = xd[0], L = xd[1], H = config_.heads, G = config_.kv_heads, D = head_dim();
+        if (cache.batch() != B || cache.kv_heads() != G || cache.head_dim() != D || cache.value_dim() != D)
+            throw shape_error("attend.shape.cache",
+                              detail::concat("cache [batch ", cache.batch(), ", kv_heads ", cache.kv_heads(),
+                                             ", head_dim ", cache.head_dim(), ", value_dim ", cache.value_dim(),
+                                             "] does not fit x ", detail::format_shape(xd),
+                                             " and the module (kv_heads ", G, ", head_dim ", D, "): expected [batch ",
+                                             B, ", kv_heads ", G, ", head_dim ", D, ", value_dim ", D,
+                                             "] (see make_cache)"));
+        cache.check_fits(L);
+        const index past = cache.length(), S = past + L;
+        const index first_position =
+            detail::checked_position_sum(options.position_offset, past, "position_offset + cache length");
+        detail::checked_position_sum(first_position, L, "the position after the last new token");
+        detail::check_positions(config_, options, first_position);
+        if (options.check_finite) detail::check_finite_input(x.data(), xd, "x");
+        const projected_heads p = project_heads(x.data(), x.data(), x.data(), B, L, L, options, first_position);
+        const auto qv = split_heads(p.q.data(), B, L, H, D);
+        const auto k_new = split_heads(p.k.data(), B, L, G, D);
+        const auto v_new = split_heads(p.v.data(), B, L, G, D);
+        if (options.check_finite) detail::check_finite_projections(qv, k_new, v_new);
+        cache.check_append(k_new, v_new);
+        // Views of the cache as it will be after the append: the storage exists, only the length grows.
+        auto kv = cache.keys(), vv = cache.values();
+        kv.dims[2] = S;
+        vv.dims[2] = S;
+        const attention_shape s = detail::check_views(qv, kv, vv);
+        mha_result<T> r;
+        const auto causal_mask = detail::combine_masks(detail::mha_allowed(mask), causal(alignment::bottom_right));
+        detail::with_key_padding(causal_mask, options.key_padding, B, S, [&](const auto& full_mask) {
+            const auto call =
+                detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options, sinks_));
+            auto o = detail::mha_buffer<T, 3>({B, L, H * D}, "attention output [batch, new tokens, heads * head_dim]");
+            // The append is the call's only mutation: it runs after every buffer is allocated and cannot throw
+            // (check_append above checks what it checks), so a failure anywhere leaves the cache as it was.
+            // A throw after it (the kernel's scratch) takes the new positions back out.
+            try {
+                attend_and_project(qv, kv, vv, s, call, options, o, nullptr, r, [&] { cache.append(k_new, v_new); });
+            } catch (...) {
+                cache.truncate(past);
+                throw;
+            }
+        });
+        return r;
+    }
+
     /// Runs a checked call: heads written straight into their slices of o `[batch, query_len, heads*head_dim]`,
     /// then the output projection, padded query rows zeroed, weights averaged or kept per head. Every buffer is
     /// allocated first; then before_run() (a caller's mutation that must not happen if an allocation fails), then
     /// the kernel.
-    template <class Call, class BeforeRun = void (*)()>
+    template <class KV, class Call, class BeforeRun = void (*)()>
     void attend_and_project(
-        const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
-        const attention_shape& s, const Call& call, const mha_options& options, tensor<T, 3>& o, accumulator_t<T>* lse,
-        mha_result<T>& r, BeforeRun before_run = [] {}) const {
+        const strided_view<const T>& q, const KV& k, const KV& v, const attention_shape& s, const Call& call,
+        const mha_options& options, tensor<T, 3>& o, accumulator_t<T>* lse, mha_result<T>& r,
+        BeforeRun before_run = [] {}) const {
         const index B = s.batch, L = s.query_len, S = s.key_len, H = s.heads, D = head_dim();
         auto w = detail::mha_buffer<T, 4>({options.need_weights ? B : 0, H, L, S},
                                           "per-head weights [batch, heads, query_len, key_len]");

@@ -84,14 +84,9 @@ public:
     /// `attend.value.quantized_range` for a magnitude above max_magnitude; nothing is appended then.
     template <class K, class V>
     void append(const K& k_new, const V& v_new) {
-        static_assert(std::is_same_v<detail::scalar_of<K>, detail::scalar_of<V>>,
-                      "attend: q8_kv_cache::append takes keys and values of one scalar type");
+        check_append(k_new, v_new);
         const auto k = detail::as_view(k_new);
         const auto v = detail::as_view(v_new);
-        detail::check_append_shapes(k, v, {batch_, kv_heads_, capacity_, head_dim_, value_dim_});
-        detail::check_cache_fits(k.dims[2], length_, capacity_);
-        check_values(k, "new keys");
-        check_values(v, "new values");
         const index L = k.dims[2];
         for (index b = 0; b < batch_; ++b)
             for (index h = 0; h < kv_heads_; ++h)
@@ -100,6 +95,20 @@ public:
                     detail::quantize_q8_0(v.row(b, h, i), value_dim_, value_row(b, h, length_ + i));
                 }
         length_ += L;
+    }
+
+    /// Throws what append(k_new, v_new) would throw, and changes nothing: a caller's checks before its own
+    /// mutations (multi_head_attention::forward_cached appends only when everything else has been checked).
+    template <class K, class V>
+    void check_append(const K& k_new, const V& v_new) const {
+        static_assert(std::is_same_v<detail::scalar_of<K>, detail::scalar_of<V>>,
+                      "attend: q8_kv_cache::append takes keys and values of one scalar type");
+        const auto k = detail::as_view(k_new);
+        const auto v = detail::as_view(v_new);
+        detail::check_append_shapes(k, v, {batch_, kv_heads_, capacity_, head_dim_, value_dim_});
+        detail::check_cache_fits(k.dims[2], length_, capacity_);
+        check_values(k, "new keys");
+        check_values(v, "new values");
     }
 
     /// Throws position_error `attend.position.cache_full` if `new_tokens` more positions do not fit, shape_error

@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: MIT
 // Tests of attend/cache.hpp and multi_head_attention::forward_cached: a fixed-capacity cache that never
 // reallocates, errors that leave it unchanged, and decoding token by token (or in chunks) that reproduces one
-// full causal forward pass, with and without rotary positions and with grouped-query heads.
+// full causal forward pass, with and without rotary positions and with grouped-query heads; forward_cached over an
+// int8 cache, which holds the quantized projections and is read as float attention over its values.
 #include <attend/cache.hpp>
 #include <attend/mha.hpp>
+#include <attend/q8_cache.hpp>
 
 #include <gtest/gtest.h>
 
@@ -16,7 +18,9 @@
 #include <typeinfo>
 #include <vector>
 
+#include "support/compare.hpp"
 #include "support/errors.hpp"
+#include "support/q8_blocks.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -366,6 +370,94 @@ TEST(ForwardCached, ErrorsLeaveTheCacheUnchanged) {
     // And the cache still works afterwards.
     EXPECT_NO_THROW(m.forward_cached(slice_tokens(x, 0, 2), cache));
     EXPECT_EQ(cache.length(), 4);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// forward_cached over an int8 (q8_0) cache
+
+/// A float module with head_dim 32 (one q8_0 block per row), rotary positions from 3 and non-zero biases.
+struct q8_decoder {
+    attend::mha_config config{128, 4, 2};
+    attend::multi_head_attention<float> module;
+    attend::mha_options options;
+    explicit q8_decoder(std::uint64_t seed) : module(make(config, seed)) {
+        options.rotary = attend::rotary_embedding{32};
+        options.position_offset = 3;
+    }
+    static attend::multi_head_attention<float> make(const attend::mha_config& c, std::uint64_t seed) {
+        auto p = attend::multi_head_attention<float>(c, seed).to_torch();
+        attend_test::fill_uniform(p.in_proj_bias, seed + 1, -0.5, 0.5);
+        return attend::multi_head_attention<float>::from_torch(c, p);
+    }
+};
+
+TEST(ForwardCachedQ8, TheCacheHoldsTheQuantizedProjectionsAndQueriesReadItAsFloatsOfItsValues) {
+    const q8_decoder d(31);
+    const index batch = 2, total = 9;
+    const auto x = attend_test::random_tensor<float>(32, batch, total, d.config.model_dim);
+    auto q8 = d.module.make_q8_cache(batch, total);
+    auto exact = d.module.make_cache(batch, total);
+    index pos = 0;
+    for (const index n : {3, 1, 2, 1, 1}) {  // a prompt, then tokens and a chunk
+        d.module.forward_cached(slice_tokens(x, pos, n), q8, d.options);
+        d.module.forward_cached(slice_tokens(x, pos, n), exact, d.options);
+        pos += n;
+    }
+    // The int8 cache holds exactly what quantizing the float run's rotated keys and values gives, position by
+    // position: the same projections, rotated at the same global positions, quantized once.
+    attend::q8_kv_cache quantized(batch, d.config.kv_heads, total, 32, 32);
+    quantized.append(exact.keys(), exact.values());
+    EXPECT_EQ(attend_test::state_of(q8), attend_test::state_of(quantized));
+
+    // The last token's queries read the cache as float attention over its values: against a float cache holding
+    // the int8 cache's values (d q), with the newest key forbidden (the one position whose stored values differ
+    // between the two, the float cache appending the token unquantized), the outputs are the same bits.
+    attend::kv_cache<float> widened(batch, d.config.kv_heads, total, 32, 32);
+    widened.append(attend_test::dequantized(q8, true), attend_test::dequantized(q8, false));
+    q8.truncate(total - 1);  // the last token again, over both
+    widened.truncate(total - 1);
+    tensor<bool, 4> allowed(1, 1, 1, total);
+    allowed.setConstant(true);
+    allowed(0, 0, 0, total - 1) = false;
+    const auto before_newest = attend::allowed_mask::true_means_allowed(allowed);
+    const auto token = slice_tokens(x, total - 1, 1);
+    const auto from_q8 = d.module.forward_cached(token, q8, before_newest, d.options);
+    const auto from_float = d.module.forward_cached(token, widened, before_newest, d.options);
+    EXPECT_TRUE(attend_test::bit_equal(from_q8.out, from_float.out));
+    // Without the mask the newest key differs (quantized against not): the outputs do too, by little.
+    q8.truncate(total - 1);
+    widened.truncate(total - 1);
+    const auto all_q8 = d.module.forward_cached(token, q8, d.options);
+    const auto all_float = d.module.forward_cached(token, widened, d.options);
+    EXPECT_FALSE(attend_test::bit_equal(all_q8.out, all_float.out));
+    EXPECT_LE(attend_test::max_rel_diff(all_q8.out, all_float.out, 0.1), 2e-2);
+}
+
+TEST(ForwardCachedQ8, ErrorsLeaveTheCacheUnchanged) {
+    const q8_decoder d(41);
+    const auto x = attend_test::random_tensor<float>(42, 2, 3, d.config.model_dim);
+    auto cache = d.module.make_q8_cache(2, 4);
+    d.module.forward_cached(slice_tokens(x, 0, 2), cache, d.options);
+    const auto before = attend_test::state_of(cache);
+    // Projections beyond what a q8_0 block holds (127 x 65504) are refused before anything is appended.
+    tensor<float, 3> huge = slice_tokens(x, 2, 1);
+    for (index e = 0; e < huge.size(); ++e) huge.data()[e] *= 1e8f;
+    expect_error<attend::value_error>([&] { d.module.forward_cached(huge, cache, d.options); },
+                                      "attend.value.quantized_range");
+    EXPECT_EQ(attend_test::state_of(cache), before);
+    expect_error<attend::position_error>([&] { d.module.forward_cached(x, cache, d.options); },
+                                         "attend.position.cache_full");
+    EXPECT_EQ(attend_test::state_of(cache), before);
+    attend::q8_kv_cache wrong(2, 4, 4, 32, 32);  // kv_heads 4, the module has 2
+    expect_error<attend::shape_error>([&] { d.module.forward_cached(slice_tokens(x, 0, 1), wrong, d.options); },
+                                      "attend.shape.cache");
+    EXPECT_EQ(wrong.length(), 0);
+    // head_dim 16 is half a block.
+    const attend::multi_head_attention<float> narrow({64, 4}, 3);
+    expect_error<attend::value_error>([&] { narrow.make_q8_cache(1, 4); }, "attend.value.quantized_dim");
+    // And the cache still works afterwards.
+    EXPECT_NO_THROW(d.module.forward_cached(slice_tokens(x, 2, 1), cache, d.options));
+    EXPECT_EQ(cache.length(), 3);
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 
 #include "support/compare.hpp"
 #include "support/errors.hpp"
+#include "support/q8_blocks.hpp"
 #include "support/random.hpp"
 
 namespace {
@@ -28,6 +29,8 @@ namespace {
 using attend::index;
 using attend::q8_0_block;
 using attend_test::bit_equal;
+using attend_test::dequantized;
+using attend_test::state_of;
 
 /// Values in [-1, 1) times a magnitude that changes from row to row (1e-3 .. 1e3), so blocks get very different
 /// scales.
@@ -38,22 +41,6 @@ attend::tensor<float, 4> random_rows(std::uint64_t seed, index b, index h, index
         const float magnitude = std::pow(10.0f, static_cast<float>(r % 7) - 3.0f);
         for (index d = 0; d < dim; ++d) t.data()[r * dim + d] *= magnitude;
     }
-    return t;
-}
-
-/// The cache's keys (or values) `[batch, kv_heads, length, dim]` widened to float by hand: d q per value.
-attend::tensor<float, 4> dequantized(const attend::q8_kv_cache& c, bool keys) {
-    const index dim = keys ? c.head_dim() : c.value_dim(), blocks = dim / q8_0_block::size;
-    const auto& storage = keys ? c.key_blocks() : c.value_blocks();
-    attend::tensor<float, 4> t(c.batch(), c.kv_heads(), c.length(), dim);
-    for (index b = 0; b < c.batch(); ++b)
-        for (index h = 0; h < c.kv_heads(); ++h)
-            for (index i = 0; i < c.length(); ++i)
-                for (index d = 0; d < dim; ++d) {
-                    const q8_0_block& block = storage[static_cast<std::size_t>(
-                        ((b * c.kv_heads() + h) * c.capacity() + i) * blocks + d / q8_0_block::size)];
-                    t(b, h, i, d) = static_cast<float>(block.scale) * static_cast<float>(block.values[d % 32]);
-                }
     return t;
 }
 
@@ -242,18 +229,6 @@ TEST(Q8Cache, SixteenBitInputsQuantizeAsTheirFloatValues) {
     EXPECT_EQ(std::memcmp(from_bf16.key_blocks().data(), from_float.key_blocks().data(),
                           from_float.key_blocks().size() * sizeof(q8_0_block)),
               0);
-}
-
-/// The cache's state, to show that a refused call changed nothing.
-std::vector<unsigned char> state_of(const attend::q8_kv_cache& c) {
-    std::vector<unsigned char> bytes(sizeof(index));
-    const index length = c.length();
-    std::memcpy(bytes.data(), &length, sizeof(index));
-    for (const auto* blocks : {&c.key_blocks(), &c.value_blocks()}) {
-        const auto* p = reinterpret_cast<const unsigned char*>(blocks->data());
-        bytes.insert(bytes.end(), p, p + blocks->size() * sizeof(q8_0_block));
-    }
-    return bytes;
 }
 
 // check_finite over an int8 cache: its values are finite and at most 128 x 65504 in magnitude, so when q's side of
