@@ -457,6 +457,35 @@ void check_finite_projections(const strided_view<const T>& q, const strided_view
     check_finite(v, "projected value");
 }
 
+/// What a cache's append takes under a multi_head_attention<T>: kv_cache<S> its own type S, q8_kv_cache the
+/// module's float (it quantizes as it appends).
+template <class Cache, class T>
+struct append_type {
+    using type = T;
+};
+template <class S, class T>
+struct append_type<kv_cache<S>, T> {
+    using type = S;
+};
+
+/// A kv_cache<Storage> under a multi_head_attention<T>: of T, or 16-bit under a float module.
+template <class T, class Storage>
+constexpr void require_cache_storage() {
+    static_assert(std::is_same_v<Storage, T> ||
+                      (std::is_same_v<T, float> &&
+                       (std::is_same_v<Storage, Eigen::half> || std::is_same_v<Storage, Eigen::bfloat16>)),
+                  "attend: multi_head_attention<T> caches keys and values in T, or a float one in Eigen::half or "
+                  "Eigen::bfloat16");
+}
+
+/// A projection `[batch, len, heads * head_dim]` rounded once to a 16-bit cache's type S (a guarded allocation).
+template <class S, class T>
+tensor<S, 3> rounded_projection(const tensor<T, 3>& x, const char* what) {
+    auto r = mha_buffer<S, 3>({x.dimension(0), x.dimension(1), x.dimension(2)}, what);
+    narrow(x.data(), x.size(), r.data());
+    return r;
+}
+
 /// The attention options of a multi-head call: dropout probability and sinks `[heads]` (empty: none) from the
 /// module, the rest from the call.
 template <class T>
@@ -590,9 +619,13 @@ public:
         return p;
     }
 
-    /// An empty cache sized for this module: `[batch, kv_heads, capacity, head_dim]` keys and values.
-    kv_cache<T> make_cache(index batch, index capacity) const {
-        return kv_cache<T>(batch, config_.kv_heads, capacity, head_dim(), head_dim());
+    /// An empty cache sized for this module: `[batch, kv_heads, capacity, head_dim]` keys and values, in the
+    /// module's type or, for a float module, in Eigen::half or Eigen::bfloat16 (`make_cache<Eigen::half>(...)`:
+    /// half the bytes; forward_cached rounds the new keys and values into it once).
+    template <class Storage = T>
+    kv_cache<Storage> make_cache(index batch, index capacity) const {
+        detail::require_cache_storage<T, Storage>();
+        return kv_cache<Storage>(batch, config_.kv_heads, capacity, head_dim(), head_dim());
     }
 
     /// An empty int8 (q8_0) cache sized for this module, for forward_cached: a float module only (its queries read
@@ -643,15 +676,20 @@ public:
     /// this module (shape_error `attend.shape.cache`; see make_cache). Throws position_error
     /// `attend.position.cache_full` if the new tokens do not fit, and everything forward throws. Every check
     /// runs before the cache changes: on a throw nothing was appended.
-    template <class X, class Mask>
-    mha_result<T> forward_cached(const X& x, kv_cache<T>& cache, const Mask& mask,
+    /// A float module decodes over an fp16 or bf16 cache too (make_cache<Eigen::half>, llama.cpp's default
+    /// cache type): the new keys and values are rounded once as they are stored, and with options.check_finite one
+    /// that rounds to inf (beyond fp16's 65504) is value_error `attend.value.non_finite` before anything changes;
+    /// the queries stay float and read the cache as float attention over its values.
+    template <class X, class Mask, class Storage>
+    mha_result<T> forward_cached(const X& x, kv_cache<Storage>& cache, const Mask& mask,
                                  const mha_options& options = {}) const {
+        detail::require_cache_storage<T, Storage>();
         return forward_cached_over(x, cache, mask, options);
     }
 
     /// forward_cached without a mask besides the causal rule (and options.key_padding).
-    template <class X>
-    mha_result<T> forward_cached(const X& x, kv_cache<T>& cache, const mha_options& options = {}) const {
+    template <class X, class Storage>
+    mha_result<T> forward_cached(const X& x, kv_cache<Storage>& cache, const mha_options& options = {}) const {
         return forward_cached(x, cache, no_mask{}, options);
     }
 
@@ -936,7 +974,24 @@ private:
         const auto k_new = split_heads(p.k.data(), B, L, G, D);
         const auto v_new = split_heads(p.v.data(), B, L, G, D);
         if (options.check_finite) detail::check_finite_projections(qv, k_new, v_new);
-        cache.check_append(k_new, v_new);
+        // What the cache is given: the projections, or (a 16-bit cache under a float module) them rounded once.
+        using Stored = typename detail::append_type<Cache, T>::type;
+        tensor<Stored, 3> k_rounded, v_rounded;
+        strided_view<const Stored> k_store, v_store;
+        if constexpr (std::is_same_v<Stored, T>) {
+            k_store = k_new;
+            v_store = v_new;
+        } else {
+            k_rounded = detail::rounded_projection<Stored>(p.k, "key [batch, new tokens, kv_heads * head_dim]");
+            v_rounded = detail::rounded_projection<Stored>(p.v, "value [batch, new tokens, kv_heads * head_dim]");
+            k_store = split_heads(static_cast<const Stored*>(k_rounded.data()), B, L, G, D);
+            v_store = split_heads(static_cast<const Stored*>(v_rounded.data()), B, L, G, D);
+            if (options.check_finite) {  // finite in float, but beyond fp16's 65504: inf in the cache
+                detail::check_finite(k_store, "projected key rounded to the cache's type");
+                detail::check_finite(v_store, "projected value rounded to the cache's type");
+            }
+        }
+        cache.check_append(k_store, v_store);
         // Views of the cache as it will be after the append: the storage exists, only the length grows.
         auto kv = cache.keys(), vv = cache.values();
         kv.dims[2] = S;
@@ -952,7 +1007,8 @@ private:
             // (check_append above checks what it checks), so a failure anywhere leaves the cache as it was.
             // A throw after it (the kernel's scratch) takes the new positions back out.
             try {
-                attend_and_project(qv, kv, vv, s, call, options, o, nullptr, r, [&] { cache.append(k_new, v_new); });
+                attend_and_project(qv, kv, vv, s, call, options, o, nullptr, r,
+                                   [&] { cache.append(k_store, v_store); });
             } catch (...) {
                 cache.truncate(past);
                 throw;

@@ -15,6 +15,7 @@
 #include <iostream>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <typeinfo>
 #include <vector>
 
@@ -391,46 +392,103 @@ struct q8_decoder {
     }
 };
 
-TEST(ForwardCachedQ8, TheCacheHoldsTheQuantizedProjectionsAndQueriesReadItAsFloatsOfItsValues) {
-    const q8_decoder d(31);
-    const index batch = 2, total = 9;
-    const auto x = attend_test::random_tensor<float>(32, batch, total, d.config.model_dim);
-    auto q8 = d.module.make_q8_cache(batch, total);
+/// A cache view's rows as a tensor `[batch, kv_heads, length, dim]` of float: 16-bit values widened exactly.
+template <class View>
+tensor<float, 4> widened_rows(const View& x) {
+    tensor<float, 4> t(x.dims[0], x.dims[1], x.dims[2], x.dims[3]);
+    for (index b = 0; b < x.dims[0]; ++b)
+        for (index h = 0; h < x.dims[1]; ++h)
+            for (index i = 0; i < x.dims[2]; ++i)
+                for (index d = 0; d < x.dims[3]; ++d) t(b, h, i, d) = static_cast<float>(x.row(b, h, i)[d]);
+    return t;
+}
+
+/// A float module decoding over a cache of another storage (q8_kv_cache, or kv_cache<half / bfloat16> from
+/// make_cache<S>): the cache holds exactly what storing the float run's rotated keys and values gives (the same
+/// projections at the same global positions, quantized or rounded once), and the queries read it as float attention
+/// over its values.
+template <class Cache, class MakeCache>
+void expect_cache_holds_stored_projections_read_as_floats(MakeCache&& make_cache, std::uint64_t seed) {
+    const q8_decoder d(seed);
+    const index batch = 2, total = 9, kv_heads = d.config.kv_heads;
+    const auto x = attend_test::random_tensor<float>(seed + 1, batch, total, d.config.model_dim);
+    Cache stored = make_cache(d.module, batch, total);
     auto exact = d.module.make_cache(batch, total);
     index pos = 0;
     for (const index n : {3, 1, 2, 1, 1}) {  // a prompt, then tokens and a chunk
-        d.module.forward_cached(slice_tokens(x, pos, n), q8, d.options);
+        d.module.forward_cached(slice_tokens(x, pos, n), stored, d.options);
         d.module.forward_cached(slice_tokens(x, pos, n), exact, d.options);
         pos += n;
     }
-    // The int8 cache holds exactly what quantizing the float run's rotated keys and values gives, position by
-    // position: the same projections, rotated at the same global positions, quantized once.
-    attend::q8_kv_cache quantized(batch, d.config.kv_heads, total, 32, 32);
-    quantized.append(exact.keys(), exact.values());
-    EXPECT_EQ(attend_test::state_of(q8), attend_test::state_of(quantized));
-
-    // The last token's queries read the cache as float attention over its values: against a float cache holding
-    // the int8 cache's values (d q), with the newest key forbidden (the one position whose stored values differ
-    // between the two, the float cache appending the token unquantized), the outputs are the same bits.
-    attend::kv_cache<float> widened(batch, d.config.kv_heads, total, 32, 32);
-    widened.append(attend_test::dequantized(q8, true), attend_test::dequantized(q8, false));
-    q8.truncate(total - 1);  // the last token again, over both
+    attend::kv_cache<float> widened(batch, kv_heads, total, 32, 32);  // a float cache of the stored values
+    if constexpr (std::is_same_v<Cache, attend::q8_kv_cache>) {
+        attend::q8_kv_cache quantized(batch, kv_heads, total, 32, 32);
+        quantized.append(exact.keys(), exact.values());
+        EXPECT_EQ(attend_test::state_of(stored), attend_test::state_of(quantized));
+        widened.append(attend_test::dequantized(stored, true), attend_test::dequantized(stored, false));
+    } else {
+        using S = std::decay_t<decltype(*stored.keys().row(0, 0, 0))>;  // the cache's storage type
+        const tensor<S, 4> keys = widened_rows(exact.keys()).template cast<S>(),
+                           values = widened_rows(exact.values()).template cast<S>();
+        EXPECT_TRUE(attend_test::bit_equal(widened_rows(stored.keys()), tensor<float, 4>(keys.template cast<float>())));
+        EXPECT_TRUE(
+            attend_test::bit_equal(widened_rows(stored.values()), tensor<float, 4>(values.template cast<float>())));
+        widened.append(widened_rows(stored.keys()), widened_rows(stored.values()));
+    }
+    // The last token again over both: with the newest key forbidden (the one position whose values differ between
+    // the two, the float cache appending the token as it is), the outputs are the same bits.
+    stored.truncate(total - 1);
     widened.truncate(total - 1);
     tensor<bool, 4> allowed(1, 1, 1, total);
     allowed.setConstant(true);
     allowed(0, 0, 0, total - 1) = false;
     const auto before_newest = attend::allowed_mask::true_means_allowed(allowed);
     const auto token = slice_tokens(x, total - 1, 1);
-    const auto from_q8 = d.module.forward_cached(token, q8, before_newest, d.options);
+    const auto from_stored = d.module.forward_cached(token, stored, before_newest, d.options);
     const auto from_float = d.module.forward_cached(token, widened, before_newest, d.options);
-    EXPECT_TRUE(attend_test::bit_equal(from_q8.out, from_float.out));
-    // Without the mask the newest key differs (quantized against not): the outputs do too, by little.
-    q8.truncate(total - 1);
+    EXPECT_TRUE(attend_test::bit_equal(from_stored.out, from_float.out));
+    // Without the mask the newest key differs (stored against not): the outputs do too, by little.
+    stored.truncate(total - 1);
     widened.truncate(total - 1);
-    const auto all_q8 = d.module.forward_cached(token, q8, d.options);
+    const auto all_stored = d.module.forward_cached(token, stored, d.options);
     const auto all_float = d.module.forward_cached(token, widened, d.options);
-    EXPECT_FALSE(attend_test::bit_equal(all_q8.out, all_float.out));
-    EXPECT_LE(attend_test::max_rel_diff(all_q8.out, all_float.out, 0.1), 2e-2);
+    EXPECT_FALSE(attend_test::bit_equal(all_stored.out, all_float.out));
+    EXPECT_LE(attend_test::max_rel_diff(all_stored.out, all_float.out, 0.1), 2e-2);
+}
+
+TEST(ForwardCachedQ8, TheCacheHoldsTheQuantizedProjectionsAndQueriesReadItAsFloatsOfItsValues) {
+    expect_cache_holds_stored_projections_read_as_floats<attend::q8_kv_cache>(
+        [](const auto& m, index batch, index capacity) { return m.make_q8_cache(batch, capacity); }, 31);
+}
+
+TEST(ForwardCached16, AFloatModulesSixteenBitCacheHoldsTheProjectionsRoundedOnceAndIsReadAsFloats) {
+    expect_cache_holds_stored_projections_read_as_floats<attend::kv_cache<Eigen::half>>(
+        [](const auto& m, index batch, index capacity) { return m.template make_cache<Eigen::half>(batch, capacity); },
+        51);
+    expect_cache_holds_stored_projections_read_as_floats<attend::kv_cache<Eigen::bfloat16>>(
+        [](const auto& m, index batch, index capacity) {
+            return m.template make_cache<Eigen::bfloat16>(batch, capacity);
+        },
+        61);
+}
+
+TEST(ForwardCached16, AProjectionBeyondFp16IsRefusedBeforeTheCacheChanges) {
+    const q8_decoder d(71);
+    const auto x = attend_test::random_tensor<float>(72, 2, 3, d.config.model_dim);
+    auto cache = d.module.make_cache<Eigen::half>(2, 4);
+    d.module.forward_cached(slice_tokens(x, 0, 2), cache, d.options);
+    const auto before = snapshot(cache);
+    tensor<float, 3> huge = slice_tokens(x, 2, 1);  // finite in float, inf in fp16
+    for (index e = 0; e < huge.size(); ++e) huge.data()[e] *= 1e6f;
+    const std::string message = expect_error<attend::value_error>(
+        [&] { d.module.forward_cached(huge, cache, d.options); }, "attend.value.non_finite");
+    EXPECT_TRUE(contains(message, "rounded to the cache's type")) << message;
+    EXPECT_EQ(cache.length(), 2);
+    EXPECT_EQ(snapshot(cache), before);
+    // bf16 has float's range: the same token fits there.
+    auto wide_range = d.module.make_cache<Eigen::bfloat16>(2, 4);
+    EXPECT_NO_THROW(d.module.forward_cached(huge, wide_range, d.options));
+    EXPECT_EQ(wide_range.length(), 1);
 }
 
 TEST(ForwardCachedQ8, ErrorsLeaveTheCacheUnchanged) {
