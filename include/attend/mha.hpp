@@ -478,14 +478,6 @@ constexpr void require_cache_storage() {
                   "Eigen::bfloat16");
 }
 
-/// A projection `[batch, len, heads * head_dim]` rounded once to a 16-bit cache's type S (a guarded allocation).
-template <class S, class T>
-tensor<S, 3> rounded_projection(const tensor<T, 3>& x, const char* what) {
-    auto r = mha_buffer<S, 3>({x.dimension(0), x.dimension(1), x.dimension(2)}, what);
-    narrow(x.data(), x.size(), r.data());
-    return r;
-}
-
 /// The attention options of a multi-head call: dropout probability and sinks `[heads]` (empty: none) from the
 /// module, the rest from the call.
 template <class T>
@@ -723,18 +715,21 @@ public:
     /// tokens]), value_error `attend.value.sequence`, `attend.value.need_weights`, position_error
     /// `attend.position.cache_full`, and everything forward_cached throws. All or nothing: on a throw, also one from
     /// the attention after the append, the cache is exactly as it was.
-    template <class X>
-    mha_result<T> forward_cached(const X& x, paged_kv_cache<T>& cache, const std::vector<index>& sequences,
+    /// A float module decodes over an fp16 or bf16 paged cache too, its keys and values rounded once as they are
+    /// stored (as forward_cached over a kv_cache above).
+    template <class X, class Storage>
+    mha_result<T> forward_cached(const X& x, paged_kv_cache<Storage>& cache, const std::vector<index>& sequences,
                                  const std::vector<index>& new_tokens, const mha_options& options = {}) const {
         detail::require_mha_input<X, T>();
+        detail::require_cache_storage<T, Storage>();
         // Every allocation of the call (lists, buffers, messages) fails as a typed error, and the cache as it was.
         return detail::allocating([&] { return forward_paged(x, cache, sequences, new_tokens, options); },
                                   [] { return std::string("forward_cached's bookkeeping"); }, "Decode fewer sequences");
     }
 
 private:
-    template <class X>
-    mha_result<T> forward_paged(const X& x, paged_kv_cache<T>& cache, const std::vector<index>& sequences,
+    template <class X, class Storage>
+    mha_result<T> forward_paged(const X& x, paged_kv_cache<Storage>& cache, const std::vector<index>& sequences,
                                 const std::vector<index>& new_tokens, const mha_options& options) const {
         const auto xd = detail::dims3(x);
         detail::check_width("x", xd, config_.model_dim, "model_dim", "[batch, new tokens, model_dim]");
@@ -770,7 +765,8 @@ private:
         if (options.check_finite) detail::check_finite_input(x.data(), xd, "x");
         // Each sequence projected alone, so its rows meet the same GEMM shapes as when it is decoded alone.
         std::vector<projected_heads> p;
-        std::vector<strided_view<const T>> keys, values;
+        std::vector<tensor<Storage, 3>> rounded(2 * sequences.size());  // a 16-bit cache's keys and values
+        std::vector<strided_view<const Storage>> keys, values;
         p.reserve(sequences.size());
         keys.reserve(sequences.size());
         values.reserve(sequences.size());
@@ -778,13 +774,15 @@ private:
             const index t = new_tokens[static_cast<std::size_t>(n)];
             const T* rows = x.data() + n * L * E;
             p.push_back(project_heads(rows, rows, rows, 1, t, t, options, first[static_cast<std::size_t>(n)]));
-            keys.push_back(split_heads(static_cast<const T*>(p.back().k.data()), 1, t, G, D));
-            values.push_back(split_heads(static_cast<const T*>(p.back().v.data()), 1, t, G, D));
             if (options.check_finite)
                 detail::check_finite_projections(split_heads(static_cast<const T*>(p.back().q.data()), 1, t, H, D),
-                                                 keys.back(), values.back());
+                                                 split_heads(static_cast<const T*>(p.back().k.data()), 1, t, G, D),
+                                                 split_heads(static_cast<const T*>(p.back().v.data()), 1, t, G, D));
+            const auto at = 2 * static_cast<std::size_t>(n);
+            keys.push_back(stored_heads(p.back().k, rounded[at], 1, t, options.check_finite, "key"));
+            values.push_back(stored_heads(p.back().v, rounded[at + 1], 1, t, options.check_finite, "value"));
         }
-        detail::paged_append<T> append(cache, sequences, keys, values);
+        detail::paged_append<Storage> append(cache, sequences, keys, values);
         mha_result<T> r;
         r.out = detail::mha_buffer<T, 3>({B, L, E}, "out [batch, new tokens, model_dim]");
         r.out.setZero();
@@ -944,6 +942,26 @@ private:
         return r;
     }
 
+    /// The new keys or values (`projected` `[batch, len, kv_heads * head_dim]`) as a cache of Stored is given them,
+    /// `[batch, kv_heads, len, head_dim]`: the projection itself, or (a 16-bit cache under a float module) rounded
+    /// once into `rounded`, where with check_finite a value that rounds to +-inf (beyond fp16's 65504) throws
+    /// value_error attend.value.non_finite.
+    template <class Stored>
+    strided_view<const Stored> stored_heads(const tensor<T, 3>& projected, tensor<Stored, 3>& rounded, index B, index L,
+                                            bool check_finite, const char* what) const {
+        const index G = config_.kv_heads, D = head_dim();
+        if constexpr (std::is_same_v<Stored, T>) {
+            return split_heads(static_cast<const T*>(projected.data()), B, L, G, D);
+        } else {
+            rounded = detail::mha_buffer<Stored, 3>({B, L, G * D}, "new keys or values rounded to the cache's type");
+            detail::narrow(projected.data(), projected.size(), rounded.data());
+            const auto heads = split_heads(static_cast<const Stored*>(rounded.data()), B, L, G, D);
+            if (check_finite)  // finite in float, but it may be beyond fp16's range: inf in the cache
+                detail::check_finite(heads, detail::concat("projected ", what, " rounded to the cache's type").c_str());
+            return heads;
+        }
+    }
+
     /// forward_cached over a kv_cache<T> or a q8_kv_cache: both check an append without changing, append and
     /// truncate alike, and their keys() / values() are views the kernels read.
     template <class X, class Mask, class Cache>
@@ -974,23 +992,10 @@ private:
         const auto k_new = split_heads(p.k.data(), B, L, G, D);
         const auto v_new = split_heads(p.v.data(), B, L, G, D);
         if (options.check_finite) detail::check_finite_projections(qv, k_new, v_new);
-        // What the cache is given: the projections, or (a 16-bit cache under a float module) them rounded once.
         using Stored = typename detail::append_type<Cache, T>::type;
         tensor<Stored, 3> k_rounded, v_rounded;
-        strided_view<const Stored> k_store, v_store;
-        if constexpr (std::is_same_v<Stored, T>) {
-            k_store = k_new;
-            v_store = v_new;
-        } else {
-            k_rounded = detail::rounded_projection<Stored>(p.k, "key [batch, new tokens, kv_heads * head_dim]");
-            v_rounded = detail::rounded_projection<Stored>(p.v, "value [batch, new tokens, kv_heads * head_dim]");
-            k_store = split_heads(static_cast<const Stored*>(k_rounded.data()), B, L, G, D);
-            v_store = split_heads(static_cast<const Stored*>(v_rounded.data()), B, L, G, D);
-            if (options.check_finite) {  // finite in float, but beyond fp16's 65504: inf in the cache
-                detail::check_finite(k_store, "projected key rounded to the cache's type");
-                detail::check_finite(v_store, "projected value rounded to the cache's type");
-            }
-        }
+        const auto k_store = stored_heads(p.k, k_rounded, B, L, options.check_finite, "key");
+        const auto v_store = stored_heads(p.v, v_rounded, B, L, options.check_finite, "value");
         cache.check_append(k_store, v_store);
         // Views of the cache as it will be after the append: the storage exists, only the length grows.
         auto kv = cache.keys(), vv = cache.values();

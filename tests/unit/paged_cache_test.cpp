@@ -540,21 +540,24 @@ TEST(PagedCacheErrors, AKeyWhoseScoresOverflowIsTheScansErrorThoughTheDecodePass
 // ---------------------------------------------------------------------------------------------------------
 // Multi-head attention over a paged cache
 
-TEST(PagedCacheMha, RaggedContinuousBatchingIsBitIdenticalToDecodingEachSequenceAlone) {
+/// A multi_head_attention<T> decoding ragged batches over a paged cache of S (T, or 16-bit under a float module)
+/// gives each sequence the bits of decoding it alone over a kv_cache<S>.
+template <class T, class S>
+void expect_ragged_batching_equals_each_sequence_alone() {
     attend::mha_config cfg{32, 4};
     cfg.kv_heads = 2;
-    const attend::multi_head_attention<double> m(cfg, 5);
+    const attend::multi_head_attention<T> m(cfg, 5);
     attend::mha_options o;
     o.rotary = attend::rotary_embedding{8};
     o.threads = 2;
     attend::paged_cache_config pc = attend_test::paged_config(2, 8, 4, 64, 4);
-    attend::paged_kv_cache<double> cache(pc);
-    std::map<index, attend::kv_cache<double>> alone;
+    attend::paged_kv_cache<S> cache(pc);
+    std::map<index, attend::kv_cache<S>> alone;
     attend_test::rng g(3);
     for (int step = 0; step < attend_test::repeat(30); ++step) {
         // Sequences join and leave between steps; one is forked and one rolled back now and then.
         const auto ids = cache.sequences();
-        if (ids.size() < 3 && g.bernoulli(0.5)) alone.emplace(cache.add_sequence(), m.make_cache(1, 256));
+        if (ids.size() < 3 && g.bernoulli(0.5)) alone.emplace(cache.add_sequence(), m.template make_cache<S>(1, 256));
         if (!ids.empty() && g.bernoulli(0.15)) {
             const index gone = ids[static_cast<std::size_t>(g.uniform_int(0, static_cast<index>(ids.size()) - 1))];
             cache.remove_sequence(gone);
@@ -575,26 +578,35 @@ TEST(PagedCacheMha, RaggedContinuousBatchingIsBitIdenticalToDecodingEachSequence
         std::vector<index> counts;
         for (std::size_t n = 0; n < batch.size(); ++n) counts.push_back(g.bernoulli(0.2) ? g.uniform_int(0, 9) : 1);
         const index L = *std::max_element(counts.begin(), counts.end());
-        tensor<double, 3> x(static_cast<index>(batch.size()), L, 32);
+        tensor<T, 3> x(static_cast<index>(batch.size()), L, 32);
         attend_test::fill_uniform(x, 100 + static_cast<std::uint64_t>(step));
         const auto r = m.forward_cached(x, cache, batch, counts, o);
         for (std::size_t n = 0; n < batch.size(); ++n) {
             const index t = counts[n];
-            tensor<double, 3> xn(1, t, 32);
+            tensor<T, 3> xn(1, t, 32);
             for (index i = 0; i < t; ++i)
                 for (index e = 0; e < 32; ++e) xn(0, i, e) = x(static_cast<index>(n), i, e);
             const auto want = m.forward_cached(xn, alone.at(batch[n]), o);
             ASSERT_EQ(cache.length(batch[n]), alone.at(batch[n]).length());
             for (index i = 0; i < L; ++i)
                 for (index e = 0; e < 32; ++e) {
-                    const double expected = i < t ? want.out(0, i, e) : 0.0;
-                    ASSERT_EQ(std::memcmp(&r.out(static_cast<index>(n), i, e), &expected, sizeof(double)), 0)
+                    const T expected = i < t ? want.out(0, i, e) : T(0);
+                    ASSERT_EQ(std::memcmp(&r.out(static_cast<index>(n), i, e), &expected, sizeof(T)), 0)
                         << "step " << step << " sequence " << batch[n] << " token " << i << ": "
                         << r.out(static_cast<index>(n), i, e) << " != " << expected;
                 }
         }
         EXPECT_EQ(attend_test::consistency_problem(cache), "");
     }
+}
+
+TEST(PagedCacheMha, RaggedContinuousBatchingIsBitIdenticalToDecodingEachSequenceAlone) {
+    expect_ragged_batching_equals_each_sequence_alone<double, double>();
+}
+
+TEST(PagedCacheMha, AFloatModuleOverASixteenBitPagedCacheIsBitIdenticalToDecodingEachSequenceAlone) {
+    expect_ragged_batching_equals_each_sequence_alone<float, Eigen::half>();
+    expect_ragged_batching_equals_each_sequence_alone<float, Eigen::bfloat16>();
 }
 
 TEST(PagedCacheMha, ARollingWindowKeepsAbsoluteRotaryPositionsAndEqualsASlidingWindowOverTheWholeHistory) {
@@ -648,6 +660,24 @@ TEST(PagedCacheMha, ModuleAndCacheMustFit) {
     expect_error<attend::value_error>([&] { (void)m.forward_cached(x, cache, {s}, {1}, o); },
                                       "attend.value.need_weights");
     EXPECT_EQ(cache.length(s), 0);
+}
+
+TEST(PagedCacheMha, AProjectionBeyondFp16IsRefusedBeforeTheSixteenBitCacheChanges) {
+    const attend::multi_head_attention<float> m(attend::mha_config{8, 2}, 1);
+    attend::paged_kv_cache<Eigen::half> cache(attend_test::paged_config(2, 4, 4, 8, 2));
+    const index a = cache.add_sequence(), b = cache.add_sequence();
+    tensor<float, 3> x(2, 2, 8);
+    attend_test::fill_uniform(x, 9);
+    (void)m.forward_cached(x, cache, {a, b}, {2, 1});
+    const auto before = attend_test::state_of(cache);
+    for (index e = 0; e < 8; ++e) x(1, 0, e) *= 1e6f;  // sequence b's token: finite in float, inf in fp16
+    const std::string message = expect_error<attend::value_error>(
+        [&] {
+            (void)m.forward_cached(x, cache, {a, b}, {1, 1});
+        },
+        "attend.value.non_finite");
+    EXPECT_NE(message.find("rounded to the cache's type"), std::string::npos) << message;
+    EXPECT_TRUE(attend_test::state_of(cache) == before) << "sequence a's token was not appended either";
 }
 
 }  // namespace
