@@ -468,6 +468,13 @@ struct append_type<kv_cache<S>, T> {
     using type = S;
 };
 
+/// An int8 (q8_0) cache under a multi_head_attention<T>: float queries read it.
+template <class T>
+constexpr void require_q8_cache() {
+    static_assert(std::is_same_v<T, float>,
+                  "attend: an int8 (q8_0) cache is read by float queries: use multi_head_attention<float>");
+}
+
 /// A kv_cache<Storage> under a multi_head_attention<T>: of T, or 16-bit under a float module.
 template <class T, class Storage>
 constexpr void require_cache_storage() {
@@ -623,9 +630,7 @@ public:
     /// An empty int8 (q8_0) cache sized for this module, for forward_cached: a float module only (its queries read
     /// the cache), and head_dim a multiple of 32 (value_error `attend.value.quantized_dim` otherwise).
     q8_kv_cache make_q8_cache(index batch, index capacity) const {
-        static_assert(std::is_same_v<T, float>,
-                      "attend: an int8 (q8_0) cache is read by float queries: "
-                      "use multi_head_attention<float>");
+        detail::require_q8_cache<T>();
         return q8_kv_cache(batch, config_.kv_heads, capacity, head_dim(), head_dim());
     }
 
@@ -692,9 +697,7 @@ public:
     template <class X, class Mask>
     mha_result<T> forward_cached(const X& x, q8_kv_cache& cache, const Mask& mask,
                                  const mha_options& options = {}) const {
-        static_assert(std::is_same_v<T, float>,
-                      "attend: an int8 (q8_0) cache is read by float queries: "
-                      "use multi_head_attention<float>");
+        detail::require_q8_cache<T>();
         return forward_cached_over(x, cache, mask, options);
     }
 
@@ -962,8 +965,8 @@ private:
         }
     }
 
-    /// forward_cached over a kv_cache<T> or a q8_kv_cache: both check an append without changing, append and
-    /// truncate alike, and their keys() / values() are views the kernels read.
+    /// forward_cached over a kv_cache (of T, or 16-bit under a float module) or a q8_kv_cache: both check an append
+    /// without making it, append and truncate alike, and their keys() / values() are views the kernels read.
     template <class X, class Mask, class Cache>
     mha_result<T> forward_cached_over(const X& x, Cache& cache, const Mask& mask, const mha_options& options) const {
         detail::require_mha_mask<Mask>();
