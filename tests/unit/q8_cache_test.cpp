@@ -301,6 +301,11 @@ TEST(Q8Cache, EveryBadAppendIsRefusedBeforeAnythingChanges) {
     std::string message =
         expect_error<attend::value_error>([&] { cache.append(k, huge); }, "attend.value.quantized_range");
     EXPECT_NE(message.find("[0,1,1,5]"), std::string::npos) << message;
+    // check_append throws what append throws and, when nothing is wrong, appends nothing either.
+    EXPECT_EQ(expect_error<attend::value_error>([&] { cache.check_append(k, huge); }, "attend.value.quantized_range"),
+              message);
+    cache.check_append(k, v);
+    EXPECT_EQ(state_of(cache), before);
     auto nan = k;
     nan(0, 0, 1, 3) = std::numeric_limits<float>::quiet_NaN();
     expect_error<attend::value_error>([&] { cache.append(nan, v); }, "attend.value.non_finite");
