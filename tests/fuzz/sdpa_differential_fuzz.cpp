@@ -23,6 +23,8 @@
 ///   - for float inputs of rank 4, an int8 (q8_0) cache holds each value within half its block's scale and refuses
 ///     exactly the values it cannot hold; float queries over it give the float call over the values it holds, bit
 ///     for bit, or the same error (check_q8_cache);
+///   - a call split at a random key into two calls merged by merge_partials meets the same oracle
+///     (check_split_merge);
 ///   - the backward of both kernels agrees within a bound derived the same way.
 
 #include <algorithm>
@@ -37,6 +39,7 @@
 #include <vector>
 
 #include <attend/backward.hpp>
+#include <attend/merge.hpp>
 #include <attend/position.hpp>
 #include <attend/q8_cache.hpp>
 #include <attend/sdpa.hpp>
@@ -749,6 +752,64 @@ void check_q8_cache(const attend::tensor<float, 4>& q, const attend::tensor<floa
         require(identical(*got, *want), "small tiles over an int8 cache differ from float keys of the values it holds");
 }
 
+/// Attention over keys [0, split) and over [split, key_len), each a call of its own (the mask's meaning as an
+/// additive mask of that part, empty rows zero, dropout at the part's key offset), merged by merge_partials: the
+/// whole call's result, within the oracle's bounds. Only for calls whose score features depend on nothing but the
+/// scores (no score bias, score_mod or sinks) and whose mask values are finite in T or -inf.
+template <class T, int Rank>
+void check_split_merge(fuzz_input& in, const call_case<T>& c, const std::vector<row_oracle>& rows) {
+    const attention_shape& s = c.s;
+    if (s.key_len < 2 || !c.options.score_bias.empty() || !c.options.score_mod.empty() || !c.options.sinks.empty())
+        return;
+    for (index b = 0; b < s.batch; ++b)
+        for (index h = 0; h < s.heads; ++h)
+            for (index i = 0; i < s.query_len; ++i)
+                for (index j = 0; j < s.key_len; ++j) {
+                    const ld a = c.mask.added(b, h, i, j);
+                    if (a != meaning::minus_inf() &&
+                        !(std::abs(a) <= static_cast<ld>(std::numeric_limits<T>::max()) / 4))
+                        return;
+                }
+    const index split = 1 + static_cast<index>(in.choose(static_cast<int>(std::min<index>(s.key_len - 1, 64))));
+    const auto part = [&](index begin, index end) {
+        const index n = end - begin;
+        std::vector<T> k, v, added;
+        for (index b = 0; b < s.batch; ++b)
+            for (index g = 0; g < s.kv_heads; ++g)
+                for (index j = begin; j < end; ++j) {
+                    const T* kr = row_of(c.k, s.kv_heads, s.key_len, s.head_dim, b, g, j);
+                    const T* vr = row_of(c.v, s.kv_heads, s.key_len, s.value_dim, b, g, j);
+                    k.insert(k.end(), kr, kr + s.head_dim);
+                    v.insert(v.end(), vr, vr + s.value_dim);
+                }
+        for (index b = 0; b < s.batch; ++b)
+            for (index h = 0; h < s.heads; ++h)
+                for (index i = 0; i < s.query_len; ++i)
+                    for (index j = begin; j < end; ++j) {
+                        const ld a = c.mask.added(b, h, i, j);
+                        added.push_back(a == meaning::minus_inf() ? -std::numeric_limits<T>::infinity()
+                                                                  : static_cast<T>(a));
+                    }
+        const auto q = make_tensor<T, Rank>({s.batch, s.heads, s.query_len, s.head_dim}, c.q);
+        const auto kt = make_tensor<T, Rank>({s.batch, s.kv_heads, n, s.head_dim}, k);
+        const auto vt = make_tensor<T, Rank>({s.batch, s.kv_heads, n, s.value_dim}, v);
+        const auto mask =
+            attend::additive_mask<T>::from_values(make_tensor<T, Rank>({s.batch, s.heads, s.query_len, n}, added));
+        attend::sdpa_options o = c.options;
+        o.need_weights = false;
+        o.need_lse = true;
+        o.empty_rows = attend::empty_rows::zero;  // a row may have its keys in the other part only
+        o.dropout.key_offset += begin;
+        return attend::scaled_dot_product_attention(q, kt, vt, mask, o);
+    };
+    const auto first = part(0, split), second = part(split, s.key_len);
+    const auto merged = attend::merge_partials(first.out, first.lse, second.out, second.lse);
+    outputs<T> o;
+    o.out.assign(merged.out.data(), merged.out.data() + merged.out.size());
+    o.lse.assign(merged.lse.data(), merged.lse.data() + merged.lse.size());
+    check_against_oracle(c, rows, o, "two key parts merged by merge_partials");
+}
+
 template <class T, int Rank, class Mask>
 void run_call(fuzz_input& in, call_case<T>& c, const attend::tensor<T, Rank>& q, const attend::tensor<T, Rank>& k,
               const attend::tensor<T, Rank>& v, const Mask& mask) {
@@ -819,6 +880,7 @@ void run_call(fuzz_input& in, call_case<T>& c, const attend::tensor<T, Rank>& q,
         check_against_oracle(c, rows, tiled_with<T, double>(qv, kv, vv, mask, c.options, tiles, threads),
                              "tiled, float storage accumulated in double");
     if (backward) check_backward(in, c, q, k, v, *ref, mask, rows, threads);
+    if (in.chance(64)) check_split_merge<T, Rank>(in, c, rows);
 }
 
 template <class T, int Rank>
