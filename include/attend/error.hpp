@@ -101,11 +101,16 @@ std::string concat(const Parts&... parts) {
     return s.str();
 }
 
+/// The name of the floating scalar type with `digits` significand bits (std::numeric_limits<T>::digits tells the
+/// four storage types apart).
+constexpr const char* scalar_name(int digits) {
+    return digits == 8 ? "bfloat16" : digits == 11 ? "half" : digits == 24 ? "float" : "double";
+}
+
 /// The name of a floating scalar type, for messages that say in which type a value failed.
 template <class T>
 constexpr const char* scalar_name() {
-    constexpr int digits = std::numeric_limits<T>::digits;  // significand bits tell the four types apart
-    return digits == 8 ? "bfloat16" : digits == 11 ? "half" : digits == 24 ? "float" : "double";
+    return scalar_name(std::numeric_limits<T>::digits);
 }
 
 }  // namespace detail

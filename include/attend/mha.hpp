@@ -471,16 +471,15 @@ struct append_type<kv_cache<S>, T> {
 /// An int8 (q8_0) cache under a multi_head_attention<T>: float queries read it.
 template <class T>
 constexpr void require_q8_cache() {
-    static_assert(std::is_same_v<T, float>,
+    static_assert(storage_pair_v<T, q8_0_block>,
                   "attend: an int8 (q8_0) cache is read by float queries: use multi_head_attention<float>");
 }
 
-/// A kv_cache<Storage> under a multi_head_attention<T>: of T, or 16-bit under a float module.
+/// A kv_cache<Storage> under a multi_head_attention<T>: the pairs the attention call takes (of T, or 16-bit under a
+/// float module; kv_cache itself holds no q8_0 blocks).
 template <class T, class Storage>
 constexpr void require_cache_storage() {
-    static_assert(std::is_same_v<Storage, T> ||
-                      (std::is_same_v<T, float> &&
-                       (std::is_same_v<Storage, Eigen::half> || std::is_same_v<Storage, Eigen::bfloat16>)),
+    static_assert(storage_pair_v<T, Storage>,
                   "attend: multi_head_attention<T> caches keys and values in T, or a float one in Eigen::half or "
                   "Eigen::bfloat16");
 }

@@ -771,6 +771,7 @@ void check_split_merge(fuzz_input& in, const call_case<T>& c, const std::vector<
                         return;
                 }
     const index split = 1 + static_cast<index>(in.choose(static_cast<int>(std::min<index>(s.key_len - 1, 64))));
+    const auto q = make_tensor<T, Rank>({s.batch, s.heads, s.query_len, s.head_dim}, c.q);
     const auto part = [&](index begin, index end) {
         const index n = end - begin;
         std::vector<T> k, v, added;
@@ -790,7 +791,6 @@ void check_split_merge(fuzz_input& in, const call_case<T>& c, const std::vector<
                         added.push_back(a == meaning::minus_inf() ? -std::numeric_limits<T>::infinity()
                                                                   : static_cast<T>(a));
                     }
-        const auto q = make_tensor<T, Rank>({s.batch, s.heads, s.query_len, s.head_dim}, c.q);
         const auto kt = make_tensor<T, Rank>({s.batch, s.kv_heads, n, s.head_dim}, k);
         const auto vt = make_tensor<T, Rank>({s.batch, s.kv_heads, n, s.value_dim}, v);
         const auto mask =

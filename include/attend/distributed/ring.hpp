@@ -106,25 +106,6 @@ MPI_Datatype mpi_type() {
     else return MPI_UINT16_T;
 }
 
-/// A number per storage type, so the ranks can agree on one (a rank sending another type's bytes would break the
-/// ring's message sizes).
-template <class T>
-constexpr std::int64_t storage_code() {
-    if constexpr (std::is_same_v<T, float>) return 1;
-    else if constexpr (std::is_same_v<T, double>) return 2;
-    else if constexpr (std::is_same_v<T, Eigen::half>) return 3;
-    else return 4;
-}
-
-inline const char* storage_name(std::int64_t code) {
-    switch (code) {
-        case 1: return "float";
-        case 2: return "double";
-        case 3: return "Eigen::half";
-        default: return "Eigen::bfloat16";
-    }
-}
-
 /// Adds the wall time of its scope to `seconds`.
 class stopwatch {
 public:
@@ -317,7 +298,9 @@ ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm com
         local_checks(s);
     });
     mine.failed = error ? 1 : 0;
-    mine.storage = storage_code<attend::detail::scalar_of<Q>>();
+    // The storage type by its significand bits (scalar_name's key): a rank sending another type's bytes would break
+    // the ring's message sizes.
+    mine.storage = std::numeric_limits<attend::detail::scalar_of<Q>>::digits;
     describe_options(options, mine.options);
     constexpr int fields = static_cast<int>(sizeof(rank_summary) / sizeof(std::int64_t));
     std::vector<rank_summary> all(static_cast<std::size_t>(g.ranks));
@@ -337,7 +320,9 @@ ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm com
             throw value_error("attend.value.ring_storage",
                               concat("q, k and v must have one storage type on every rank (the shards travel as "
                                      "their bytes): ",
-                                     spell([](const rank_summary& x) { return storage_name(x.storage); })));
+                                     spell([](const rank_summary& x) {
+                                         return attend::detail::scalar_name(static_cast<int>(x.storage));
+                                     })));
     for (const rank_summary& s : all)
         if (s.batch != first.batch || s.heads != first.heads || s.kv_heads != first.kv_heads)
             throw shape_error(
