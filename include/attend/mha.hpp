@@ -457,8 +457,8 @@ void check_finite_projections(const strided_view<const T>& q, const strided_view
     check_finite(v, "projected value");
 }
 
-/// What a cache's append takes under a multi_head_attention<T>: kv_cache<S> its own type S, q8_kv_cache the
-/// module's float (it quantizes as it appends).
+/// What a cache's append takes under a multi_head_attention<T>: kv_cache<S> and paged_kv_cache<S> their own type S,
+/// the int8 caches (q8_kv_cache, paged_kv_cache<q8_0_block>) the module's float (they quantize as they append).
 template <class Cache, class T>
 struct append_type {
     using type = T;
@@ -466,6 +466,10 @@ struct append_type {
 template <class S, class T>
 struct append_type<kv_cache<S>, T> {
     using type = S;
+};
+template <class S, class T>
+struct append_type<paged_kv_cache<S>, T> {
+    using type = std::conditional_t<std::is_same_v<S, q8_0_block>, T, S>;
 };
 
 /// An int8 (q8_0) cache under a multi_head_attention<T>: float queries read it.
@@ -718,12 +722,15 @@ public:
     /// `attend.position.cache_full`, and everything forward_cached throws. All or nothing: on a throw, also one from
     /// the attention after the append, the cache is exactly as it was.
     /// A float module decodes over an fp16 or bf16 paged cache too, its keys and values rounded once as they are
-    /// stored (as forward_cached over a kv_cache above).
+    /// stored (as forward_cached over a kv_cache above), and over an int8 pool (paged_kv_cache<q8_0_block>), its keys
+    /// and values quantized as they are stored (value_error `attend.value.quantized_range` for one beyond
+    /// q8_kv_cache::max_magnitude, before anything changes).
     template <class X, class Storage>
     mha_result<T> forward_cached(const X& x, paged_kv_cache<Storage>& cache, const std::vector<index>& sequences,
                                  const std::vector<index>& new_tokens, const mha_options& options = {}) const {
         detail::require_mha_input<X, T>();
-        detail::require_cache_storage<T, Storage>();
+        if constexpr (std::is_same_v<Storage, q8_0_block>) detail::require_q8_cache<T>();
+        else detail::require_cache_storage<T, Storage>();
         // Every allocation of the call (lists, buffers, messages) fails as a typed error, and the cache as it was.
         return detail::allocating([&] { return forward_paged(x, cache, sequences, new_tokens, options); },
                                   [] { return std::string("forward_cached's bookkeeping"); }, "Decode fewer sequences");
@@ -767,8 +774,9 @@ private:
         if (options.check_finite) detail::check_finite_input(x.data(), xd, "x");
         // Each sequence projected alone, so its rows meet the same GEMM shapes as when it is decoded alone.
         std::vector<projected_heads> p;
-        std::vector<tensor<Storage, 3>> rounded(2 * sequences.size());  // a 16-bit cache's keys and values
-        std::vector<strided_view<const Storage>> keys, values;
+        using Stored = typename detail::append_type<paged_kv_cache<Storage>, T>::type;  // what the append takes
+        std::vector<tensor<Stored, 3>> rounded(2 * sequences.size());  // a 16-bit cache's keys and values
+        std::vector<strided_view<const Stored>> keys, values;
         p.reserve(sequences.size());
         keys.reserve(sequences.size());
         values.reserve(sequences.size());
@@ -784,7 +792,7 @@ private:
             keys.push_back(stored_heads(p.back().k, rounded[at], 1, t, options.check_finite, "key"));
             values.push_back(stored_heads(p.back().v, rounded[at + 1], 1, t, options.check_finite, "value"));
         }
-        detail::paged_append<Storage> append(cache, sequences, keys, values);
+        detail::paged_append<Storage, Stored> append(cache, sequences, keys, values);
         mha_result<T> r;
         r.out = detail::mha_buffer<T, 3>({B, L, E}, "out [batch, new tokens, model_dim]");
         r.out.setZero();

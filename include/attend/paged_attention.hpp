@@ -68,7 +68,7 @@ void check_paged_call(const strided_view<const Q>& q, const paged_kv_cache<T>& c
     }
 }
 
-/// paged_attention on a checked view of q (of T, or float over a 16-bit cache), inside its allocation guard.
+/// paged_attention on a checked view of q (of T, or float over a 16-bit or int8 cache), inside its allocation guard.
 template <class Q, class T>
 attention_result<Q, 4> paged_attention_views(const strided_view<const Q>& qv, const paged_kv_cache<T>& cache,
                                              const std::vector<index>& sequences,
@@ -150,7 +150,7 @@ auto paged_attention(const Q& q, const paged_kv_cache<T>& cache, const std::vect
                      const std::vector<index>& query_counts, const sdpa_options& options = {}) {
     static_assert(detail::storage_pair_v<detail::scalar_of<Q>, T> && detail::rank_of<Q>() == 4,
                   "attend: paged_attention takes a rank-4 query [batch, heads, query_len, head_dim] of the cache's "
-                  "scalar type, or a float query over an Eigen::half or Eigen::bfloat16 cache");
+                  "scalar type, or a float query over an Eigen::half, Eigen::bfloat16 or q8_0_block (int8) cache");
     const auto qv = detail::checked_input(q);
     // Every allocation of the call (lists, scratch, messages) fails as a typed error, before anything is written.
     return detail::allocating(

@@ -5,6 +5,8 @@
 /// its positions to blocks (vLLM's PagedAttention, FlashAttention's block_table); blocks are shared by reference
 /// count, so fork and reorder copy block numbers, never keys or values; a rolling window hands back the blocks
 /// no query can see any more; truncate rolls back rejected tokens. paged_attention.hpp attends over it in place.
+/// Its storage: float, double, fp16, bf16, or int8 as q8_0 blocks (paged_kv_cache<q8_0_block>, quantized on append
+/// as q8_kv_cache does, q8_cache.hpp: its error bound; float queries read it).
 ///
 /// Every operation is all or nothing: when it throws (a bad argument, a full pool, an allocation) the cache is
 /// exactly as it was, block numbers and free list included.
@@ -25,6 +27,7 @@
 #include "detail/input_scan.hpp"
 #include "detail/memory.hpp"
 #include "detail/paged_view.hpp"
+#include "detail/q8_rows.hpp"
 #include "error.hpp"
 #include "shape.hpp"
 #include "tensor.hpp"
@@ -71,34 +74,53 @@ template <class T>
 class paged_kv_cache;
 
 namespace detail {
-template <class T>
+template <class T, class In>
 class paged_append;
+
+/// What a pool of T stores for "nothing": zeros (the zero block, fresh blocks), and a q8_0 block of scale 0.
+template <class T>
+T zero_value() {
+    if constexpr (std::is_same_v<T, q8_0_block>) {
+        q8_0_block zero;
+        zero.scale = Eigen::half(0.0f);
+        std::fill(std::begin(zero.values), std::end(zero.values), std::int8_t(0));
+        return zero;
+    } else {
+        return T(0);
+    }
 }
+}  // namespace detail
 
 /// Keys `[kv_heads, length, head_dim]` and values `[kv_heads, length, value_dim]` of up to max_sequences
 /// sequences in a pool `[kv_heads, blocks, block_size, dim]` (head-major, so a sequence whose blocks follow each
 /// other reads as one stream per head). Position i of a sequence is row i % block_size of
-/// block block_table(id)[i / block_size]. Copyable (a copy owns its own pool).
+/// block block_table(id)[i / block_size]. Copyable (a copy owns its own pool). With T = q8_0_block a row is
+/// dim / 32 blocks (ggml's q8_0), filled by quantizing what append is given.
 template <class T>
 class paged_kv_cache {
-    static_assert(is_storage_type_v<T>,
-                  "attend: paged_kv_cache<T> is defined for float, double, Eigen::half and Eigen::bfloat16");
+    static_assert(is_storage_type_v<T> || std::is_same_v<T, q8_0_block>,
+                  "attend: paged_kv_cache<T> is defined for float, double, Eigen::half, Eigen::bfloat16 and "
+                  "q8_0_block (int8)");
+    static constexpr bool quantized = std::is_same_v<T, q8_0_block>;
 
 public:
     /// An empty cache. Throws value_error `attend.value.size` if kv_heads, head_dim, block_size, blocks or
-    /// max_sequences is < 1 (value_dim < 0, window < 0), shape_error `attend.shape.overflow` if the pool's size
+    /// max_sequences is < 1 (value_dim < 0, window < 0), `attend.value.quantized_dim` if T is q8_0_block and
+    /// head_dim or value_dim is not a multiple of 32, shape_error `attend.shape.overflow` if the pool's size
     /// overflows Eigen::Index, resource_error `attend.resource.allocation` if it cannot be allocated.
     explicit paged_kv_cache(const paged_cache_config& config) : c_(resolved(config)) {
         const index positions = c_.blocks + 1;  // + the zero block
+        const auto key_size = static_cast<std::size_t>(positions * c_.kv_heads * c_.block_size * key_units());
+        const auto value_size = static_cast<std::size_t>(positions * c_.kv_heads * c_.block_size * value_units());
         detail::allocating(
             [&] {
                 // Reserved (not yet touched), advised, then zeroed: the advice must come before the first touch.
-                keys_.reserve(static_cast<std::size_t>(positions * c_.kv_heads * c_.block_size * c_.head_dim));
-                values_.reserve(static_cast<std::size_t>(positions * c_.kv_heads * c_.block_size * c_.value_dim));
+                keys_.reserve(key_size);
+                values_.reserve(value_size);
                 detail::advise_huge_pages(keys_.data(), keys_.capacity() * sizeof(T));
                 detail::advise_huge_pages(values_.data(), values_.capacity() * sizeof(T));
-                keys_.assign(static_cast<std::size_t>(positions * c_.kv_heads * c_.block_size * c_.head_dim), T(0));
-                values_.assign(static_cast<std::size_t>(positions * c_.kv_heads * c_.block_size * c_.value_dim), T(0));
+                keys_.assign(key_size, detail::zero_value<T>());
+                values_.assign(value_size, detail::zero_value<T>());
                 refs_.assign(static_cast<std::size_t>(c_.blocks), 0);
                 free_.resize(static_cast<std::size_t>(c_.blocks));
                 for (index b = 0; b < c_.blocks; ++b) free_[static_cast<std::size_t>(b)] = c_.blocks - 1 - b;
@@ -108,7 +130,8 @@ public:
             [&] {
                 return detail::allocation_text(
                     "paged_kv_cache pool (keys and values x blocks x kv_heads x block_size x dim)",
-                    std::array<index, 5>{2, positions, c_.kv_heads, c_.block_size, std::max(c_.head_dim, c_.value_dim)},
+                    std::array<index, 5>{2, positions, c_.kv_heads, c_.block_size,
+                                         std::max(key_units(), value_units())},
                     sizeof(T));
             },
             "Choose fewer or smaller blocks");
@@ -124,6 +147,8 @@ public:
     index free_blocks() const { return free_count_; }        ///< blocks no sequence holds
     /// The block every dropped position maps to (rolling window): all zeros, never written, held by no one.
     index zero_block() const { return c_.blocks; }
+    /// Bytes of key and value storage the pool holds (allocated once, at construction, the zero block included).
+    std::size_t storage_bytes() const { return (keys_.capacity() + values_.capacity()) * sizeof(T); }
 
     /// Ids of the sequences in the cache, ascending.
     std::vector<index> sequences() const {
@@ -149,14 +174,15 @@ public:
         return refs_[static_cast<std::size_t>(block)];
     }
 
-    /// Key `[head_dim]` of (sequence, kv head, position) in the pool (a dropped position gives the zero block's
-    /// row). Throws value_error `attend.value.sequence` or position_error `attend.position.range`.
+    /// Key `[head_dim]` (q8_0: `[head_dim / 32]` blocks) of (sequence, kv head, position) in the pool (a dropped
+    /// position gives the zero block's row). Throws value_error `attend.value.sequence` or position_error
+    /// `attend.position.range`.
     const T* key_row(index id, index head, index position) const {
-        return row_of(keys_.data(), c_.head_dim, id, head, position);
+        return row_of(keys_.data(), key_units(), id, head, position);
     }
-    /// Value `[value_dim]` of (sequence, kv head, position), like key_row.
+    /// Value `[value_dim]` (q8_0: `[value_dim / 32]` blocks) of (sequence, kv head, position), like key_row.
     const T* value_row(index id, index head, index position) const {
-        return row_of(values_.data(), c_.value_dim, id, head, position);
+        return row_of(values_.data(), value_units(), id, head, position);
     }
 
     /// Adds an empty sequence and returns its id (the lowest free slot). Throws position_error
@@ -239,17 +265,22 @@ public:
 
     /// Appends new_tokens[n] positions to sequence ids[n] (ragged: each its own count): its first new_tokens[n]
     /// rows of k_new `[ids.size(), kv_heads, max new tokens, head_dim]` and v_new `[..., value_dim]`
-    /// (attend::tensor, TensorMap or strided_view). With a rolling window, the blocks that hold only positions
+    /// (attend::tensor, TensorMap or strided_view), of T, or for an int8 pool of float, double, Eigen::half or
+    /// Eigen::bfloat16 (quantized as they are stored). With a rolling window, the blocks that hold only positions
     /// the first new token cannot see are handed back after the new blocks are taken. Throws value_error
     /// `attend.value.sequence`, shape_error `attend.shape.sequences` (list sizes, a count outside [0, max new
     /// tokens]), shape_error `attend.shape.cache` (k_new or v_new does not fit), value_error
-    /// `attend.value.non_finite` (NaN or inf in what would be appended), shape_error `attend.shape.aliasing`
-    /// (k_new or v_new inside the pool), position_error `attend.position.cache_full` (not enough free blocks),
-    /// resource_error `attend.resource.allocation`; nothing is appended then.
+    /// `attend.value.non_finite` (NaN or inf in what would be appended), `attend.value.quantized_range` (int8: a
+    /// magnitude above q8_kv_cache::max_magnitude), shape_error `attend.shape.aliasing` (k_new or v_new inside the
+    /// pool), position_error `attend.position.cache_full` (not enough free blocks), resource_error
+    /// `attend.resource.allocation`; nothing is appended then.
     template <class K, class V>
     void append(const std::vector<index>& ids, const K& k_new, const V& v_new, const std::vector<index>& new_tokens) {
-        static_assert(std::is_same_v<detail::scalar_of<K>, T> && std::is_same_v<detail::scalar_of<V>, T>,
-                      "attend: paged_kv_cache<T>::append takes keys and values of scalar type T");
+        using In = detail::scalar_of<K>;
+        static_assert(std::is_same_v<detail::scalar_of<V>, In> &&
+                          (std::is_same_v<In, T> || (quantized && is_storage_type_v<In>)),
+                      "attend: paged_kv_cache<T>::append takes keys and values of scalar type T (an int8 pool: "
+                      "float, double, Eigen::half or Eigen::bfloat16, one type for both)");
         const auto k = detail::as_view(k_new), v = detail::as_view(v_new);
         // Every allocation of the call (lists, messages) fails as a typed error; the cache changes only in commit.
         detail::allocating([&] { append_views(ids, k, v, new_tokens); },
@@ -287,7 +318,12 @@ public:
     }
 
 private:
-    friend class detail::paged_append<T>;
+    template <class, class>
+    friend class detail::paged_append;
+
+    /// Elements of T in a key row and in a value row of the pool.
+    index key_units() const { return detail::row_units<T>(c_.head_dim); }
+    index value_units() const { return detail::row_units<T>(c_.value_dim); }
 
     index fork_unguarded(index from) {
         const sequence& source = checked(from);
@@ -303,7 +339,8 @@ private:
     }
 
     /// append on views, inside its allocation guard.
-    void append_views(const std::vector<index>& ids, const strided_view<const T>& k, const strided_view<const T>& v,
+    template <class In>
+    void append_views(const std::vector<index>& ids, const strided_view<const In>& k, const strided_view<const In>& v,
                       const std::vector<index>& new_tokens) {
         detail::check_view_sizes(k, "new keys");
         detail::check_view_sizes(v, "new values");
@@ -313,7 +350,7 @@ private:
                                              "per sequence, got ",
                                              ids.size(), " ids, ", new_tokens.size(), " counts, k_new ",
                                              detail::spell_view(k), " and v_new ", detail::spell_view(v)));
-        std::vector<strided_view<const T>> keys, values;
+        std::vector<strided_view<const In>> keys, values;
         detail::allocating(
             [&] {
                 keys.reserve(ids.size());
@@ -329,7 +366,7 @@ private:
             keys.push_back(detail::batch_rows(k, static_cast<index>(n), t));
             values.push_back(detail::batch_rows(v, static_cast<index>(n), t));
         }
-        detail::paged_append<T> append(*this, ids, keys, values);
+        detail::paged_append<T, In> append(*this, ids, keys, values);
         append.commit();
         append.done();
     }
@@ -350,6 +387,10 @@ private:
                                              c.kv_heads, ", head_dim ", c.head_dim, ", value_dim ", c.value_dim,
                                              ", block_size ", c.block_size, ", blocks ", c.blocks, ", max_sequences ",
                                              c.max_sequences, ", window ", c.window));
+        if (quantized && (c.head_dim % q8_0_block::size != 0 || c.value_dim % q8_0_block::size != 0))
+            throw value_error("attend.value.quantized_dim",
+                              detail::concat("an int8 (q8_0) pool stores blocks of 32 values: head_dim ", c.head_dim,
+                                             " and value_dim ", c.value_dim, " must be multiples of 32"));
         if (detail::product_overflows(c.blocks + 1, c.kv_heads, c.block_size, std::max(c.head_dim, c.value_dim)))
             throw shape_error("attend.shape.overflow",
                               detail::concat("paged_kv_cache pool [", c.blocks + 1, ',', c.kv_heads, ',', c.block_size,
@@ -406,18 +447,19 @@ private:
     /// The free list is a stack in a vector sized for every block, so handing a block back never allocates.
     void push_free(index block) noexcept { free_[static_cast<std::size_t>(free_count_++)] = block; }
 
-    /// The pool is `[kv_heads, blocks + 1, block_size, dim]` (detail/paged_view.hpp says why head-major).
-    T* block_row(std::vector<T>& pool, index dim, index block, index head, index row) {
-        return pool.data() + ((head * (c_.blocks + 1) + block) * c_.block_size + row) * dim;
+    /// The pool is `[kv_heads, blocks + 1, block_size, units]` (detail/paged_view.hpp says why head-major), units
+    /// the T of a row.
+    T* block_row(std::vector<T>& pool, index units, index block, index head, index row) {
+        return pool.data() + ((head * (c_.blocks + 1) + block) * c_.block_size + row) * units;
     }
-    const T* row_of(const T* pool, index dim, index id, index head, index position) const {
+    const T* row_of(const T* pool, index units, index id, index head, index position) const {
         const sequence& s = checked(id);
         if (head < 0 || head >= c_.kv_heads || position < 0 || position >= s.length)
             throw position_error("attend.position.range",
                                  detail::concat("(kv head ", head, ", position ", position, ") is outside sequence ",
                                                 id, " (kv_heads ", c_.kv_heads, ", length ", s.length, ")"));
         const index block = s.table[static_cast<std::size_t>(position / c_.block_size)];
-        return pool + ((head * (c_.blocks + 1) + block) * c_.block_size + position % c_.block_size) * dim;
+        return pool + ((head * (c_.blocks + 1) + block) * c_.block_size + position % c_.block_size) * units;
     }
     detail::paged_view<T> view(const T* pool, index dim, const sequence& s) const {
         detail::paged_view<T> v;
@@ -430,7 +472,7 @@ private:
     }
 
     paged_cache_config c_;
-    std::vector<T> keys_, values_;  ///< `[kv_heads, blocks + 1, block_size, dim]`; block `blocks` is the zero block
+    std::vector<T> keys_, values_;  ///< `[kv_heads, blocks + 1, block_size, units]`; block `blocks` is the zero block
     std::vector<index> refs_;       ///< `[blocks]` sequences holding each block
     std::vector<index> free_;       ///< `[blocks]`: free blocks in [0, free_count_), a stack
     index free_count_ = 0;
@@ -442,14 +484,15 @@ namespace detail {
 /// One append to a paged cache as a transaction: the constructor checks everything and reserves every byte it
 /// will need (nothing changes), commit() writes (it cannot fail), and until done() rollback() restores the cache
 /// exactly, block numbers and free list included. Multi-head attention appends, attends and only then calls
-/// done(), so a failure in between takes the new positions back out.
-template <class T>
+/// done(), so a failure in between takes the new positions back out. In: the new keys' and values' type (T, or
+/// what an int8 pool quantizes).
+template <class T, class In = T>
 class paged_append {
 public:
     /// keys[n] `[1, kv_heads, new tokens, head_dim]` and values[n] `[1, kv_heads, new tokens, value_dim]` go to
     /// sequence ids[n] (the lists as long as ids).
     paged_append(paged_kv_cache<T>& cache, const std::vector<index>& ids,
-                 const std::vector<strided_view<const T>>& keys, const std::vector<strided_view<const T>>& values)
+                 const std::vector<strided_view<const In>>& keys, const std::vector<strided_view<const In>>& values)
         : c_(cache), ids_(ids), k_(keys), v_(values) {
         check();
         allocating(
@@ -544,11 +587,8 @@ private:
             needed += c_.blocks_for(s.length + t) - static_cast<index>(s.table.size());
             if (t > 0 && s.length % c_.block_size() != 0 && c_.refs_[static_cast<std::size_t>(s.table.back())] > 1)
                 ++needed;  // copy on write
-            for (index h = 0; h < c_.kv_heads(); ++h)
-                for (index i = 0; i < t; ++i) {
-                    check_finite_row(k, h, i, "new keys");
-                    check_finite_row(v, h, i, "new values");
-                }
+            check_values(k, "new keys");
+            check_values(v, "new values");
         }
         if (needed > c_.free_blocks())
             throw position_error("attend.position.cache_full",
@@ -556,18 +596,25 @@ private:
                                         " positions and this append needs ", needed,
                                         " (nothing was appended; remove or truncate sequences, or make a larger "
                                         "pool)"));
-        const std::array<index, 4> pool_k{c_.kv_heads(), c_.blocks() + 1, c_.block_size(), c_.head_dim()};
-        const std::array<index, 4> pool_v{c_.kv_heads(), c_.blocks() + 1, c_.block_size(), c_.value_dim()};
+        const std::array<index, 4> pool_k{c_.kv_heads(), c_.blocks() + 1, c_.block_size(), c_.key_units()};
+        const std::array<index, 4> pool_v{c_.kv_heads(), c_.blocks() + 1, c_.block_size(), c_.value_units()};
         for (std::size_t n = 0; n < ids_.size(); ++n)
             check_no_aliasing({named("new keys", k_[n]), named("new values", v_[n])},
                               {named("cache keys", c_.keys_.data(), pool_k),
                                named("cache values", c_.values_.data(), pool_v)});
     }
 
-    static void check_finite_row(const strided_view<const T>& x, index h, index i, const char* name) {
-        const T* row = x.row(0, h, i);
-        for (index d = 0; d < x.dims[3]; ++d)
-            if (!std::isfinite(row[d])) throw_non_finite(x, 0, h, i, d, name);
+    /// Throws value_error `attend.value.non_finite` for a NaN or +-inf in x, and into an int8 pool
+    /// `attend.value.quantized_range` for a magnitude a q8_0 block cannot hold.
+    static void check_values(const strided_view<const In>& x, const char* name) {
+        if constexpr (std::is_same_v<T, q8_0_block>) check_quantizable(x, name);
+        else check_finite(x, name);
+    }
+
+    /// Stores a new row of `dim` values: copied, or quantized into an int8 pool.
+    static void store_row(const In* row, index dim, T* to) {
+        if constexpr (std::is_same_v<T, q8_0_block>) quantize_q8_0(row, dim, to);
+        else std::copy(row, row + dim, to);
     }
 
     /// Leading blocks, of a sequence of this length with this many blocks dropped, that hold only positions a
@@ -589,12 +636,12 @@ private:
         if (s.length % bs != 0 && c_.refs_[static_cast<std::size_t>(s.table.back())] > 1) {
             const index shared = s.table.back(), copy = c_.take();
             for (index h = 0; h < c_.kv_heads(); ++h) {
-                std::copy(c_.block_row(c_.keys_, c_.head_dim(), shared, h, 0),
-                          c_.block_row(c_.keys_, c_.head_dim(), shared, h, s.length % bs),
-                          c_.block_row(c_.keys_, c_.head_dim(), copy, h, 0));
-                std::copy(c_.block_row(c_.values_, c_.value_dim(), shared, h, 0),
-                          c_.block_row(c_.values_, c_.value_dim(), shared, h, s.length % bs),
-                          c_.block_row(c_.values_, c_.value_dim(), copy, h, 0));
+                std::copy(c_.block_row(c_.keys_, c_.key_units(), shared, h, 0),
+                          c_.block_row(c_.keys_, c_.key_units(), shared, h, s.length % bs),
+                          c_.block_row(c_.keys_, c_.key_units(), copy, h, 0));
+                std::copy(c_.block_row(c_.values_, c_.value_units(), shared, h, 0),
+                          c_.block_row(c_.values_, c_.value_units(), shared, h, s.length % bs),
+                          c_.block_row(c_.values_, c_.value_units(), copy, h, 0));
             }
             --c_.refs_[static_cast<std::size_t>(shared)];
             s.table.back() = copy;
@@ -605,10 +652,9 @@ private:
             if (p % bs == 0) s.table.push_back(c_.take());  // capacity reserved: cannot throw
             const index block = s.table[static_cast<std::size_t>(p / bs)];
             for (index h = 0; h < c_.kv_heads(); ++h) {
-                const T* kr = k_[n].row(0, h, i);
-                const T* vr = v_[n].row(0, h, i);
-                std::copy(kr, kr + c_.head_dim(), c_.block_row(c_.keys_, c_.head_dim(), block, h, p % bs));
-                std::copy(vr, vr + c_.value_dim(), c_.block_row(c_.values_, c_.value_dim(), block, h, p % bs));
+                store_row(k_[n].row(0, h, i), c_.head_dim(), c_.block_row(c_.keys_, c_.key_units(), block, h, p % bs));
+                store_row(v_[n].row(0, h, i), c_.value_dim(),
+                          c_.block_row(c_.values_, c_.value_units(), block, h, p % bs));
             }
         }
         s.length += t;
@@ -629,8 +675,8 @@ private:
     }
     paged_kv_cache<T>& c_;
     const std::vector<index>& ids_;
-    const std::vector<strided_view<const T>>& k_;
-    const std::vector<strided_view<const T>>& v_;
+    const std::vector<strided_view<const In>>& k_;
+    const std::vector<strided_view<const In>>& v_;
     std::vector<entry> journal_;
     bool committed_ = false, done_ = false;
 };

@@ -14,9 +14,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
-#include <cstring>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -37,7 +34,7 @@ namespace attend {
 class q8_kv_cache {
 public:
     /// The largest |value| a block can hold: 127 x fp16's largest scale.
-    static constexpr double max_magnitude = 127.0 * 65504.0;
+    static constexpr double max_magnitude = detail::q8_max_magnitude;
 
     /// An empty cache for `capacity` positions. Throws value_error `attend.value.size` if a size is < 1,
     /// `attend.value.quantized_dim` if head_dim or value_dim is not a multiple of 32 (the block size), shape_error
@@ -107,8 +104,8 @@ public:
         const auto v = detail::as_view(v_new);
         detail::check_append_shapes(k, v, {batch_, kv_heads_, capacity_, head_dim_, value_dim_});
         detail::check_cache_fits(k.dims[2], length_, capacity_);
-        check_values(k, "new keys");
-        check_values(v, "new values");
+        detail::check_quantizable(k, "new keys");
+        detail::check_quantizable(v, "new values");
     }
 
     /// Throws position_error `attend.position.cache_full` if `new_tokens` more positions do not fit, shape_error
@@ -140,54 +137,6 @@ public:
     }
 
 private:
-    /// Throws value_error `attend.value.non_finite` (before anything else) or `attend.value.quantized_range` for
-    /// the first value of x that is NaN or +-inf or beyond max_magnitude: one pass over the rows' bits finds out
-    /// whether any is, the checks that name it run only then (two passes, the finiteness scan's and a magnitude's
-    /// through double, had taken as long as the quantization).
-    template <class T>
-    static void check_values(const strided_view<const T>& x, const char* name) {
-        static_assert(is_storage_type_v<T>,
-                      "attend: q8_kv_cache::append takes float, double, Eigen::half or Eigen::bfloat16 values");
-        using detail::largest_magnitude_bits;
-        const auto infinity = detail::bits_of(std::numeric_limits<T>::infinity());
-        std::remove_const_t<decltype(infinity)> largest = 0;
-        for (index b = 0; b < x.dims[0]; ++b)
-            for (index h = 0; h < x.dims[1]; ++h)
-                for (index i = 0; i < x.dims[2]; ++i)
-                    largest = std::max(largest, largest_magnitude_bits(x.row(b, h, i), x.dims[3]));
-        if (largest < infinity && magnitude_of<T>(largest) <= max_magnitude) return;
-        detail::check_finite(x, name);  // throws if a value is NaN or +-inf
-        for (index b = 0; b < x.dims[0]; ++b)
-            for (index h = 0; h < x.dims[1]; ++h)
-                for (index i = 0; i < x.dims[2]; ++i)
-                    if (magnitude_of<T>(largest_magnitude_bits(x.row(b, h, i), x.dims[3])) > max_magnitude)
-                        refuse_range(x, name, b, h, i);
-    }
-
-    /// The magnitude whose bits (of a T) these are.
-    template <class T, class Bits>
-    static double magnitude_of(Bits b) {
-        T x;
-        std::memcpy(static_cast<void*>(&x), &b, sizeof x);
-        return static_cast<double>(static_cast<accumulator_t<T>>(x));
-    }
-
-    /// Throws value_error `attend.value.quantized_range` for row (b, h, i), which holds a value beyond
-    /// max_magnitude, naming the first one.
-    template <class T>
-    [[noreturn]] static void refuse_range(const strided_view<const T>& x, const char* name, index b, index h, index i) {
-        index d = 0;
-        double value = 0;
-        for (; d < x.dims[3]; ++d) {
-            value = static_cast<double>(static_cast<accumulator_t<T>>(x.row(b, h, i)[d]));
-            if (std::abs(value) > max_magnitude) break;
-        }
-        throw value_error("attend.value.quantized_range",
-                          detail::concat(name, ' ', detail::spell_view(x), " holds ", value, " at ",
-                                         detail::format_shape(std::array<index, 4>{b, h, i, d}), ", beyond the ",
-                                         max_magnitude, " an int8 block with an fp16 scale can hold"));
-    }
-
     detail::q8_view view(const q8_0_block* data, index dim) const {
         detail::q8_view v;
         v.data = data;

@@ -4,7 +4,7 @@
 // every operation the cache must equal a model that keeps each sequence in a plain kv_cache of its own, the
 // pool's bookkeeping must hold, a refused operation must be the right typed error and change nothing, and
 // attention over the batch must equal, bit for bit, attention over each sequence alone. Caches of float, double,
-// fp16 and bf16 (queries of the same type).
+// fp16 and bf16 (queries of the same type), and int8 pools under float queries (against a q8_kv_cache each).
 #include <cstddef>
 #include <cstdint>
 #include <sstream>
@@ -27,14 +27,16 @@ struct abort_failure {
     void operator()(const std::string& what) const { fail(what); }
 };
 
-template <class T>
+template <class T, class Stored = T>
 void run_session(fuzz_input& in) {
-    typename attend_test::paged_session<T, input_choice, abort_failure>::sizes z;
+    using session_type = attend_test::paged_session<T, input_choice, abort_failure, Stored>;
+    constexpr bool int8 = std::is_same_v<Stored, attend::q8_0_block>;
+    typename session_type::sizes z;
     static constexpr index head_layouts[][2] = {{1, 1}, {2, 1}, {4, 2}, {3, 3}};
     const auto& heads = head_layouts[in.choose(4)];
     z.heads = heads[0];
     z.kv_heads = heads[1];
-    z.head_dim = in.in_range(1, 8);
+    z.head_dim = int8 ? 32 * in.in_range(1, 2) : in.in_range(1, 8);  // an int8 row is whole blocks of 32
     z.block_size = in.in_range(1, 9);
     z.blocks = in.in_range(1, 80);
     z.max_sequences = in.in_range(1, 5);
@@ -46,7 +48,8 @@ void run_session(fuzz_input& in) {
     o.threads = 1 + in.choose(2);
     if (in.chance(64)) o.softcap = 0.5 + static_cast<double>(in.in_range(0, 40)) / 8.0;
     std::ostringstream text;
-    const char* type = std::is_same_v<T, float>         ? "float"
+    const char* type = int8                             ? "int8 (q8_0) pool, float queries"
+                       : std::is_same_v<T, float>       ? "float"
                        : std::is_same_v<T, double>      ? "double"
                        : std::is_same_v<T, Eigen::half> ? "fp16"
                                                         : "bf16";
@@ -54,8 +57,7 @@ void run_session(fuzz_input& in) {
          << ", block_size " << z.block_size << ", blocks " << z.blocks << ", max_sequences " << z.max_sequences
          << ", window " << z.window << ", threads " << o.threads;
     case_description() = text.str();
-    attend_test::paged_session<T, input_choice, abort_failure> session(z, o, input_choice{&in}, abort_failure{},
-                                                                       in.word());
+    session_type session(z, o, input_choice{&in}, abort_failure{}, in.word());
     for (int step = 0; step < 64 && !in.exhausted(); ++step) {
         session.step();
         session.check_model();
@@ -67,10 +69,12 @@ void run_session(fuzz_input& in) {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
     attend_fuzz::fuzz_input in(data, size);
-    const unsigned kind = in.byte();  // float and double mostly; fp16 and bf16 (cache and queries) one in eight each
+    // float and double mostly; fp16 and bf16 (cache and queries) and int8 pools one in eight each
+    const unsigned kind = in.byte();
     if (kind < 96) attend_fuzz::run_session<float>(in);
     else if (kind < 128) attend_fuzz::run_session<Eigen::half>(in);
     else if (kind < 160) attend_fuzz::run_session<Eigen::bfloat16>(in);
-    else attend_fuzz::run_session<double>(in);
+    else if (kind < 224) attend_fuzz::run_session<double>(in);
+    else attend_fuzz::run_session<float, attend::q8_0_block>(in);
     return 0;
 }

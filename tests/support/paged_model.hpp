@@ -12,12 +12,14 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <typeinfo>
 #include <vector>
 
 #include <attend/cache.hpp>
 #include <attend/mask.hpp>
 #include <attend/paged_attention.hpp>
+#include <attend/q8_cache.hpp>
 #include <attend/sdpa.hpp>
 
 #include "random.hpp"
@@ -47,7 +49,7 @@ inline attend::paged_cache_config paged_config(attend::index kv_heads, attend::i
 }
 
 /// Everything a paged cache shows: free blocks, every block's reference count, and per sequence its length,
-/// dropped positions, block table and the keys and values it holds.
+/// dropped positions, block table and the bytes of the keys and values it holds.
 template <class T>
 struct paged_state {
     attend::index free = 0;
@@ -55,7 +57,7 @@ struct paged_state {
     struct sequence {
         attend::index id, length, dropped;
         std::vector<attend::index> table;
-        std::vector<T> rows;
+        std::vector<unsigned char> rows;
         bool operator==(const sequence& o) const {
             return id == o.id && length == o.length && dropped == o.dropped && table == o.table && rows == o.rows;
         }
@@ -73,10 +75,15 @@ paged_state<T> state_of(const attend::paged_kv_cache<T>& c) {
     for (attend::index b = 0; b < c.blocks(); ++b) s.references.push_back(c.references(b));
     for (attend::index id : c.sequences()) {
         typename paged_state<T>::sequence q{id, c.length(id), c.dropped(id), c.block_table(id), {}};
+        const auto bytes = [&](const T* row, attend::index dim) {
+            const auto* first = reinterpret_cast<const unsigned char*>(row);
+            q.rows.insert(q.rows.end(), first,
+                          first + static_cast<std::size_t>(attend::detail::row_units<T>(dim)) * sizeof(T));
+        };
         for (attend::index h = 0; h < c.kv_heads(); ++h)
             for (attend::index p = 0; p < q.length; ++p) {
-                q.rows.insert(q.rows.end(), c.key_row(id, h, p), c.key_row(id, h, p) + c.head_dim());
-                q.rows.insert(q.rows.end(), c.value_row(id, h, p), c.value_row(id, h, p) + c.value_dim());
+                bytes(c.key_row(id, h, p), c.head_dim());
+                bytes(c.value_row(id, h, p), c.value_dim());
             }
         s.sequences.push_back(std::move(q));
     }
@@ -111,16 +118,28 @@ std::string consistency_problem(const attend::paged_kv_cache<T>& c) {
     return {};
 }
 
-/// Each sequence of a paged cache as it would be alone: a plain kv_cache of batch 1 with its whole history.
-template <class T>
+/// The contiguous cache that holds what a paged pool of Stored holds: kv_cache<Stored>, or for an int8 pool a
+/// q8_kv_cache (which quantizes the same way).
+template <class Stored>
+using plain_cache_t =
+    std::conditional_t<std::is_same_v<Stored, attend::q8_0_block>, attend::q8_kv_cache, attend::kv_cache<Stored>>;
+
+/// Each sequence of a paged cache as it would be alone: a plain cache of batch 1 with its whole history.
+template <class Stored>
 struct plain_caches {
     attend::index kv_heads, head_dim, capacity;
-    std::map<attend::index, attend::kv_cache<T>> of;
+    std::map<attend::index, plain_cache_t<Stored>> of;
 
-    attend::kv_cache<T>& add(attend::index id) {
-        return of.insert_or_assign(id, attend::kv_cache<T>(1, kv_heads, capacity, head_dim, head_dim)).first->second;
+    plain_cache_t<Stored>& add(attend::index id) {
+        return of.insert_or_assign(id, plain_cache_t<Stored>(1, kv_heads, capacity, head_dim, head_dim)).first->second;
     }
 };
+
+/// Whether two rows of `dim` values stored as Stored hold the same bytes.
+template <class Stored>
+bool same_row(const Stored* a, const Stored* b, attend::index dim) {
+    return std::memcmp(a, b, static_cast<std::size_t>(attend::detail::row_units<Stored>(dim)) * sizeof(Stored)) == 0;
+}
 
 /// Random serving sessions, each operation checked at once: sequences join, leave, fork, roll back, reorder, and
 /// ragged batches append and attend. `choose(lo, hi)` draws every decision (an rng in the unit tests, the fuzzer's
@@ -128,8 +147,9 @@ struct plain_caches {
 /// length and dropped positions, the pool's bookkeeping; a failed operation must be a typed error that changes
 /// nothing; attention over a ragged batch must equal, bit for bit, attention over each sequence's plain cache
 /// alone (with a rolling window: over its whole history under sliding_window(window - 1, 0)). `fail(text)` is
-/// called with the first problem, after which failed() is true and the session does nothing more.
-template <class T, class Choose, class Fail>
+/// called with the first problem, after which failed() is true and the session does nothing more. T: the queries'
+/// and new keys' type; Stored: the pool's (T, or q8_0_block for an int8 pool under float queries).
+template <class T, class Choose, class Fail, class Stored = T>
 class paged_session {
 public:
     struct sizes {
@@ -153,7 +173,7 @@ public:
         attend::index attended_rows = 0, forks = 0, copies_on_write = 0, truncations = 0, reorders = 0, refusals = 0,
                       longest = 0, dropped_blocks = 0;
     };
-    const attend::paged_kv_cache<T>& cache() const { return cache_; }
+    const attend::paged_kv_cache<Stored>& cache() const { return cache_; }
     const tally& done() const { return done_; }
     bool failed() const { return failed_; }
 
@@ -183,11 +203,10 @@ public:
                 return;
             for (attend::index h = 0; h < z_.kv_heads; ++h)
                 for (attend::index p = dropped_.at(id); p < plain.length(); ++p)
-                    for (attend::index d = 0; d < z_.head_dim; ++d)
-                        if (!check(cache_.key_row(id, h, p)[d] == plain.keys().row(0, h, p)[d] &&
-                                       cache_.value_row(id, h, p)[d] == plain.values().row(0, h, p)[d],
-                                   [&, id = id] { return describe("sequence ", id, " position ", p, " differs"); }))
-                            return;
+                    if (!check(same_row(cache_.key_row(id, h, p), plain.keys().row(0, h, p), z_.head_dim) &&
+                                   same_row(cache_.value_row(id, h, p), plain.values().row(0, h, p), z_.head_dim),
+                               [&, id = id] { return describe("sequence ", id, " position ", p, " differs"); }))
+                        return;
         }
         const std::string problem = consistency_problem(cache_);
         check(problem.empty(), [&] { return problem; });
@@ -290,7 +309,7 @@ private:
         for (std::size_t k = 0; k < n; ++k) sources.push_back(pick(cache_.sequences()));
         cache_.reorder(ids, sources);
         ++done_.reorders;
-        std::map<attend::index, attend::kv_cache<T>> copies;
+        std::map<attend::index, plain_cache_t<Stored>> copies;
         std::map<attend::index, attend::index> dropped, last;
         for (std::size_t k = 0; k < n; ++k) {
             copies.insert_or_assign(ids[k], plain_.of.at(sources[k]));
@@ -426,8 +445,8 @@ private:
     Fail fail_;
     rng values_;
     bool failed_ = false;
-    attend::paged_kv_cache<T> cache_;
-    plain_caches<T> plain_;
+    attend::paged_kv_cache<Stored> cache_;
+    plain_caches<Stored> plain_;
     std::map<attend::index, attend::index> dropped_, last_append_;
     tally done_;
 };

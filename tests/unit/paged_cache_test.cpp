@@ -10,8 +10,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <map>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "support/compare.hpp"
@@ -37,15 +40,15 @@ struct gtest_failure {
     void operator()(const std::string& what) const { ADD_FAILURE() << what; }
 };
 
-template <class T>
-using session = attend_test::paged_session<T, rng_choice, gtest_failure>;
+template <class T, class Stored = T>
+using session = attend_test::paged_session<T, rng_choice, gtest_failure, Stored>;
 
 /// `steps` random operations, the model checked after each; returns what the session did.
-template <class T>
-typename session<T>::tally run_session(const typename session<T>::sizes& z, const attend::sdpa_options& o,
-                                       std::uint64_t seed, int steps) {
+template <class T, class Stored = T>
+typename session<T, Stored>::tally run_session(const typename session<T, Stored>::sizes& z,
+                                               const attend::sdpa_options& o, std::uint64_t seed, int steps) {
     attend_test::rng g(seed);
-    session<T> s(z, o, rng_choice{&g}, gtest_failure{}, seed + 1000);
+    session<T, Stored> s(z, o, rng_choice{&g}, gtest_failure{}, seed + 1000);
     for (int n = 0; n < steps && !s.failed(); ++n) {
         s.step();
         s.check_model();
@@ -119,11 +122,12 @@ TEST(PagedCache, RollingWindowSessionsEqualFullAttentionWithASlidingWindowOverTh
     }
 }
 
-/// A cache with one sequence of `length` random positions; returns its id.
+/// A cache with one sequence of `length` random positions (float ones for an int8 pool); returns its id.
 template <class T>
 index fill_sequence(attend::paged_kv_cache<T>& c, index length, std::uint64_t seed) {
+    using In = std::conditional_t<std::is_same_v<T, attend::q8_0_block>, float, T>;
     const index id = c.add_sequence();
-    tensor<T, 4> k(1, c.kv_heads(), length, c.head_dim()), v(1, c.kv_heads(), length, c.value_dim());
+    tensor<In, 4> k(1, c.kv_heads(), length, c.head_dim()), v(1, c.kv_heads(), length, c.value_dim());
     attend_test::fill_uniform(k, seed);
     attend_test::fill_uniform(v, seed + 1);
     c.append(id, k, v);
@@ -292,6 +296,123 @@ TEST(PagedCache, ReorderForBeamSearchSharesBlocks) {
     EXPECT_EQ(*c.key_row(a, 0, 0), b0);
     EXPECT_EQ(c.free_blocks(), 16 - 3 - 2);  // d's old block went back; b's three and a's two are shared
     EXPECT_EQ(attend_test::consistency_problem(c), "");
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// An int8 (q8_0) pool: the blocks a q8_kv_cache would hold, read in place by float queries.
+
+TEST(PagedCacheQ8, RaggedSessionsHoldAnInt8CachesBlocksAndAttendBitIdenticallyToEachSequenceAlone) {
+    // The model keeps each sequence in a q8_kv_cache of its own: the pool must hold the same bytes, position by
+    // position, and attention over a ragged batch the bits of attention over each sequence's int8 cache alone.
+    for (const index window : {0, 23})
+        for (const index block_size : {1, 4, 16}) {
+            SCOPED_TRACE("block_size " + std::to_string(block_size) + ", window " + std::to_string(window));
+            session<float, attend::q8_0_block>::sizes z;
+            z.head_dim = 32;
+            z.block_size = block_size;
+            z.window = window;
+            z.blocks = (window > 0 ? 300 : 700) / block_size + 8;
+            z.prefill = 120;
+            attend::sdpa_options o;
+            o.threads = 2;
+            const int steps = attend_test::repeat(120);
+            const auto done =
+                run_session<float, attend::q8_0_block>(z, o, 31 + static_cast<std::uint64_t>(block_size), steps);
+            if (steps < 120) continue;  // a shortened run need not reach every case
+            EXPECT_GT(done.attended_rows, 150);
+            EXPECT_GT(done.forks, 2);
+            EXPECT_GT(done.truncations, 2);
+            if (block_size > 1) {
+                EXPECT_GT(done.copies_on_write, 0);
+            }
+            if (window > 0) {
+                EXPECT_GT(done.dropped_blocks, 5);
+            }
+        }
+}
+
+TEST(PagedCacheQ8, AnInt8PoolTakes34BytesFor32ValuesAFloatPool128) {
+    const auto cfg = attend_test::paged_config(2, 128, 16, 64, 4);
+    const attend::paged_kv_cache<float> wide(cfg);
+    const attend::paged_kv_cache<attend::q8_0_block> narrow(cfg);
+    EXPECT_EQ(wide.storage_bytes(), std::size_t(2) * 65 * 2 * 16 * 128 * sizeof(float));
+    EXPECT_EQ(narrow.storage_bytes() * 128, wide.storage_bytes() * 34);  // 0.27 of the bytes
+}
+
+TEST(PagedCacheQ8, ValuesOfEveryStorageTypeAreQuantizedAsAnInt8CacheQuantizesThem) {
+    const auto check = [](auto type) {
+        using T = decltype(type);
+        attend::paged_kv_cache<attend::q8_0_block> pool(attend_test::paged_config(2, 64, 4, 8, 2));
+        attend::q8_kv_cache plain(1, 2, 16, 64, 64);
+        tensor<T, 4> k(1, 2, 7, 64), v(1, 2, 7, 64);
+        attend_test::fill_uniform(k, 5);
+        attend_test::fill_uniform(v, 6);
+        const index id = pool.add_sequence();
+        pool.append(id, k, v);
+        plain.append(k, v);
+        for (index h = 0; h < 2; ++h)
+            for (index p = 0; p < 7; ++p) {
+                EXPECT_TRUE(attend_test::same_row(pool.key_row(id, h, p), plain.keys().row(0, h, p), 64)) << p;
+                EXPECT_TRUE(attend_test::same_row(pool.value_row(id, h, p), plain.values().row(0, h, p), 64)) << p;
+            }
+    };
+    check(float{});
+    check(double{});
+    check(Eigen::half{});
+    check(Eigen::bfloat16{});
+}
+
+TEST(PagedCacheQ8, CheckFiniteAndTheReferenceKernelAgreeOverAnInt8Pool) {
+    // Blocks are finite by construction, so check_finite scans nothing of the pool and changes no bit; the
+    // reference kernel reads the same widened values (to float rounding: it sums in another order).
+    attend::paged_kv_cache<attend::q8_0_block> pool(attend_test::paged_config(2, 128, 16, 200, 3));
+    const std::vector<index> ids{fill_sequence(pool, 5, 1), fill_sequence(pool, 300, 3), fill_sequence(pool, 2600, 5)};
+    tensor<float, 4> q(3, 8, 1, 128);
+    attend_test::fill_uniform(q, 9);
+    attend::sdpa_options checked, unchecked, reference;
+    unchecked.check_finite = false;
+    reference.kernel = attend::kernel::reference;
+    const auto with_scan = attend::paged_attention(q, pool, ids, {1, 1, 1}, checked);
+    const auto without = attend::paged_attention(q, pool, ids, {1, 1, 1}, unchecked);
+    EXPECT_TRUE(attend_test::bit_equal(with_scan.out, without.out));
+    EXPECT_TRUE(attend_test::bit_equal(with_scan.lse, without.lse));
+    EXPECT_LT(attend_test::max_abs_diff(with_scan.out, attend::paged_attention(q, pool, ids, {1, 1, 1}, reference).out),
+              1e-5);
+}
+
+TEST(PagedCacheQ8Errors, HeadDimsThatAreNotWholeBlocksAreQuantizedDimErrors) {
+    expect_error<attend::value_error>(
+        [] { attend::paged_kv_cache<attend::q8_0_block> c(attend_test::paged_config(1, 40, 4, 4)); },
+        "attend.value.quantized_dim");
+    auto cfg = attend_test::paged_config(1, 32, 4, 4);
+    cfg.value_dim = 48;
+    expect_error<attend::value_error>([&] { attend::paged_kv_cache<attend::q8_0_block> c(cfg); },
+                                      "attend.value.quantized_dim");
+}
+
+TEST(PagedCacheQ8Errors, AValueAnInt8BlockCannotHoldChangesNothingForAnySequence) {
+    attend::paged_kv_cache<attend::q8_0_block> pool(attend_test::paged_config(2, 32, 4, 16, 3));
+    const index a = fill_sequence(pool, 6, 1);
+    const index b = pool.fork(a);
+    tensor<float, 4> k(2, 2, 3, 32), v(2, 2, 3, 32);
+    attend_test::fill_uniform(k, 2);
+    attend_test::fill_uniform(v, 3);
+    const auto refused = [&](const char* id, float value) {
+        v(1, 1, 2, 17) = value;  // sequence b's last new value
+        const auto before = state_of(pool);
+        const std::string message = expect_error<attend::value_error>([&] { pool.append({a, b}, k, v, {3, 3}); }, id);
+        EXPECT_TRUE(state_of(pool) == before) << id << ": sequence a's tokens were not appended either";
+        EXPECT_NE(message.find("[0,1,2,17]"), std::string::npos) << message;
+        v(1, 1, 2, 17) = 0;
+    };
+    refused("attend.value.quantized_range", 9e6f);  // beyond 127 x 65504
+    refused("attend.value.quantized_range", -9e6f);
+    refused("attend.value.non_finite", std::numeric_limits<float>::quiet_NaN());
+    refused("attend.value.non_finite", std::numeric_limits<float>::infinity());
+    v(1, 1, 2, 17) = 8e6f;  // within range: appended
+    pool.append({a, b}, k, v, {3, 3});
+    EXPECT_EQ(pool.length(b), 9);
+    EXPECT_EQ(attend_test::consistency_problem(pool), "");
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -540,24 +661,30 @@ TEST(PagedCacheErrors, AKeyWhoseScoresOverflowIsTheScansErrorThoughTheDecodePass
 // ---------------------------------------------------------------------------------------------------------
 // Multi-head attention over a paged cache
 
-/// A multi_head_attention<T> decoding ragged batches over a paged cache of S (T, or 16-bit under a float module)
-/// gives each sequence the bits of decoding it alone over a kv_cache<S>.
+/// A multi_head_attention<T> decoding ragged batches over a paged cache of S (T, or 16-bit or int8 under a float
+/// module) gives each sequence the bits of decoding it alone over a kv_cache<S> (a q8_kv_cache for int8).
 template <class T, class S>
 void expect_ragged_batching_equals_each_sequence_alone() {
-    attend::mha_config cfg{32, 4};
+    constexpr bool int8 = std::is_same_v<S, attend::q8_0_block>;
+    constexpr index D = int8 ? 32 : 8, E = 4 * D;  // an int8 row is whole blocks of 32
+    attend::mha_config cfg{E, 4};
     cfg.kv_heads = 2;
     const attend::multi_head_attention<T> m(cfg, 5);
     attend::mha_options o;
     o.rotary = attend::rotary_embedding{8};
     o.threads = 2;
-    attend::paged_cache_config pc = attend_test::paged_config(2, 8, 4, 64, 4);
+    attend::paged_cache_config pc = attend_test::paged_config(2, D, 4, 64, 4);
     attend::paged_kv_cache<S> cache(pc);
-    std::map<index, attend::kv_cache<S>> alone;
+    std::map<index, attend_test::plain_cache_t<S>> alone;
+    const auto make_alone = [&] {
+        if constexpr (int8) return m.make_q8_cache(1, 256);
+        else return m.template make_cache<S>(1, 256);
+    };
     attend_test::rng g(3);
     for (int step = 0; step < attend_test::repeat(30); ++step) {
         // Sequences join and leave between steps; one is forked and one rolled back now and then.
         const auto ids = cache.sequences();
-        if (ids.size() < 3 && g.bernoulli(0.5)) alone.emplace(cache.add_sequence(), m.template make_cache<S>(1, 256));
+        if (ids.size() < 3 && g.bernoulli(0.5)) alone.emplace(cache.add_sequence(), make_alone());
         if (!ids.empty() && g.bernoulli(0.15)) {
             const index gone = ids[static_cast<std::size_t>(g.uniform_int(0, static_cast<index>(ids.size()) - 1))];
             cache.remove_sequence(gone);
@@ -578,18 +705,18 @@ void expect_ragged_batching_equals_each_sequence_alone() {
         std::vector<index> counts;
         for (std::size_t n = 0; n < batch.size(); ++n) counts.push_back(g.bernoulli(0.2) ? g.uniform_int(0, 9) : 1);
         const index L = *std::max_element(counts.begin(), counts.end());
-        tensor<T, 3> x(static_cast<index>(batch.size()), L, 32);
+        tensor<T, 3> x(static_cast<index>(batch.size()), L, E);
         attend_test::fill_uniform(x, 100 + static_cast<std::uint64_t>(step));
         const auto r = m.forward_cached(x, cache, batch, counts, o);
         for (std::size_t n = 0; n < batch.size(); ++n) {
             const index t = counts[n];
-            tensor<T, 3> xn(1, t, 32);
+            tensor<T, 3> xn(1, t, E);
             for (index i = 0; i < t; ++i)
-                for (index e = 0; e < 32; ++e) xn(0, i, e) = x(static_cast<index>(n), i, e);
+                for (index e = 0; e < E; ++e) xn(0, i, e) = x(static_cast<index>(n), i, e);
             const auto want = m.forward_cached(xn, alone.at(batch[n]), o);
             ASSERT_EQ(cache.length(batch[n]), alone.at(batch[n]).length());
             for (index i = 0; i < L; ++i)
-                for (index e = 0; e < 32; ++e) {
+                for (index e = 0; e < E; ++e) {
                     const T expected = i < t ? want.out(0, i, e) : T(0);
                     ASSERT_EQ(std::memcmp(&r.out(static_cast<index>(n), i, e), &expected, sizeof(T)), 0)
                         << "step " << step << " sequence " << batch[n] << " token " << i << ": "
@@ -607,6 +734,10 @@ TEST(PagedCacheMha, RaggedContinuousBatchingIsBitIdenticalToDecodingEachSequence
 TEST(PagedCacheMha, AFloatModuleOverASixteenBitPagedCacheIsBitIdenticalToDecodingEachSequenceAlone) {
     expect_ragged_batching_equals_each_sequence_alone<float, Eigen::half>();
     expect_ragged_batching_equals_each_sequence_alone<float, Eigen::bfloat16>();
+}
+
+TEST(PagedCacheMha, AFloatModuleOverAnInt8PoolIsBitIdenticalToDecodingEachSequenceAloneOverAnInt8Cache) {
+    expect_ragged_batching_equals_each_sequence_alone<float, attend::q8_0_block>();
 }
 
 TEST(PagedCacheMha, ARollingWindowKeepsAbsoluteRotaryPositionsAndEqualsASlidingWindowOverTheWholeHistory) {
@@ -677,6 +808,23 @@ TEST(PagedCacheMha, AProjectionBeyondFp16IsRefusedBeforeTheSixteenBitCacheChange
         },
         "attend.value.non_finite");
     EXPECT_NE(message.find("rounded to the cache's type"), std::string::npos) << message;
+    EXPECT_TRUE(attend_test::state_of(cache) == before) << "sequence a's token was not appended either";
+}
+
+TEST(PagedCacheMha, AProjectionBeyondAnInt8BlockIsRefusedBeforeThePoolChanges) {
+    const attend::multi_head_attention<float> m(attend::mha_config{64, 2}, 1);
+    attend::paged_kv_cache<attend::q8_0_block> cache(attend_test::paged_config(2, 32, 4, 8, 2));
+    const index a = cache.add_sequence(), b = cache.add_sequence();
+    tensor<float, 3> x(2, 2, 64);
+    attend_test::fill_uniform(x, 9);
+    (void)m.forward_cached(x, cache, {a, b}, {2, 1});
+    const auto before = attend_test::state_of(cache);
+    for (index e = 0; e < 64; ++e) x(1, 0, e) *= 1e9f;  // sequence b's token: finite in float, beyond a q8_0 block
+    expect_error<attend::value_error>(
+        [&] {
+            (void)m.forward_cached(x, cache, {a, b}, {1, 1});
+        },
+        "attend.value.quantized_range");
     EXPECT_TRUE(attend_test::state_of(cache) == before) << "sequence a's token was not appended either";
 }
 

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -44,7 +45,7 @@ template <class View>
 [[noreturn]] void throw_non_finite(const View& x, index b, index h, index i, index d, const char* name) {
     const auto where = x.rank == 4 ? format_shape(std::array<index, 4>{b, h, i, d})
                                    : format_shape(std::array<index, 3>{b, i, d});
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(x.row(0, 0, 0))>>;
+    using T = row_scalar_t<View>;
     const auto value = static_cast<double>(static_cast<accumulator_t<T>>(x.row(b, h, i)[d]));
     throw_non_finite_at(concat(name, ' ', spell_view(x)), value, where);
 }
@@ -83,11 +84,10 @@ void scan_units(index units, index elements, int threads, const Unit& unit) {
     for (index n = 0; n < units; ++n) unit(n);
 }
 
-/// Throws value_error attend.value.non_finite naming the first NaN or +-inf of x (a strided or paged view) and
-/// where it is, a (batch, head) per unit of scan_units.
+/// check_finite of views that can hold NaN and inf.
 template <class View>
-void check_finite(const View& x, const char* name, int threads = 1) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(x.row(0, 0, 0))>>;
+void check_finite_values(const View& x, const char* name, int threads) {
+    using T = row_scalar_t<View>;
     using Acc = accumulator_t<T>;  // 16-bit values widen to float, exactly: NaN stays NaN, inf stays inf
     const index heads = x.dims[0] * x.dims[1];
     const auto scan = [&](index n) {  // throws at the head's first bad element
@@ -102,9 +102,13 @@ void check_finite(const View& x, const char* name, int threads = 1) {
     scan_units(heads, heads * x.dims[2] * x.dims[3], threads, scan);
 }
 
-/// q8_0 blocks are finite by construction: the cache rejected non-finite values when it quantized them, and a
-/// scale of a finite block is finite.
-inline void check_finite(const q8_view&, const char*, int = 1) {}
+/// Throws value_error attend.value.non_finite naming the first NaN or +-inf of x (a strided or paged view) and
+/// where it is, a (batch, head) per unit of scan_units. q8_0 rows are finite by construction: their cache rejected
+/// non-finite values when it quantized them, and a scale of a finite block is finite.
+template <class View>
+void check_finite(const View& x, const char* name, int threads = 1) {
+    if constexpr (!q8_rows_v<View>) check_finite_values(x, name, threads);
+}
 
 /// The largest |x_d| and an upper bound of the largest row sum of |x_d| of one (batch, head) of a view. The same
 /// pass is check_finite's for q and k: a non-finite element throws attend.value.non_finite naming it.
@@ -113,9 +117,33 @@ struct row_magnitudes {
     long double max_l1 = 0;
 };
 
+/// scan_magnitudes of q8_0 rows, exactly: per block |d| times the integer sum and maximum of |q|.
 template <class View>
-row_magnitudes scan_magnitudes(const View& x, index b, index h, const char* name) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(x.row(0, 0, 0))>>;
+row_magnitudes scan_q8_magnitudes(const View& x, index b, index h) {
+    row_magnitudes m;
+    for (index i = 0; i < x.dims[2]; ++i) {
+        const q8_0_block* row = x.row(b, h, i);
+        long double l1 = 0;
+        for (index k = 0; k < x.dims[3] / q8_0_block::size; ++k) {
+            int sum = 0, largest = 0;
+            for (const std::int8_t q : row[k].values) {
+                const int a = q < 0 ? -q : q;
+                sum += a;
+                largest = std::max(largest, a);
+            }
+            const long double d = std::fabs(static_cast<long double>(static_cast<float>(row[k].scale)));
+            l1 += d * sum;
+            m.max_abs = std::max(m.max_abs, d * largest);
+        }
+        m.max_l1 = std::max(m.max_l1, l1);
+    }
+    return m;
+}
+
+/// scan_magnitudes of views of float, double or a 16-bit type.
+template <class View>
+row_magnitudes scan_value_magnitudes(const View& x, index b, index h, const char* name) {
+    using T = row_scalar_t<View>;
     using Acc = accumulator_t<T>;  // 16-bit rows are summed in float: 4096 x 60000 overflows half, not float
     row_magnitudes m;
     // A sum of n non-negative terms rounded in Acc is at least (1 - n eps) times the exact one.
@@ -173,38 +201,23 @@ row_magnitudes scan_magnitudes(const View& x, index b, index h, const char* name
     return m;
 }
 
-/// The same for q8_0 rows, exactly: per block |d| times the integer sum and maximum of |q|.
-inline row_magnitudes scan_magnitudes(const q8_view& x, index b, index h, const char*) {
-    row_magnitudes m;
-    for (index i = 0; i < x.dims[2]; ++i) {
-        const q8_0_block* row = x.row(b, h, i);
-        long double l1 = 0;
-        for (index k = 0; k < x.dims[3] / q8_0_block::size; ++k) {
-            int sum = 0, largest = 0;
-            for (const std::int8_t q : row[k].values) {
-                const int a = q < 0 ? -q : q;
-                sum += a;
-                largest = std::max(largest, a);
-            }
-            const long double d = std::fabs(static_cast<long double>(static_cast<float>(row[k].scale)));
-            l1 += d * sum;
-            m.max_abs = std::max(m.max_abs, d * largest);
-        }
-        m.max_l1 = std::max(m.max_l1, l1);
-    }
-    return m;
+/// The largest |x_d| and row sums of |x_d| of one (batch, head) of any view (struct row_magnitudes).
+template <class View>
+row_magnitudes scan_magnitudes(const View& x, index b, index h, const char* name) {
+    if constexpr (q8_rows_v<View>) return scan_q8_magnitudes(x, b, h);
+    else return scan_value_magnitudes(x, b, h, name);
 }
 
 /// Element d of row (b, h, i) of a view as the kernels see it (widened to Acc), in long double.
 template <class Acc, class View>
 long double element(const View& x, index b, index h, index i, index d) {
-    return static_cast<long double>(static_cast<Acc>(x.row(b, h, i)[d]));
-}
-template <class Acc>
-long double element(const q8_view& x, index b, index h, index i, index d) {
-    const q8_0_block& block = x.row(b, h, i)[d / q8_0_block::size];
-    return static_cast<long double>(static_cast<float>(block.scale)) *
-           static_cast<long double>(block.values[d % q8_0_block::size]);
+    if constexpr (q8_rows_v<View>) {
+        const q8_0_block& block = x.row(b, h, i)[d / q8_0_block::size];
+        return static_cast<long double>(static_cast<float>(block.scale)) *
+               static_cast<long double>(block.values[d % q8_0_block::size]);
+    } else {
+        return static_cast<long double>(static_cast<Acc>(x.row(b, h, i)[d]));
+    }
 }
 
 /// The cheap bound of the file comment for one query head: |q.k| <= sum_d |q_d| |k_d| <= ||q||_1 max_d |k_d|, so
@@ -218,10 +231,9 @@ bool pairs_fit(const row_magnitudes& queries, long double key_max_abs, Acc scale
 /// The largest magnitude any element of a view can have, for a format that holds no NaN or inf and bounds its
 /// values: q8_0 blocks (an int8 times a finite fp16 scale, 128 x 65504 at most). 0: no such bound (floats, fp16,
 /// bf16 and paged blocks of them can hold anything their type can).
-inline long double format_bound(const q8_view&) { return 128.0L * 65504.0L; }
 template <class View>
 long double format_bound(const View&) {
-    return 0;
+    return q8_rows_v<View> ? 128.0L * 65504.0L : 0;
 }
 
 /// Whether q's side of the score rule (queries: q's head_magnitudes) fits against keys whose largest |k| is
@@ -346,5 +358,52 @@ private:
     accumulator_t<T> scale_;
     const std::vector<row_magnitudes>& queries_;
 };
+
+/// The magnitude whose bits (of a T) these are.
+template <class T, class Bits>
+double magnitude_of_bits(Bits b) {
+    T x;
+    std::memcpy(static_cast<void*>(&x), &b, sizeof x);
+    return static_cast<double>(static_cast<accumulator_t<T>>(x));
+}
+
+/// Throws value_error `attend.value.quantized_range` for row (b, h, i) of x, which holds a value beyond
+/// q8_max_magnitude, naming the first one.
+template <class T>
+[[noreturn]] void refuse_quantized_range(const strided_view<const T>& x, const char* name, index b, index h, index i) {
+    index d = 0;
+    double value = 0;
+    for (; d < x.dims[3]; ++d) {
+        value = static_cast<double>(static_cast<accumulator_t<T>>(x.row(b, h, i)[d]));
+        if (std::abs(value) > q8_max_magnitude) break;
+    }
+    throw value_error("attend.value.quantized_range",
+                      concat(name, ' ', spell_view(x), " holds ", value, " at ",
+                             format_shape(std::array<index, 4>{b, h, i, d}), ", beyond the ", q8_max_magnitude,
+                             " an int8 block with an fp16 scale can hold"));
+}
+
+/// What an int8 (q8_0) cache checks of values before it quantizes any: throws value_error `attend.value.non_finite`
+/// (before anything else) or `attend.value.quantized_range` for the first value of x that is NaN or +-inf or beyond
+/// q8_max_magnitude. One pass over the rows' bits finds out whether any is, the checks that name it run only then
+/// (two passes, the finiteness scan's and a magnitude's through double, had taken as long as the quantization).
+template <class T>
+void check_quantizable(const strided_view<const T>& x, const char* name) {
+    static_assert(is_storage_type_v<T>,
+                  "attend: an int8 (q8_0) cache quantizes float, double, Eigen::half or Eigen::bfloat16 values");
+    const auto infinity = bits_of(std::numeric_limits<T>::infinity());
+    std::remove_const_t<decltype(infinity)> largest = 0;
+    for (index b = 0; b < x.dims[0]; ++b)
+        for (index h = 0; h < x.dims[1]; ++h)
+            for (index i = 0; i < x.dims[2]; ++i)
+                largest = std::max(largest, largest_magnitude_bits(x.row(b, h, i), x.dims[3]));
+    if (largest < infinity && magnitude_of_bits<T>(largest) <= q8_max_magnitude) return;
+    check_finite(x, name);  // throws if a value is NaN or +-inf
+    for (index b = 0; b < x.dims[0]; ++b)
+        for (index h = 0; h < x.dims[1]; ++h)
+            for (index i = 0; i < x.dims[2]; ++i)
+                if (magnitude_of_bits<T>(largest_magnitude_bits(x.row(b, h, i), x.dims[3])) > q8_max_magnitude)
+                    refuse_quantized_range(x, name, b, h, i);
+}
 
 }  // namespace attend::detail

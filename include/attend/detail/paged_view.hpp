@@ -9,11 +9,13 @@
 
 #include "../shape.hpp"
 #include "../tensor.hpp"
+#include "q8_rows.hpp"
 
 namespace attend::detail {
 
 /// Keys or values `[1, kv_heads, len, dim]` of one sequence of a paged cache (paged_cache.hpp), read in place:
-/// row i is row i % block_size of block table[i / block_size]. The pool is `[kv_heads, blocks, block_size, dim]`,
+/// row i is row i % block_size of block table[i / block_size]. The pool is `[kv_heads, blocks, block_size, dim]`
+/// (of q8_0 blocks, `[..., dim / 32]`: dims[3] counts values, row_units the T that hold them),
 /// head-major, so one head's rows of consecutive blocks follow each other: a sequence whose blocks were handed
 /// out in order reads as one stream, as a contiguous cache does. Where a run of rows crosses to a block that
 /// does not follow, the tiled kernel copies the run into its scratch (the same values either way).
@@ -27,7 +29,7 @@ struct paged_view {
     int rank = 4;
 
     const T* row(index /*batch: always 0*/, index h, index i) const {
-        return pool + ((h * pool_blocks + table[i / block_size]) * block_size + i % block_size) * dims[3];
+        return pool + ((h * pool_blocks + table[i / block_size]) * block_size + i % block_size) * row_units<T>(dims[3]);
     }
 };
 
@@ -71,7 +73,7 @@ index row_stride(const strided_view<T>& x) {
 }
 template <class T>
 index row_stride(const paged_view<T>& x) {
-    return x.dims[3];
+    return row_units<T>(x.dims[3]);
 }
 
 /// Batch row n of x `[batch, heads, len, dim]`, its first `rows` rows: `[1, heads, rows, dim]`.

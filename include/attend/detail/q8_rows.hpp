@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include <Eigen/Core>
 
@@ -33,6 +35,9 @@ static_assert(sizeof(q8_0_block) == 34, "attend: q8_0_block must have ggml's 34-
 
 namespace detail {
 
+/// The largest |value| a q8_0 block can hold: 127 x fp16's largest scale.
+inline constexpr double q8_max_magnitude = 127.0 * 65504.0;
+
 /// Keys or values `[batch, heads, len, dim]` stored as q8_0 blocks: row (b, h, i) is dim / 32 blocks in a row,
 /// starting at block b * strides[0] + h * strides[1] + i * strides[2] (strides in blocks). Read-only. An int8 cache's keys() and values()
 /// (q8_cache.hpp); in detail, so the kernels' overloads for it are found by argument-dependent lookup.
@@ -47,6 +52,21 @@ struct q8_view {
         return data + b * strides[0] + h * strides[1] + i * strides[2];
     }
 };
+
+/// The scalar a view's rows are made of: float, double, a 16-bit type, or q8_0_block.
+template <class View>
+using row_scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(std::declval<const View&>().row(0, 0, 0))>>;
+
+/// True for views whose rows are q8_0 blocks: an int8 cache's q8_view, or a paged int8 pool's paged_view.
+template <class View>
+constexpr bool q8_rows_v = std::is_same_v<row_scalar_t<View>, q8_0_block>;
+
+/// Elements of T that hold a row of `dim` values: dim, or dim / 32 q8_0 blocks.
+template <class T>
+constexpr index row_units(index dim) {
+    if constexpr (std::is_same_v<T, q8_0_block>) return dim / q8_0_block::size;
+    else return dim;
+}
 
 /// Rows of a q8 view always follow each other at one stride (paged_view.hpp's rows_following for the others).
 inline index rows_following(const q8_view&, index, index n) { return n; }
@@ -124,9 +144,11 @@ void quantize_q8_0(const T* x, index dim, q8_0_block* out) {
     }
 }
 
-/// Rows [i, i + n) of (b, h) widened to float, dims[3] values per row, into dst.
-template <class Acc>
-void widen_rows(const q8_view& x, index b, index h, index i, index n, Acc* dst) {
+/// Rows [i, i + n) of (b, h) of q8_0 rows (a q8_view or a paged int8 pool's view) widened to float, dims[3] values
+/// per row, into dst.
+template <class Acc, class View>
+void widen_rows(const View& x, index b, index h, index i, index n, Acc* dst) {
+    static_assert(q8_rows_v<View>, "widen_rows reads q8_0 rows");
     const index blocks = x.dims[3] / q8_0_block::size;
     for (index r = 0; r < n; ++r) {
         const q8_0_block* row = x.row(b, h, i + r);

@@ -110,32 +110,28 @@ tile_config default_tile_config(const attention_shape& s) {
     return c;
 }
 
-/// Rows [j0, j0 + n) of (b, h) of keys or values (a strided_view or a paged_view) as a matrix of the
+/// Rows [j0, j0 + n) of (b, h) of keys or values (a strided_view, a paged_view or q8_0 rows) as a matrix of the
 /// accumulation type: the rows themselves when they are contiguous and of that type, otherwise a copy in `stage`,
 /// converted (one conversion per tile or slice, shared by every query row of the block; 16-bit rows widen to float
-/// in widen.hpp's vectorized loops). Which of the two it is never changes
-/// a result: the same values reach the same products.
+/// in widen.hpp's vectorized loops; q8_0 rows exactly: a scale of 11 significant bits times an integer of 7 is a
+/// float without rounding). Which of the two it is never changes a result: the same values reach the same products.
 template <class Acc, class Rows>
 const_tile_map<Acc> rows_as_accumulator(const Rows& x, index b, index h, index j0, index n, Acc* stage) {
-    using Storage = std::remove_const_t<std::remove_pointer_t<decltype(x.row(0, 0, 0))>>;
+    using Storage = row_scalar_t<Rows>;
     const index cols = x.dims[3];
-    if constexpr (std::is_same_v<Acc, Storage>)
-        if (n > 0 && rows_contiguous(x, j0, n))
-            return const_tile_map<Acc>(x.row(b, h, j0), n, cols, Eigen::OuterStride<>(row_stride(x)));
-    for (index r = 0; r < n;) {  // run by run of rows packed one after another (a block, a dense view)
-        const index run = std::min(n - r, packed_rows(x, j0 + r));
-        widen(x.row(b, h, j0 + r), run * cols, stage + r * cols);
-        r += run;
+    if constexpr (std::is_same_v<Storage, q8_0_block>) {
+        widen_rows(x, b, h, j0, n, stage);
+    } else {
+        if constexpr (std::is_same_v<Acc, Storage>)
+            if (n > 0 && rows_contiguous(x, j0, n))
+                return const_tile_map<Acc>(x.row(b, h, j0), n, cols, Eigen::OuterStride<>(row_stride(x)));
+        for (index r = 0; r < n;) {  // run by run of rows packed one after another (a block, a dense view)
+            const index run = std::min(n - r, packed_rows(x, j0 + r));
+            widen(x.row(b, h, j0 + r), run * cols, stage + r * cols);
+            r += run;
+        }
     }
     return const_tile_map<Acc>(stage, n, cols, Eigen::OuterStride<>(cols));
-}
-
-/// q8_0 rows (an int8 cache) are always widened into `stage`, exactly: a scale of 11 significant bits times an
-/// integer of 7 is a float without rounding.
-template <class Acc>
-const_tile_map<Acc> rows_as_accumulator(const q8_view& x, index b, index h, index j0, index n, Acc* stage) {
-    widen_rows(x, b, h, j0, n, stage);
-    return const_tile_map<Acc>(stage, n, x.dims[3], Eigen::OuterStride<>(x.dims[3]));
 }
 
 /// Rows [i, i + n) of (b, h) of keys or values, at most row_run::most of them and as far as they follow each other
@@ -927,6 +923,7 @@ ATTEND_TILED_FORWARD_INSTANCE(Eigen::bfloat16, float, strided_view<const Eigen::
 ATTEND_TILED_FORWARD_INSTANCE(float, float, strided_view<const Eigen::half>)
 ATTEND_TILED_FORWARD_INSTANCE(float, float, strided_view<const Eigen::bfloat16>)
 ATTEND_TILED_FORWARD_INSTANCE(float, float, q8_view)
+ATTEND_TILED_FORWARD_INSTANCE(float, float, paged_view<q8_0_block>)
 ATTEND_TILED_FORWARD_INSTANCE(float, float, paged_view<Eigen::half>)
 ATTEND_TILED_FORWARD_INSTANCE(float, float, paged_view<Eigen::bfloat16>)
 ATTEND_TILED_FORWARD_INSTANCE(Eigen::half, float, paged_view<Eigen::half>)
