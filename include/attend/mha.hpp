@@ -472,11 +472,12 @@ struct append_type<paged_kv_cache<S>, T> {
     using type = std::conditional_t<std::is_same_v<S, q8_0_block>, T, S>;
 };
 
-/// An int8 (q8_0) cache under a multi_head_attention<T>: float queries read it.
+/// An int8 (q8_0) cache under a multi_head_attention<T>: float or 16-bit queries read it.
 template <class T>
 constexpr void require_q8_cache() {
     static_assert(storage_pair_v<T, q8_0_block>,
-                  "attend: an int8 (q8_0) cache is read by float queries: use multi_head_attention<float>");
+                  "attend: an int8 (q8_0) cache is read by float or 16-bit queries: use multi_head_attention<float>, "
+                  "<Eigen::half> or <Eigen::bfloat16>");
 }
 
 /// A kv_cache<Storage> under a multi_head_attention<T>: the pairs the attention call takes (of T, or 16-bit under a
@@ -630,8 +631,9 @@ public:
         return kv_cache<Storage>(batch, config_.kv_heads, capacity, head_dim(), head_dim());
     }
 
-    /// An empty int8 (q8_0) cache sized for this module, for forward_cached: a float module only (its queries read
-    /// the cache), and head_dim a multiple of 32 (value_error `attend.value.quantized_dim` otherwise).
+    /// An empty int8 (q8_0) cache sized for this module, for forward_cached: a float, fp16 or bf16 module (its
+    /// queries read the cache, widened to float), and head_dim a multiple of 32 (value_error
+    /// `attend.value.quantized_dim` otherwise).
     q8_kv_cache make_q8_cache(index batch, index capacity) const {
         detail::require_q8_cache<T>();
         return q8_kv_cache(batch, config_.kv_heads, capacity, head_dim(), head_dim());
@@ -693,7 +695,7 @@ public:
         return forward_cached(x, cache, no_mask{}, options);
     }
 
-    /// forward_cached over an int8 (q8_0) cache (make_q8_cache; float modules): the new keys and values are
+    /// forward_cached over an int8 (q8_0) cache (make_q8_cache; float and 16-bit modules): the new keys and values are
     /// quantized as they are appended, and the queries attend over what the cache holds (q8_cache.hpp's bound).
     /// Throws what q8_kv_cache::append throws (value_error `attend.value.quantized_range` for a projected key or
     /// value beyond q8_kv_cache::max_magnitude) before anything changes, and everything the form above throws.
@@ -722,9 +724,9 @@ public:
     /// `attend.position.cache_full`, and everything forward_cached throws. All or nothing: on a throw, also one from
     /// the attention after the append, the cache is exactly as it was.
     /// A float module decodes over an fp16 or bf16 paged cache too, its keys and values rounded once as they are
-    /// stored (as forward_cached over a kv_cache above), and over an int8 pool (paged_kv_cache<q8_0_block>), its keys
-    /// and values quantized as they are stored (value_error `attend.value.quantized_range` for one beyond
-    /// q8_kv_cache::max_magnitude, before anything changes).
+    /// stored (as forward_cached over a kv_cache above), and a float or 16-bit module over an int8 pool
+    /// (paged_kv_cache<q8_0_block>), its keys and values quantized as they are stored (value_error
+    /// `attend.value.quantized_range` for one beyond q8_kv_cache::max_magnitude, before anything changes).
     template <class X, class Storage>
     mha_result<T> forward_cached(const X& x, paged_kv_cache<Storage>& cache, const std::vector<index>& sequences,
                                  const std::vector<index>& new_tokens, const mha_options& options = {}) const {

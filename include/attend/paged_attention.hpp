@@ -148,9 +148,11 @@ attention_result<Q, 4> paged_attention_views(const strided_view<const Q>& qv, co
 template <class Q, class T>
 auto paged_attention(const Q& q, const paged_kv_cache<T>& cache, const std::vector<index>& sequences,
                      const std::vector<index>& query_counts, const sdpa_options& options = {}) {
-    static_assert(detail::storage_pair_v<detail::scalar_of<Q>, T> && detail::rank_of<Q>() == 4,
-                  "attend: paged_attention takes a rank-4 query [batch, heads, query_len, head_dim] of the cache's "
-                  "scalar type, or a float query over an Eigen::half, Eigen::bfloat16 or q8_0_block (int8) cache");
+    static_assert(
+        detail::storage_pair_v<detail::scalar_of<Q>, T> && detail::rank_of<Q>() == 4,
+        "attend: paged_attention takes a rank-4 query [batch, heads, query_len, head_dim] of the cache's "
+        "scalar type, or a float query over an Eigen::half or Eigen::bfloat16 cache, or a float, Eigen::half or "
+        "Eigen::bfloat16 query over a q8_0_block (int8) cache");
     const auto qv = detail::checked_input(q);
     // Every allocation of the call (lists, scratch, messages) fails as a typed error, before anything is written.
     return detail::allocating(

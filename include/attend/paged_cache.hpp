@@ -6,7 +6,7 @@
 /// count, so fork and reorder copy block numbers, never keys or values; a rolling window hands back the blocks
 /// no query can see any more; truncate rolls back rejected tokens. paged_attention.hpp attends over it in place.
 /// Its storage: float, double, fp16, bf16, or int8 as q8_0 blocks (paged_kv_cache<q8_0_block>, quantized on append
-/// as q8_kv_cache does, q8_cache.hpp: its error bound; float queries read it).
+/// as q8_kv_cache does, q8_cache.hpp: its error bound; float, fp16 or bf16 queries read it).
 ///
 /// Every operation is all or nothing: when it throws (a bad argument, a full pool, an allocation) the cache is
 /// exactly as it was, block numbers and free list included.

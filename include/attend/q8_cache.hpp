@@ -29,7 +29,8 @@
 namespace attend {
 
 /// Keys `[batch, kv_heads, length, head_dim]` and values `[batch, kv_heads, length, value_dim]` of the positions
-/// seen so far, as q8_0 blocks, with a capacity fixed at construction. Float queries attend over it:
+/// seen so far, as q8_0 blocks, with a capacity fixed at construction. Float queries attend over it, and fp16 or bf16
+/// ones (widened to float, the output rounded once):
 /// `scaled_dot_product_attention(q, cache.keys(), cache.values(), mask, options)`, and `_into`.
 class q8_kv_cache {
 public:

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
 // Twin of mixed_storage_types_ok.cpp: double queries over float keys would compute in neither type cleanly; the
-// only mixed call is float queries over 16-bit keys and values.
+// only mixed calls are float queries over 16-bit keys and values, and float or 16-bit queries over an int8 cache.
 // expect-error: float queries with Eigen::half or Eigen::bfloat16
 #include <attend/sdpa.hpp>
 

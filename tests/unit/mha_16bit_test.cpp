@@ -14,6 +14,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -26,6 +28,7 @@
 #include <attend/interop/safetensors.hpp>
 
 #include "support/errors.hpp"
+#include "support/q8_blocks.hpp"
 #include "support/random.hpp"
 #include "support/scratch_files.hpp"
 #include "support/storage16.hpp"
@@ -106,16 +109,49 @@ TYPED_TEST(Mha16, ForwardIsTheDoubleModuleWithinFiveRoundings) {
     }
 }
 
+/// Options of a decoder with rotary positions over the first `dim` features of each head.
+attend::mha_options rotary_options(index dim) {
+    attend::mha_options o;
+    attend::rotary_embedding rotary;
+    rotary.dim = dim;
+    o.rotary = rotary;
+    return o;
+}
+
+TYPED_TEST(Mha16, DecodingOverAnInt8CacheStoresTheModulesProjectionsQuantizedAndStaysNearItsOwnCache) {
+    // An fp16 or bf16 model with an int8 cache (ONNX Runtime's GroupQueryAttention with a quantized cache): the
+    // cache holds the projections the module's own 16-bit cache holds, quantized once, and the outputs differ from
+    // decoding over that 16-bit cache only by the quantization (its reading, 16-bit queries over int8 keys and
+    // values, is q8_cache_test's; an int8 paged pool under a 16-bit module, paged_cache_test's).
+    using T = TypeParam;
+    const attend::multi_head_attention<T> m(attend::mha_config{128, 4}.with_kv_heads(2), 13);  // head_dim 32
+    const index B = 2, L = 10;
+    const auto x = random3<T>(5, B, L, 128);
+    const attend::mha_options o = rotary_options(32);
+    auto own = m.make_cache(B, L);
+    auto int8 = m.make_q8_cache(B, L);
+    double worst = 0;
+    for (index i = 0; i < L; ++i) {
+        const attend::tensor<T, 3> token = x.slice(std::array<index, 3>{0, i, 0}, std::array<index, 3>{B, 1, 128});
+        const auto near = m.forward_cached(token, own, o);
+        const auto got = m.forward_cached(token, int8, o);
+        const attend::tensor<double, 3> near_out = near.out.template cast<float>().template cast<double>();
+        worst = std::max(worst, worst_row_error(got.out, near_out));
+    }
+    attend::q8_kv_cache quantized(B, 2, L, 32, 32);
+    quantized.append(own.keys(), own.values());
+    EXPECT_EQ(attend_test::state_of(int8), attend_test::state_of(quantized));
+    EXPECT_GT(worst, 0.0);       // the int8 cache really was read
+    EXPECT_LE(worst, 1.0 / 64);  // 0.009 (fp16) and 0.010 (bf16) here
+}
+
 TYPED_TEST(Mha16, DecodingIntoA16BitCacheIsTheCausalForward) {
     using T = TypeParam;
     const double bound = 8 * unit_roundoff<T>();
     const attend::multi_head_attention<T> m(attend::mha_config{64, 4}.with_kv_heads(2), 11);
     const index B = 2, L = 12;
     const auto x = random3<T>(3, B, L, 64);
-    attend::mha_options o;
-    attend::rotary_embedding rotary;
-    rotary.dim = 16;
-    o.rotary = rotary;
+    const attend::mha_options o = rotary_options(16);
     const auto wide = widened(m);
     const attend::tensor<double, 3> xd = x.template cast<float>().template cast<double>();
     const auto want = wide.forward(xd, xd, xd, attend::causal(attend::alignment::top_left), o).out;

@@ -661,8 +661,9 @@ TEST(PagedCacheErrors, AKeyWhoseScoresOverflowIsTheScansErrorThoughTheDecodePass
 // ---------------------------------------------------------------------------------------------------------
 // Multi-head attention over a paged cache
 
-/// A multi_head_attention<T> decoding ragged batches over a paged cache of S (T, or 16-bit or int8 under a float
-/// module) gives each sequence the bits of decoding it alone over a kv_cache<S> (a q8_kv_cache for int8).
+/// A multi_head_attention<T> decoding ragged batches over a paged cache of S (T, 16-bit under a float module, or
+/// int8 under a float or 16-bit one) gives each sequence the bits of decoding it alone over a kv_cache<S> (a
+/// q8_kv_cache for int8).
 template <class T, class S>
 void expect_ragged_batching_equals_each_sequence_alone() {
     constexpr bool int8 = std::is_same_v<S, attend::q8_0_block>;
@@ -736,8 +737,10 @@ TEST(PagedCacheMha, AFloatModuleOverASixteenBitPagedCacheIsBitIdenticalToDecodin
     expect_ragged_batching_equals_each_sequence_alone<float, Eigen::bfloat16>();
 }
 
-TEST(PagedCacheMha, AFloatModuleOverAnInt8PoolIsBitIdenticalToDecodingEachSequenceAloneOverAnInt8Cache) {
+TEST(PagedCacheMha, AFloatOr16BitModuleOverAnInt8PoolIsBitIdenticalToDecodingEachSequenceAloneOverAnInt8Cache) {
     expect_ragged_batching_equals_each_sequence_alone<float, attend::q8_0_block>();
+    expect_ragged_batching_equals_each_sequence_alone<Eigen::half, attend::q8_0_block>();
+    expect_ragged_batching_equals_each_sequence_alone<Eigen::bfloat16, attend::q8_0_block>();
 }
 
 TEST(PagedCacheMha, ARollingWindowKeepsAbsoluteRotaryPositionsAndEqualsASlidingWindowOverTheWholeHistory) {

@@ -15,9 +15,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <utility>
 
 #include <attend/attend.hpp>
+#include <attend/paged_attention.hpp>
 
 #include "support/compare.hpp"
 #include "support/errors.hpp"
@@ -69,6 +72,50 @@ TEST(Q8Cache, AttentionOverTheCacheIsFloatAttentionOverItsDequantizedValues) {
         attend::scaled_dot_product_attention_into(q, cache.keys(), cache.values(), mask, into, o);
         EXPECT_TRUE(bit_equal(into, want.out)) << "L " << L;
     }
+}
+
+TEST(Q8Cache, SixteenBitQueriesGiveTheFloatQueriesResultOfTheirValuesRoundedOnce) {
+    // An fp16 or bf16 model over an int8 cache: its queries widen to float exactly, everything after is the float
+    // call's arithmetic, and the output is rounded once; lse is the float call's. Over a q8_kv_cache and over an int8
+    // paged pool holding the same blocks, for the decode, GEMV and block paths.
+    const index G = 2, H = 4, D = 64, S = 2500;
+    attend::q8_kv_cache cache(1, G, S, D, D);
+    const auto k = random_rows(3, 1, G, S, D), v = random_rows(4, 1, G, S, D);
+    cache.append(k, v);
+    attend::paged_cache_config pc;
+    pc.kv_heads = G;
+    pc.head_dim = D;
+    pc.blocks = S / 16 + 1;
+    attend::paged_kv_cache<q8_0_block> pool(pc);
+    const index id = pool.add_sequence();
+    pool.append(id, k, v);
+    const auto mask = attend::causal(attend::alignment::bottom_right);
+    const auto check = [&](auto type) {
+        using T = decltype(type);
+        for (const index L : {1, 3, 200})
+            for (const int threads : {1, 2}) {
+                SCOPED_TRACE(std::string(std::is_same_v<T, Eigen::half> ? "fp16" : "bf16") + ", L " +
+                             std::to_string(L) + ", threads " + std::to_string(threads));
+                attend::tensor<T, 4> q(1, H, L, D);
+                attend_test::fill_uniform(q, 20 + static_cast<std::uint64_t>(L), -2, 2);
+                const attend::tensor<float, 4> widened = q.template cast<float>();
+                attend::sdpa_options o;
+                o.threads = threads;
+                const auto want = attend::scaled_dot_product_attention(widened, cache.keys(), cache.values(), mask, o);
+                const attend::tensor<T, 4> rounded = want.out.template cast<T>();
+                const auto got = attend::scaled_dot_product_attention(q, cache.keys(), cache.values(), mask, o);
+                EXPECT_TRUE(bit_equal(got.out, rounded));
+                EXPECT_TRUE(bit_equal(got.lse, want.lse));
+                attend::tensor<T, 4> into(1, H, L, D);
+                attend::scaled_dot_product_attention_into(q, cache.keys(), cache.values(), mask, into, o);
+                EXPECT_TRUE(bit_equal(into, rounded));
+                const auto paged = attend::paged_attention(q, pool, {id}, {L}, o);
+                EXPECT_TRUE(bit_equal(paged.out, rounded));
+                EXPECT_TRUE(bit_equal(paged.lse, want.lse));
+            }
+    };
+    check(Eigen::half{});
+    check(Eigen::bfloat16{});
 }
 
 TEST(Q8Cache, EveryValueIsWithinHalfItsBlockScaleOfWhatWasAppended) {
