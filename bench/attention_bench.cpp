@@ -20,11 +20,13 @@
 //   decode_short/threads/check_finite  decode's case over 1024 keys (one decode chunk)
 //   decode_q8/threads/check_finite     decode's case over an int8 cache (q8_kv_cache, ggml's q8_0 blocks); `bytes`
 //                                      counts its blocks (34 bytes per 32 values)
+//   decode_q4/threads/check_finite     the same over an int4 cache (q4_kv_cache, ggml's q4_0: 18 bytes per 32)
 //   call_overhead/check_finite         one query of one head over 16 keys, D = 64, 1 thread: a call's fixed cost
 //   tiled<half>, tiled<bfloat16>       tiled<float>'s case with q, k, v and out in 16 bits, float accumulation
 //   stream_kv/threads                  the same K and V read once, summed: the bandwidth decode is held to
 //   append<Cache>                      a prefill's keys and values (8 kv heads, 2048 positions, D = 128, fp32) into
-//                                      an empty kv_cache<float> or q8_kv_cache (checks, quantization): `bytes` counts
+//                                      an empty kv_cache<float>, q8_kv_cache or q4_kv_cache (checks, quantization):
+//                                      `bytes` counts
 //                                      the fp32 input read
 #include <benchmark/benchmark.h>
 
@@ -236,9 +238,10 @@ void call_overhead(benchmark::State& state) {
     }
 }
 
-void decode_q8(benchmark::State& state) {
+template <class Block>
+void decode_quantized(benchmark::State& state) {
     problem<float> p(decode_heads, decode_kv_heads, 1, decode_keys, decode_dim);
-    attend::q8_kv_cache cache(1, decode_kv_heads, decode_keys, decode_dim, decode_dim);
+    attend::quantized_kv_cache<Block> cache(1, decode_kv_heads, decode_keys, decode_dim, decode_dim);
     cache.append(p.k, p.v);
     attend::sdpa_options o;
     o.kernel = attend::kernel::tiled;
@@ -250,9 +253,11 @@ void decode_q8(benchmark::State& state) {
         benchmark::DoNotOptimize(p.out.data());
         benchmark::ClobberMemory();
     }
-    attend_bench::set_bytes(state, decode_kv_bytes * 34.0 / 128.0);
+    attend_bench::set_bytes(state, decode_kv_bytes * static_cast<double>(sizeof(Block)) / 128.0);
     attend_bench::set_flops(state, attend_bench::attention_flops(1, decode_heads, 1, decode_keys, decode_dim));
 }
+void decode_q8(benchmark::State& state) { decode_quantized<attend::q8_0_block>(state); }
+void decode_q4(benchmark::State& state) { decode_quantized<attend::q4_0_block>(state); }
 
 /// A prefill's keys and values appended to an empty cache, as a server fills one per layer: checks and copy (float)
 /// or quantization (q8_0).
@@ -341,8 +346,14 @@ BENCHMARK(decode_q8)
     ->ArgsProduct({{1, 2}, {0, 1}})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
+BENCHMARK(decode_q4)
+    ->ArgNames({"threads", "check_finite"})
+    ->ArgsProduct({{1, 2}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 BENCHMARK_TEMPLATE(append, attend::kv_cache<float>)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK_TEMPLATE(append, attend::q8_kv_cache)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK_TEMPLATE(append, attend::q4_kv_cache)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK_TEMPLATE(tiled, Eigen::bfloat16)
     ->Args({2048, 1})
     ->Args({2048, 2})

@@ -458,7 +458,8 @@ void check_finite_projections(const strided_view<const T>& q, const strided_view
 }
 
 /// What a cache's append takes under a multi_head_attention<T>: kv_cache<S> and paged_kv_cache<S> their own type S,
-/// the int8 caches (q8_kv_cache, paged_kv_cache<q8_0_block>) the module's float (they quantize as they append).
+/// the quantized caches (quantized_kv_cache, paged_kv_cache of q8_0 or q4_0 blocks) the module's T (they quantize
+/// as they append).
 template <class Cache, class T>
 struct append_type {
     using type = T;
@@ -469,14 +470,15 @@ struct append_type<kv_cache<S>, T> {
 };
 template <class S, class T>
 struct append_type<paged_kv_cache<S>, T> {
-    using type = std::conditional_t<std::is_same_v<S, q8_0_block>, T, S>;
+    using type = std::conditional_t<is_quantized_block_v<S>, T, S>;
 };
 
-/// An int8 (q8_0) cache under a multi_head_attention<T>: float or 16-bit queries read it.
+/// A quantized (int8 q8_0, int4 q4_0) cache under a multi_head_attention<T>: float or 16-bit queries read it.
 template <class T>
-constexpr void require_q8_cache() {
+constexpr void require_quantized_cache() {
     static_assert(storage_pair_v<T, q8_0_block>,
-                  "attend: an int8 (q8_0) cache is read by float or 16-bit queries: use multi_head_attention<float>, "
+                  "attend: a quantized (int8 q8_0 or int4 q4_0) cache is read by float or 16-bit queries: use "
+                  "multi_head_attention<float>, "
                   "<Eigen::half> or <Eigen::bfloat16>");
 }
 
@@ -635,8 +637,14 @@ public:
     /// queries read the cache, widened to float), and head_dim a multiple of 32 (value_error
     /// `attend.value.quantized_dim` otherwise).
     q8_kv_cache make_q8_cache(index batch, index capacity) const {
-        detail::require_q8_cache<T>();
+        detail::require_quantized_cache<T>();
         return q8_kv_cache(batch, config_.kv_heads, capacity, head_dim(), head_dim());
+    }
+
+    /// An empty int4 (q4_0) cache sized for this module, as make_q8_cache (q8_cache.hpp: its coarser bound).
+    q4_kv_cache make_q4_cache(index batch, index capacity) const {
+        detail::require_quantized_cache<T>();
+        return q4_kv_cache(batch, config_.kv_heads, capacity, head_dim(), head_dim());
     }
 
     /// Attention of query `[batch, query_len, model_dim]` over key `[batch, key_len, key_dim]` and value
@@ -695,20 +703,21 @@ public:
         return forward_cached(x, cache, no_mask{}, options);
     }
 
-    /// forward_cached over an int8 (q8_0) cache (make_q8_cache; float and 16-bit modules): the new keys and values are
-    /// quantized as they are appended, and the queries attend over what the cache holds (q8_cache.hpp's bound).
-    /// Throws what q8_kv_cache::append throws (value_error `attend.value.quantized_range` for a projected key or
-    /// value beyond q8_kv_cache::max_magnitude) before anything changes, and everything the form above throws.
-    template <class X, class Mask>
-    mha_result<T> forward_cached(const X& x, q8_kv_cache& cache, const Mask& mask,
+    /// forward_cached over an int8 (q8_0) or int4 (q4_0) cache (make_q8_cache, make_q4_cache; float and 16-bit
+    /// modules): the new keys and values are quantized as they are appended, and the queries attend over what the
+    /// cache holds (q8_cache.hpp's bounds). Throws what its append throws (value_error
+    /// `attend.value.quantized_range` for a projected key or value beyond the cache's max_magnitude) before anything
+    /// changes, and everything the form above throws.
+    template <class X, class Mask, class Block>
+    mha_result<T> forward_cached(const X& x, quantized_kv_cache<Block>& cache, const Mask& mask,
                                  const mha_options& options = {}) const {
-        detail::require_q8_cache<T>();
+        detail::require_quantized_cache<T>();
         return forward_cached_over(x, cache, mask, options);
     }
 
-    /// forward_cached over an int8 cache without a mask besides the causal rule (and options.key_padding).
-    template <class X>
-    mha_result<T> forward_cached(const X& x, q8_kv_cache& cache, const mha_options& options = {}) const {
+    /// forward_cached over a quantized cache without a mask besides the causal rule (and options.key_padding).
+    template <class X, class Block>
+    mha_result<T> forward_cached(const X& x, quantized_kv_cache<Block>& cache, const mha_options& options = {}) const {
         return forward_cached(x, cache, no_mask{}, options);
     }
 
@@ -725,13 +734,13 @@ public:
     /// the attention after the append, the cache is exactly as it was.
     /// A float module decodes over an fp16 or bf16 paged cache too, its keys and values rounded once as they are
     /// stored (as forward_cached over a kv_cache above), and a float or 16-bit module over an int8 pool
-    /// (paged_kv_cache<q8_0_block>), its keys and values quantized as they are stored (value_error
-    /// `attend.value.quantized_range` for one beyond q8_kv_cache::max_magnitude, before anything changes).
+    /// (paged_kv_cache<q8_0_block>) or int4 pool (q4_0_block), its keys and values quantized as they are stored
+    /// (value_error `attend.value.quantized_range` for one beyond what a block holds, before anything changes).
     template <class X, class Storage>
     mha_result<T> forward_cached(const X& x, paged_kv_cache<Storage>& cache, const std::vector<index>& sequences,
                                  const std::vector<index>& new_tokens, const mha_options& options = {}) const {
         detail::require_mha_input<X, T>();
-        if constexpr (std::is_same_v<Storage, q8_0_block>) detail::require_q8_cache<T>();
+        if constexpr (detail::is_quantized_block_v<Storage>) detail::require_quantized_cache<T>();
         else detail::require_cache_storage<T, Storage>();
         // Every allocation of the call (lists, buffers, messages) fails as a typed error, and the cache as it was.
         return detail::allocating([&] { return forward_paged(x, cache, sequences, new_tokens, options); },
@@ -974,7 +983,7 @@ private:
         }
     }
 
-    /// forward_cached over a kv_cache (of T, or 16-bit under a float module) or a q8_kv_cache: both check an append
+    /// forward_cached over a kv_cache (of T, or 16-bit under a float module) or a quantized_kv_cache: both check an append
     /// without making it, append and truncate alike, and their keys() / values() are views the kernels read.
     template <class X, class Mask, class Cache>
     mha_result<T> forward_cached_over(const X& x, Cache& cache, const Mask& mask, const mha_options& options) const {

@@ -5,8 +5,9 @@
 /// its positions to blocks (vLLM's PagedAttention, FlashAttention's block_table); blocks are shared by reference
 /// count, so fork and reorder copy block numbers, never keys or values; a rolling window hands back the blocks
 /// no query can see any more; truncate rolls back rejected tokens. paged_attention.hpp attends over it in place.
-/// Its storage: float, double, fp16, bf16, or int8 as q8_0 blocks (paged_kv_cache<q8_0_block>, quantized on append
-/// as q8_kv_cache does, q8_cache.hpp: its error bound; float, fp16 or bf16 queries read it).
+/// Its storage: float, double, fp16, bf16, or int8 / int4 as q8_0 / q4_0 blocks (paged_kv_cache<q8_0_block>,
+/// paged_kv_cache<q4_0_block>: quantized on append as quantized_kv_cache does, q8_cache.hpp: the error bounds;
+/// float, fp16 or bf16 queries read them).
 ///
 /// Every operation is all or nothing: when it throws (a bad argument, a full pool, an allocation) the cache is
 /// exactly as it was, block numbers and free list included.
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -27,7 +29,7 @@
 #include "detail/input_scan.hpp"
 #include "detail/memory.hpp"
 #include "detail/paged_view.hpp"
-#include "detail/q8_rows.hpp"
+#include "detail/quantized_rows.hpp"
 #include "error.hpp"
 #include "shape.hpp"
 #include "tensor.hpp"
@@ -77,13 +79,14 @@ namespace detail {
 template <class T, class In>
 class paged_append;
 
-/// What a pool of T stores for "nothing": zeros (the zero block, fresh blocks), and a q8_0 block of scale 0.
+/// What a pool of T stores for "nothing": zeros (the zero block, fresh blocks), and a quantized block of scale 0
+/// (which reads as zeros whatever its integers).
 template <class T>
 T zero_value() {
-    if constexpr (std::is_same_v<T, q8_0_block>) {
-        q8_0_block zero;
+    if constexpr (is_quantized_block_v<T>) {
+        T zero;
+        std::memset(static_cast<void*>(&zero), 0, sizeof zero);
         zero.scale = Eigen::half(0.0f);
-        std::fill(std::begin(zero.values), std::end(zero.values), std::int8_t(0));
         return zero;
     } else {
         return T(0);
@@ -94,18 +97,18 @@ T zero_value() {
 /// Keys `[kv_heads, length, head_dim]` and values `[kv_heads, length, value_dim]` of up to max_sequences
 /// sequences in a pool `[kv_heads, blocks, block_size, dim]` (head-major, so a sequence whose blocks follow each
 /// other reads as one stream per head). Position i of a sequence is row i % block_size of
-/// block block_table(id)[i / block_size]. Copyable (a copy owns its own pool). With T = q8_0_block a row is
-/// dim / 32 blocks (ggml's q8_0), filled by quantizing what append is given.
+/// block block_table(id)[i / block_size]. Copyable (a copy owns its own pool). With T = q8_0_block or q4_0_block
+/// a row is dim / 32 blocks (ggml's q8_0 / q4_0), filled by quantizing what append is given.
 template <class T>
 class paged_kv_cache {
-    static_assert(is_storage_type_v<T> || std::is_same_v<T, q8_0_block>,
-                  "attend: paged_kv_cache<T> is defined for float, double, Eigen::half, Eigen::bfloat16 and "
-                  "q8_0_block (int8)");
-    static constexpr bool quantized = std::is_same_v<T, q8_0_block>;
+    static_assert(is_storage_type_v<T> || detail::is_quantized_block_v<T>,
+                  "attend: paged_kv_cache<T> is defined for float, double, Eigen::half, Eigen::bfloat16, q8_0_block "
+                  "(int8) and q4_0_block (int4)");
+    static constexpr bool quantized = detail::is_quantized_block_v<T>;
 
 public:
     /// An empty cache. Throws value_error `attend.value.size` if kv_heads, head_dim, block_size, blocks or
-    /// max_sequences is < 1 (value_dim < 0, window < 0), `attend.value.quantized_dim` if T is q8_0_block and
+    /// max_sequences is < 1 (value_dim < 0, window < 0), `attend.value.quantized_dim` if T is a quantized block and
     /// head_dim or value_dim is not a multiple of 32, shape_error `attend.shape.overflow` if the pool's size
     /// overflows Eigen::Index, resource_error `attend.resource.allocation` if it cannot be allocated.
     explicit paged_kv_cache(const paged_cache_config& config) : c_(resolved(config)) {
@@ -174,13 +177,13 @@ public:
         return refs_[static_cast<std::size_t>(block)];
     }
 
-    /// Key `[head_dim]` (q8_0: `[head_dim / 32]` blocks) of (sequence, kv head, position) in the pool (a dropped
+    /// Key `[head_dim]` (quantized: `[head_dim / 32]` blocks) of (sequence, kv head, position) in the pool (a dropped
     /// position gives the zero block's row). Throws value_error `attend.value.sequence` or position_error
     /// `attend.position.range`.
     const T* key_row(index id, index head, index position) const {
         return row_of(keys_.data(), key_units(), id, head, position);
     }
-    /// Value `[value_dim]` (q8_0: `[value_dim / 32]` blocks) of (sequence, kv head, position), like key_row.
+    /// Value `[value_dim]` (quantized: `[value_dim / 32]` blocks) of (sequence, kv head, position), like key_row.
     const T* value_row(index id, index head, index position) const {
         return row_of(values_.data(), value_units(), id, head, position);
     }
@@ -265,13 +268,14 @@ public:
 
     /// Appends new_tokens[n] positions to sequence ids[n] (ragged: each its own count): its first new_tokens[n]
     /// rows of k_new `[ids.size(), kv_heads, max new tokens, head_dim]` and v_new `[..., value_dim]`
-    /// (attend::tensor, TensorMap or strided_view), of T, or for an int8 pool of float, double, Eigen::half or
+    /// (attend::tensor, TensorMap or strided_view), of T, or for a quantized pool of float, double, Eigen::half or
     /// Eigen::bfloat16 (quantized as they are stored). With a rolling window, the blocks that hold only positions
     /// the first new token cannot see are handed back after the new blocks are taken. Throws value_error
     /// `attend.value.sequence`, shape_error `attend.shape.sequences` (list sizes, a count outside [0, max new
     /// tokens]), shape_error `attend.shape.cache` (k_new or v_new does not fit), value_error
-    /// `attend.value.non_finite` (NaN or inf in what would be appended), `attend.value.quantized_range` (int8: a
-    /// magnitude above q8_kv_cache::max_magnitude), shape_error `attend.shape.aliasing` (k_new or v_new inside the
+    /// `attend.value.non_finite` (NaN or inf in what would be appended), `attend.value.quantized_range` (quantized:
+    /// a magnitude above quantized_kv_cache<T>::max_magnitude), shape_error `attend.shape.aliasing` (k_new or v_new
+    /// inside the
     /// pool), position_error `attend.position.cache_full` (not enough free blocks), resource_error
     /// `attend.resource.allocation`; nothing is appended then.
     template <class K, class V>
@@ -279,7 +283,7 @@ public:
         using In = detail::scalar_of<K>;
         static_assert(std::is_same_v<detail::scalar_of<V>, In> &&
                           (std::is_same_v<In, T> || (quantized && is_storage_type_v<In>)),
-                      "attend: paged_kv_cache<T>::append takes keys and values of scalar type T (an int8 pool: "
+                      "attend: paged_kv_cache<T>::append takes keys and values of scalar type T (a quantized pool: "
                       "float, double, Eigen::half or Eigen::bfloat16, one type for both)");
         const auto k = detail::as_view(k_new), v = detail::as_view(v_new);
         // Every allocation of the call (lists, messages) fails as a typed error; the cache changes only in commit.
@@ -387,10 +391,12 @@ private:
                                              c.kv_heads, ", head_dim ", c.head_dim, ", value_dim ", c.value_dim,
                                              ", block_size ", c.block_size, ", blocks ", c.blocks, ", max_sequences ",
                                              c.max_sequences, ", window ", c.window));
-        if (quantized && (c.head_dim % q8_0_block::size != 0 || c.value_dim % q8_0_block::size != 0))
-            throw value_error("attend.value.quantized_dim",
-                              detail::concat("an int8 (q8_0) pool stores blocks of 32 values: head_dim ", c.head_dim,
-                                             " and value_dim ", c.value_dim, " must be multiples of 32"));
+        if constexpr (quantized)
+            if (c.head_dim % T::size != 0 || c.value_dim % T::size != 0)
+                throw value_error("attend.value.quantized_dim",
+                                  detail::concat("an ", detail::block_format<T>::name,
+                                                 " pool stores blocks of 32 values: head_dim ", c.head_dim,
+                                                 " and value_dim ", c.value_dim, " must be multiples of 32"));
         if (detail::product_overflows(c.blocks + 1, c.kv_heads, c.block_size, std::max(c.head_dim, c.value_dim)))
             throw shape_error("attend.shape.overflow",
                               detail::concat("paged_kv_cache pool [", c.blocks + 1, ',', c.kv_heads, ',', c.block_size,
@@ -485,7 +491,7 @@ namespace detail {
 /// will need (nothing changes), commit() writes (it cannot fail), and until done() rollback() restores the cache
 /// exactly, block numbers and free list included. Multi-head attention appends, attends and only then calls
 /// done(), so a failure in between takes the new positions back out. In: the new keys' and values' type (T, or
-/// what an int8 pool quantizes).
+/// what a quantized pool quantizes).
 template <class T, class In = T>
 class paged_append {
 public:
@@ -604,16 +610,16 @@ private:
                                named("cache values", c_.values_.data(), pool_v)});
     }
 
-    /// Throws value_error `attend.value.non_finite` for a NaN or +-inf in x, and into an int8 pool
-    /// `attend.value.quantized_range` for a magnitude a q8_0 block cannot hold.
+    /// Throws value_error `attend.value.non_finite` for a NaN or +-inf in x, and into a quantized pool
+    /// `attend.value.quantized_range` for a magnitude its blocks cannot hold.
     static void check_values(const strided_view<const In>& x, const char* name) {
-        if constexpr (std::is_same_v<T, q8_0_block>) check_quantizable(x, name);
+        if constexpr (is_quantized_block_v<T>) check_quantizable<T>(x, name);
         else check_finite(x, name);
     }
 
-    /// Stores a new row of `dim` values: copied, or quantized into an int8 pool.
+    /// Stores a new row of `dim` values: copied, or quantized into a quantized pool.
     static void store_row(const In* row, index dim, T* to) {
-        if constexpr (std::is_same_v<T, q8_0_block>) quantize_q8_0(row, dim, to);
+        if constexpr (is_quantized_block_v<T>) quantize_row(row, dim, to);
         else std::copy(row, row + dim, to);
     }
 

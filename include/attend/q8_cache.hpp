@@ -1,16 +1,22 @@
 // SPDX-License-Identifier: MIT
 #pragma once
-/// q8_kv_cache: a KV cache stored in int8, in ggml's q8_0 layout. Each row of keys or values is cut into blocks of
-/// 32 values, each block one fp16 scale d and 32 int8 values q (attend::q8_0_block, byte for byte ggml's
-/// block_q8_0), x ~ d q. Values are quantized when appended and widened to float inside the tile loop, a K or V
-/// tile at a time into the worker's scratch; they are never materialized whole in float. 34 bytes per 32 values:
-/// 0.27 of a float cache.
+/// quantized_kv_cache<Block>: a KV cache stored in ggml's quantized block layouts. Each row of keys or values is cut
+/// into blocks of 32 values, each block one fp16 scale d and 32 small integers. Values are quantized when appended
+/// and widened to float inside the tile loop, a K or V tile at a time into the worker's scratch (or in registers by
+/// the decode's row kernels); they are never materialized whole in float. Attention over the cache is exactly
+/// float attention over the values it holds: the only error is the quantization.
 ///
-/// Error bound, per value: d = fp16(amax / 127), amax the largest |x| of its block (the next fp16 up where amax / 127
-/// is so small that fp16's subnormals round it far down), and q = round(x / d) with d as stored, so
-/// |x - d q| <= d / 2 ~ amax / 254 (up to 2^-16 d: x / d is rounded to float first). A block whose amax is below
-/// 127 x 2^-25 (d rounds to 0) is stored as zeros. Attention over the cache is then exactly float attention over the
-/// values d q: the only error is the quantization, tests/unit/q8_cache_test.cpp checks both.
+/// q8_kv_cache (q8_0_block, byte for byte ggml's block_q8_0): int8 q, x ~ d q, 34 bytes per 32 values, 0.27 of a
+/// float cache. d = fp16(amax / 127), amax the largest |x| of its block (the next fp16 up where amax / 127 is so
+/// small that fp16's subnormals round it far down), and q = round(x / d) with d as stored, so |x - d q| <= d / 2 ~
+/// amax / 254 (up to 2^-16 d: x / d is rounded to float first). A block whose amax is below 127 x 2^-25 (d rounds
+/// to 0) is stored as zeros. tests/unit/q8_cache_test.cpp.
+///
+/// q4_kv_cache (q4_0_block, ggml's block_q4_0): 4-bit q in [0, 15], x ~ d (q - 8), 18 bytes per 32 values, 0.14 of
+/// a float cache. d = fp16(m / -8), m the value of largest magnitude, so m is held as -8 d (d a normal fp16) and
+/// every value within |d| / 2 (+ 2^-19 |d|) = |m| / 16, except values of m's opposite sign beyond 7.5 |d| in
+/// magnitude, which the format's [-8, 7] clamps to 7 d: within 1.5 |d| = 3 |m| / 16 (quantize_q4_0).
+/// tests/unit/q4_cache_test.cpp.
 
 #include <algorithm>
 #include <array>
@@ -20,7 +26,7 @@
 #include "cache.hpp"
 #include "detail/input_scan.hpp"
 #include "detail/memory.hpp"
-#include "detail/q8_rows.hpp"
+#include "detail/quantized_rows.hpp"
 #include "detail/widen.hpp"
 #include "error.hpp"
 #include "shape.hpp"
@@ -29,40 +35,45 @@
 namespace attend {
 
 /// Keys `[batch, kv_heads, length, head_dim]` and values `[batch, kv_heads, length, value_dim]` of the positions
-/// seen so far, as q8_0 blocks, with a capacity fixed at construction. Float queries attend over it, and fp16 or bf16
-/// ones (widened to float, the output rounded once):
+/// seen so far, as Block (q8_0_block or q4_0_block), with a capacity fixed at construction. Float queries attend
+/// over it, and fp16 or bf16 ones (widened to float, the output rounded once):
 /// `scaled_dot_product_attention(q, cache.keys(), cache.values(), mask, options)`, and `_into`.
-class q8_kv_cache {
+template <class Block>
+class quantized_kv_cache {
+    static_assert(detail::is_quantized_block_v<Block>,
+                  "attend: quantized_kv_cache<Block> takes q8_0_block or q4_0_block");
+
 public:
-    /// The largest |value| a block can hold: 127 x fp16's largest scale.
-    static constexpr double max_magnitude = detail::q8_max_magnitude;
+    /// The largest |value| a block can hold: 127 (q8_0) or 8 (q4_0) x fp16's largest scale.
+    static constexpr double max_magnitude = detail::block_format<Block>::max_magnitude;
 
     /// An empty cache for `capacity` positions. Throws value_error `attend.value.size` if a size is < 1,
     /// `attend.value.quantized_dim` if head_dim or value_dim is not a multiple of 32 (the block size), shape_error
     /// `attend.shape.overflow` if the storage size overflows Eigen::Index and resource_error
     /// `attend.resource.allocation` if it cannot be allocated.
-    q8_kv_cache(index batch, index kv_heads, index capacity, index head_dim, index value_dim)
+    quantized_kv_cache(index batch, index kv_heads, index capacity, index head_dim, index value_dim)
         : batch_(batch), kv_heads_(kv_heads), capacity_(capacity), head_dim_(head_dim), value_dim_(value_dim) {
         detail::check_cache_sizes({batch, kv_heads, capacity, head_dim, value_dim});
-        if (head_dim % q8_0_block::size != 0 || value_dim % q8_0_block::size != 0)
+        if (head_dim % Block::size != 0 || value_dim % Block::size != 0)
             throw value_error("attend.value.quantized_dim",
-                              detail::concat("an int8 (q8_0) cache stores blocks of 32 values: head_dim ", head_dim,
+                              detail::concat("an ", detail::block_format<Block>::name,
+                                             " cache stores blocks of 32 values: head_dim ", head_dim,
                                              " and value_dim ", value_dim, " must be multiples of 32"));
         if (detail::product_overflows(batch, kv_heads, capacity, head_dim) ||
             detail::product_overflows(batch, kv_heads, capacity, value_dim))
             throw shape_error("attend.shape.overflow",
-                              detail::concat("q8_kv_cache storage [", batch, ',', kv_heads, ',', capacity, ',',
+                              detail::concat("quantized_kv_cache storage [", batch, ',', kv_heads, ',', capacity, ',',
                                              std::max(head_dim, value_dim), "] overflows Eigen::Index"));
         detail::allocating(
             [&] {
-                keys_.resize(static_cast<std::size_t>(batch * kv_heads * capacity * (head_dim / q8_0_block::size)));
-                values_.resize(static_cast<std::size_t>(batch * kv_heads * capacity * (value_dim / q8_0_block::size)));
+                keys_.resize(static_cast<std::size_t>(batch * kv_heads * capacity * (head_dim / Block::size)));
+                values_.resize(static_cast<std::size_t>(batch * kv_heads * capacity * (value_dim / Block::size)));
             },
             [&] {
                 return detail::allocation_text(
-                    "q8_kv_cache storage (keys and values x batch x kv_heads x capacity x blocks)",
+                    "quantized_kv_cache storage (keys and values x batch x kv_heads x capacity x blocks)",
                     std::array<index, 5>{2, batch, kv_heads, capacity, std::max(head_dim, value_dim) / 32},
-                    sizeof(q8_0_block));
+                    sizeof(Block));
             },
             "Choose a smaller capacity");
     }
@@ -89,8 +100,8 @@ public:
         for (index b = 0; b < batch_; ++b)
             for (index h = 0; h < kv_heads_; ++h)
                 for (index i = 0; i < L; ++i) {
-                    detail::quantize_q8_0(k.row(b, h, i), head_dim_, key_row(b, h, length_ + i));
-                    detail::quantize_q8_0(v.row(b, h, i), value_dim_, value_row(b, h, length_ + i));
+                    detail::quantize_row(k.row(b, h, i), head_dim_, key_row(b, h, length_ + i));
+                    detail::quantize_row(v.row(b, h, i), value_dim_, value_row(b, h, length_ + i));
                 }
         length_ += L;
     }
@@ -100,13 +111,13 @@ public:
     template <class K, class V>
     void check_append(const K& k_new, const V& v_new) const {
         static_assert(std::is_same_v<detail::scalar_of<K>, detail::scalar_of<V>>,
-                      "attend: q8_kv_cache::append takes keys and values of one scalar type");
+                      "attend: quantized_kv_cache::append takes keys and values of one scalar type");
         const auto k = detail::as_view(k_new);
         const auto v = detail::as_view(v_new);
         detail::check_append_shapes(k, v, {batch_, kv_heads_, capacity_, head_dim_, value_dim_});
         detail::check_cache_fits(k.dims[2], length_, capacity_);
-        detail::check_quantizable(k, "new keys");
-        detail::check_quantizable(v, "new values");
+        detail::check_quantizable<Block>(k, "new keys");
+        detail::check_quantizable<Block>(v, "new values");
     }
 
     /// Throws position_error `attend.position.cache_full` if `new_tokens` more positions do not fit, shape_error
@@ -114,18 +125,18 @@ public:
     void check_fits(index new_tokens) const { detail::check_cache_fits(new_tokens, length_, capacity_); }
 
     /// Keys `[batch, kv_heads, length(), head_dim]` over the cache's own blocks; valid across later appends.
-    detail::q8_view keys() const { return view(keys_.data(), head_dim_); }
+    detail::quantized_view<Block> keys() const { return view(keys_.data(), head_dim_); }
     /// Values `[batch, kv_heads, length(), value_dim]`, like keys().
-    detail::q8_view values() const { return view(values_.data(), value_dim_); }
+    detail::quantized_view<Block> values() const { return view(values_.data(), value_dim_); }
 
-    /// The blocks of keys `[batch, kv_heads, capacity, head_dim / 32]`, ggml's q8_0 layout, for mapping a
+    /// The blocks of keys `[batch, kv_heads, capacity, head_dim / 32]`, ggml's layout, for mapping a
     /// llama.cpp cache or reading what was stored.
-    const std::vector<q8_0_block>& key_blocks() const { return keys_; }
+    const std::vector<Block>& key_blocks() const { return keys_; }
     /// The blocks of values `[batch, kv_heads, capacity, value_dim / 32]`.
-    const std::vector<q8_0_block>& value_blocks() const { return values_; }
+    const std::vector<Block>& value_blocks() const { return values_; }
 
     /// Bytes of key and value storage the cache holds (allocated once, at construction).
-    std::size_t storage_bytes() const { return (keys_.capacity() + values_.capacity()) * sizeof(q8_0_block); }
+    std::size_t storage_bytes() const { return (keys_.capacity() + values_.capacity()) * sizeof(Block); }
 
     /// Forgets every position; storage and capacity stay.
     void clear() { length_ = 0; }
@@ -138,25 +149,30 @@ public:
     }
 
 private:
-    detail::q8_view view(const q8_0_block* data, index dim) const {
-        detail::q8_view v;
+    detail::quantized_view<Block> view(const Block* data, index dim) const {
+        detail::quantized_view<Block> v;
         v.data = data;
         v.dims = {batch_, kv_heads_, length_, dim};
-        const index blocks = dim / q8_0_block::size;
+        const index blocks = dim / Block::size;
         v.strides = {kv_heads_ * capacity_ * blocks, capacity_ * blocks, blocks};
         return v;
     }
-    q8_0_block* key_row(index b, index h, index i) {
-        return keys_.data() + ((b * kv_heads_ + h) * capacity_ + i) * (head_dim_ / q8_0_block::size);
+    Block* key_row(index b, index h, index i) {
+        return keys_.data() + ((b * kv_heads_ + h) * capacity_ + i) * (head_dim_ / Block::size);
     }
-    q8_0_block* value_row(index b, index h, index i) {
-        return values_.data() + ((b * kv_heads_ + h) * capacity_ + i) * (value_dim_ / q8_0_block::size);
+    Block* value_row(index b, index h, index i) {
+        return values_.data() + ((b * kv_heads_ + h) * capacity_ + i) * (value_dim_ / Block::size);
     }
 
     index batch_, kv_heads_, capacity_, head_dim_, value_dim_;
     index length_ = 0;
-    std::vector<q8_0_block> keys_;
-    std::vector<q8_0_block> values_;
+    std::vector<Block> keys_;
+    std::vector<Block> values_;
 };
+
+/// An int8 cache in ggml's q8_0 layout (llama.cpp's `--cache-type-k q8_0`).
+using q8_kv_cache = quantized_kv_cache<q8_0_block>;
+/// An int4 cache in ggml's q4_0 layout (llama.cpp's `--cache-type-k q4_0`).
+using q4_kv_cache = quantized_kv_cache<q4_0_block>;
 
 }  // namespace attend

@@ -202,7 +202,7 @@ tensor<Acc, 4> gathered(const Rows& x, const char* what) {
     for (index b = 0; b < x.dims[0]; ++b)
         for (index h = 0; h < x.dims[1]; ++h) {
             Acc* dst = copy.data() + (b * x.dims[1] + h) * x.dims[2] * x.dims[3];
-            if constexpr (q8_rows_v<Rows>) {
+            if constexpr (quantized_rows_v<Rows>) {
                 widen_rows(x, b, h, 0, x.dims[2], dst);
             } else {
                 for (index i = 0; i < x.dims[2]; ++i)

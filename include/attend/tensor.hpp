@@ -81,24 +81,25 @@ strided_view<T> split_heads(T* data, index batch, index len, index heads, index 
     return v;
 }
 
-struct q8_0_block;  // q8_rows.hpp: int8 blocks of an int8 cache
+struct q8_0_block;  // quantized_rows.hpp: int8 blocks of an int8 cache
+struct q4_0_block;  // quantized_rows.hpp: int4 blocks of an int4 cache
 
 namespace detail {
 
 /// Storage types one attention call may combine: one type throughout, float queries and outputs over 16-bit
-/// or q8_0 keys and values (a decoder with an fp16, bf16 or int8 cache), or 16-bit queries and outputs over q8_0
-/// keys and values (an fp16 or bf16 model with an int8 cache). Keys and values always share a type.
+/// keys and values (a decoder with an fp16 or bf16 cache), or float or 16-bit queries and outputs over quantized
+/// (q8_0, q4_0) keys and values (a model with an int8 or int4 cache). Keys and values always share a type.
 template <class Q, class KV>
 inline constexpr bool storage_pair_v =
     std::is_same_v<Q, KV> ||
-    (std::is_same_v<Q, float> &&
-     (std::is_same_v<KV, Eigen::half> || std::is_same_v<KV, Eigen::bfloat16> || std::is_same_v<KV, q8_0_block>)) ||
-    ((std::is_same_v<Q, Eigen::half> || std::is_same_v<Q, Eigen::bfloat16>)&&std::is_same_v<KV, q8_0_block>);
+    (std::is_same_v<Q, float> && (std::is_same_v<KV, Eigen::half> || std::is_same_v<KV, Eigen::bfloat16>)) ||
+    ((std::is_same_v<Q, float> || std::is_same_v<Q, Eigen::half> ||
+      std::is_same_v<Q, Eigen::bfloat16>)&&(std::is_same_v<KV, q8_0_block> || std::is_same_v<KV, q4_0_block>));
 
 /// The static_assert message of every call that takes q, k and v.
 #define ATTEND_STORAGE_PAIR_MESSAGE                                                                                 \
     "attend: query, key and value must have one scalar type, or float queries with Eigen::half or Eigen::bfloat16 " \
-    "keys and values (of one type), or float, Eigen::half or Eigen::bfloat16 queries with an int8 cache's q8_view " \
+    "keys and values (of one type), or float, Eigen::half or Eigen::bfloat16 queries with an int8 or int4 cache's " \
     "keys and values"
 
 template <class X>

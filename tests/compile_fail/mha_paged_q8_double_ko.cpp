@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 // Twin of mha_paged_q8_double_ok.cpp: an int8 (q8_0) paged pool is read by float or 16-bit queries, so a
 // double module cannot decode over one.
-// expect-error: an int8 (q8_0) cache is read by float or 16-bit queries
+// expect-error: cache is read by float or 16-bit queries
 #include <attend/mha.hpp>
 
 auto attend_double_module_over_an_int8_pool() {

@@ -4,7 +4,8 @@
 // every operation the cache must equal a model that keeps each sequence in a plain kv_cache of its own, the
 // pool's bookkeeping must hold, a refused operation must be the right typed error and change nothing, and
 // attention over the batch must equal, bit for bit, attention over each sequence alone. Caches of float, double,
-// fp16 and bf16 (queries of the same type), and int8 pools under float queries (against a q8_kv_cache each).
+// fp16 and bf16 (queries of the same type), and int8 and int4 pools under float queries (against a
+// quantized_kv_cache each).
 #include <cstddef>
 #include <cstdint>
 #include <sstream>
@@ -30,13 +31,13 @@ struct abort_failure {
 template <class T, class Stored = T>
 void run_session(fuzz_input& in) {
     using session_type = attend_test::paged_session<T, input_choice, abort_failure, Stored>;
-    constexpr bool int8 = std::is_same_v<Stored, attend::q8_0_block>;
+    constexpr bool quantized = attend::detail::is_quantized_block_v<Stored>;
     typename session_type::sizes z;
     static constexpr index head_layouts[][2] = {{1, 1}, {2, 1}, {4, 2}, {3, 3}};
     const auto& heads = head_layouts[in.choose(4)];
     z.heads = heads[0];
     z.kv_heads = heads[1];
-    z.head_dim = int8 ? 32 * in.in_range(1, 2) : in.in_range(1, 8);  // an int8 row is whole blocks of 32
+    z.head_dim = quantized ? 32 * in.in_range(1, 2) : in.in_range(1, 8);  // a quantized row is whole blocks of 32
     z.block_size = in.in_range(1, 9);
     z.blocks = in.in_range(1, 80);
     z.max_sequences = in.in_range(1, 5);
@@ -48,7 +49,8 @@ void run_session(fuzz_input& in) {
     o.threads = 1 + in.choose(2);
     if (in.chance(64)) o.softcap = 0.5 + static_cast<double>(in.in_range(0, 40)) / 8.0;
     std::ostringstream text;
-    const char* type = int8                             ? "int8 (q8_0) pool, float queries"
+    const char* type = quantized ? (std::is_same_v<Stored, attend::q8_0_block> ? "int8 (q8_0) pool, float queries"
+                                                                               : "int4 (q4_0) pool, float queries")
                        : std::is_same_v<T, float>       ? "float"
                        : std::is_same_v<T, double>      ? "double"
                        : std::is_same_v<T, Eigen::half> ? "fp16"
@@ -69,12 +71,14 @@ void run_session(fuzz_input& in) {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
     attend_fuzz::fuzz_input in(data, size);
-    // float and double mostly; fp16 and bf16 (cache and queries) and int8 pools one in eight each
+    // float and double mostly; fp16 and bf16 (cache and queries) one in eight each, int8 and int4 pools one in
+    // sixteen each
     const unsigned kind = in.byte();
     if (kind < 96) attend_fuzz::run_session<float>(in);
     else if (kind < 128) attend_fuzz::run_session<Eigen::half>(in);
     else if (kind < 160) attend_fuzz::run_session<Eigen::bfloat16>(in);
     else if (kind < 224) attend_fuzz::run_session<double>(in);
-    else attend_fuzz::run_session<float, attend::q8_0_block>(in);
+    else if (kind < 240) attend_fuzz::run_session<float, attend::q8_0_block>(in);
+    else attend_fuzz::run_session<float, attend::q4_0_block>(in);
     return 0;
 }

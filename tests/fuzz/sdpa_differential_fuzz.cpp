@@ -20,9 +20,10 @@
 ///     same, and the same error; float queries over the rounded keys and values give the float call bit for bit;
 ///     when the call has a backward, so does the 16-bit backward (its gradients the float backward's on the
 ///     widened values, rounded once, or the same error);
-///   - for float inputs of rank 4, an int8 (q8_0) cache holds each value within half its block's scale and refuses
-///     exactly the values it cannot hold; float queries over it give the float call over the values it holds, bit
-///     for bit, or the same error (check_q8_cache);
+///   - for float inputs of rank 4, an int8 (q8_0) and an int4 (q4_0) cache hold each value within their format's
+///     bound and refuse exactly the values they cannot hold; float queries over them give the float call over the
+///     values they hold, bit for bit, or the same error, and fp16 and bf16 queries the float call on their values
+///     rounded once (check_quantized_cache);
 ///   - a call split at a random key into two calls merged by merge_partials meets the same oracle
 ///     (check_split_merge);
 ///   - the backward of both kernels agrees within a bound derived the same way.
@@ -47,6 +48,7 @@
 #include "fuzz_check.hpp"
 #include "fuzz_input.hpp"
 #include "fuzz_masks.hpp"
+#include "support/q8_blocks.hpp"
 
 namespace attend_fuzz {
 namespace {
@@ -485,7 +487,7 @@ bool identical(const outputs<T>& a, const outputs<T>& b) {
 
 /// The tiled kernel with explicit tile sizes, through the same checks as the public call, storing T and
 /// accumulating in Acc (float storage accumulated in double is the kernels' staged path); keys and values as
-/// `Rows` (strided views of T, or an int8 cache's q8_0 blocks).
+/// `Rows` (strided views of T, or a quantized cache's blocks).
 template <class T, class Acc = T, class Rows = attend::strided_view<const T>, class Mask>
 outputs<T> tiled_with(const attend::strided_view<const T>& q, const Rows& k, const Rows& v, const Mask& mask,
                       const attend::sdpa_options& options, const attend::detail::tile_config& tiles, int threads) {
@@ -582,6 +584,39 @@ void check_backward(fuzz_input& in, const call_case<T>& c, const attend::tensor<
             dp * queries);
 }
 
+/// A tensor's elements, flat.
+template <class X>
+auto flat(const X& t) {
+    return std::vector(t.data(), t.data() + t.size());
+}
+
+/// x rounded once to S.
+template <class S>
+std::vector<S> rounded_to(const std::vector<float>& x) {
+    std::vector<S> y(x.size());
+    std::transform(x.begin(), x.end(), y.begin(), [](float e) { return static_cast<S>(e); });
+    return y;
+}
+
+/// The same 16-bit values, bit for bit (any NaN matches any NaN).
+template <class S>
+bool same_bits16(const std::vector<S>& a, const std::vector<S>& b) {
+    if (a.size() != b.size()) return false;
+    for (std::size_t n = 0; n < a.size(); ++n)
+        if (!((Eigen::numext::isnan)(a[n]) && (Eigen::numext::isnan)(b[n])) &&
+            attend::detail::bits_of(a[n]) != attend::detail::bits_of(b[n]))
+            return false;
+    return true;
+}
+
+/// A 16-bit call's outputs are the float call's on its values, rounded once (lse stays float).
+template <class S, int Rank>
+bool rounded_once(const attend::attention_result<S, Rank>& got, const attend::attention_result<float, Rank>& want) {
+    return same_bits16(flat(got.out), rounded_to<S>(flat(want.out))) &&
+           same_bits16(flat(got.weights), rounded_to<S>(flat(want.weights))) &&
+           identical(flat(got.lse), flat(want.lse));
+}
+
 /// The 16-bit storage check of the file comment, for storage type S, both kernels (the tiled one on `threads`),
 /// with the backward when `backward`.
 template <class S, int Rank, class Mask>
@@ -591,19 +626,6 @@ void check_storage16(const attend::tensor<float, Rank>& q, const attend::tensor<
     const attend::tensor<S, Rank> q16 = q.template cast<S>(), k16 = k.template cast<S>(), v16 = v.template cast<S>();
     const attend::tensor<float, Rank> qw = q16.template cast<float>(), kw = k16.template cast<float>(),
                                       vw = v16.template cast<float>();
-    const auto rounded = [](const std::vector<float>& x) {
-        std::vector<S> y(x.size());
-        std::transform(x.begin(), x.end(), y.begin(), [](float e) { return static_cast<S>(e); });
-        return y;
-    };
-    const auto same_bits = [](const std::vector<S>& a, const std::vector<S>& b) {
-        if (a.size() != b.size()) return false;
-        for (std::size_t n = 0; n < a.size(); ++n)
-            if (!((Eigen::numext::isnan)(a[n]) && (Eigen::numext::isnan)(b[n])) &&
-                attend::detail::bits_of(a[n]) != attend::detail::bits_of(b[n]))
-                return false;
-        return true;
-    };
     for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
         o.kernel = kernel;
         o.threads = kernel == attend::kernel::tiled ? threads : 1;
@@ -616,11 +638,7 @@ void check_storage16(const attend::tensor<float, Rank>& q, const attend::tensor<
         require(id_got == id_want,
                 "16-bit storage throws " + spell(id_got) + ", float on its values " + spell(id_want));
         if (!id_got) {
-            const outputs<float> w = flatten(*want);
-            const auto flat = [](const auto& t) { return std::vector(t.data(), t.data() + t.size()); };
-            require(same_bits(flat(got->out), rounded(w.out)) && same_bits(flat(got->weights), rounded(w.weights)) &&
-                        identical(flat(got->lse), w.lse),  // lse stays float
-                    "16-bit storage is not the float result on its values rounded once");
+            require(rounded_once(*got, *want), "16-bit storage is not the float result on its values rounded once");
             if (backward) {
                 // d_out: the 16-bit out itself, a valid gradient of the right shape.
                 const attend::tensor<S, Rank>& d16 = got->out;
@@ -638,11 +656,12 @@ void check_storage16(const attend::tensor<float, Rank>& q, const attend::tensor<
                 require(id_g16 == id_gw,
                         "16-bit backward throws " + spell(id_g16) + ", float on its values " + spell(id_gw));
                 if (!id_g16)
-                    require(same_bits(flat(g16->dq), rounded(flat(gw->dq))) &&
-                                same_bits(flat(g16->dk), rounded(flat(gw->dk))) &&
-                                same_bits(flat(g16->dv), rounded(flat(gw->dv))) &&
-                                same_bits(flat(g16->score_bias_gradient), rounded(flat(gw->score_bias_gradient))) &&
-                                same_bits(flat(g16->sink_gradient), rounded(flat(gw->sink_gradient))),
+                    require(same_bits16(flat(g16->dq), rounded_to<S>(flat(gw->dq))) &&
+                                same_bits16(flat(g16->dk), rounded_to<S>(flat(gw->dk))) &&
+                                same_bits16(flat(g16->dv), rounded_to<S>(flat(gw->dv))) &&
+                                same_bits16(flat(g16->score_bias_gradient),
+                                            rounded_to<S>(flat(gw->score_bias_gradient))) &&
+                                same_bits16(flat(g16->sink_gradient), rounded_to<S>(flat(gw->sink_gradient))),
                             "the 16-bit backward is not the float backward on its values rounded once");
             }
         }
@@ -659,70 +678,93 @@ void check_storage16(const attend::tensor<float, Rank>& q, const attend::tensor<
     }
 }
 
-/// The int8 cache check of the file comment. k and v are padded with zero columns to whole q8_0 blocks (q too,
-/// which leaves every score as it was) and appended to a q8_kv_cache: refused, with nothing appended, exactly when
-/// a value is not finite or beyond max_magnitude; otherwise each value is held within half its block's scale, up to
-/// the documented 2^-16 of it (a block whose amax / 127 rounds to 0 in fp16 holds zeros). Float queries over the
-/// cache give, in both kernels and in the tiled one with the drawn small tiles, the float call over the values it
-/// holds (scale x int8), bit for bit, or the same error.
-template <class Mask>
-void check_q8_cache(const attend::tensor<float, 4>& q, const attend::tensor<float, 4>& k,
-                    const attend::tensor<float, 4>& v, const Mask& mask, attend::sdpa_options o,
-                    const attend::detail::tile_config& tiles, int threads) {
-    using attend::q8_0_block;
+/// A q8_0 block holding x (32 values) as w: each value within half a step, plus the float rounding of x / d
+/// (q8_cache.hpp); a block of zeros exactly where its amax / 127 rounds to 0 in fp16.
+void require_within_bound(const attend::q8_0_block& block, const float* x, const float* w) {
+    const float d = static_cast<float>(block.scale);
+    float amax = 0;
+    for (index j = 0; j < 32; ++j) amax = std::max(amax, std::abs(x[j]));
+    require((d == 0) == (static_cast<float>(Eigen::half(amax / 127.0f)) == 0),
+            attend::detail::concat("a q8_0 block of largest magnitude ", amax, " has scale ", d));
+    for (index j = 0; j < 32; ++j) {
+        const double error = std::abs(static_cast<double>(x[j]) - static_cast<double>(w[j]));
+        require(error <= static_cast<double>(d) * (0.5 + std::ldexp(1.0, -16)) || (d == 0 && w[j] == 0),
+                attend::detail::concat("q8_kv_cache holds ", w[j], " for ", x[j], " (scale ", d,
+                                       "), beyond half its block's scale"));
+    }
+}
+
+/// A q4_0 block holding x as w: each value within half a step (plus 2^-19 of it), those of the extreme's opposite
+/// sign beyond 7.5 steps within 1.5 (the format's [-8, 7] clamps them); a block of zeros exactly where m / -8
+/// rounds to 0 in fp16, m its first value of largest magnitude (q8_cache.hpp).
+void require_within_bound(const attend::q4_0_block& block, const float* x, const float* w) {
+    const float d = static_cast<float>(block.scale);
+    float m = 0;
+    for (index j = 0; j < 32; ++j)
+        if (std::abs(x[j]) > std::abs(m)) m = x[j];
+    require((d == 0) == (static_cast<float>(Eigen::half(m / -8.0f)) == 0),
+            attend::detail::concat("a q4_0 block of extreme ", m, " has scale ", d));
+    for (index j = 0; j < 32; ++j) {
+        const double error = std::abs(static_cast<double>(x[j]) - static_cast<double>(w[j]));
+        const double steps = d != 0 && static_cast<double>(x[j]) / d > 7.5 ? 1.5 : 0.5 + std::ldexp(1.0, -19);
+        require(error <= std::abs(static_cast<double>(d)) * steps || (d == 0 && w[j] == 0),
+                attend::detail::concat("q4_kv_cache holds ", w[j], " for ", x[j], " (scale ", d, "), beyond ", steps,
+                                       " of its block's scale"));
+    }
+}
+
+/// The quantized cache check of the file comment, for an int8 (q8_0) or int4 (q4_0) cache. k and v are padded
+/// with zero columns to whole blocks (q too, which leaves every score as it was) and appended to a
+/// quantized_kv_cache<Block>: refused, with nothing appended, exactly when a value is not finite or beyond
+/// max_magnitude; otherwise each value is held within its format's documented bound (quantized_block_bound). Float
+/// queries over the cache give, in both kernels and in the tiled one with the drawn small tiles, the float call
+/// over the values it holds (scale x integer), bit for bit, or the same error; fp16 and bf16 queries the float
+/// call on their values rounded once.
+template <class Block, class Mask>
+void check_quantized_cache(const attend::tensor<float, 4>& q, const attend::tensor<float, 4>& k,
+                           const attend::tensor<float, 4>& v, const Mask& mask, attend::sdpa_options o,
+                           const attend::detail::tile_config& tiles, int threads) {
     using attend::detail::as_view;
+    using cache_type = attend::quantized_kv_cache<Block>;
+    const std::string name = attend::detail::block_format<Block>::name;
     if (error_id_of([&] { (void)attend::detail::check_views(as_view(q), as_view(k), as_view(v)); })) return;
     for (const index size : {k.dimension(0), k.dimension(1), k.dimension(2), k.dimension(3), v.dimension(3)})
         if (size < 1) return;  // the cache's own size errors are q8_cache_test's
     const auto padded = [](const attend::tensor<float, 4>& x) {
         const index dim = x.dimension(3);
         attend::tensor<float, 4> p(x.dimension(0), x.dimension(1), x.dimension(2),
-                                   (dim + q8_0_block::size - 1) / q8_0_block::size * q8_0_block::size);
+                                   (dim + Block::size - 1) / Block::size * Block::size);
         p.setZero();
         for (index row = 0; row < x.size() / std::max<index>(dim, 1); ++row)
             std::copy(x.data() + row * dim, x.data() + (row + 1) * dim, p.data() + row * p.dimension(3));
         return p;
     };
     const attend::tensor<float, 4> qp = padded(q), kp = padded(k), vp = padded(v);
-    attend::q8_kv_cache cache(k.dimension(0), k.dimension(1), k.dimension(2), kp.dimension(3), vp.dimension(3));
+    cache_type cache(k.dimension(0), k.dimension(1), k.dimension(2), kp.dimension(3), vp.dimension(3));
     std::optional<std::string> refusal;  // the keys are checked first, each for finiteness first
     for (const auto* x : {&k, &v}) {
         const float* first = x->data();
         const float* last = first + x->size();
         if (refusal) break;
         if (std::any_of(first, last, [](float e) { return !std::isfinite(e); })) refusal = "attend.value.non_finite";
-        else if (std::any_of(first, last, [](float e) {
-                     return std::abs(static_cast<double>(e)) > attend::q8_kv_cache::max_magnitude;
-                 }))
+        else if (std::any_of(first, last,
+                             [](float e) { return std::abs(static_cast<double>(e)) > cache_type::max_magnitude; }))
             refusal = "attend.value.quantized_range";
     }
     const auto id_append = error_id_of([&] { cache.append(kp, vp); });
     require(id_append == refusal,
-            "q8_kv_cache::append throws " + spell(id_append) + ", its values call for " + spell(refusal));
+            name + " cache append throws " + spell(id_append) + ", its values call for " + spell(refusal));
     if (id_append) {
-        require(cache.length() == 0, "a refused q8_kv_cache::append changed the cache");
+        require(cache.length() == 0, "a refused " + name + " cache append changed the cache");
         return;
     }
-    // What the cache holds, scale x int8 per value: rows in the order of the tensors (its capacity is key_len).
-    // Each value within half a step, plus the float rounding of x / d (q8_cache.hpp); a block of zeros exactly
-    // where its amax / 127 rounds to 0 in fp16.
-    const auto held = [](const std::vector<q8_0_block>& blocks, const attend::tensor<float, 4>& x) {
+    // What the cache holds, scale x integer per value: rows in the order of the tensors (its capacity is key_len).
+    const auto held = [](const std::vector<Block>& blocks, const attend::tensor<float, 4>& x) {
         attend::tensor<float, 4> w(x.dimensions());
-        for (index first = 0; first < x.size(); first += q8_0_block::size) {
-            const q8_0_block& block = blocks[static_cast<std::size_t>(first / q8_0_block::size)];
-            const float d = static_cast<float>(block.scale);
-            float amax = 0;
-            for (index j = 0; j < q8_0_block::size; ++j) amax = std::max(amax, std::abs(x.data()[first + j]));
-            require((d == 0) == (static_cast<float>(Eigen::half(amax / 127.0f)) == 0),
-                    attend::detail::concat("a q8_0 block of largest magnitude ", amax, " has scale ", d));
-            for (index j = 0; j < q8_0_block::size; ++j) {
-                const index n = first + j;
-                w.data()[n] = d * static_cast<float>(block.values[j]);
-                const double error = std::abs(static_cast<double>(x.data()[n]) - static_cast<double>(w.data()[n]));
-                require(error <= static_cast<double>(d) * (0.5 + std::ldexp(1.0, -16)) || (d == 0 && w.data()[n] == 0),
-                        attend::detail::concat("q8_kv_cache holds ", w.data()[n], " for ", x.data()[n], " (scale ", d,
-                                               "), beyond half its block's scale"));
-            }
+        for (index first = 0; first < x.size(); first += Block::size) {
+            const Block& block = blocks[static_cast<std::size_t>(first / Block::size)];
+            for (index j = 0; j < Block::size; ++j) w.data()[first + j] = attend_test::widened_by_hand(block, j);
+            require_within_bound(block, x.data() + first, w.data() + first);
         }
         return w;
     };
@@ -735,11 +777,11 @@ void check_q8_cache(const attend::tensor<float, 4>& q, const attend::tensor<floa
             [&] { got.emplace(attend::scaled_dot_product_attention(qp, cache.keys(), cache.values(), mask, o)); });
         const auto id_want =
             error_id_of([&] { want.emplace(attend::scaled_dot_product_attention(qp, kw, vw, mask, o)); });
-        require(id_got == id_want,
-                "float queries over an int8 cache throw " + spell(id_got) + ", over its values " + spell(id_want));
+        require(id_got == id_want, "float queries over an " + name + " cache throw " + spell(id_got) +
+                                       ", over its values " + spell(id_want));
         if (!id_got)
             require(identical(flatten(*got), flatten(*want)),
-                    "float queries over an int8 cache differ from float keys of the values it holds");
+                    "float queries over an " + name + " cache differ from float keys of the values it holds");
     }
     std::optional<outputs<float>> got, want;
     const auto id_got = error_id_of(
@@ -747,9 +789,38 @@ void check_q8_cache(const attend::tensor<float, 4>& q, const attend::tensor<floa
     const auto id_want = error_id_of(
         [&] { want.emplace(tiled_with<float>(as_view(qp), as_view(kw), as_view(vw), mask, o, tiles, threads)); });
     require(id_got == id_want,
-            "small tiles over an int8 cache throw " + spell(id_got) + ", over its values " + spell(id_want));
+            "small tiles over an " + name + " cache throw " + spell(id_got) + ", over its values " + spell(id_want));
     if (!id_got)
-        require(identical(*got, *want), "small tiles over an int8 cache differ from float keys of the values it holds");
+        require(identical(*got, *want),
+                "small tiles over an " + name + " cache differ from float keys of the values it holds");
+    // fp16 and bf16 queries over the cache: the float call on their values, rounded once, or the same error.
+    const auto sixteen_bit_queries = [&](auto type) {
+        using S = decltype(type);
+        const attend::tensor<S, 4> q16 = qp.template cast<S>();
+        const attend::tensor<float, 4> qw = q16.template cast<float>();
+        for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
+            o.kernel = kernel;
+            o.threads = kernel == attend::kernel::tiled ? threads : 1;
+            std::optional<attend::attention_result<S, 4>> got16;
+            std::optional<attend::attention_result<float, 4>> want16;
+            const auto id16 = error_id_of([&] {
+                got16.emplace(attend::scaled_dot_product_attention(q16, cache.keys(), cache.values(), mask, o));
+            });
+            const auto idw = error_id_of([&] {
+                want16.emplace(attend::scaled_dot_product_attention(qw, cache.keys(), cache.values(), mask, o));
+            });
+            require(id16 == idw, "16-bit queries over an " + name + " cache throw " + spell(id16) +
+                                     ", float ones on their "
+                                     "values " +
+                                     spell(idw));
+            if (!id16)
+                require(rounded_once(*got16, *want16),
+                        "16-bit queries over an " + name +
+                            " cache are not the float call on their values rounded once");
+        }
+    };
+    sixteen_bit_queries(Eigen::half{});
+    sixteen_bit_queries(Eigen::bfloat16{});
 }
 
 /// Attention over keys [0, split) and over [split, key_len), each a call of its own (the mask's meaning as an
@@ -828,11 +899,14 @@ void run_call(fuzz_input& in, call_case<T>& c, const attend::tensor<T, Rank>& q,
     const auto id_til = error_id_of([&] { til.emplace(attend::scaled_dot_product_attention(q, k, v, mask, tiled)); });
     require(id_ref == id_til, "reference throws " + spell(id_ref) + ", tiled " + spell(id_til));
     if constexpr (std::is_same_v<T, float>) {
-        const int storage = in.choose(4);  // 0: half, 1: bfloat16, 2: an int8 cache (rank 4), otherwise none
+        const int storage = in.choose(4);  // 0: half, 1: bfloat16, 2: int8 and int4 caches (rank 4), otherwise none
         if (storage == 0) check_storage16<Eigen::half, Rank>(q, k, v, mask, c.options, threads, backward);
         if (storage == 1) check_storage16<Eigen::bfloat16, Rank>(q, k, v, mask, c.options, threads, backward);
         if constexpr (Rank == 4)
-            if (storage == 2) check_q8_cache(q, k, v, mask, c.options, tiles, threads);
+            if (storage == 2) {
+                check_quantized_cache<attend::q8_0_block>(q, k, v, mask, c.options, tiles, threads);
+                check_quantized_cache<attend::q4_0_block>(q, k, v, mask, c.options, tiles, threads);
+            }
     }
     const auto qv = attend::detail::as_view(q), kv = attend::detail::as_view(k), vv = attend::detail::as_view(v);
     std::optional<outputs<T>> small1, small2;

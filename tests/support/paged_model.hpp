@@ -118,11 +118,18 @@ std::string consistency_problem(const attend::paged_kv_cache<T>& c) {
     return {};
 }
 
-/// The contiguous cache that holds what a paged pool of Stored holds: kv_cache<Stored>, or for an int8 pool a
-/// q8_kv_cache (which quantizes the same way).
+/// The contiguous cache that holds what a paged pool of Stored holds: kv_cache<Stored>, or for a quantized pool a
+/// quantized_kv_cache of its blocks (which quantizes the same way).
+template <class Stored, bool = attend::detail::is_quantized_block_v<Stored>>
+struct plain_cache_of {
+    using type = attend::kv_cache<Stored>;
+};
 template <class Stored>
-using plain_cache_t =
-    std::conditional_t<std::is_same_v<Stored, attend::q8_0_block>, attend::q8_kv_cache, attend::kv_cache<Stored>>;
+struct plain_cache_of<Stored, true> {
+    using type = attend::quantized_kv_cache<Stored>;
+};
+template <class Stored>
+using plain_cache_t = typename plain_cache_of<Stored>::type;
 
 /// Each sequence of a paged cache as it would be alone: a plain cache of batch 1 with its whole history.
 template <class Stored>

@@ -374,11 +374,24 @@ std::vector<float> representable_values(attend_test::rng& g, index n) {
     return x;
 }
 
-std::vector<attend::q8_0_block> q8_rows(const std::vector<float>& values, index dim) {
-    std::vector<attend::q8_0_block> b(values.size() / static_cast<std::size_t>(attend::q8_0_block::size));
+/// Values a q4_0 block holds exactly: (n - 8) / 8 with n in [0, 15], each block's first value -1 (its extreme, so
+/// d = 1 / 8).
+std::vector<float> representable_q4_values(attend_test::rng& g, index n) {
+    std::vector<float> x(static_cast<std::size_t>(n));
+    for (index i = 0; i < n; ++i) {
+        const int q = i % 32 == 0 ? 0 : static_cast<int>(g.uniform_int(0, 15));
+        x[static_cast<std::size_t>(i)] = std::ldexp(static_cast<float>(q - 8), -3);
+    }
+    return x;
+}
+
+/// Rows of `dim` values quantized into blocks of type Block.
+template <class Block>
+std::vector<Block> quantized_rows(const std::vector<float>& values, index dim) {
+    std::vector<Block> b(values.size() / static_cast<std::size_t>(Block::size));
     for (std::size_t r = 0; r < values.size() / static_cast<std::size_t>(dim); ++r)
-        attend::detail::quantize_q8_0(values.data() + r * static_cast<std::size_t>(dim), dim,
-                                      b.data() + r * static_cast<std::size_t>(dim / attend::q8_0_block::size));
+        attend::detail::quantize_row(values.data() + r * static_cast<std::size_t>(dim), dim,
+                                     b.data() + r * static_cast<std::size_t>(dim / Block::size));
     return b;
 }
 
@@ -411,7 +424,7 @@ row_results<S> run_row_kernels(const std::vector<float>& q, const std::vector<fl
 
 TEST(RowKernels, EveryStorageGivesTheBitsOfFloatRowsHoldingItsValuesAndEachRowTheBitsItGetsAlone) {
     attend_test::rng g(41);
-    // 544: 17 q8_0 blocks, one more than a row's cached scales (widening_row), so the last widens its own.
+    // 544: 17 blocks, one more than a row's cached scales (widening_row), so the last widens its own.
     for (index dim : {index(32), index(64), index(96), index(128), index(544)})
         for (index rows = 1; rows <= attend::detail::row_kernel_rows; ++rows)
             for (index nk : {index(1), index(5), index(300)}) {
@@ -441,9 +454,20 @@ TEST(RowKernels, EveryStorageGivesTheBitsOfFloatRowsHoldingItsValuesAndEachRowTh
                 check(run_row_kernels<Eigen::half>(q, p, rows, nk, dim, stored_as<Eigen::half>(k),
                                                    stored_as<Eigen::half>(v), dim),
                       "fp16");
-                check(run_row_kernels<attend::q8_0_block>(q, p, rows, nk, dim, q8_rows(k, dim), q8_rows(v, dim),
-                                                          dim / 32),
+                check(run_row_kernels<attend::q8_0_block>(q, p, rows, nk, dim,
+                                                          quantized_rows<attend::q8_0_block>(k, dim),
+                                                          quantized_rows<attend::q8_0_block>(v, dim), dim / 32),
                       "q8_0");
+                // q4_0 holds other values exactly: against float rows of those.
+                const auto k4 = representable_q4_values(g, nk * dim), v4 = representable_q4_values(g, nk * dim);
+                const auto want4 = run_row_kernels<float>(q, p, rows, nk, dim, k4, v4, dim);
+                const auto got4 = run_row_kernels<attend::q4_0_block>(q, p, rows, nk, dim,
+                                                                      quantized_rows<attend::q4_0_block>(k4, dim),
+                                                                      quantized_rows<attend::q4_0_block>(v4, dim),
+                                                                      dim / 32);
+                ASSERT_EQ(std::memcmp(got4.scores.data(), want4.scores.data(), want4.scores.size() * 4), 0) << "q4_0";
+                ASSERT_EQ(std::memcmp(got4.acc.data(), want4.acc.data(), want4.acc.size() * 4), 0) << "q4_0";
+                ASSERT_EQ(got4.largest_key, want4.largest_key) << "q4_0";
                 for (index r = 0; r < rows; ++r) {  // alone
                     const std::vector<float> q1(q.begin() + r * dim, q.begin() + (r + 1) * dim),
                         p1(p.begin() + r * nk, p.begin() + (r + 1) * nk);

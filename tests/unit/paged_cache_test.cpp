@@ -122,10 +122,10 @@ TEST(PagedCache, RollingWindowSessionsEqualFullAttentionWithASlidingWindowOverTh
     }
 }
 
-/// A cache with one sequence of `length` random positions (float ones for an int8 pool); returns its id.
+/// A cache with one sequence of `length` random positions (float ones for a quantized pool); returns its id.
 template <class T>
 index fill_sequence(attend::paged_kv_cache<T>& c, index length, std::uint64_t seed) {
-    using In = std::conditional_t<std::is_same_v<T, attend::q8_0_block>, float, T>;
+    using In = std::conditional_t<attend::detail::is_quantized_block_v<T>, float, T>;
     const index id = c.add_sequence();
     tensor<In, 4> k(1, c.kv_heads(), length, c.head_dim()), v(1, c.kv_heads(), length, c.value_dim());
     attend_test::fill_uniform(k, seed);
@@ -301,13 +301,15 @@ TEST(PagedCache, ReorderForBeamSearchSharesBlocks) {
 // ---------------------------------------------------------------------------------------------------------
 // An int8 (q8_0) pool: the blocks a q8_kv_cache would hold, read in place by float queries.
 
-TEST(PagedCacheQ8, RaggedSessionsHoldAnInt8CachesBlocksAndAttendBitIdenticallyToEachSequenceAlone) {
-    // The model keeps each sequence in a q8_kv_cache of its own: the pool must hold the same bytes, position by
-    // position, and attention over a ragged batch the bits of attention over each sequence's int8 cache alone.
+/// Random sessions over a quantized pool of Block: the model keeps each sequence in a quantized_kv_cache<Block>
+/// of its own, so the pool must hold the same bytes, position by position, and attention over a ragged batch the
+/// bits of attention over each sequence's cache alone.
+template <class Block>
+void expect_quantized_sessions_equal_each_sequence_alone() {
     for (const index window : {0, 23})
         for (const index block_size : {1, 4, 16}) {
             SCOPED_TRACE("block_size " + std::to_string(block_size) + ", window " + std::to_string(window));
-            session<float, attend::q8_0_block>::sizes z;
+            typename session<float, Block>::sizes z;
             z.head_dim = 32;
             z.block_size = block_size;
             z.window = window;
@@ -316,8 +318,7 @@ TEST(PagedCacheQ8, RaggedSessionsHoldAnInt8CachesBlocksAndAttendBitIdenticallyTo
             attend::sdpa_options o;
             o.threads = 2;
             const int steps = attend_test::repeat(120);
-            const auto done =
-                run_session<float, attend::q8_0_block>(z, o, 31 + static_cast<std::uint64_t>(block_size), steps);
+            const auto done = run_session<float, Block>(z, o, 31 + static_cast<std::uint64_t>(block_size), steps);
             if (steps < 120) continue;  // a shortened run need not reach every case
             EXPECT_GT(done.attended_rows, 150);
             EXPECT_GT(done.forks, 2);
@@ -331,12 +332,22 @@ TEST(PagedCacheQ8, RaggedSessionsHoldAnInt8CachesBlocksAndAttendBitIdenticallyTo
         }
 }
 
-TEST(PagedCacheQ8, AnInt8PoolTakes34BytesFor32ValuesAFloatPool128) {
+TEST(PagedCacheQ8, RaggedSessionsHoldAnInt8CachesBlocksAndAttendBitIdenticallyToEachSequenceAlone) {
+    expect_quantized_sessions_equal_each_sequence_alone<attend::q8_0_block>();
+}
+
+TEST(PagedCacheQ4, RaggedSessionsHoldAnInt4CachesBlocksAndAttendBitIdenticallyToEachSequenceAlone) {
+    expect_quantized_sessions_equal_each_sequence_alone<attend::q4_0_block>();
+}
+
+TEST(PagedCacheQ8, AnInt8PoolTakes34BytesFor32ValuesAnInt4Pool18AFloatPool128) {
     const auto cfg = attend_test::paged_config(2, 128, 16, 64, 4);
     const attend::paged_kv_cache<float> wide(cfg);
-    const attend::paged_kv_cache<attend::q8_0_block> narrow(cfg);
+    const attend::paged_kv_cache<attend::q8_0_block> int8(cfg);
+    const attend::paged_kv_cache<attend::q4_0_block> int4(cfg);
     EXPECT_EQ(wide.storage_bytes(), std::size_t(2) * 65 * 2 * 16 * 128 * sizeof(float));
-    EXPECT_EQ(narrow.storage_bytes() * 128, wide.storage_bytes() * 34);  // 0.27 of the bytes
+    EXPECT_EQ(int8.storage_bytes() * 128, wide.storage_bytes() * 34);  // 0.27 of the bytes
+    EXPECT_EQ(int4.storage_bytes() * 128, wide.storage_bytes() * 18);  // 0.14
 }
 
 TEST(PagedCacheQ8, ValuesOfEveryStorageTypeAreQuantizedAsAnInt8CacheQuantizesThem) {

@@ -35,16 +35,9 @@ using attend_test::bit_equal;
 using attend_test::dequantized;
 using attend_test::state_of;
 
-/// Values in [-1, 1) times a magnitude that changes from row to row (1e-3 .. 1e3), so blocks get very different
-/// scales.
+/// Rows of values whose magnitudes change from row to row, 10^-3 .. 1e3, so blocks get very different scales.
 attend::tensor<float, 4> random_rows(std::uint64_t seed, index b, index h, index len, index dim) {
-    attend::tensor<float, 4> t(b, h, len, dim);
-    attend_test::fill_uniform(t, seed);
-    for (index r = 0; r < b * h * len; ++r) {
-        const float magnitude = std::pow(10.0f, static_cast<float>(r % 7) - 3.0f);
-        for (index d = 0; d < dim; ++d) t.data()[r * dim + d] *= magnitude;
-    }
-    return t;
+    return attend_test::rows_of_many_magnitudes(seed, b, h, len, dim, -3, 7);
 }
 
 TEST(Q8Cache, AttentionOverTheCacheIsFloatAttentionOverItsDequantizedValues) {

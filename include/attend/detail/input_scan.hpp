@@ -31,7 +31,7 @@
 #include "memory.hpp"
 #include "paged_view.hpp"
 #include "parallel_for.hpp"
-#include "q8_rows.hpp"
+#include "quantized_rows.hpp"
 #include "widen.hpp"
 
 namespace attend::detail {
@@ -103,11 +103,11 @@ void check_finite_values(const View& x, const char* name, int threads) {
 }
 
 /// Throws value_error attend.value.non_finite naming the first NaN or +-inf of x (a strided or paged view) and
-/// where it is, a (batch, head) per unit of scan_units. q8_0 rows are finite by construction: their cache rejected
-/// non-finite values when it quantized them, and a scale of a finite block is finite.
+/// where it is, a (batch, head) per unit of scan_units. Quantized rows are finite by construction: their cache
+/// rejected non-finite values when it quantized them, and a scale of a finite block is finite.
 template <class View>
 void check_finite(const View& x, const char* name, int threads = 1) {
-    if constexpr (!q8_rows_v<View>) check_finite_values(x, name, threads);
+    if constexpr (!quantized_rows_v<View>) check_finite_values(x, name, threads);
 }
 
 /// The largest |x_d| and an upper bound of the largest row sum of |x_d| of one (batch, head) of a view. The same
@@ -117,17 +117,18 @@ struct row_magnitudes {
     long double max_l1 = 0;
 };
 
-/// scan_magnitudes of q8_0 rows, exactly: per block |d| times the integer sum and maximum of |q|.
+/// scan_magnitudes of quantized rows, exactly: per block |d| times the integer sum and maximum of |q|.
 template <class View>
-row_magnitudes scan_q8_magnitudes(const View& x, index b, index h) {
+row_magnitudes scan_quantized_magnitudes(const View& x, index b, index h) {
+    using Block = row_scalar_t<View>;
     row_magnitudes m;
     for (index i = 0; i < x.dims[2]; ++i) {
-        const q8_0_block* row = x.row(b, h, i);
+        const Block* row = x.row(b, h, i);
         long double l1 = 0;
-        for (index k = 0; k < x.dims[3] / q8_0_block::size; ++k) {
+        for (index k = 0; k < x.dims[3] / Block::size; ++k) {
             int sum = 0, largest = 0;
-            for (const std::int8_t q : row[k].values) {
-                const int a = q < 0 ? -q : q;
+            for (index j = 0; j < Block::size; ++j) {
+                const int q = block_integer(row[k], j), a = q < 0 ? -q : q;
                 sum += a;
                 largest = std::max(largest, a);
             }
@@ -204,17 +205,18 @@ row_magnitudes scan_value_magnitudes(const View& x, index b, index h, const char
 /// The largest |x_d| and row sums of |x_d| of one (batch, head) of any view (struct row_magnitudes).
 template <class View>
 row_magnitudes scan_magnitudes(const View& x, index b, index h, const char* name) {
-    if constexpr (q8_rows_v<View>) return scan_q8_magnitudes(x, b, h);
+    if constexpr (quantized_rows_v<View>) return scan_quantized_magnitudes(x, b, h);
     else return scan_value_magnitudes(x, b, h, name);
 }
 
 /// Element d of row (b, h, i) of a view as the kernels see it (widened to Acc), in long double.
 template <class Acc, class View>
 long double element(const View& x, index b, index h, index i, index d) {
-    if constexpr (q8_rows_v<View>) {
-        const q8_0_block& block = x.row(b, h, i)[d / q8_0_block::size];
+    if constexpr (quantized_rows_v<View>) {
+        using Block = row_scalar_t<View>;
+        const Block& block = x.row(b, h, i)[d / Block::size];
         return static_cast<long double>(static_cast<float>(block.scale)) *
-               static_cast<long double>(block.values[d % q8_0_block::size]);
+               static_cast<long double>(block_integer(block, d % Block::size));
     } else {
         return static_cast<long double>(static_cast<Acc>(x.row(b, h, i)[d]));
     }
@@ -229,11 +231,12 @@ bool pairs_fit(const row_magnitudes& queries, long double key_max_abs, Acc scale
 }
 
 /// The largest magnitude any element of a view can have, for a format that holds no NaN or inf and bounds its
-/// values: q8_0 blocks (an int8 times a finite fp16 scale, 128 x 65504 at most). 0: no such bound (floats, fp16,
-/// bf16 and paged blocks of them can hold anything their type can).
+/// values: quantized blocks (an int8 times a finite fp16 scale, 128 x 65504 at most; an int4, 8 x 65504). 0: no
+/// such bound (floats, fp16, bf16 and paged blocks of them can hold anything their type can).
 template <class View>
 long double format_bound(const View&) {
-    return q8_rows_v<View> ? 128.0L * 65504.0L : 0;
+    if constexpr (quantized_rows_v<View>) return block_format<row_scalar_t<View>>::largest_integer * 65504.0L;
+    else return 0;
 }
 
 /// Whether q's side of the score rule (queries: q's head_magnitudes) fits against keys whose largest |k| is
@@ -367,43 +370,46 @@ double magnitude_of_bits(Bits b) {
     return static_cast<double>(static_cast<accumulator_t<T>>(x));
 }
 
-/// Throws value_error `attend.value.quantized_range` for row (b, h, i) of x, which holds a value beyond
-/// q8_max_magnitude, naming the first one.
-template <class T>
+/// Throws value_error `attend.value.quantized_range` for row (b, h, i) of x, which holds a value beyond what a
+/// Block can hold, naming the first one.
+template <class Block, class T>
 [[noreturn]] void refuse_quantized_range(const strided_view<const T>& x, const char* name, index b, index h, index i) {
+    constexpr double limit = block_format<Block>::max_magnitude;
     index d = 0;
     double value = 0;
     for (; d < x.dims[3]; ++d) {
         value = static_cast<double>(static_cast<accumulator_t<T>>(x.row(b, h, i)[d]));
-        if (std::abs(value) > q8_max_magnitude) break;
+        if (std::abs(value) > limit) break;
     }
     throw value_error("attend.value.quantized_range",
                       concat(name, ' ', spell_view(x), " holds ", value, " at ",
-                             format_shape(std::array<index, 4>{b, h, i, d}), ", beyond the ", q8_max_magnitude,
-                             " an int8 block with an fp16 scale can hold"));
+                             format_shape(std::array<index, 4>{b, h, i, d}), ", beyond the ", limit, " an ",
+                             block_format<Block>::name, " block with an fp16 scale can hold"));
 }
 
-/// What an int8 (q8_0) cache checks of values before it quantizes any: throws value_error `attend.value.non_finite`
-/// (before anything else) or `attend.value.quantized_range` for the first value of x that is NaN or +-inf or beyond
-/// q8_max_magnitude. One pass over the rows' bits finds out whether any is, the checks that name it run only then
-/// (two passes, the finiteness scan's and a magnitude's through double, had taken as long as the quantization).
-template <class T>
+/// What a quantized cache of Block checks of values before it quantizes any: throws value_error
+/// `attend.value.non_finite` (before anything else) or `attend.value.quantized_range` for the first value of x that
+/// is NaN or +-inf or beyond block_format<Block>::max_magnitude. One pass over the rows' bits finds out whether any
+/// is, the checks that name it run only then (two passes, the finiteness scan's and a magnitude's through double,
+/// had taken as long as the quantization).
+template <class Block, class T>
 void check_quantizable(const strided_view<const T>& x, const char* name) {
     static_assert(is_storage_type_v<T>,
-                  "attend: an int8 (q8_0) cache quantizes float, double, Eigen::half or Eigen::bfloat16 values");
+                  "attend: a quantized cache quantizes float, double, Eigen::half or Eigen::bfloat16 values");
+    constexpr double limit = block_format<Block>::max_magnitude;
     const auto infinity = bits_of(std::numeric_limits<T>::infinity());
     std::remove_const_t<decltype(infinity)> largest = 0;
     for (index b = 0; b < x.dims[0]; ++b)
         for (index h = 0; h < x.dims[1]; ++h)
             for (index i = 0; i < x.dims[2]; ++i)
                 largest = std::max(largest, largest_magnitude_bits(x.row(b, h, i), x.dims[3]));
-    if (largest < infinity && magnitude_of_bits<T>(largest) <= q8_max_magnitude) return;
+    if (largest < infinity && magnitude_of_bits<T>(largest) <= limit) return;
     check_finite(x, name);  // throws if a value is NaN or +-inf
     for (index b = 0; b < x.dims[0]; ++b)
         for (index h = 0; h < x.dims[1]; ++h)
             for (index i = 0; i < x.dims[2]; ++i)
-                if (magnitude_of_bits<T>(largest_magnitude_bits(x.row(b, h, i), x.dims[3])) > q8_max_magnitude)
-                    refuse_quantized_range(x, name, b, h, i);
+                if (magnitude_of_bits<T>(largest_magnitude_bits(x.row(b, h, i), x.dims[3])) > limit)
+                    refuse_quantized_range<Block>(x, name, b, h, i);
 }
 
 }  // namespace attend::detail

@@ -9,7 +9,7 @@
 
 #include "../shape.hpp"
 #include "../tensor.hpp"
-#include "q8_rows.hpp"
+#include "quantized_rows.hpp"
 
 namespace attend::detail {
 

@@ -31,7 +31,7 @@
 
 #include "../tensor.hpp"
 #include "micro_kernel.hpp"
-#include "q8_rows.hpp"
+#include "quantized_rows.hpp"
 #include "widen.hpp"
 
 namespace attend::detail {
@@ -41,6 +41,15 @@ using row_packet = typename Eigen::internal::packet_traits<Acc>::type;
 template <class Acc>
 inline constexpr index row_lanes = Eigen::internal::packet_traits<Acc>::size;
 
+/// Element x of a row of quantized blocks, widened exactly.
+template <class Acc, class Block>
+Acc widened_block_at(const Block* row, index x) {
+    const Block& b = row[x / Block::size];
+    float scale;
+    widen(&b.scale, 1, &scale);
+    return static_cast<Acc>(scale) * static_cast<Acc>(block_integer(b, x % Block::size));
+}
+
 /// Element x of a stored row, widened exactly.
 template <class Acc, class S>
 Acc widened_at(const S* row, index x) {
@@ -48,10 +57,11 @@ Acc widened_at(const S* row, index x) {
 }
 template <class Acc>
 Acc widened_at(const q8_0_block* row, index x) {
-    const q8_0_block& b = row[x / q8_0_block::size];
-    float scale;
-    widen(&b.scale, 1, &scale);
-    return static_cast<Acc>(scale) * static_cast<Acc>(b.values[x % q8_0_block::size]);
+    return widened_block_at<Acc>(row, x);
+}
+template <class Acc>
+Acc widened_at(const q4_0_block* row, index x) {
+    return widened_block_at<Acc>(row, x);
 }
 
 /// Elements [x, x + lanes) of a stored row as one packet of Acc, widened exactly: a load and a conversion in
@@ -139,6 +149,39 @@ row_packet<Acc> widened_q8(const std::int8_t* q, const row_packet<Acc>& scale) {
     return pmul(scale, pload<packet>(buffer));
 }
 
+/// lanes values of a q4_0 block from value `first` on (a multiple of lanes), given the block's scale d and -8 d in
+/// every lane: the nibbles' bytes widened to int32, their low or high four bits n (values 0 to 15 or 16 to 31),
+/// then d n - 8 d in one multiply-add, exact (d n and d (n - 8) are floats; a subtraction and a multiply had been
+/// one more instruction per packet).
+template <class Acc>
+row_packet<Acc> widened_q4(const q4_0_block& block, index first, const row_packet<Acc>& scale,
+                           const row_packet<Acc>& offset) {
+    using namespace Eigen::internal;
+    using packet = row_packet<Acc>;
+    constexpr index lanes = row_lanes<Acc>, half_block = q4_0_block::size / 2;
+    static_assert(half_block % lanes == 0 || lanes > half_block, "a packet never straddles two nibble halves");
+    if constexpr (std::is_same_v<Acc, float>) {
+#if defined(EIGEN_VECTORIZE_AVX512)
+        if constexpr (lanes == 16) {
+            const auto* bytes = reinterpret_cast<const __m128i*>(block.nibbles + first % half_block);
+            __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes));
+            q = first >= half_block ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, _mm512_set1_epi32(15));
+            return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, offset);
+        }
+#elif defined(EIGEN_VECTORIZE_AVX2)
+        if constexpr (lanes == 8) {
+            const auto* bytes = reinterpret_cast<const __m128i*>(block.nibbles + first % half_block);
+            __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(bytes));
+            q = first >= half_block ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(15));
+            return pmadd(_mm256_cvtepi32_ps(q), scale, offset);
+        }
+#endif
+    }
+    alignas(64) Acc buffer[lanes];
+    for (index j = 0; j < lanes; ++j) buffer[j] = static_cast<Acc>(block_integer(block, first + j) + 8);
+    return pmadd(pload<packet>(buffer), scale, offset);
+}
+
 /// sum over x < n of a[x] b[x] in Acc, two stored rows widened in registers: two packets of multiply-adds side by
 /// side, added and then across lanes (predux), the last n % lanes products after in order. The same operations for
 /// every storage type holding the same values (widening is exact). The backward's delta = rowsum(dO * O), once per
@@ -174,29 +217,38 @@ struct widening_row {
     Acc element(index x) const { return widened_at<Acc>(row, x); }
 };
 
-/// A q8_0 row: each block's scale is widened once, by the first packet asked for in it, and kept for the packets
-/// after it in the same block (the kernels ask for a row's packets in ascending order). A scale widened per packet
-/// had cost a q8_0 decode 3 to 5 % (Zen 5, in cache); all of a row's scales cached as it started (a scalar
-/// conversion and a store per block, a reload per packet) had made the value kernel a tenth slower.
-template <class Acc>
-struct widening_row<Acc, q8_0_block> {
-    const q8_0_block* row = nullptr;
-    const q8_0_block* block = nullptr;  ///< the block whose scale `scale` holds
+/// A row of quantized blocks (q8_0, q4_0): each block's scale is widened once, by the first packet asked for in it,
+/// and kept for the packets after it in the same block (the kernels ask for a row's packets in ascending order). A
+/// scale widened per packet had cost a q8_0 decode 3 to 5 % (Zen 5, in cache); all of a row's scales cached as it
+/// started (a scalar conversion and a store per block, a reload per packet) had made the value kernel a tenth
+/// slower.
+template <class Acc, class Block>
+struct widening_block_row {
+    const Block* row = nullptr;
+    const Block* block = nullptr;  ///< the block whose scale `scale` holds
     row_packet<Acc> scale{};
-    void start(const q8_0_block* r, index /*first*/, index /*count*/) {
+    row_packet<Acc> offset{};  ///< q4_0: -8 times the scale
+    void start(const Block* r, index /*first*/, index /*count*/) {
         row = r;
         block = nullptr;
     }
     row_packet<Acc> packet(index x) {
-        const q8_0_block* b = row + x / q8_0_block::size;
+        const Block* b = row + x / Block::size;
         if (b != block) {
             scale = broadcast_scale<Acc>(b->scale);
+            if constexpr (std::is_same_v<Block, q4_0_block>)
+                offset = Eigen::internal::pmul(scale, Eigen::internal::pset1<row_packet<Acc>>(Acc(-8)));
             block = b;
         }
-        return widened_q8<Acc>(b->values + x % q8_0_block::size, scale);
+        if constexpr (std::is_same_v<Block, q8_0_block>) return widened_q8<Acc>(b->values + x % Block::size, scale);
+        else return widened_q4<Acc>(*b, x % Block::size, scale, offset);
     }
     Acc element(index x) const { return widened_at<Acc>(row, x); }
 };
+template <class Acc>
+struct widening_row<Acc, q8_0_block> : widening_block_row<Acc, q8_0_block> {};
+template <class Acc>
+struct widening_row<Acc, q4_0_block> : widening_block_row<Acc, q4_0_block> {};
 
 /// ATTEND_IN_REGISTERS(ATTEND_REGISTER(x), ...) keeps loaded packets in registers: a packet that several
 /// multiply-adds read is otherwise folded into each of them as a memory operand, one load per use, and loads, not
@@ -484,8 +536,7 @@ constexpr int floor_log2(int n) { return n > 1 ? 1 + floor_log2(n / 2) : 0; }
 /// Bytes of a stored row of `dim` values.
 template <class S>
 constexpr index row_bytes(index dim) {
-    return std::is_same_v<S, q8_0_block> ? dim / q8_0_block::size * static_cast<index>(sizeof(S))
-                                         : dim * static_cast<index>(sizeof(S));
+    return row_units<S>(dim) * static_cast<index>(sizeof(S));
 }
 
 /// The rows a row kernel reads after its own: `rows` rows from `first`, `stride` bytes apart. A tile's keys go on

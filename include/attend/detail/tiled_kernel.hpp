@@ -48,7 +48,7 @@
 #include "micro_kernel.hpp"
 #include "micro_kernel_bf16.hpp"
 #include "parallel_for.hpp"
-#include "q8_rows.hpp"
+#include "quantized_rows.hpp"
 #include "row_kernel.hpp"
 #include "score_pipeline.hpp"
 #include "widen.hpp"
@@ -110,16 +110,15 @@ tile_config default_tile_config(const attention_shape& s) {
     return c;
 }
 
-/// Rows [j0, j0 + n) of (b, h) of keys or values (a strided_view, a paged_view or q8_0 rows) as a matrix of the
+/// Rows [j0, j0 + n) of (b, h) of keys or values (a strided_view, a paged_view or quantized rows) as a matrix of the
 /// accumulation type: the rows themselves when they are contiguous and of that type, otherwise a copy in `stage`,
 /// converted (one conversion per tile or slice, shared by every query row of the block; 16-bit rows widen to float
-/// in widen.hpp's vectorized loops; q8_0 rows exactly: a scale of 11 significant bits times an integer of 7 is a
-/// float without rounding). Which of the two it is never changes a result: the same values reach the same products.
+/// in widen.hpp's vectorized loops; quantized rows exactly, widen_rows). Which of the two it is never changes a result: the same values reach the same products.
 template <class Acc, class Rows>
 const_tile_map<Acc> rows_as_accumulator(const Rows& x, index b, index h, index j0, index n, Acc* stage) {
     using Storage = row_scalar_t<Rows>;
     const index cols = x.dims[3];
-    if constexpr (std::is_same_v<Storage, q8_0_block>) {
+    if constexpr (is_quantized_block_v<Storage>) {
         widen_rows(x, b, h, j0, n, stage);
     } else {
         if constexpr (std::is_same_v<Acc, Storage>)
@@ -928,6 +927,12 @@ ATTEND_TILED_FORWARD_INSTANCE(Eigen::half, float, q8_view)
 ATTEND_TILED_FORWARD_INSTANCE(Eigen::bfloat16, float, q8_view)
 ATTEND_TILED_FORWARD_INSTANCE(Eigen::half, float, paged_view<q8_0_block>)
 ATTEND_TILED_FORWARD_INSTANCE(Eigen::bfloat16, float, paged_view<q8_0_block>)
+ATTEND_TILED_FORWARD_INSTANCE(float, float, q4_view)
+ATTEND_TILED_FORWARD_INSTANCE(Eigen::half, float, q4_view)
+ATTEND_TILED_FORWARD_INSTANCE(Eigen::bfloat16, float, q4_view)
+ATTEND_TILED_FORWARD_INSTANCE(float, float, paged_view<q4_0_block>)
+ATTEND_TILED_FORWARD_INSTANCE(Eigen::half, float, paged_view<q4_0_block>)
+ATTEND_TILED_FORWARD_INSTANCE(Eigen::bfloat16, float, paged_view<q4_0_block>)
 ATTEND_TILED_FORWARD_INSTANCE(float, float, paged_view<Eigen::half>)
 ATTEND_TILED_FORWARD_INSTANCE(float, float, paged_view<Eigen::bfloat16>)
 ATTEND_TILED_FORWARD_INSTANCE(Eigen::half, float, paged_view<Eigen::half>)

@@ -1,0 +1,295 @@
+// SPDX-License-Identifier: MIT
+#pragma once
+/// Rows stored as blocks of 32 quantized values with one fp16 scale each, ggml's q8_0 (int8) and q4_0 (int4), and
+/// how the kernels and the input scans read them: widened to float a run of rows at a time, never a whole tensor.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include <Eigen/Core>
+
+#if defined(EIGEN_VECTORIZE_AVX512)
+#include <immintrin.h>
+#endif
+
+#include "../error.hpp"
+#include "../tensor.hpp"
+#include "memory.hpp"
+#include "widen.hpp"
+
+namespace attend {
+
+/// 32 values x ~ scale * values[j]: ggml's block_q8_0 (`ggml_half d; int8_t qs[32]`), byte for byte, so a
+/// llama.cpp q8_0 K or V cache maps onto these blocks.
+struct q8_0_block {
+    static constexpr index size = 32;  ///< values per block
+    Eigen::half scale;                 ///< d
+    std::int8_t values[size];          ///< q, in [-127, 127]
+};
+static_assert(sizeof(q8_0_block) == 34, "attend: q8_0_block must have ggml's 34-byte layout");
+
+/// 32 values x ~ scale * (q_j - 8), q_j in [0, 15]: ggml's block_q4_0 (`ggml_half d; uint8_t qs[16]`), byte for
+/// byte: value j < 16 in the low four bits of nibbles[j], value j + 16 in its high four bits.
+struct q4_0_block {
+    static constexpr index size = 32;  ///< values per block
+    Eigen::half scale;                 ///< d
+    std::uint8_t nibbles[size / 2];    ///< qs
+};
+static_assert(sizeof(q4_0_block) == 18, "attend: q4_0_block must have ggml's 18-byte layout");
+
+namespace detail {
+
+/// True for the quantized block types: q8_0_block and q4_0_block.
+template <class T>
+inline constexpr bool is_quantized_block_v = std::is_same_v<T, q8_0_block> || std::is_same_v<T, q4_0_block>;
+
+/// Value j of a block as its integer: x ~ scale * block_integer(b, j).
+inline int block_integer(const q8_0_block& b, index j) { return b.values[j]; }
+inline int block_integer(const q4_0_block& b, index j) {
+    const int byte = b.nibbles[j % (q4_0_block::size / 2)];
+    return (j < q4_0_block::size / 2 ? byte & 15 : byte >> 4) - 8;
+}
+
+/// What a block type stores and reads: the largest |value| it can hold (its largest |integer| in the quantizer's
+/// range times fp16's largest scale), the largest |integer| a block read from anywhere can hold (a mapped llama.cpp
+/// q8_0 block may hold -128), and its name in messages.
+template <class Block>
+struct block_format;
+template <>
+struct block_format<q8_0_block> {
+    static constexpr double max_magnitude = 127.0 * 65504.0;
+    static constexpr int largest_integer = 128;
+    static constexpr const char* name = "int8 (q8_0)";
+};
+template <>
+struct block_format<q4_0_block> {
+    static constexpr double max_magnitude = 8.0 * 65504.0;
+    static constexpr int largest_integer = 8;
+    static constexpr const char* name = "int4 (q4_0)";
+};
+
+/// Keys or values `[batch, heads, len, dim]` stored as quantized blocks (q8_0 or q4_0): row (b, h, i) is dim / 32
+/// blocks in a row, starting at block b * strides[0] + h * strides[1] + i * strides[2] (strides in blocks).
+/// Read-only. A quantized cache's keys() and values() (q8_cache.hpp); in detail, so the kernels' overloads for it
+/// are found by argument-dependent lookup.
+template <class Block>
+struct quantized_view {
+    const Block* data = nullptr;
+    std::array<index, 4> dims{};     ///< batch, heads, len, dim (values; dim is a multiple of 32)
+    std::array<index, 3> strides{};  ///< blocks
+    int rank = 4;
+
+    /// The first block of row (b, h, i).
+    const Block* row(index b, index h, index i) const {
+        return data + b * strides[0] + h * strides[1] + i * strides[2];
+    }
+};
+using q8_view = quantized_view<q8_0_block>;
+using q4_view = quantized_view<q4_0_block>;
+
+/// The scalar a view's rows are made of: float, double, a 16-bit type, or a quantized block.
+template <class View>
+using row_scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(std::declval<const View&>().row(0, 0, 0))>>;
+
+/// True for views whose rows are quantized blocks: a quantized cache's view, or a paged quantized pool's
+/// paged_view.
+template <class View>
+constexpr bool quantized_rows_v = is_quantized_block_v<row_scalar_t<View>>;
+
+/// Elements of T that hold a row of `dim` values: dim, or dim / 32 blocks.
+template <class T>
+constexpr index row_units(index dim) {
+    if constexpr (is_quantized_block_v<T>) return dim / T::size;
+    else return dim;
+}
+
+/// Rows of a quantized view always follow each other at one stride (paged_view.hpp's rows_following for the
+/// others).
+template <class Block>
+index rows_following(const quantized_view<Block>&, index, index n) {
+    return n;
+}
+
+/// q = round(y) half away from zero, clamped to [-127, 127], for a packet of y = x / d: y plus just under a half
+/// of y's sign, then truncated by the integer conversion (Eigen's pround, which needs SSE4.1's truncation; the
+/// conversion truncates everywhere). Clamping first is the same: the bounds are integers and rounding is monotone.
+template <class Packet>
+auto rounded_q8(const Packet& y) {
+    using namespace Eigen::internal;
+    const Packet clamped = pmin(pmax(y, pset1<Packet>(-127.0f)), pset1<Packet>(127.0f));
+    const Packet just_under_half = pset1frombits<Packet>(0x3effffffu);  // 0.5 - 2^-25
+    const Packet sign = pand(clamped, pset1frombits<Packet>(0x80000000u));
+    return pcast<Packet, typename unpacket_traits<Packet>::integer_packet>(padd(clamped, por(sign, just_under_half)));
+}
+
+/// q8_0 of one row of `dim` values (dim a multiple of 32) into dim / 32 blocks. Per block: d = fp16(amax / 127),
+/// q = round(x / d) clamped to [-127, 127], computed with d as stored, so |x - d q| <= d / 2 for each value (plus
+/// 2^-16 d: x / d is a float product, x times 1 / d). Where amax / 127 is an fp16 subnormal, rounding it to nearest
+/// can lose up to a third of it, and amax / d passes 127.5: d is then the next fp16 up, so the bound holds for
+/// every block (the differential fuzzer found a clamped value 1.05 d away). A block whose amax / 127 rounds to 0 in
+/// fp16 (amax below 127 x 2^-25) is stored as zeros. The values must be finite and below 127 x 65504 in magnitude
+/// (the caller checks). A block at a time in packets: the widened values, their largest magnitude, the products by
+/// 1 / d and their rounding, the bytes narrowed in registers where the target can; a call of std::round per value had
+/// made an append of 2048 positions (8 kv heads, head_dim 128) take 14 times as long as a float cache's (Zen 5). The
+/// same bytes as a value at a time (q8_cache_test).
+template <class T>
+void quantize_q8_0(const T* x, index dim, q8_0_block* out) {
+    using namespace Eigen::internal;
+    using packet = typename packet_traits<float>::type;
+    constexpr index lanes = packet_traits<float>::size, size = q8_0_block::size;
+    constexpr bool in_packets = packet_traits<float>::Vectorizable && size % lanes == 0;
+    alignas(64) float block[size];
+    for (index b = 0; b < dim / size; ++b) {
+        widen(x + b * size, size, block);
+        float amax = 0;
+        if constexpr (in_packets) {
+            packet largest = pset1<packet>(0.0f);
+            for (index j = 0; j < size; j += lanes) largest = pmax(largest, pabs(pload<packet>(block + j)));
+            amax = predux_max(largest);
+        } else {
+            for (index j = 0; j < size; ++j) amax = std::max(amax, std::abs(block[j]));
+        }
+        const float ratio = amax / 127.0f;
+        narrow(&ratio, 1, &out[b].scale);
+        float scale;
+        widen(&out[b].scale, 1, &scale);
+        // Only an fp16-subnormal d (ratio below 2^-14) can need the next fp16 up; asked of the ratio first, off the
+        // conversions' chain (asked of the scale alone, the append took 1.07 of its time, Zen 4). 127.5 d is exact.
+        if (ratio < 0x1p-14f && scale > 0 && amax > 127.5f * scale) {
+            out[b].scale = Eigen::half_impl::raw_uint16_to_half(static_cast<std::uint16_t>(bits_of(out[b].scale) + 1));
+            widen(&out[b].scale, 1, &scale);
+        }
+        const float inverse = scale > 0 ? 1.0f / scale : 0.0f;
+        std::int8_t* q = out[b].values;
+        if constexpr (in_packets) {
+            for (index j = 0; j < size; j += lanes) {
+                const auto integers = rounded_q8(pmul(pload<packet>(block + j), pset1<packet>(inverse)));
+#if defined(EIGEN_VECTORIZE_AVX512)
+                if constexpr (lanes == 16) {
+                    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtepi32_epi8(integers));
+                    continue;
+                }
+#endif
+                alignas(64) std::int32_t wide[lanes];
+                pstore(wide, integers);
+                for (index l = 0; l < lanes; ++l) q[j + l] = static_cast<std::int8_t>(wide[l]);
+            }
+        } else {
+            for (index j = 0; j < size; ++j) {
+                const float y = std::round(block[j] * inverse);  // half away from zero, as ggml
+                q[j] = static_cast<std::int8_t>(std::clamp(y, -127.0f, 127.0f));
+            }
+        }
+    }
+}
+
+/// q4_0 of one row of `dim` values (dim a multiple of 32) into dim / 32 blocks: ggml's rule, computed with d as
+/// stored. Per block, m is the value of largest magnitude (the first of them), d = fp16(m / -8) and q = round(x / d
+/// + 8) (halves up, ggml's (int)(x / d + 8.5)) clamped to [0, 15], so m is held as -8 d (d a normal fp16). Each
+/// value is within |d| / 2 (plus 2^-19 |d|, the float rounding of x / d + 8.5) of what was given, except values of
+/// the sign opposite to m beyond 7.5 |d|, which the format's [-8, 7] clamps to 7 d: within 1.5 |d| = 3 |m| / 16
+/// (where m / -8 is an fp16 subnormal and rounds down so far that |m| > 8.5 |d|, d is the next fp16 up, as for
+/// q8_0). A block whose m / -8 rounds to 0 in fp16 (|m| at most 2^-22) is stored as zeros. The values must be
+/// finite and at most 8 x 65504 in magnitude (the caller checks). One value at a time: an append, not a decode,
+/// pays for it.
+template <class T>
+void quantize_q4_0(const T* x, index dim, q4_0_block* out) {
+    constexpr index size = q4_0_block::size, half_block = size / 2;
+    alignas(64) float block[size];
+    for (index b = 0; b < dim / size; ++b) {
+        widen(x + b * size, size, block);
+        float amax = 0, extreme = 0;
+        for (index j = 0; j < size; ++j)
+            if (std::abs(block[j]) > amax) {
+                amax = std::abs(block[j]);
+                extreme = block[j];
+            }
+        const float ratio = extreme / -8.0f;
+        narrow(&ratio, 1, &out[b].scale);
+        float scale;
+        widen(&out[b].scale, 1, &scale);
+        if (std::abs(ratio) < 0x1p-14f && scale != 0 && amax > 8.5f * std::abs(scale)) {
+            out[b].scale = Eigen::half_impl::raw_uint16_to_half(static_cast<std::uint16_t>(bits_of(out[b].scale) + 1));
+            widen(&out[b].scale, 1, &scale);
+        }
+        const float inverse = scale != 0 ? 1.0f / scale : 0.0f;
+        const auto integer = [&](float value) {  // in [0, 15]; 8 (zero) for a block of scale 0
+            return static_cast<std::uint8_t>(std::clamp(static_cast<int>(value * inverse + 8.5f), 0, 15));
+        };
+        for (index j = 0; j < half_block; ++j)
+            out[b].nibbles[j] = static_cast<std::uint8_t>(integer(block[j]) | (integer(block[j + half_block]) << 4));
+    }
+}
+
+/// A row quantized into blocks of type Block (quantize_q8_0 or quantize_q4_0).
+template <class Block, class T>
+void quantize_row(const T* x, index dim, Block* out) {
+    if constexpr (std::is_same_v<Block, q8_0_block>) quantize_q8_0(x, dim, out);
+    else quantize_q4_0(x, dim, out);
+}
+
+/// Rows [i, i + n) of (b, h) of quantized rows (a quantized_view or a paged quantized pool's view) widened to float,
+/// dims[3] values per row, into dst: exactly (a scale of 11 significant bits times an integer of at most 8 bits is
+/// a float without rounding).
+template <class Acc, class View>
+void widen_rows(const View& x, index b, index h, index i, index n, Acc* dst) {
+    using Block = row_scalar_t<View>;
+    static_assert(is_quantized_block_v<Block>, "widen_rows reads quantized rows");
+    const index blocks = x.dims[3] / Block::size;
+    for (index r = 0; r < n; ++r) {
+        const Block* row = x.row(b, h, i + r);
+        for (index k = 0; k < blocks; ++k) {
+            float scale;
+            widen(&row[k].scale, 1, &scale);
+            const auto d = static_cast<Acc>(scale);
+            Acc* out = dst + (r * blocks + k) * Block::size;
+            for (index j = 0; j < Block::size; ++j) out[j] = d * static_cast<Acc>(block_integer(row[k], j));
+        }
+    }
+}
+
+template <class Block>
+shape_words words_of(const quantized_view<Block>& v) {
+    return {v.dims, 4, std::is_same_v<Block, q8_0_block> ? " (q8_0 blocks)" : " (q4_0 blocks)"};
+}
+template <class Block>
+std::string spell_view(const quantized_view<Block>& v) {
+    return words_of(v).text();
+}
+
+/// The view's size checks: a quantized view comes from a cache, which made it well formed.
+template <class Block>
+void check_view_sizes(const quantized_view<Block>&, const char*) {}
+
+/// The memory a quantized view spans, for the aliasing check of the `_into` forms (strides are >= 0).
+template <class Block>
+named_range named(const char* name, const quantized_view<Block>& v) {
+    index last = 0;  // the block after the last one
+    for (std::size_t a = 0; a < 3; ++a) {
+        if (v.dims[a] <= 0) return {name, words_of(v), {}};
+        last += (v.dims[a] - 1) * v.strides[a];
+    }
+    return {name, words_of(v), range_of(v.data, last + v.dims[3] / Block::size)};
+}
+
+template <class Block>
+struct tensor_traits<quantized_view<Block>> {
+    static constexpr bool supported = true;
+    static constexpr bool row_major = true;
+    static constexpr int rank = 4;
+    using scalar = Block;
+};
+
+/// A quantized view is read as it is.
+template <class Block>
+quantized_view<Block> checked_input(const quantized_view<Block>& x) {
+    return x;
+}
+
+}  // namespace detail
+}  // namespace attend
