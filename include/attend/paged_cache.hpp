@@ -275,8 +275,7 @@ public:
     /// tokens]), shape_error `attend.shape.cache` (k_new or v_new does not fit), value_error
     /// `attend.value.non_finite` (NaN or inf in what would be appended), `attend.value.quantized_range` (quantized:
     /// a magnitude above quantized_kv_cache<T>::max_magnitude), shape_error `attend.shape.aliasing` (k_new or v_new
-    /// inside the
-    /// pool), position_error `attend.position.cache_full` (not enough free blocks), resource_error
+    /// inside the pool), position_error `attend.position.cache_full` (not enough free blocks), resource_error
     /// `attend.resource.allocation`; nothing is appended then.
     template <class K, class V>
     void append(const std::vector<index>& ids, const K& k_new, const V& v_new, const std::vector<index>& new_tokens) {
