@@ -673,12 +673,12 @@ TEST(PagedCacheErrors, AKeyWhoseScoresOverflowIsTheScansErrorThoughTheDecodePass
 // Multi-head attention over a paged cache
 
 /// A multi_head_attention<T> decoding ragged batches over a paged cache of S (T, 16-bit under a float module, or
-/// int8 under a float or 16-bit one) gives each sequence the bits of decoding it alone over a kv_cache<S> (a
-/// q8_kv_cache for int8).
+/// int8 / int4 under a float or 16-bit one) gives each sequence the bits of decoding it alone over a kv_cache<S>
+/// (a quantized_kv_cache<S> for int8 and int4).
 template <class T, class S>
 void expect_ragged_batching_equals_each_sequence_alone() {
-    constexpr bool int8 = std::is_same_v<S, attend::q8_0_block>;
-    constexpr index D = int8 ? 32 : 8, E = 4 * D;  // an int8 row is whole blocks of 32
+    constexpr bool quantized = attend::detail::is_quantized_block_v<S>;
+    constexpr index D = quantized ? 32 : 8, E = 4 * D;  // a quantized row is whole blocks of 32
     attend::mha_config cfg{E, 4};
     cfg.kv_heads = 2;
     const attend::multi_head_attention<T> m(cfg, 5);
@@ -689,7 +689,8 @@ void expect_ragged_batching_equals_each_sequence_alone() {
     attend::paged_kv_cache<S> cache(pc);
     std::map<index, attend_test::plain_cache_t<S>> alone;
     const auto make_alone = [&] {
-        if constexpr (int8) return m.make_q8_cache(1, 256);
+        if constexpr (std::is_same_v<S, attend::q8_0_block>) return m.make_q8_cache(1, 256);
+        else if constexpr (std::is_same_v<S, attend::q4_0_block>) return m.make_q4_cache(1, 256);
         else return m.template make_cache<S>(1, 256);
     };
     attend_test::rng g(3);
@@ -752,6 +753,11 @@ TEST(PagedCacheMha, AFloatOr16BitModuleOverAnInt8PoolIsBitIdenticalToDecodingEac
     expect_ragged_batching_equals_each_sequence_alone<float, attend::q8_0_block>();
     expect_ragged_batching_equals_each_sequence_alone<Eigen::half, attend::q8_0_block>();
     expect_ragged_batching_equals_each_sequence_alone<Eigen::bfloat16, attend::q8_0_block>();
+}
+
+TEST(PagedCacheMha, AFloatOr16BitModuleOverAnInt4PoolIsBitIdenticalToDecodingEachSequenceAloneOverAnInt4Cache) {
+    expect_ragged_batching_equals_each_sequence_alone<float, attend::q4_0_block>();
+    expect_ragged_batching_equals_each_sequence_alone<Eigen::bfloat16, attend::q4_0_block>();
 }
 
 TEST(PagedCacheMha, ARollingWindowKeepsAbsoluteRotaryPositionsAndEqualsASlidingWindowOverTheWholeHistory) {
