@@ -79,14 +79,13 @@ namespace detail {
 template <class T, class In>
 class paged_append;
 
-/// What a pool of T stores for "nothing": zeros (the zero block, fresh blocks), and a quantized block of scale 0
-/// (which reads as zeros whatever its integers).
+/// What a pool of T stores for "nothing": zeros (the zero block, fresh blocks); for a quantized block every bit
+/// zero, so its scale is +0 and it reads as zeros whatever its integers.
 template <class T>
 T zero_value() {
     if constexpr (is_quantized_block_v<T>) {
         T zero;
         std::memset(static_cast<void*>(&zero), 0, sizeof zero);
-        zero.scale = Eigen::half(0.0f);
         return zero;
     } else {
         return T(0);

@@ -813,39 +813,40 @@ TEST(PagedCacheMha, ModuleAndCacheMustFit) {
     EXPECT_EQ(cache.length(s), 0);
 }
 
-TEST(PagedCacheMha, AProjectionBeyondFp16IsRefusedBeforeTheSixteenBitCacheChanges) {
-    const attend::multi_head_attention<float> m(attend::mha_config{8, 2}, 1);
-    attend::paged_kv_cache<Eigen::half> cache(attend_test::paged_config(2, 4, 4, 8, 2));
+/// A module over a pool of T with two sequences, heads of width `dim`: after a first step, a step whose token of
+/// sequence b is scaled by `factor` (finite in float, beyond what T holds) must be refused with `id` while the pool
+/// keeps every byte, sequence a's token included. Returns the error's message.
+template <class T>
+std::string second_step_beyond_the_pool_is_refused(index dim, float factor, const char* id) {
+    const attend::multi_head_attention<float> m(attend::mha_config{dim * 2, 2}, 1);
+    attend::paged_kv_cache<T> cache(attend_test::paged_config(2, dim, 4, 8, 2));
     const index a = cache.add_sequence(), b = cache.add_sequence();
-    tensor<float, 3> x(2, 2, 8);
+    tensor<float, 3> x(2, 2, dim * 2);
     attend_test::fill_uniform(x, 9);
     (void)m.forward_cached(x, cache, {a, b}, {2, 1});
     const auto before = attend_test::state_of(cache);
-    for (index e = 0; e < 8; ++e) x(1, 0, e) *= 1e6f;  // sequence b's token: finite in float, inf in fp16
+    for (index e = 0; e < dim * 2; ++e) x(1, 0, e) *= factor;
     const std::string message = expect_error<attend::value_error>(
         [&] {
             (void)m.forward_cached(x, cache, {a, b}, {1, 1});
         },
-        "attend.value.non_finite");
-    EXPECT_NE(message.find("rounded to the cache's type"), std::string::npos) << message;
+        id);
     EXPECT_TRUE(attend_test::state_of(cache) == before) << "sequence a's token was not appended either";
+    return message;
+}
+
+TEST(PagedCacheMha, AProjectionBeyondFp16IsRefusedBeforeTheSixteenBitCacheChanges) {
+    const std::string message =
+        second_step_beyond_the_pool_is_refused<Eigen::half>(4, 1e6f, "attend.value.non_finite");  // inf in fp16
+    EXPECT_NE(message.find("rounded to the cache's type"), std::string::npos) << message;
 }
 
 TEST(PagedCacheMha, AProjectionBeyondAnInt8BlockIsRefusedBeforeThePoolChanges) {
-    const attend::multi_head_attention<float> m(attend::mha_config{64, 2}, 1);
-    attend::paged_kv_cache<attend::q8_0_block> cache(attend_test::paged_config(2, 32, 4, 8, 2));
-    const index a = cache.add_sequence(), b = cache.add_sequence();
-    tensor<float, 3> x(2, 2, 64);
-    attend_test::fill_uniform(x, 9);
-    (void)m.forward_cached(x, cache, {a, b}, {2, 1});
-    const auto before = attend_test::state_of(cache);
-    for (index e = 0; e < 64; ++e) x(1, 0, e) *= 1e9f;  // sequence b's token: finite in float, beyond a q8_0 block
-    expect_error<attend::value_error>(
-        [&] {
-            (void)m.forward_cached(x, cache, {a, b}, {1, 1});
-        },
-        "attend.value.quantized_range");
-    EXPECT_TRUE(attend_test::state_of(cache) == before) << "sequence a's token was not appended either";
+    (void)second_step_beyond_the_pool_is_refused<attend::q8_0_block>(32, 1e9f, "attend.value.quantized_range");
+}
+
+TEST(PagedCacheMha, AProjectionBeyondAnInt4BlockIsRefusedBeforeThePoolChanges) {
+    (void)second_step_beyond_the_pool_is_refused<attend::q4_0_block>(32, 1e9f, "attend.value.quantized_range");
 }
 
 }  // namespace

@@ -41,27 +41,17 @@ using row_packet = typename Eigen::internal::packet_traits<Acc>::type;
 template <class Acc>
 inline constexpr index row_lanes = Eigen::internal::packet_traits<Acc>::size;
 
-/// Element x of a row of quantized blocks, widened exactly.
-template <class Acc, class Block>
-Acc widened_block_at(const Block* row, index x) {
-    const Block& b = row[x / Block::size];
-    float scale;
-    widen(&b.scale, 1, &scale);
-    return static_cast<Acc>(scale) * static_cast<Acc>(block_integer(b, x % Block::size));
-}
-
-/// Element x of a stored row, widened exactly.
+/// Element x of a stored row (of values or of quantized blocks), widened exactly.
 template <class Acc, class S>
 Acc widened_at(const S* row, index x) {
-    return static_cast<Acc>(row[x]);
-}
-template <class Acc>
-Acc widened_at(const q8_0_block* row, index x) {
-    return widened_block_at<Acc>(row, x);
-}
-template <class Acc>
-Acc widened_at(const q4_0_block* row, index x) {
-    return widened_block_at<Acc>(row, x);
+    if constexpr (is_quantized_block_v<S>) {
+        const S& b = row[x / S::size];
+        float scale;
+        widen(&b.scale, 1, &scale);
+        return static_cast<Acc>(scale) * static_cast<Acc>(block_integer(b, x % S::size));
+    } else {
+        return static_cast<Acc>(row[x]);
+    }
 }
 
 /// Elements [x, x + lanes) of a stored row as one packet of Acc, widened exactly: a load and a conversion in
