@@ -4,6 +4,7 @@
 //   j + 16 in its high four bits, each value d (nibble - 8);
 // - each value is within the documented bound of what was appended: within |d| / 2 (+ 2^-19 |d|), those the
 //   format's [-8, 7] clamps within 1.5 |d|, and the block's extreme m exactly -8 d where d is a normal fp16;
+// - the quantizer, which works in packets, gives the bytes of ggml's rule applied a value at a time;
 // - attention over it is float attention over the values it holds, bit for bit, for the tiled kernel's block and
 //   split-key decode paths and the reference kernel, and 16-bit queries give that rounded once; a paged int4 pool
 //   holds the same blocks and attends to the same bits;
@@ -99,6 +100,48 @@ TEST(Q4Cache, EveryValueIsWithinTheDocumentedBoundOfWhatWasAppended) {
                 }
             }
     EXPECT_GE(clamped, 16);
+}
+
+/// q4_0 of one block of float values, a value at a time as ggml's reference quantizer: m the first value of largest
+/// magnitude, d = fp16(m / -8), the next fp16 away from zero where that leaves |m| above 8.5 |d| (fp16-subnormal
+/// scales), q = (int)(x / d + 8.5) clamped to [0, 15], value j in the low four bits of byte j, value j + 16 in its
+/// high four bits.
+q4_0_block quantized_one_at_a_time(const float* x) {
+    float m = 0;
+    for (index j = 0; j < 32; ++j)
+        if (std::abs(x[j]) > std::abs(m)) m = x[j];
+    q4_0_block block{};
+    block.scale = Eigen::half(m / -8.0f);
+    if (static_cast<float>(block.scale) != 0 && std::abs(m) > 8.5f * std::abs(static_cast<float>(block.scale)))
+        block.scale =
+            Eigen::half_impl::raw_uint16_to_half(static_cast<std::uint16_t>(attend::detail::bits_of(block.scale) + 1));
+    const float d = static_cast<float>(block.scale), inverse = d != 0 ? 1.0f / d : 0.0f;
+    const auto integer = [&](float value) { return std::clamp(static_cast<int>(value * inverse + 8.5f), 0, 15); };
+    for (index j = 0; j < 16; ++j)
+        block.nibbles[j] = static_cast<std::uint8_t>(integer(x[j]) | integer(x[j + 16]) << 4);
+    return block;
+}
+
+// The append quantizes a block at a time in packets (clamping in floats, then truncating); these rows make every
+// case happen: exact ties k + 1/2 of the step for every k in [-8, 7] and both signs of d (d = -+2^-4, so x / d is
+// exact), the floats on either side of each tie, values the format clamps, a largest magnitude held by values of
+// both signs, blocks of zeros, of tiny values (d rounds to 0) and of fp16-subnormal scales, and random rows of every
+// magnitude; from float, double and bf16.
+TEST(Q4Cache, QuantizingInPacketsGivesTheBytesOfAValueAtATimeRoundingHalfUp) {
+    const index D = 64, rows = 300;
+    attend::tensor<float, 4> k = random_rows(21, 1, 1, rows, D);
+    attend_test::ties_and_neighbours(k, -8, 16, -0.5f);  // rows 0 .. 255; m = -+1/2: d = +-2^-4
+    for (index j = 0; j < D; ++j) {
+        k(0, 0, 256, j) = j % 31 == 1 ? -0.0f : 0.0f;                           // zeros, some -0: d = -0, as ggml
+        k(0, 0, 257, j) = 1e-9f * static_cast<float>(j % 5 - 2);                // d rounds to 0: zeros
+        k(0, 0, 258, j) = 3e-6f * static_cast<float>(j % 7 - 3);                // d an fp16 subnormal
+        k(0, 0, 259, j) = 100.0f * static_cast<float>(j) / (D - 1);             // every integer of a ramp
+        k(0, 0, 260, j) = j % 32 == 0 ? -1.0f : (j % 2 == 0 ? 0.99f : -0.97f);  // 7.92 d: clamped to 7 d
+        // the largest magnitude with both signs: m is the first of them, + in block 0, - in block 1
+        k(0, 0, 261, j) = j == 5 || j == 52 ? 0.75f : j == 9 || j == 35 ? -0.75f : 0.05f * static_cast<float>(j % 7);
+    }
+    const index ties = attend_test::quantized_as_by_hand<q4_0_block>(k, 256, quantized_one_at_a_time);
+    EXPECT_GT(ties, 4000);  // the ties were there to round
 }
 
 TEST(Q4Cache, AttentionOverTheCacheIsFloatAttentionOverTheValuesItHolds) {

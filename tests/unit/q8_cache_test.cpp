@@ -216,13 +216,7 @@ q8_0_block quantized_one_at_a_time(const float* x) {
 TEST(Q8Cache, QuantizingInPacketsGivesTheBytesOfAValueAtATimeRoundingHalfAwayFromZero) {
     const index D = 64, rows = 300;
     attend::tensor<float, 4> k = random_rows(21, 1, 1, rows, D);
-    for (index r = 0; r < 256; ++r)  // rows 0 .. 255: ties, and their neighbours
-        for (index j = 0; j < D; ++j) {
-            const float tie = (static_cast<float>((r + j) % 254) - 127.0f + 0.5f) / 16.0f;  // (k + 1/2) d
-            const int side = static_cast<int>((r / 64 + j) % 3);                            // tie, below, above
-            k(0, 0, r, j) = side == 0 ? tie : std::nextafter(tie, side == 1 ? -1e9f : 1e9f);
-            if (j % 32 == 0) k(0, 0, r, j) = r % 2 == 0 ? 127.0f / 16.0f : -127.0f / 16.0f;  // amax: d = 2^-4
-        }
+    attend_test::ties_and_neighbours(k, -127, 254, 127.0f / 16.0f);  // rows 0 .. 255; amax 127 / 16: d = 2^-4
     for (index j = 0; j < D; ++j) {
         k(0, 0, 256, j) = 0.0f;                                      // zeros
         k(0, 0, 257, j) = 1e-9f * static_cast<float>(j % 5 - 2);     // d rounds to 0: zeros
@@ -230,27 +224,7 @@ TEST(Q8Cache, QuantizingInPacketsGivesTheBytesOfAValueAtATimeRoundingHalfAwayFro
         k(0, 0, 259, j) = 100.0f * static_cast<float>(j) / (D - 1);  // q up to 127 where x / d is 127.0x
         k(0, 0, 260, j) = -std::nextafter(1000.0f, 0.0f) * static_cast<float>(j % 32 == 31);
     }
-    attend::q8_kv_cache from_float(1, 1, rows, D, D), from_double(1, 1, rows, D, D), from_bf16(1, 1, rows, D, D);
-    from_float.append(k, k);
-    from_double.append(attend::tensor<double, 4>(k.cast<double>()), attend::tensor<double, 4>(k.cast<double>()));
-    const attend::tensor<Eigen::bfloat16, 4> k16 = k.cast<Eigen::bfloat16>();
-    from_bf16.append(k16, k16);
-    const attend::tensor<float, 4> k16_values = k16.cast<float>();
-    index ties = 0;
-    for (index r = 0; r < rows; ++r)
-        for (index b = 0; b < D / 32; ++b) {
-            const auto at = static_cast<std::size_t>(r * (D / 32) + b);
-            const q8_0_block want = quantized_one_at_a_time(&k(0, 0, r, b * 32));
-            const q8_0_block want16 = quantized_one_at_a_time(&k16_values(0, 0, r, b * 32));
-            for (const auto* got :
-                 {&from_float.key_blocks()[at], &from_float.value_blocks()[at], &from_double.key_blocks()[at]})
-                ASSERT_EQ(std::memcmp(got, &want, sizeof want), 0) << "row " << r << " block " << b;
-            ASSERT_EQ(std::memcmp(&from_bf16.key_blocks()[at], &want16, sizeof want16), 0) << "row " << r;
-            for (index j = 0; j < 32; ++j) {
-                const float y = k(0, 0, r, b * 32 + j) * 16.0f;
-                ties += r < 256 && y - std::trunc(y) == (y > 0 ? 0.5f : -0.5f) ? 1 : 0;
-            }
-        }
+    const index ties = attend_test::quantized_as_by_hand<q8_0_block>(k, 256, quantized_one_at_a_time);
     EXPECT_GT(ties, 4000);  // the ties were there to round
 }
 
