@@ -115,6 +115,19 @@ index rows_following(const quantized_view<Block>&, index, index n) {
     return n;
 }
 
+/// The `size` values of a block of a row as floats: in place for a float row, otherwise widened into `buffer`. (A
+/// float row copied first had its 16-byte stores read back by 32-byte loads on AVX2, which a store cannot forward:
+/// the q4_0 append in packets took 1.39 x as long as a value at a time there.)
+template <class T>
+const float* block_values(const T* x, index size, float* buffer) {
+    if constexpr (std::is_same_v<T, float>) {
+        return x;
+    } else {
+        widen(x, size, buffer);
+        return buffer;
+    }
+}
+
 /// q = round(y) half away from zero, clamped to [-127, 127], for a packet of y = x / d: y plus just under a half
 /// of y's sign, then truncated by the integer conversion (Eigen's pround, which needs SSE4.1's truncation; the
 /// conversion truncates everywhere). Clamping first is the same: the bounds are integers and rounding is monotone.
@@ -153,16 +166,16 @@ void quantize_q8_0(const T* x, index dim, q8_0_block* out) {
     using packet = typename packet_traits<float>::type;
     constexpr index lanes = packet_traits<float>::size, size = q8_0_block::size;
     constexpr bool in_packets = packet_traits<float>::Vectorizable && size % lanes == 0;
-    alignas(64) float block[size];
+    alignas(64) float buffer[size];  // a block widened, for rows not of float
     for (index b = 0; b < dim / size; ++b) {
-        widen(x + b * size, size, block);
+        const float* values = block_values(x + b * size, size, buffer);
         float amax = 0;
         if constexpr (in_packets) {
             packet largest = pset1<packet>(0.0f);
-            for (index j = 0; j < size; j += lanes) largest = pmax(largest, pabs(pload<packet>(block + j)));
+            for (index j = 0; j < size; j += lanes) largest = pmax(largest, pabs(ploadu<packet>(values + j)));
             amax = predux_max(largest);
         } else {
-            for (index j = 0; j < size; ++j) amax = std::max(amax, std::abs(block[j]));
+            for (index j = 0; j < size; ++j) amax = std::max(amax, std::abs(values[j]));
         }
         const float ratio = amax / 127.0f;
         narrow(&ratio, 1, &out[b].scale);
@@ -178,7 +191,7 @@ void quantize_q8_0(const T* x, index dim, q8_0_block* out) {
         std::int8_t* q = out[b].values;
         if constexpr (in_packets) {
             for (index j = 0; j < size; j += lanes) {
-                const auto integers = rounded_q8(pmul(pload<packet>(block + j), pset1<packet>(inverse)));
+                const auto integers = rounded_q8(pmul(ploadu<packet>(values + j), pset1<packet>(inverse)));
 #if defined(EIGEN_VECTORIZE_AVX512)
                 if constexpr (lanes == 16) {
                     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtepi32_epi8(integers));
@@ -191,7 +204,7 @@ void quantize_q8_0(const T* x, index dim, q8_0_block* out) {
             }
         } else {
             for (index j = 0; j < size; ++j) {
-                const float y = std::round(block[j] * inverse);  // half away from zero, as ggml
+                const float y = std::round(values[j] * inverse);  // half away from zero, as ggml
                 q[j] = static_cast<std::int8_t>(std::clamp(y, -127.0f, 127.0f));
             }
         }
@@ -215,19 +228,19 @@ void quantize_q4_0(const T* x, index dim, q4_0_block* out) {
     using packet = typename packet_traits<float>::type;
     constexpr index lanes = packet_traits<float>::size, size = q4_0_block::size, half_block = size / 2;
     constexpr bool in_packets = packet_traits<float>::Vectorizable && half_block % lanes == 0;
-    alignas(64) float block[size];
+    alignas(64) float buffer[size];  // a block widened, for rows not of float
     for (index b = 0; b < dim / size; ++b) {
-        widen(x + b * size, size, block);
+        const float* values = block_values(x + b * size, size, buffer);
         float extreme = 0;  // m: the first value of largest magnitude; +0 for a block of zeros (d = -0, as ggml)
         if constexpr (in_packets) {
             // m from the largest and the smallest value: low where -low > high, else high, a select of packets (GCC
             // made a scalar one a branch, which mispredicted every other block; a search for m in every block had
             // made the append slower than a value at a time). Where both signs reach the largest magnitude, the
             // first of them (rare: a search); a block of zeros +0, whatever the signs of the zeros max and min saw.
-            packet largest = pload<packet>(block), smallest = largest;
+            packet largest = ploadu<packet>(values), smallest = largest;
             for (index j = lanes; j < size; j += lanes) {
-                largest = pmax(largest, pload<packet>(block + j));
-                smallest = pmin(smallest, pload<packet>(block + j));
+                largest = pmax(largest, ploadu<packet>(values + j));
+                smallest = pmin(smallest, ploadu<packet>(values + j));
             }
             const float high = predux_max(largest), low = predux_min(smallest);
             const packet high_p = pset1<packet>(high), low_p = pset1<packet>(low);
@@ -236,13 +249,13 @@ void quantize_q4_0(const T* x, index dim, q4_0_block* out) {
                 extreme = 0;
                 if (high > 0) {
                     index first = 0;
-                    while (block[first] != high && block[first] != low) ++first;
-                    extreme = block[first];
+                    while (values[first] != high && values[first] != low) ++first;
+                    extreme = values[first];
                 }
             }
         } else {
             for (index j = 0; j < size; ++j)
-                if (std::abs(block[j]) > std::abs(extreme)) extreme = block[j];
+                if (std::abs(values[j]) > std::abs(extreme)) extreme = values[j];
         }
         const float amax = std::abs(extreme);
         const float ratio = extreme / -8.0f;
@@ -257,7 +270,7 @@ void quantize_q4_0(const T* x, index dim, q4_0_block* out) {
         std::uint8_t* bytes = out[b].nibbles;
         if constexpr (in_packets) {
             const auto integers = [&](index j) {  // values [j, j + lanes) as integers in [0, 15]
-                return rounded_q4(pmul(pload<packet>(block + j), pset1<packet>(inverse)));
+                return rounded_q4(pmul(ploadu<packet>(values + j), pset1<packet>(inverse)));
             };
 #if defined(EIGEN_VECTORIZE_AVX512)
             if constexpr (lanes == 16) {
@@ -275,7 +288,7 @@ void quantize_q4_0(const T* x, index dim, q4_0_block* out) {
                 return static_cast<std::uint8_t>(std::clamp(static_cast<int>(value * inverse + 8.5f), 0, 15));
             };
             for (index j = 0; j < half_block; ++j)
-                bytes[j] = static_cast<std::uint8_t>(integer(block[j]) | (integer(block[j + half_block]) << 4));
+                bytes[j] = static_cast<std::uint8_t>(integer(values[j]) | (integer(values[j + half_block]) << 4));
         }
     }
 }
