@@ -25,6 +25,7 @@
 #include "support/compare.hpp"
 #include "support/errors.hpp"
 #include "support/q8_blocks.hpp"
+#include "support/quantizer_cases.hpp"
 #include "support/random.hpp"
 
 namespace {
