@@ -118,7 +118,7 @@ TEST(RingErrors, ANonFiniteValueInOneShardIsThrownOnEveryRankAfterTheRingComplet
         "attend.value.non_finite");
 }
 
-TEST(RingErrors, ShardsOfAnotherStorageTypeOnOneRankAreRingStorageOnEveryRank) {
+TEST(RingErrors, ShardsOrQueriesOfAnotherStorageTypeOnOneRankAreRingStorageOnEveryRank) {
     const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, 8, 3);
     const auto as = [](const tensor4& x, auto type) {
         return attend::tensor<decltype(type), 4>(x.template cast<decltype(type)>());
@@ -130,6 +130,14 @@ TEST(RingErrors, ShardsOfAnotherStorageTypeOnOneRankAreRingStorageOnEveryRank) {
                 ad::ring_attention(as(q, Eigen::bfloat16()), as(k, Eigen::bfloat16()), as(v, Eigen::bfloat16()),
                                    MPI_COMM_WORLD);
             else ad::ring_attention(q, k, v, MPI_COMM_WORLD);
+        },
+        "attend.value.ring_storage");
+    // Float queries on every rank, but rank 1's keys and values in bf16: its shards would not fit the others'.
+    expect_same_error_everywhere<attend::value_error>(
+        [&] {
+            if (mpi_rank() == 1)
+                ad::ring_attention(as(q, float()), as(k, Eigen::bfloat16()), as(v, Eigen::bfloat16()), MPI_COMM_WORLD);
+            else ad::ring_attention(as(q, float()), as(k, float()), as(v, float()), MPI_COMM_WORLD);
         },
         "attend.value.ring_storage");
     const auto out = filled(1, 2, 4, 8, 4);

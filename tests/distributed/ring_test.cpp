@@ -264,7 +264,7 @@ TEST(RingAttention, AShardTheMaskHidesFromEveryLaterRankIsNeitherSentNorComputed
     EXPECT_EQ(full.statistics.blocks_computed, ranks);
 }
 
-/// 16-bit shards: the ring of float on the same (widened) values, rounded once. `dense` picks a dense mask
+/// 16-bit shards: the ring of float on the same (widened) values, rounded once; with float queries, not rounded. `dense` picks a dense mask
 /// (ragged shards, contiguous layout, no dropout) instead of causal and padding (zigzag, dropout, grouped query).
 template <class T>
 void expect_16bit_ring_is_the_float_ring_rounded_once(std::uint64_t seed, bool dense) {
@@ -296,6 +296,12 @@ void expect_16bit_ring_is_the_float_ring_rounded_once(std::uint64_t seed, bool d
         // The shards travel in 16 bits: half the bytes of the float ring's, the same shards.
         EXPECT_EQ(ring.statistics.shards_sent, ring_f.statistics.shards_sent);
         EXPECT_EQ(2 * ring.statistics.bytes_sent, ring_f.statistics.bytes_sent);
+        // Float queries over the same 16-bit shards: the float ring on the widened keys and values, bit for bit,
+        // with the shards still travelling in 16 bits.
+        const auto mixed = ad::ring_attention(widened(q), shard(k), shard(v), mask, MPI_COMM_WORLD, ro);
+        EXPECT_TRUE(attend_test::bit_equal(mixed.out, ring_f.out)) << "out, float q, rank " << rank;
+        EXPECT_TRUE(attend_test::bit_equal(mixed.lse, ring_f.lse)) << "lse, float q, rank " << rank;
+        EXPECT_EQ(mixed.statistics.bytes_sent, ring.statistics.bytes_sent);
 
         // Against one process in float on the same values: the float ring's summation order (1e-5, as the float
         // test above) plus the one rounding to T (half a unit: at most 2^-8 of the value for bf16, 2^-11 for fp16).
@@ -334,7 +340,8 @@ void expect_16bit_ring_is_the_float_ring_rounded_once(std::uint64_t seed, bool d
     }
 }
 
-TEST(RingAttention, SixteenBitShardsTravelInSixteenBitsAndGiveTheFloatRingOnTheirValuesRoundedOnce) {
+TEST(RingAttention,
+     SixteenBitShardsTravelInSixteenBitsAndGiveTheFloatRingOnTheirValuesRoundedOnceOrUnroundedForFloatQueries) {
     for (const bool dense : {false, true}) {
         expect_16bit_ring_is_the_float_ring_rounded_once<Eigen::half>(dense ? 91 : 92, dense);
         expect_16bit_ring_is_the_float_ring_rounded_once<Eigen::bfloat16>(dense ? 93 : 94, dense);

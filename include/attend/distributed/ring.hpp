@@ -242,8 +242,8 @@ inline double step_work(const ring_geometry& g, index query_len, index key_len, 
 /// What every rank reports about its call before anything is sent: its error (if a local check failed), its
 /// shapes and its options, gathered from all ranks so every rank takes the same decision.
 struct rank_summary {
-    std::int64_t failed = 0, storage = 0, batch = 0, heads = 0, kv_heads = 0, query_len = 0, key_len = 0, head_dim = 0,
-                 value_dim = 0;
+    std::int64_t failed = 0, storage = 0, kv_storage = 0, batch = 0, heads = 0, kv_heads = 0, query_len = 0,
+                 key_len = 0, head_dim = 0, value_dim = 0;
     std::int64_t options[11] = {};
 };
 
@@ -283,7 +283,8 @@ ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm com
     const auto error = capture_errors([&] {
         // A rank may hold no keys (ragged shards); check_shapes would reject key_len 0, which only the whole
         // sequence must not have, so such a shard is checked as if it had one key.
-        auto qv = attend::detail::as_view(q), kv = attend::detail::as_view(k), vv = attend::detail::as_view(v);
+        const auto qv = attend::detail::as_view(q);  // float over 16-bit k and v, or one type
+        auto kv = attend::detail::as_view(k), vv = attend::detail::as_view(v);
         const bool no_keys = kv.dims[2] == 0 && vv.dims[2] == 0;
         if (no_keys) kv.dims[2] = vv.dims[2] = 1;
         attention_shape s = attend::detail::check_views(qv, kv, vv);
@@ -298,9 +299,10 @@ ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm com
         local_checks(s);
     });
     mine.failed = error ? 1 : 0;
-    // The storage type by its significand bits (scalar_name's key): a rank sending another type's bytes would break
-    // the ring's message sizes.
+    // The storage types by their significand bits (scalar_name's key): a rank sending another type's bytes would
+    // break the ring's message sizes, and one computing in another would break its results.
     mine.storage = std::numeric_limits<attend::detail::scalar_of<Q>>::digits;
+    mine.kv_storage = std::numeric_limits<attend::detail::scalar_of<K>>::digits;
     describe_options(options, mine.options);
     constexpr int fields = static_cast<int>(sizeof(rank_summary) / sizeof(std::int64_t));
     std::vector<rank_summary> all(static_cast<std::size_t>(g.ranks));
@@ -316,12 +318,14 @@ ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm com
     };
     const rank_summary& first = all[0];
     for (const rank_summary& s : all)
-        if (s.storage != first.storage)
+        if (s.storage != first.storage || s.kv_storage != first.kv_storage)
             throw value_error("attend.value.ring_storage",
-                              concat("q, k and v must have one storage type on every rank (the shards travel as "
-                                     "their bytes): ",
+                              concat("q and k / v must have the same storage types on every rank (the shards travel "
+                                     "as their bytes): ",
                                      spell([](const rank_summary& x) {
-                                         return attend::detail::scalar_name(static_cast<int>(x.storage));
+                                         return concat("q ", attend::detail::scalar_name(static_cast<int>(x.storage)),
+                                                       " k / v ",
+                                                       attend::detail::scalar_name(static_cast<int>(x.kv_storage)));
                                      })));
     for (const rank_summary& s : all)
         if (s.batch != first.batch || s.heads != first.heads || s.kv_heads != first.kv_heads)
@@ -515,14 +519,28 @@ void require_rank4() {
                   "of 1");
 }
 
-/// The K / V shards travel in the queries' storage type, so the ring takes q, k and v of one type.
+/// The forward's storage: q, k and v of one type, or float q over Eigen::half or Eigen::bfloat16 k and v (as
+/// scaled_dot_product_attention takes them); the K / V shards travel in their own type.
+template <class Q, class K, class V>
+void require_storage_pair() {
+    require_rank4<Q>();
+    using S = attend::detail::scalar_of<K>;
+    static_assert(std::is_same_v<S, attend::detail::scalar_of<V>> &&
+                      attend::detail::storage_pair_v<attend::detail::scalar_of<Q>, S> &&
+                      !attend::detail::is_quantized_block_v<S>,
+                  "attend: ring attention takes q, k and v of one scalar type (float, double, Eigen::half or "
+                  "Eigen::bfloat16), or float q with Eigen::half or Eigen::bfloat16 k and v");
+    (void)mpi_type<S>();
+}
+
+/// The backward's storage: q, k and v of one type, as attention_backward takes them.
 template <class Q, class K, class V>
 void require_one_storage() {
     require_rank4<Q>();
     static_assert(std::is_same_v<attend::detail::scalar_of<Q>, attend::detail::scalar_of<K>> &&
                       std::is_same_v<attend::detail::scalar_of<Q>, attend::detail::scalar_of<V>>,
-                  "attend: ring attention takes q, k and v of one scalar type (float, double, Eigen::half or "
-                  "Eigen::bfloat16)");
+                  "attend: ring attention backward takes q, k and v of one scalar type (float, double, Eigen::half "
+                  "or Eigen::bfloat16), as attention_backward does");
     (void)mpi_type<attend::detail::scalar_of<Q>>();
 }
 
@@ -540,14 +558,17 @@ void require_one_storage() {
 /// attend.mask.empty_row (judged on the whole sequence), value_error attend.value.ring_storage.
 /// 16-bit storage (Eigen::half, Eigen::bfloat16): the K / V shards travel in 16 bits; each block computes in float
 /// (this rank's queries widened once), the partial results merge in float and out is rounded once, so it is the
-/// float ring's out on the widened inputs, rounded; lse is float.
+/// float ring's out on the widened inputs, rounded; lse is float. Float q over 16-bit k and v (a model whose keys
+/// and values are kept in 16 bits): the shards travel in 16 bits, and out and lse are the float ring's on the
+/// widened keys and values, bit for bit. Every rank must pass the same types (attend.value.ring_storage).
 template <class Q, class K, class V, class Mask>
 ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, const K& k, const V& v, const Mask& mask,
                                                                    MPI_Comm user_comm,
                                                                    const ring_options& options = {}) {
     attend::detail::require_mask<Mask>();
-    detail::require_one_storage<Q, K, V>();
+    detail::require_storage_pair<Q, K, V>();
     using T = attend::detail::scalar_of<Q>;
+    using S = attend::detail::scalar_of<K>;  // the shards' storage
     using Acc = accumulator_t<T>;
     const detail::private_communicator own(user_comm);
     const MPI_Comm comm = own.get();
@@ -561,7 +582,7 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
     std::vector<std::optional<partial_attention<Acc, 4>>> partial(query_runs.size());
     std::vector<Acc> widened_q;  // 16-bit queries in float, so every block's out stays unrounded
     std::vector<detail::run_of<Acc>> query_of_run;
-    std::vector<T> current, incoming;  // K / V packed [k | v]: the shard in hand (first this rank's), the next one
+    std::vector<S> current, incoming;  // K / V packed [k | v]: the shard in hand (first this rank's), the next one
 
     // Bind the mask to the whole sequence, plan the ring and allocate every buffer: an error here (a mask that
     // does not fit the full shape, memory) is agreed before anything is sent.
@@ -601,12 +622,12 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
         if (holding && t + 1 < g.ranks && plan.holds(t + 1, shard)) {
             transfers.send(current.data(), current.size(), g.next(), detail::tag_kv, comm);
             ++result.statistics.shards_sent;
-            result.statistics.bytes_sent += static_cast<std::int64_t>(current.size() * sizeof(T));
+            result.statistics.bytes_sent += static_cast<std::int64_t>(current.size() * sizeof(S));
         }
         const index key_len = g.keys.shard_length(shard);
         const std::array<index, 4> k_dims{g.batch, g.kv_heads, key_len, g.head_dim},
             v_dims{g.batch, g.kv_heads, key_len, g.value_dim};
-        const T* values = current.data() + g.batch * g.kv_heads * key_len * g.head_dim;
+        const S* values = current.data() + g.batch * g.kv_heads * key_len * g.head_dim;
         const auto compute = [&] {
             for (std::size_t qi = 0; holding && qi < query_runs.size(); ++qi)
                 for (const shard_segment& key_run : g.keys.segments(shard)) {
@@ -620,7 +641,7 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
                     ++result.statistics.blocks_computed;
                     const detail::stopwatch watch(result.statistics.compute_seconds);
                     error = detail::capture_errors([&] {
-                        const detail::run_of<T> keys(current.data(), k_dims, key_run), vals(values, v_dims, key_run);
+                        const detail::run_of<S> keys(current.data(), k_dims, key_run), vals(values, v_dims, key_run);
                         auto block = scaled_dot_product_attention(
                             *query_of_run[qi], *keys, *vals,
                             detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin),
