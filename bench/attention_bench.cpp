@@ -18,8 +18,11 @@
 //   decode_storage<KV>/threads/check_finite  the same, float queries over K and V stored as KV (a 16-bit cache);
 //                                      its `bytes` counter counts KV's bytes
 //   decode_short/threads/check_finite  decode's case over 1024 keys (one decode chunk)
+//   decode_short_storage<KV>/threads/check_finite  the same over K and V stored as KV: from cache, what the
+//                                      widening costs without the wait for memory
 //   decode_q8/threads/check_finite     decode's case over an int8 cache (q8_kv_cache, ggml's q8_0 blocks); `bytes`
 //                                      counts its blocks (34 bytes per 32 values)
+//   decode_short_q8/threads/check_finite  decode_q8's case over 1024 keys
 //   decode_q4/threads/check_finite     the same over an int4 cache (q4_kv_cache, ggml's q4_0: 18 bytes per 32)
 //   call_overhead/check_finite         one query of one head over 16 keys, D = 64, 1 thread: a call's fixed cost
 //   tiled<half>, tiled<bfloat16>       tiled<float>'s case with q, k, v and out in 16 bits, float accumulation
@@ -222,6 +225,10 @@ void decode(benchmark::State& state) { decode_over<float>(state, decode_keys); }
 
 /// A short context: 1024 keys, one decode chunk (8 MiB of K and V, in the last-level cache of most servers).
 void decode_short(benchmark::State& state) { decode_over<float>(state, 1024); }
+template <class KV>
+void decode_short_storage(benchmark::State& state) {
+    decode_over<KV>(state, 1024);
+}
 
 /// What a call costs besides its reads and products: checks, workspaces, the runner's set-up (a small model's
 /// decode pays it per layer and token).
@@ -238,10 +245,11 @@ void call_overhead(benchmark::State& state) {
     }
 }
 
+/// decode's case over `keys` keys of a quantized cache.
 template <class Block>
-void decode_quantized(benchmark::State& state) {
-    problem<float> p(decode_heads, decode_kv_heads, 1, decode_keys, decode_dim);
-    attend::quantized_kv_cache<Block> cache(1, decode_kv_heads, decode_keys, decode_dim, decode_dim);
+void decode_quantized(benchmark::State& state, index keys = decode_keys) {
+    problem<float> p(decode_heads, decode_kv_heads, 1, keys, decode_dim);
+    attend::quantized_kv_cache<Block> cache(1, decode_kv_heads, keys, decode_dim, decode_dim);
     cache.append(p.k, p.v);
     attend::sdpa_options o;
     o.kernel = attend::kernel::tiled;
@@ -253,10 +261,12 @@ void decode_quantized(benchmark::State& state) {
         benchmark::DoNotOptimize(p.out.data());
         benchmark::ClobberMemory();
     }
-    attend_bench::set_bytes(state, decode_kv_bytes * static_cast<double>(sizeof(Block)) / 128.0);
-    attend_bench::set_flops(state, attend_bench::attention_flops(1, decode_heads, 1, decode_keys, decode_dim));
+    attend_bench::set_bytes(state, decode_kv_bytes * static_cast<double>(keys) / decode_keys *
+                                       static_cast<double>(sizeof(Block)) / 128.0);
+    attend_bench::set_flops(state, attend_bench::attention_flops(1, decode_heads, 1, keys, decode_dim));
 }
 void decode_q8(benchmark::State& state) { decode_quantized<attend::q8_0_block>(state); }
+void decode_short_q8(benchmark::State& state) { decode_quantized<attend::q8_0_block>(state, 1024); }
 void decode_q4(benchmark::State& state) { decode_quantized<attend::q4_0_block>(state); }
 
 /// A prefill's keys and values appended to an empty cache, as a server fills one per layer: checks and copy (float)
@@ -329,6 +339,11 @@ BENCHMARK(decode_short)
     ->ArgsProduct({{1, 2}, {0, 1}})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
+BENCHMARK_TEMPLATE(decode_short_storage, Eigen::bfloat16)
+    ->ArgNames({"threads", "check_finite"})
+    ->ArgsProduct({{1, 2}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 BENCHMARK(call_overhead)->ArgName("check_finite")->Arg(0)->Arg(1)->Unit(benchmark::kNanosecond);
 BENCHMARK(stream_kv)->Arg(1)->Arg(2)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK_TEMPLATE(decode_storage, Eigen::bfloat16)
@@ -342,6 +357,11 @@ BENCHMARK_TEMPLATE(decode_storage, Eigen::half)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 BENCHMARK(decode_q8)
+    ->ArgNames({"threads", "check_finite"})
+    ->ArgsProduct({{1, 2}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(decode_short_q8)
     ->ArgNames({"threads", "check_finite"})
     ->ArgsProduct({{1, 2}, {0, 1}})
     ->Unit(benchmark::kMicrosecond)
