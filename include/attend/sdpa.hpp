@@ -40,7 +40,7 @@ enum class empty_rows {
 enum class kernel {
     automatic,  ///< the fastest available: tiled
     reference,  ///< materializes the scores of one (batch, head); the oracle of the tests
-    tiled       ///< FlashAttention-2 style online softmax on GEMM tiles, O(threads x tile) memory; multi-threaded
+    tiled       ///< FlashAttention-2's online softmax on micro-kernels, O(threads x tile) memory; multi-threaded
 };
 
 /// Dropout on the attention probabilities. Applied only when `training` is true: attend never drops in eval.
