@@ -112,9 +112,9 @@ inline index backward_key_chunks(const attention_shape& s, index key_tiles, std:
     return std::max<index>(1, std::min<index>(wanted, static_cast<index>(std::min(affordable, 1e9))));
 }
 
-/// The tiled backward (FlashAttention-2's backward on the micro-kernels of micro_kernel.hpp); P is recomputed tile by tile from lse,
-/// never stored (from an exact max and sum instead for the rare rows whose |lse| is too large for that, see
-/// imprecise_lse). Memory beyond inputs and outputs: O(threads x tile) of workspace, the dQ partials of a key split
+/// The tiled backward (FlashAttention-2's backward on the micro-kernels of micro_kernel.hpp); P is recomputed tile by
+/// tile from lse, never stored (from an exact max and sum instead for the rare rows whose |lse| is too large for that,
+/// see imprecise_lse). Memory beyond inputs and outputs: O(threads x tile) of workspace, the dQ partials of a key split
 /// (at most 16 MiB, see backward_key_chunks), only with a score_bias and a score_bias_gradient output one
 /// `[group, query_len + key_len - 1]` row of partial sums per unit, and only when some |lse| is huge two
 /// `[batch, heads, query_len]` vectors of row statistics; never O(query_len x key_len).
