@@ -264,8 +264,9 @@ TEST(RingAttention, AShardTheMaskHidesFromEveryLaterRankIsNeitherSentNorComputed
     EXPECT_EQ(full.statistics.blocks_computed, ranks);
 }
 
-/// 16-bit shards: the ring of float on the same (widened) values, rounded once; with float queries, not rounded. `dense` picks a dense mask
-/// (ragged shards, contiguous layout, no dropout) instead of causal and padding (zigzag, dropout, grouped query).
+/// 16-bit shards: the ring of float on the same (widened) values, rounded once; with float queries, not rounded.
+/// `dense` picks a dense mask (ragged shards, contiguous layout, no dropout) instead of causal and padding (zigzag,
+/// dropout, grouped query).
 template <class T>
 void expect_16bit_ring_is_the_float_ring_rounded_once(std::uint64_t seed, bool dense) {
     const int rank = mpi_rank(), ranks = mpi_size();

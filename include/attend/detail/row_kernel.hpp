@@ -40,6 +40,9 @@ template <class Acc>
 using row_packet = typename Eigen::internal::packet_traits<Acc>::type;
 template <class Acc>
 inline constexpr index row_lanes = Eigen::internal::packet_traits<Acc>::size;
+/// The stored type of the rows row_at(j) points to (a value type or a quantized block).
+template <class RowAt>
+using stored_row_t = std::remove_const_t<std::remove_pointer_t<decltype(std::declval<const RowAt&>()(index{0}))>>;
 
 /// Element x of a stored row (of values or of quantized blocks), widened exactly.
 template <class Acc, class S>
@@ -476,7 +479,7 @@ void scan_columns(index n, index first, index count, const RowOf& row_of, bool m
     constexpr index lanes = row_lanes<Acc>;
     const index whole = first + count / lanes * lanes, end = first + count;
     row_scan<Acc> seen;
-    widening_row<Acc, std::remove_const_t<std::remove_pointer_t<decltype(row_of(0))>>> row;
+    widening_row<Acc, stored_row_t<RowOf>> row;
     for (index j = 0; j < n; ++j) {
         row.start(row_of(j), first, count);
         for (index x = first; x < whole; x += lanes) seen.note(row.packet(x), magnitude);
@@ -711,7 +714,7 @@ void scores(const Acc* q, index ldq, index dim, index nk, const KeyRow& key_row,
             row_scan<Acc>* scan, const row_run& then) {
     constexpr int keys = score_keys<Rows>;
     row_scan<Acc> seen, scores_seen;
-    using stored = std::remove_const_t<std::remove_pointer_t<decltype(key_row(0))>>;
+    using stored = stored_row_t<KeyRow>;
     stored_scan<Acc, stored> on_bits;
     const row_prefetch<stored> prefetch(row_bytes<stored>(dim));
     index j = 0;
@@ -751,7 +754,7 @@ void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const
         ATTEND_UNROLL_FULLY
         for (int i = 0; i < Packets; ++i) c[r][i] = ploadu<packet>(acc + r * lda + e0 + i * lanes);
     }
-    using stored = std::remove_const_t<std::remove_pointer_t<decltype(value_row(0))>>;
+    using stored = stored_row_t<ValueRow>;
     const row_prefetch<stored> prefetch(row_bytes<stored>(dv));
     for (index j = 0; j < nk; ++j) {
         widening_row<Acc, stored> v;
@@ -827,7 +830,7 @@ void accumulate(const Acc* p, index ldp, index nk, index dv, const ValueRow& val
     const index packets = dv / lanes, whole = packets * lanes;
     const index groups = (packets + widths::widest - 1) / widths::widest;
     const index even = groups > 0 ? (packets + groups - 1) / groups : 0;
-    using stored = std::remove_const_t<std::remove_pointer_t<decltype(value_row(0))>>;
+    using stored = stored_row_t<ValueRow>;
     const index slice = std::max<index>(8, 16384 / std::max<index>(row_bytes<stored>(dv), 1));
     for (index j0 = 0; j0 < nk; j0 += slice) {
         const index nj = std::min(slice, nk - j0);
