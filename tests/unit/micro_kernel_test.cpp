@@ -14,12 +14,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
 
 #include <attend/detail/micro_kernel.hpp>
+#include <attend/detail/micro_kernel_amx.hpp>
 #include <attend/detail/micro_kernel_bf16.hpp>
 #include <attend/detail/row_kernel.hpp>
 #include <attend/detail/score_pipeline.hpp>
@@ -725,47 +727,89 @@ TEST(Bf16PairKernels, KeyPanelsHoldEachKeyPairOnceAndZerosPastTheLastKey) {
             }
 }
 
+/// The pair path's two products as the tiled kernel takes them here: the vdpbf16ps kernels, and AMX tiles where
+/// this target and machine have them (micro_kernel_amx.hpp; head dims of whole tiles only). Same operands, same
+/// bounds.
+struct pair_products {
+    const char* name;
+    bool tiles;
+    bool takes(index head_dim) const { return !tiles || head_dim % 32 == 0; }
+    template <class Epilogue>
+    void scores(const std::uint32_t* q, index ldq, index rows, index head_dim, const std::uint32_t* panels, index nk,
+                float scale, float* out, index lds, const Epilogue& epilogue) const {
+        if (!tiles)
+            attend::detail::scores_from_key_pairs(q, ldq, rows, head_dim, panels, nk, scale, out, lds, epilogue);
+        else if constexpr (attend::detail::amx_target)
+            attend::detail::scores_from_key_tiles(q, ldq, rows, head_dim, panels, nk, scale, out, lds, epilogue);
+    }
+    void accumulate(const std::uint32_t* p, index ldp, index rows, index nk, index dv, const std::uint32_t* blocks,
+                    index block_stride, float* acc, index lda) const {
+        if (!tiles) attend::detail::accumulate_from_value_pairs(p, ldp, rows, nk, dv, blocks, block_stride, acc, lda);
+        else if constexpr (attend::detail::amx_target)
+            attend::detail::accumulate_from_value_tiles(p, ldp, rows, nk, dv, blocks, block_stride, acc, lda);
+    }
+};
+std::vector<pair_products> pair_products_here() {
+    std::vector<pair_products> here{{"vdpbf16ps", false}};
+    if (attend::detail::amx_target && attend::detail::amx_tiles_ready()) here.push_back({"AMX tiles", true});
+    return here;
+}
+
+TEST(Bf16PairKernels, AmxTilesAreTakenWhereTheTargetHasThem) {
+    // A target compiled with AMX-BF16 takes the pair path on tiles or not at all (Linux grants them from 5.16).
+    if (!attend::detail::amx_target) GTEST_SKIP() << "this target has no AMX-BF16";
+    std::printf("AMX tiles %s\n", attend::detail::amx_tiles_ready() ? "granted" : "not granted");
+    EXPECT_EQ(attend::detail::bf16_pairs_for(64, 64), attend::detail::amx_tiles_ready());
+    EXPECT_FALSE(attend::detail::bf16_pairs_for(48, 64)) << "not whole tiles: the float kernels";
+}
+
 TEST(Bf16PairKernels, ScoresAreTheScaledSumsOfExactProductsAndWriteNothingPastTheirColumns) {
     attend_test::rng g(32);
     const float guard = 12345.0f, scale = 0.125f * 1.1f;
-    for (index rows : edge_sizes(bf16_tile::rows))
-        for (index nk : edge_sizes(bf16_tile::cols))
-            for (index head_dim : {index(2), index(34), index(128)}) {
-                const index lds = nk + 3;
-                const auto q = random_bf16(g, rows * head_dim), k = random_bf16(g, nk * head_dim);
-                const auto q_pairs = pair_words(q, rows, head_dim, head_dim);
-                std::vector<std::uint32_t> panels(static_cast<std::size_t>(bf16_tile::key_panel_words(nk, head_dim)));
-                attend::detail::pack_key_pairs(k.data(), head_dim, nk, head_dim, panels.data());
-                std::vector<float> scores(static_cast<std::size_t>(rows * lds), guard);
-                attend::detail::scores_from_key_pairs(q_pairs.data(), head_dim / 2, rows, head_dim, panels.data(), nk,
-                                                      scale, scores.data(), lds,
-                                                      attend::detail::micro::keep_products{});
-                for (index r = 0; r < rows; ++r) {
-                    for (index c = 0; c < nk; ++c) {
-                        double exact = 0, magnitude = 0;
-                        for (index x = 0; x < head_dim; ++x) {
-                            const double p =
-                                static_cast<double>(static_cast<float>(q[static_cast<std::size_t>(r * head_dim + x)])) *
-                                static_cast<double>(static_cast<float>(k[static_cast<std::size_t>(c * head_dim + x)]));
-                            exact += p;
-                            magnitude += std::abs(p);
+    for (const auto& products : pair_products_here())
+        for (index rows : edge_sizes(bf16_tile::rows))
+            for (index nk : edge_sizes(bf16_tile::cols))
+                for (index head_dim : {index(2), index(34), index(64), index(128)}) {
+                    if (!products.takes(head_dim)) continue;
+                    SCOPED_TRACE(products.name);
+                    const index lds = nk + 3;
+                    const auto q = random_bf16(g, rows * head_dim), k = random_bf16(g, nk * head_dim);
+                    const auto q_pairs = pair_words(q, rows, head_dim, head_dim);
+                    std::vector<std::uint32_t> panels(
+                        static_cast<std::size_t>(bf16_tile::key_panel_words(nk, head_dim)));
+                    attend::detail::pack_key_pairs(k.data(), head_dim, nk, head_dim, panels.data());
+                    std::vector<float> scores(static_cast<std::size_t>(rows * lds), guard);
+                    products.scores(q_pairs.data(), head_dim / 2, rows, head_dim, panels.data(), nk, scale,
+                                    scores.data(), lds, attend::detail::micro::keep_products{});
+                    for (index r = 0; r < rows; ++r) {
+                        for (index c = 0; c < nk; ++c) {
+                            double exact = 0, magnitude = 0;
+                            for (index x = 0; x < head_dim; ++x) {
+                                const double p = static_cast<double>(static_cast<float>(
+                                                     q[static_cast<std::size_t>(r * head_dim + x)])) *
+                                                 static_cast<double>(
+                                                     static_cast<float>(k[static_cast<std::size_t>(c * head_dim + x)]));
+                                exact += p;
+                                magnitude += std::abs(p);
+                            }
+                            const double bound =
+                                (4.0 * static_cast<double>(head_dim) + 2.0) * 0x1p-24 * magnitude * scale;
+                            ASSERT_NEAR(scores[static_cast<std::size_t>(r * lds + c)], scale * exact, bound)
+                                << "row " << r << " key " << c << " of " << rows << " x " << nk << ", head_dim "
+                                << head_dim;
                         }
-                        const double bound = (4.0 * static_cast<double>(head_dim) + 2.0) * 0x1p-24 * magnitude * scale;
-                        ASSERT_NEAR(scores[static_cast<std::size_t>(r * lds + c)], scale * exact, bound)
-                            << "row " << r << " key " << c << " of " << rows << " x " << nk << ", head_dim "
-                            << head_dim;
+                        for (index c = nk; c < lds; ++c)
+                            ASSERT_EQ(scores[static_cast<std::size_t>(r * lds + c)], guard);
                     }
-                    for (index c = nk; c < lds; ++c) ASSERT_EQ(scores[static_cast<std::size_t>(r * lds + c)], guard);
+                    // A row gets the same bits whatever rows share its call.
+                    for (index r = 0; r < rows; ++r) {
+                        std::vector<float> alone(static_cast<std::size_t>(lds), guard);
+                        products.scores(q_pairs.data() + r * head_dim / 2, head_dim / 2, 1, head_dim, panels.data(), nk,
+                                        scale, alone.data(), lds, attend::detail::micro::keep_products{});
+                        ASSERT_EQ(std::memcmp(alone.data(), scores.data() + r * lds, static_cast<std::size_t>(nk) * 4),
+                                  0);
+                    }
                 }
-                // A row gets the same bits whatever rows share its call.
-                for (index r = 0; r < rows; ++r) {
-                    std::vector<float> alone(static_cast<std::size_t>(lds), guard);
-                    attend::detail::scores_from_key_pairs(q_pairs.data() + r * head_dim / 2, head_dim / 2, 1, head_dim,
-                                                          panels.data(), nk, scale, alone.data(), lds,
-                                                          attend::detail::micro::keep_products{});
-                    ASSERT_EQ(std::memcmp(alone.data(), scores.data() + r * lds, static_cast<std::size_t>(nk) * 4), 0);
-                }
-            }
 }
 
 TEST(Bf16PairKernels, ProbabilitiesRoundToNearestEvenBf16AndOddRowsEndInAZero) {
@@ -793,41 +837,44 @@ TEST(Bf16PairKernels, ProbabilitiesRoundToNearestEvenBf16AndOddRowsEndInAZero) {
 
 TEST(Bf16PairKernels, AccumulatingValuePairsAddsRoundedPTimesVToWhatWasThere) {
     attend_test::rng g(34);
-    for (index rows : edge_sizes(bf16_tile::rows))
-        for (index nk : {index(1), index(2), index(31), index(33), index(300), index(513)})
-            for (index dv : {index(32), index(96)})
-                for (index ldv : {dv, dv + 3}) {
-                    const auto v = random_bf16(g, nk * ldv);
-                    std::vector<float> p(static_cast<std::size_t>(rows * nk));
-                    for (auto& x : p) x = static_cast<float>(g.uniform(0.0, 1.0));
-                    const index ldp = (nk + 1) / 2;
-                    std::vector<std::uint32_t> p_pairs(static_cast<std::size_t>(rows * ldp));
-                    attend::detail::round_to_pairs(p.data(), nk, rows, nk, p_pairs.data(), ldp);
-                    const index block_stride = (nk + 1) / 2 * bf16_tile::cols;
-                    std::vector<std::uint32_t> blocks(static_cast<std::size_t>(bf16_tile::value_panel_words(nk, dv)));
-                    attend::detail::pack_value_pairs(v.data(), ldv, nk, dv, blocks.data());
-                    std::vector<float> acc(static_cast<std::size_t>(rows * dv));
-                    for (auto& x : acc) x = static_cast<float>(g.uniform(-1.0, 1.0));
-                    const auto before = acc;
-                    attend::detail::accumulate_from_value_pairs(p_pairs.data(), ldp, rows, nk, dv, blocks.data(),
-                                                                block_stride, acc.data(), dv);
-                    for (index r = 0; r < rows; ++r)
-                        for (index e = 0; e < dv; ++e) {
-                            double exact = before[static_cast<std::size_t>(r * dv + e)], magnitude = std::abs(exact);
-                            for (index j = 0; j < nk; ++j) {
-                                const double t =
-                                    static_cast<double>(
-                                        static_cast<float>(bf16(p[static_cast<std::size_t>(r * nk + j)]))) *
-                                    static_cast<double>(static_cast<float>(v[static_cast<std::size_t>(j * ldv + e)]));
-                                exact += t;
-                                magnitude += std::abs(t);
+    for (const auto& products : pair_products_here())
+        for (index rows : edge_sizes(bf16_tile::rows))
+            for (index nk : {index(1), index(2), index(31), index(33), index(300), index(513)})
+                for (index dv : {index(32), index(96)})
+                    for (index ldv : {dv, dv + 3}) {
+                        const auto v = random_bf16(g, nk * ldv);
+                        std::vector<float> p(static_cast<std::size_t>(rows * nk));
+                        for (auto& x : p) x = static_cast<float>(g.uniform(0.0, 1.0));
+                        const index ldp = (nk + 1) / 2;
+                        std::vector<std::uint32_t> p_pairs(static_cast<std::size_t>(rows * ldp));
+                        attend::detail::round_to_pairs(p.data(), nk, rows, nk, p_pairs.data(), ldp);
+                        const index block_stride = (nk + 1) / 2 * bf16_tile::cols;
+                        std::vector<std::uint32_t> blocks(
+                            static_cast<std::size_t>(bf16_tile::value_panel_words(nk, dv)));
+                        attend::detail::pack_value_pairs(v.data(), ldv, nk, dv, blocks.data());
+                        std::vector<float> acc(static_cast<std::size_t>(rows * dv));
+                        for (auto& x : acc) x = static_cast<float>(g.uniform(-1.0, 1.0));
+                        const auto before = acc;
+                        products.accumulate(p_pairs.data(), ldp, rows, nk, dv, blocks.data(), block_stride, acc.data(),
+                                            dv);
+                        for (index r = 0; r < rows; ++r)
+                            for (index e = 0; e < dv; ++e) {
+                                double exact = before[static_cast<std::size_t>(r * dv + e)],
+                                       magnitude = std::abs(exact);
+                                for (index j = 0; j < nk; ++j) {
+                                    const double t = static_cast<double>(static_cast<float>(
+                                                         bf16(p[static_cast<std::size_t>(r * nk + j)]))) *
+                                                     static_cast<double>(
+                                                         static_cast<float>(v[static_cast<std::size_t>(j * ldv + e)]));
+                                    exact += t;
+                                    magnitude += std::abs(t);
+                                }
+                                ASSERT_NEAR(acc[static_cast<std::size_t>(r * dv + e)], exact,
+                                            4.0 * static_cast<double>(nk + 1) * 0x1p-24 * magnitude)
+                                    << products.name << ", row " << r << " column " << e << " of " << rows << " x "
+                                    << dv << ", " << nk << " keys";
                             }
-                            ASSERT_NEAR(acc[static_cast<std::size_t>(r * dv + e)], exact,
-                                        4.0 * static_cast<double>(nk + 1) * 0x1p-24 * magnitude)
-                                << "row " << r << " column " << e << " of " << rows << " x " << dv << ", " << nk
-                                << " keys";
-                        }
-                }
+                    }
 }
 #endif  // ATTEND_BF16_DOT_PRODUCTS
 

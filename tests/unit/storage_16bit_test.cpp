@@ -28,6 +28,7 @@
 #include <vector>
 
 #include <attend/attend.hpp>
+#include <attend/detail/micro_kernel_amx.hpp>
 
 #include "support/compare.hpp"
 #include "support/errors.hpp"
@@ -72,18 +73,22 @@ std::vector<attend::sdpa_options> option_sets(index heads) {
     return sets;
 }
 
-/// Whether bf16 slabs of many rows take the pair kernels on this target (AVX-512 BF16, micro_kernel_bf16.hpp): P
-/// is rounded to bf16 before P V, as in PyTorch's bf16 CPU flash kernel, so there the output is the float result
-/// within the bf16 target (2^-7 of each row's largest magnitude; 2.8 x 2^-9 was the worst seen over a sweep of
-/// ranges, lengths and masks), no longer that result rounded once.
+/// Whether bf16 slabs of many rows take the pair path on this target and machine (AVX-512 BF16,
+/// micro_kernel_bf16.hpp; AMX tiles where the target has them, micro_kernel_amx.hpp): P is rounded to bf16 before
+/// P V, as in PyTorch's bf16 CPU flash kernel, so there the output is the float result within the bf16 target
+/// (2^-7 of each row's largest magnitude; 2.8 x 2^-9 was the worst seen over a sweep of ranges, lengths and masks),
+/// no longer that result rounded once.
 template <class T>
-constexpr bool pair_kernels = std::is_same_v<T, bf16>&& attend::detail::bf16_dot_products;
+bool pair_kernels(index head_dim, index value_dim) {
+    return std::is_same_v<T, bf16> && attend::detail::bf16_pairs_for(head_dim, value_dim);
+}
 
 /// `pair_slabs`: whether the case has slabs that the pair kernels take (more rows than the GEMV path's).
 template <class T>
 void expect_float_result_rounded_once(const inputs16<T>& in, const attend::sdpa_options& options, bool pair_slabs) {
     const auto mask = attend::causal(attend::alignment::bottom_right);
-    const bool pairs = pair_kernels<T> && pair_slabs && options.kernel != attend::kernel::reference;
+    const bool pairs = pair_kernels<T>(in.q.dimension(3), in.v.dimension(3)) && pair_slabs &&
+                       options.kernel != attend::kernel::reference;
     attend::tensor<T, 4> first;
     for (const int threads : {1, 2}) {
         attend::sdpa_options o = options;

@@ -46,6 +46,7 @@
 #include "memory.hpp"
 #include "merge_rows.hpp"
 #include "micro_kernel.hpp"
+#include "micro_kernel_amx.hpp"
 #include "micro_kernel_bf16.hpp"
 #include "parallel_for.hpp"
 #include "quantized_rows.hpp"
@@ -323,14 +324,12 @@ private:
     /// block's rows).
     bool uses_panels() const { return rows_ > c_.gemv_rows; }
 
-    /// Whether those slabs take the bf16 pair kernels (micro_kernel_bf16.hpp) instead of the float panels: bf16
-    /// queries, keys and values in strided views, on a target with AVX-512 BF16, an even head_dim and whole blocks
-    /// of 32 value columns (head dims of 64 and 128 among them).
+    /// Whether those slabs take the bf16 pair path (micro_kernel_bf16.hpp, on AMX tiles where the target has them:
+    /// micro_kernel_amx.hpp) instead of the float panels: bf16 queries, keys and values in strided views, with the
+    /// dimensions bf16_pairs_for takes (head dims of 64 and 128 among them).
     static constexpr bool pair_target = bf16_dot_products && std::is_same_v<Storage, Eigen::bfloat16> &&
                                         std::is_same_v<Rows, strided_view<const Eigen::bfloat16>>;
-    bool uses_pairs() const {
-        return pair_target && uses_panels() && s_.head_dim % 2 == 0 && s_.value_dim % bf16_tile::cols == 0;
-    }
+    bool uses_pairs() const { return pair_target && uses_panels() && bf16_pairs_for(s_.head_dim, s_.value_dim); }
 
     std::vector<tiled_workspace<Acc>> workspaces(index units, int threads) const {
         const int workers = static_cast<int>(std::min<index>(std::max(threads, 1), units));
@@ -646,8 +645,14 @@ private:
             const std::uint32_t* panels = key_pairs(w, blk, k0, k1);
             const index pairs = s_.head_dim / 2;
             return pipe_.products_with_cap([&](const auto& epilogue) {
-                scores_from_key_pairs(w.pairs.queries.data() + r0 * pairs, pairs, rows, s_.head_dim, panels, k1 - k0,
-                                      pipe_.scale(), w.scores.data() + r0 * c_.key_tile, c_.key_tile, epilogue);
+                const std::uint32_t* q = w.pairs.queries.data() + r0 * pairs;
+                float* scores = w.scores.data() + r0 * c_.key_tile;
+                if constexpr (amx_target)
+                    scores_from_key_tiles(q, pairs, rows, s_.head_dim, panels, k1 - k0, pipe_.scale(), scores,
+                                          c_.key_tile, epilogue);
+                else
+                    scores_from_key_pairs(q, pairs, rows, s_.head_dim, panels, k1 - k0, pipe_.scale(), scores,
+                                          c_.key_tile, epilogue);
             });
         }
         return false;
@@ -666,9 +671,15 @@ private:
             const index ldp = (c_.key_tile + 1) / 2;
             std::uint32_t* p = w.pairs.probabilities.data() + r0 * ldp;
             round_to_pairs(w.scores.data() + r0 * c_.key_tile, c_.key_tile, rows, k1 - k0, p, ldp);
-            accumulate_from_value_pairs(p, ldp, rows, k1 - k0, s_.value_dim,
-                                        w.pairs.values.data() + (k0 - want.begin) / 2 * bf16_tile::cols,
-                                        (n + 1) / 2 * bf16_tile::cols, w.acc.data() + r0 * s_.value_dim, s_.value_dim);
+            const std::uint32_t* blocks = w.pairs.values.data() + (k0 - want.begin) / 2 * bf16_tile::cols;
+            const index block_stride = (n + 1) / 2 * bf16_tile::cols;
+            float* acc = w.acc.data() + r0 * s_.value_dim;
+            if constexpr (amx_target)
+                accumulate_from_value_tiles(p, ldp, rows, k1 - k0, s_.value_dim, blocks, block_stride, acc,
+                                            s_.value_dim);
+            else
+                accumulate_from_value_pairs(p, ldp, rows, k1 - k0, s_.value_dim, blocks, block_stride, acc,
+                                            s_.value_dim);
         }
     }
 
