@@ -739,19 +739,19 @@ struct pair_products {
                 float scale, float* out, index lds, const Epilogue& epilogue) const {
         if (!tiles)
             attend::detail::scores_from_key_pairs(q, ldq, rows, head_dim, panels, nk, scale, out, lds, epilogue);
-        else if constexpr (attend::detail::amx_target)
+        else if constexpr (attend::detail::amx_tiles)
             attend::detail::scores_from_key_tiles(q, ldq, rows, head_dim, panels, nk, scale, out, lds, epilogue);
     }
     void accumulate(const std::uint32_t* p, index ldp, index rows, index nk, index dv, const std::uint32_t* blocks,
                     index block_stride, float* acc, index lda) const {
         if (!tiles) attend::detail::accumulate_from_value_pairs(p, ldp, rows, nk, dv, blocks, block_stride, acc, lda);
-        else if constexpr (attend::detail::amx_target)
+        else if constexpr (attend::detail::amx_tiles)
             attend::detail::accumulate_from_value_tiles(p, ldp, rows, nk, dv, blocks, block_stride, acc, lda);
     }
 };
 std::vector<pair_products> pair_products_here() {
     std::vector<pair_products> here{{"vdpbf16ps", false}};
-    if (attend::detail::amx_target && attend::detail::amx_tiles_ready()) here.push_back({"AMX tiles", true});
+    if (attend::detail::amx_tiles && attend::detail::amx_tiles_ready()) here.push_back({"AMX tiles", true});
     return here;
 }
 

@@ -17,8 +17,12 @@
 
 #include "micro_kernel_bf16.hpp"
 
-#if ATTEND_BF16_DOT_PRODUCTS && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__) && \
-    !defined(ATTEND_NO_AMX)
+#if ATTEND_BF16_DOT_PRODUCTS && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define ATTEND_AMX_TARGET 1
+#else
+#define ATTEND_AMX_TARGET 0
+#endif
+#if ATTEND_AMX_TARGET && defined(__linux__) && !defined(ATTEND_NO_AMX)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -31,7 +35,9 @@ namespace attend::detail {
 
 /// Whether this target was compiled with AMX-BF16 (compile time). On such a target the pair path runs on tiles or
 /// not at all: vdpbf16ps there is slower than the float kernels.
-inline constexpr bool amx_target = ATTEND_AMX_TILES != 0;
+inline constexpr bool amx_target = ATTEND_AMX_TARGET != 0;
+/// Whether the tile kernels below are compiled: an AMX target on Linux, unless ATTEND_NO_AMX is defined.
+inline constexpr bool amx_tiles = ATTEND_AMX_TILES != 0;
 
 /// Whether this process may use the tile registers: Linux grants them on request (arch_prctl
 /// ARCH_REQ_XCOMP_PERM for XTILEDATA, Linux 5.16 and later), asked once per process.
@@ -48,8 +54,8 @@ inline bool amx_tiles_ready() {
 }
 
 /// Whether bf16 slabs of many rows with these dimensions take the pair path (micro_kernel_bf16.hpp) on this target
-/// and machine: AVX-512 BF16, an even head_dim and whole blocks of 32 value columns; with AMX, tiles granted and
-/// head_dim a whole number of tiles' 32 values.
+/// and machine: AVX-512 BF16, an even head_dim and whole blocks of 32 value columns; on an AMX target, tiles
+/// compiled and granted and head_dim a whole number of tiles' 32 values.
 inline bool bf16_pairs_for(index head_dim, index value_dim) {
     if (!bf16_dot_products || head_dim % 2 != 0 || value_dim % bf16_tile::cols != 0) return false;
     return !amx_target || (head_dim % 32 == 0 && amx_tiles_ready());

@@ -647,7 +647,7 @@ private:
             return pipe_.products_with_cap([&](const auto& epilogue) {
                 const std::uint32_t* q = w.pairs.queries.data() + r0 * pairs;
                 float* scores = w.scores.data() + r0 * c_.key_tile;
-                if constexpr (amx_target)
+                if constexpr (amx_tiles)
                     scores_from_key_tiles(q, pairs, rows, s_.head_dim, panels, k1 - k0, pipe_.scale(), scores,
                                           c_.key_tile, epilogue);
                 else
@@ -674,7 +674,7 @@ private:
             const std::uint32_t* blocks = w.pairs.values.data() + (k0 - want.begin) / 2 * bf16_tile::cols;
             const index block_stride = (n + 1) / 2 * bf16_tile::cols;
             float* acc = w.acc.data() + r0 * s_.value_dim;
-            if constexpr (amx_target)
+            if constexpr (amx_tiles)
                 accumulate_from_value_tiles(p, ldp, rows, k1 - k0, s_.value_dim, blocks, block_stride, acc,
                                             s_.value_dim);
             else
