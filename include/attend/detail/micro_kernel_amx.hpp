@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: MIT
 #pragma once
 /// The bf16 pair path's two products on AMX tiles (Intel Sapphire Rapids and later, where the target has AMX-BF16
-/// and Linux lets the process use the tile registers). There vdpbf16ps runs at half the float multiply-add rate (a
-/// bf16 prefill on the pair kernels of micro_kernel_bf16.hpp took 1.9 x the float prefill's time on Emerald
-/// Rapids), while one tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 float sums.
+/// and Linux lets the process use the tile registers). There vdpbf16ps gives half the products a second of float
+/// multiply-adds (a bf16 prefill on the pair kernels of micro_kernel_bf16.hpp took 1.9 x the float prefill's time
+/// on Emerald Rapids), while one tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 float sums.
 /// Same operands, same layouts as micro_kernel_bf16.hpp (the packed key panels and value blocks are tiles' rows as
 /// they stand), same arithmetic: each product of two bf16 values is exact in float, each output element one float
 /// sum over the inner dimension in ascending pairs, subnormal inputs and results taken as zero. Whether two products
