@@ -148,6 +148,18 @@ TYPED_TEST(Storage16, MeetsItsAccuracyTargetAgainstDoubleOnTheSameInputs) {
     }
 }
 
+TYPED_TEST(Storage16, HeadDimsAndRaggedEdgesGiveTheFloatResultOnTheSameValues) {
+    // The pair path's edges (AMX tiles on targets with them: row groups of 16 and 32, steps of 16 pairs, panels of
+    // 32 keys; head dims of one to four tiles' 32 values) and the float kernels' for fp16, under every option set.
+    using T = TypeParam;
+    for (const index dim : {index(32), index(96), index(128)}) {
+        const inputs16<T> small(2, 1, 37, 45, dim, 40 + static_cast<std::uint64_t>(dim));
+        const inputs16<T> ragged(4, 2, 129, 513, dim, 50 + static_cast<std::uint64_t>(dim));
+        for (const auto& options : option_sets(2)) expect_float_result_rounded_once(small, options, true);
+        for (const auto& options : option_sets(4)) expect_float_result_rounded_once(ragged, options, true);
+    }
+}
+
 TEST(Storage16Half, ScoresBeyondTheHalfRangeStayFiniteInFloat) {
     // Entries up to 400: scaled scores up to 64 x 400 x 400 / 8 = 1.3e6, and the largest reached (the lse checked
     // below) beyond fp16's 65504: infinite in fp16 arithmetic, fine in float.
