@@ -40,7 +40,8 @@ inline constexpr bool amx_target = ATTEND_AMX_TARGET != 0;
 inline constexpr bool amx_tiles = ATTEND_AMX_TILES != 0;
 
 /// Whether this process may use the tile registers: Linux grants them on request (arch_prctl
-/// ARCH_REQ_XCOMP_PERM for XTILEDATA, Linux 5.16 and later), asked once per process.
+/// ARCH_REQ_XCOMP_PERM for XTILEDATA, Linux 5.16 and later), asked once per process, by the first bf16 call that
+/// would take them. Once granted, signal frames carry the tile state (8 KiB): docs/engine.md.
 inline bool amx_tiles_ready() {
 #if ATTEND_AMX_TILES
     static const bool ready = [] {
