@@ -85,9 +85,10 @@ public:
         if (m1 == m1_ && m2 == m2_ && pairs == pairs_) return;
         alignas(64) std::uint8_t c[64] = {};
         c[0] = 1;
-        const auto set = [&](int tile, index rows, index bytes) {
-            c[48 + tile] = static_cast<std::uint8_t>(bytes == 0 ? 0 : rows);
-            const auto b = static_cast<std::uint16_t>(rows == 0 ? 0 : bytes);
+        const auto set = [&](int tile, index rows, index bytes) {  // a tile of no rows stays unconfigured (zeros)
+            if (rows == 0) return;
+            c[48 + tile] = static_cast<std::uint8_t>(rows);
+            const auto b = static_cast<std::uint16_t>(bytes);
             std::memcpy(c + 16 + 2 * tile, &b, 2);
         };
         set(0, m1, 64);
@@ -171,9 +172,7 @@ void scores_from_key_tiles(const std::uint32_t* q, index ldq, index rows, index 
                 _tile_stored(2, sums + m1 * bt::cols, amx::bytes(bt::cols));
                 _tile_stored(3, sums + m1 * bt::cols + 16, amx::bytes(bt::cols));
             }
-            const index n = std::min(bt::cols, nk - p0);
-            const auto lo = static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << n) - 1);
-            const auto hi = static_cast<__mmask16>(n >= 32 ? 0xffff : n <= 16 ? 0 : (1u << (n - 16)) - 1);
+            const auto [lo, hi] = first_lanes(std::min(bt::cols, nk - p0));
             for (index r = 0; r < m1 + m2; ++r) {
                 float* out = scores + (r0 + r) * lds + p0;
                 _mm512_mask_storeu_ps(out, lo, epilogue(_mm512_mul_ps(s, _mm512_load_ps(sums + r * bt::cols))));

@@ -130,6 +130,14 @@ inline void pack_value_pairs(const Eigen::bfloat16* v, index ld, index nk, index
     }
 }
 
+/// Masks of the first n of 32 lanes (n from 1 to 32) over two packets of 16: the low packet's and the high one's.
+inline std::pair<__mmask16, __mmask16> first_lanes(index n) {
+    return {static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << n) - 1),
+            static_cast<__mmask16>(n >= 32   ? 0xffff
+                                   : n <= 16 ? 0
+                                             : (1u << (n - 16)) - 1)};
+}
+
 /// rows x nk floats (rows at `ldp`) rounded to bf16 (to nearest even) into pairs: row r at out + r * ldo words,
 /// (nk + 1) / 2 words, a zero after an odd last column.
 inline void round_to_pairs(const float* p, index ldp, index rows, index nk, std::uint32_t* out, index ldo) {
@@ -138,8 +146,7 @@ inline void round_to_pairs(const float* p, index ldp, index rows, index nk, std:
         std::uint32_t* dst = out + r * ldo;
         for (index j = 0; j < nk; j += 32) {
             const index n = std::min<index>(32, nk - j);
-            const __mmask16 lo_mask = static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << n) - 1);
-            const __mmask16 hi_mask = static_cast<__mmask16>(n >= 32 ? 0xffff : n <= 16 ? 0 : (1u << (n - 16)) - 1);
+            const auto [lo_mask, hi_mask] = first_lanes(n);
             const __m512 lo = _mm512_maskz_loadu_ps(lo_mask, src + j),
                          hi = _mm512_maskz_loadu_ps(hi_mask, src + j + 16);
             const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // lo in the low half
