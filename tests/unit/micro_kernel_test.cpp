@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -762,6 +763,47 @@ TEST(Bf16PairKernels, AmxTilesAreTakenWhereTheTargetHasThem) {
     EXPECT_EQ(attend::detail::bf16_pairs_for(64, 64), attend::detail::amx_tiles_ready());
     EXPECT_FALSE(attend::detail::bf16_pairs_for(48, 64)) << "not whole tiles: the float kernels";
 }
+
+#if ATTEND_AMX_TILES
+/// tile_config::use in a function of its own, as where the compiler does not inline it into its caller.
+__attribute__((noinline)) void configure(attend::detail::amx::tile_config& config, index rows) {
+    config.use(rows, 0, 16);
+}
+
+/// A rows x 32 product on the tiles whose configuration and operands were filled just before the tiles load them:
+/// all-a rows times all-b columns over 16 pairs.
+__attribute__((noinline)) std::vector<float> product_of_fresh_tiles(float a, float b, index rows) {
+    const auto pair_of = [](float x) {
+        const auto bits = Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(x));
+        return static_cast<std::uint32_t>(bits) * 0x10001u;
+    };
+    std::uint32_t left[16 * 16], right[16 * 32];  // [16 rows, 16 pairs], [16 pairs, 32 columns]
+    std::fill(std::begin(left), std::end(left), pair_of(a));
+    std::fill(std::begin(right), std::end(right), pair_of(b));
+    std::vector<float> out(static_cast<std::size_t>(rows * 32));
+    attend::detail::amx::tile_config config;
+    configure(config, rows);
+    _tile_zero(0);
+    _tile_zero(1);
+    attend::detail::amx::step(right, left, nullptr, 16, false);
+    _tile_stored(0, out.data(), 32 * 4);
+    _tile_stored(1, out.data() + 16, 32 * 4);
+    return out;
+}
+
+TEST(Bf16PairKernels, TilesLoadTheConfigurationAndOperandsStoredJustBeforeThem) {
+    // GCC 12's intrinsics tell the compiler that ldtilecfg reads 8 bytes of the configuration and tileloadd no
+    // memory: there the configuration's stores in configure were dropped but for its palette's, and the first tile
+    // instruction faulted (SIGILL).
+    if (!attend::detail::amx_tiles_ready()) GTEST_SKIP() << "the tiles are not granted";
+    for (const index rows : {16, 5})
+        for (const float a : {1.5f, -2.0f}) {
+            const auto out = product_of_fresh_tiles(a, 0.25f, rows);
+            ASSERT_EQ(out.size(), static_cast<std::size_t>(rows * 32));
+            for (const float x : out) ASSERT_EQ(x, 32 * a * 0.25f) << "a " << a << ", rows " << rows;
+        }
+}
+#endif
 
 TEST(Bf16PairKernels, ScoresAreTheScaledSumsOfExactProductsAndWriteNothingPastTheirColumns) {
     attend_test::rng g(32);

@@ -71,7 +71,25 @@ inline void accumulate_from_value_tiles(const std::uint32_t* p, index ldp, index
 
 #if ATTEND_AMX_TILES
 
+/// Tile loads and the configuration's load as asm statements that say what they read. GCC 12's intrinsics say
+/// that ldtilecfg reads the first 8 bytes of its configuration and that tileloadd reads no memory at all, so the
+/// stores that fill a configuration or a tile's rows just before them may be dropped or moved past them: a
+/// configuration filled in a small function lost every byte after its palette, and its first tile load faulted.
+#define ATTEND_TILE_LOAD(tile, base, stride)                                                       \
+    __asm__ volatile("{tileloadd\t(%0,%1,1), %%tmm" #tile "|tileloadd\t%%tmm" #tile ", [%0+%1*1]}" \
+                     :                                                                             \
+                     : "r"(static_cast<const void*>(base)), "r"(static_cast<long>(stride))         \
+                     : "memory")
+
 namespace amx {
+
+/// Loads a 64-byte tile configuration (see ATTEND_TILE_LOAD).
+inline void load_config(const std::uint8_t (&config)[64]) {
+    struct bytes64 {
+        std::uint8_t b[64];
+    };
+    __asm__ volatile("ldtilecfg %0" : : "m"(*reinterpret_cast<const bytes64*>(config)));
+}
 
 constexpr index tile_rows = 16;  ///< rows of a sum tile, pairs of an operand tile's inner dimension
 
@@ -99,7 +117,7 @@ public:
         set(5, m2, 4 * pairs);
         set(6, pairs, 64);
         set(7, pairs, 64);
-        _tile_loadconfig(c);
+        load_config(c);
         m1_ = m1;
         m2_ = m2;
         pairs_ = pairs;
@@ -128,13 +146,13 @@ void for_each_group_pair(index rows, const F& f) {
 /// (`ldl` words apart) times the two 16-column halves of `right` ([pairs, 32] words, as bf16_tile packs them).
 inline void step(const std::uint32_t* right, const std::uint32_t* left1, const std::uint32_t* left2, index ldl,
                  bool second_group) {
-    _tile_loadd(6, right, bytes(bf16_tile::cols));
-    _tile_loadd(7, right + 16, bytes(bf16_tile::cols));
-    _tile_loadd(4, left1, bytes(ldl));
+    ATTEND_TILE_LOAD(6, right, bytes(bf16_tile::cols));
+    ATTEND_TILE_LOAD(7, right + 16, bytes(bf16_tile::cols));
+    ATTEND_TILE_LOAD(4, left1, bytes(ldl));
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (second_group) {
-        _tile_loadd(5, left2, bytes(ldl));
+        ATTEND_TILE_LOAD(5, left2, bytes(ldl));
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
     }
@@ -201,11 +219,11 @@ inline void accumulate_from_value_tiles(const std::uint32_t* p, index ldp, index
                 const std::uint32_t* block = blocks + (e / bt::cols) * block_stride;
                 float* a1 = acc + r0 * lda + e;
                 float* a2 = a1 + m1 * lda;
-                _tile_loadd(0, a1, acc_bytes);
-                _tile_loadd(1, a1 + 16, acc_bytes);
+                ATTEND_TILE_LOAD(0, a1, acc_bytes);
+                ATTEND_TILE_LOAD(1, a1 + 16, acc_bytes);
                 if (m2 > 0) {
-                    _tile_loadd(2, a2, acc_bytes);
-                    _tile_loadd(3, a2 + 16, acc_bytes);
+                    ATTEND_TILE_LOAD(2, a2, acc_bytes);
+                    ATTEND_TILE_LOAD(3, a2 + 16, acc_bytes);
                 }
                 for (index j = j0; j < j1; j += amx::tile_rows)
                     amx::step(block + j * bt::cols, p1 + j, p2 + j, ldp, m2 > 0);
@@ -221,6 +239,8 @@ inline void accumulate_from_value_tiles(const std::uint32_t* p, index ldp, index
     if (whole > 0) steps(0, whole);
     if (pairs > whole) steps(whole, pairs);
 }
+
+#undef ATTEND_TILE_LOAD
 
 #endif  // ATTEND_AMX_TILES
 
