@@ -733,6 +733,96 @@ void scores(const Acc* q, index ldq, index dim, index nk, const KeyRow& key_row,
     }
 }
 
+/// Whether the value kernel holds a group of Packets packets of bf16 values' columns as even and odd columns
+/// (bf16_column_pairs): AVX-512 floats and an even number of packets.
+template <class Acc, class S, int Packets>
+inline constexpr bool bf16_column_pairs_for =
+#if defined(EIGEN_VECTORIZE_AVX512)
+    std::is_same_v<Acc, float>&& std::is_same_v<S, Eigen::bfloat16>&& Packets % 2 == 0;
+#else
+    false;
+#endif
+
+#if defined(EIGEN_VECTORIZE_AVX512)
+/// The value kernel's accumulators for bf16 values, by pairs of packets: packets 2k and 2k + 1 hold the even and
+/// the odd columns of columns [32 k, 32 k + 32) of the group. One load of 32 stored values gives both, the even
+/// ones widened by a shift and the odd ones by a mask, where widening each 16 takes a zero-extension and a shift,
+/// both on the two ports that also do the multiply-adds (the bf16 decode is bound by those ports: `perf` on
+/// Emerald Rapids). Each column's sum is the same multiply-adds in the same order, held in another lane; the
+/// accumulators are put in that order as they are loaded and back as they are stored, once per group and slice.
+struct bf16_column_pairs {
+    /// Columns [at, at + 32) of float sums as their even and odd columns.
+    static void load(const float* at, __m512& even, __m512& odd) {
+        const __m512 lo = _mm512_loadu_ps(at), hi = _mm512_loadu_ps(at + 16);
+        even = _mm512_permutex2var_ps(lo, columns(0), hi);
+        odd = _mm512_permutex2var_ps(lo, columns(1), hi);
+    }
+    /// The inverse of load.
+    static void store(float* at, const __m512& even, const __m512& odd) {
+        _mm512_storeu_ps(at, _mm512_permutex2var_ps(even, interleaved(0), odd));
+        _mm512_storeu_ps(at + 16, _mm512_permutex2var_ps(even, interleaved(1), odd));
+    }
+    /// 32 stored bf16 values at `row` widened: the even ones (the low halves of 32-bit words, shifted up) and the
+    /// odd ones (the high halves, the low ones cleared). Exact, as every widening of bf16.
+    static void widen(const Eigen::bfloat16* row, __m512& even, __m512& odd) {
+        const __m512i bits = _mm512_loadu_si512(row);
+        even = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+        odd = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+    }
+
+private:
+    /// Lane l takes column 2 l + parity of the 32.
+    static __m512i columns(int parity) {
+        return _mm512_add_epi32(_mm512_slli_epi32(lane_numbers(), 1), _mm512_set1_epi32(parity));
+    }
+    /// Lane l of half h takes column 16 h + l back: from the odd packet (lanes 16 and up) when it is odd.
+    static __m512i interleaved(int half) {
+        const __m512i column = _mm512_add_epi32(lane_numbers(), _mm512_set1_epi32(16 * half));
+        return _mm512_add_epi32(_mm512_srli_epi32(column, 1),
+                                _mm512_slli_epi32(_mm512_and_si512(column, _mm512_set1_epi32(1)), 4));
+    }
+    static __m512i lane_numbers() { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+};
+#endif
+
+/// A row's Packets accumulators of the value kernel loaded from its columns at `row` (Load) or stored back there;
+/// with ColumnPairs, in the order of bf16_column_pairs.
+template <bool Load, bool ColumnPairs, int Packets, class Acc>
+EIGEN_ALWAYS_INLINE void move_accumulators(Acc* row, row_packet<Acc> (&c)[Packets]) {
+    constexpr index lanes = row_lanes<Acc>;
+#if defined(EIGEN_VECTORIZE_AVX512)
+    if constexpr (ColumnPairs) {
+        ATTEND_UNROLL_FULLY
+        for (int i = 0; i < Packets; i += 2) {
+            if constexpr (Load) bf16_column_pairs::load(row + i * lanes, c[i], c[i + 1]);
+            else bf16_column_pairs::store(row + i * lanes, c[i], c[i + 1]);
+        }
+        return;
+    }
+#endif
+    ATTEND_UNROLL_FULLY
+    for (int i = 0; i < Packets; ++i) {
+        if constexpr (Load) c[i] = Eigen::internal::ploadu<row_packet<Acc>>(row + i * lanes);
+        else Eigen::internal::pstoreu(row + i * lanes, c[i]);
+    }
+}
+/// Columns [e0, e0 + Packets lanes) of a stored value row widened, in the accumulators' order.
+template <bool ColumnPairs, int Packets, class Acc, class S>
+EIGEN_ALWAYS_INLINE void widen_values(const S* row, index e0, row_packet<Acc> (&vx)[Packets]) {
+    constexpr index lanes = row_lanes<Acc>;
+#if defined(EIGEN_VECTORIZE_AVX512)
+    if constexpr (ColumnPairs) {
+        ATTEND_UNROLL_FULLY
+        for (int i = 0; i < Packets; i += 2) bf16_column_pairs::widen(row + e0 + i * lanes, vx[i], vx[i + 1]);
+        return;
+    }
+#endif
+    widening_row<Acc, S> v;
+    v.start(row, e0, Packets * lanes);
+    ATTEND_UNROLL_FULLY
+    for (int i = 0; i < Packets; ++i) vx[i] = v.packet(e0 + i * lanes);
+}
+
 /// acc[r, e] += sum over j < nk of p[r, j] (at p + r * ldp + j) v[j, e], value j's row at value_row(j), for the
 /// Packets packets of columns from e0; with Scan, also note in `scan` whether those values hold a NaN or an inf.
 /// Rows up to `readable` exist (value_row(j) for j < readable); past them the prefetch runs on into `then`.
@@ -748,22 +838,17 @@ void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
     constexpr index lanes = row_lanes<Acc>;
+    using stored = stored_row_t<ValueRow>;
+    constexpr bool column_pairs = bf16_column_pairs_for<Acc, stored, Packets>;
     packet c[Rows][Packets];
     ATTEND_UNROLL_FULLY
-    for (int r = 0; r < Rows; ++r) {
-        ATTEND_UNROLL_FULLY
-        for (int i = 0; i < Packets; ++i) c[r][i] = ploadu<packet>(acc + r * lda + e0 + i * lanes);
-    }
-    using stored = stored_row_t<ValueRow>;
+    for (int r = 0; r < Rows; ++r) move_accumulators<true, column_pairs, Packets, Acc>(acc + r * lda + e0, c[r]);
     const row_prefetch<stored> prefetch(row_bytes<stored>(dv));
     for (index j = 0; j < nk; ++j) {
-        widening_row<Acc, stored> v;
-        v.start(value_row(j), e0, Packets * lanes);
         // The first column group reads V; its prefetch runs on into the next slice (rows up to `readable`).
         if (e0 == 0) prefetch.ask_past(value_row, j, readable, then);
         packet vx[Packets];
-        ATTEND_UNROLL_FULLY
-        for (int i = 0; i < Packets; ++i) vx[i] = v.packet(e0 + i * lanes);
+        widen_values<column_pairs, Packets, Acc>(value_row(j), e0, vx);
         ATTEND_UNROLL_FULLY
         for (int r = 0; r < Rows; ++r) {
             const packet a = pset1<packet>(p[r * ldp + j]);
@@ -772,10 +857,7 @@ void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const
         }
     }
     ATTEND_UNROLL_FULLY
-    for (int r = 0; r < Rows; ++r) {
-        ATTEND_UNROLL_FULLY
-        for (int i = 0; i < Packets; ++i) pstoreu(acc + r * lda + e0 + i * lanes, c[r][i]);
-    }
+    for (int r = 0; r < Rows; ++r) move_accumulators<false, column_pairs, Packets, Acc>(acc + r * lda + e0, c[r]);
     if constexpr (Scan) {
         row_scan<Acc> sums;
         ATTEND_UNROLL_FULLY
