@@ -62,7 +62,17 @@ inline bool bf16_pairs_for(index head_dim, index value_dim) {
     return !amx_target || (head_dim % 32 == 0 && amx_tiles_ready());
 }
 
-// Declared for every target, defined with AMX only (the tiled kernel names them in discarded branches).
+/// The pair path's two products on this target, as bf16_pairs_for chose it: on AMX tiles where they are compiled,
+/// else on the vdpbf16ps kernels (micro_kernel_bf16.hpp). Same operands, same layouts. Declared for every target,
+/// defined where the pair path exists (the tiled kernel names them in branches other targets discard).
+template <class Epilogue>
+void scores_on_pair_path(const std::uint32_t* q, index ldq, index rows, index head_dim, const std::uint32_t* panels,
+                         index nk, float scale, float* scores, index lds, const Epilogue& epilogue);
+inline void accumulate_on_pair_path(const std::uint32_t* p, index ldp, index rows, index nk, index dv,
+                                    const std::uint32_t* blocks, index block_stride, float* acc, index lda);
+
+// Declared for every target, defined with AMX only (the dispatch above and the tests name them in discarded
+// branches).
 template <class Epilogue>
 void scores_from_key_tiles(const std::uint32_t* q, index ldq, index rows, index head_dim, const std::uint32_t* panels,
                            index nk, float scale, float* scores, index lds, const Epilogue& epilogue);
@@ -243,5 +253,19 @@ inline void accumulate_from_value_tiles(const std::uint32_t* p, index ldp, index
 #undef ATTEND_TILE_LOAD
 
 #endif  // ATTEND_AMX_TILES
+
+#if ATTEND_BF16_DOT_PRODUCTS
+template <class Epilogue>
+void scores_on_pair_path(const std::uint32_t* q, index ldq, index rows, index head_dim, const std::uint32_t* panels,
+                         index nk, float scale, float* scores, index lds, const Epilogue& epilogue) {
+    if constexpr (amx_tiles) scores_from_key_tiles(q, ldq, rows, head_dim, panels, nk, scale, scores, lds, epilogue);
+    else scores_from_key_pairs(q, ldq, rows, head_dim, panels, nk, scale, scores, lds, epilogue);
+}
+inline void accumulate_on_pair_path(const std::uint32_t* p, index ldp, index rows, index nk, index dv,
+                                    const std::uint32_t* blocks, index block_stride, float* acc, index lda) {
+    if constexpr (amx_tiles) accumulate_from_value_tiles(p, ldp, rows, nk, dv, blocks, block_stride, acc, lda);
+    else accumulate_from_value_pairs(p, ldp, rows, nk, dv, blocks, block_stride, acc, lda);
+}
+#endif  // ATTEND_BF16_DOT_PRODUCTS
 
 }  // namespace attend::detail

@@ -645,14 +645,8 @@ private:
             const std::uint32_t* panels = key_pairs(w, blk, k0, k1);
             const index pairs = s_.head_dim / 2;
             return pipe_.products_with_cap([&](const auto& epilogue) {
-                const std::uint32_t* q = w.pairs.queries.data() + r0 * pairs;
-                float* scores = w.scores.data() + r0 * c_.key_tile;
-                if constexpr (amx_tiles)
-                    scores_from_key_tiles(q, pairs, rows, s_.head_dim, panels, k1 - k0, pipe_.scale(), scores,
-                                          c_.key_tile, epilogue);
-                else
-                    scores_from_key_pairs(q, pairs, rows, s_.head_dim, panels, k1 - k0, pipe_.scale(), scores,
-                                          c_.key_tile, epilogue);
+                scores_on_pair_path(w.pairs.queries.data() + r0 * pairs, pairs, rows, s_.head_dim, panels, k1 - k0,
+                                    pipe_.scale(), w.scores.data() + r0 * c_.key_tile, c_.key_tile, epilogue);
             });
         }
         return false;
@@ -671,15 +665,9 @@ private:
             const index ldp = (c_.key_tile + 1) / 2;
             std::uint32_t* p = w.pairs.probabilities.data() + r0 * ldp;
             round_to_pairs(w.scores.data() + r0 * c_.key_tile, c_.key_tile, rows, k1 - k0, p, ldp);
-            const std::uint32_t* blocks = w.pairs.values.data() + (k0 - want.begin) / 2 * bf16_tile::cols;
-            const index block_stride = (n + 1) / 2 * bf16_tile::cols;
-            float* acc = w.acc.data() + r0 * s_.value_dim;
-            if constexpr (amx_tiles)
-                accumulate_from_value_tiles(p, ldp, rows, k1 - k0, s_.value_dim, blocks, block_stride, acc,
-                                            s_.value_dim);
-            else
-                accumulate_from_value_pairs(p, ldp, rows, k1 - k0, s_.value_dim, blocks, block_stride, acc,
-                                            s_.value_dim);
+            accumulate_on_pair_path(p, ldp, rows, k1 - k0, s_.value_dim,
+                                    w.pairs.values.data() + (k0 - want.begin) / 2 * bf16_tile::cols,
+                                    (n + 1) / 2 * bf16_tile::cols, w.acc.data() + r0 * s_.value_dim, s_.value_dim);
         }
     }
 
