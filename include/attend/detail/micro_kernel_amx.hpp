@@ -71,8 +71,8 @@ void scores_on_pair_path(const std::uint32_t* q, index ldq, index rows, index he
 inline void accumulate_on_pair_path(const std::uint32_t* p, index ldp, index rows, index nk, index dv,
                                     const std::uint32_t* blocks, index block_stride, float* acc, index lda);
 
-// Declared for every target, defined with AMX only (the dispatch above and the tests name them in discarded
-// branches).
+// Declared for every target, defined with AMX only (the definitions of the two functions above, at the end of this
+// file, and the tests name them in branches other targets discard).
 template <class Epilogue>
 void scores_from_key_tiles(const std::uint32_t* q, index ldq, index rows, index head_dim, const std::uint32_t* panels,
                            index nk, float scale, float* scores, index lds, const Epilogue& epilogue);
