@@ -388,17 +388,118 @@ def attend_name(case, check_finite=False, dense=False):
             f"causal:{int(case.causal)}/")
 
 
+def gbench_cases(binary, name, *flags):
+    """attend_bench's JSON entries for the cases whose names start with `name`, run with `flags`."""
+    cmd = [binary, "--benchmark_filter=^" + re.escape(name), "--benchmark_format=json", *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    cases = json.loads(out)["benchmarks"]
+    if not cases:
+        raise RuntimeError(f"attend_bench has no case matching {name!r} (is the binary from this branch?)")
+    return cases
+
+
+SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
 def attend_time(binary, name, min_runs, min_time):
     """Median over min_runs Google Benchmark repetitions of at least min_time / min_runs seconds each."""
-    cmd = [binary, "--benchmark_filter=^" + re.escape(name), "--benchmark_format=json",
-           f"--benchmark_repetitions={min_runs}", f"--benchmark_min_time={max(min_time / min_runs, 0.05):g}",
-           "--benchmark_min_warmup_time=0.1", "--benchmark_report_aggregates_only=true"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
-    for b in json.loads(out)["benchmarks"]:
+    for b in gbench_cases(binary, name, f"--benchmark_repetitions={min_runs}",
+                          f"--benchmark_min_time={max(min_time / min_runs, 0.05):g}",
+                          "--benchmark_min_warmup_time=0.1", "--benchmark_report_aggregates_only=true"):
         if b.get("aggregate_name") == "median":
-            return b["real_time"] * scale[b["time_unit"]], b.get("repetitions", min_runs)
-    raise RuntimeError(f"attend_bench has no case matching {name!r} (is the binary from this branch?)")
+            return b["real_time"] * SECONDS[b["time_unit"]], b.get("repetitions", min_runs)
+    raise RuntimeError(f"attend_bench gave no median for {name!r}")
+
+
+def gbench_once(binary, name, min_time):
+    """One Google Benchmark repetition of the case `name`: its real time in seconds, and its JSON entry."""
+    b = gbench_cases(binary, name, f"--benchmark_min_time={min_time:g}", "--benchmark_min_warmup_time=0.1")[0]
+    return b["real_time"] * SECONDS[b["time_unit"]], b
+
+
+def calls_time(fn, runs, min_time):
+    """Median of at least `runs` calls and `min_time` seconds of calls, no warm-up (the caller warmed fn up once)."""
+    times, begin = [], time.perf_counter()
+    while len(times) < runs or time.perf_counter() - begin < min_time:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def flop_count(case):
+    """The multiply-adds of Q K^T and P V over the allowed (query, key) pairs, 2 flops each, for prefill (B = 1):
+    4 H D times L S, or causal (bottom-right aligned) L (S - L) + L (L + 1) / 2, the fewest an exact kernel does."""
+    if case.kind != "prefill":
+        return None
+    L, S = case.query_len, case.key_len
+    pairs = L * (S - L) + L * (L + 1) / 2 if case.causal else L * S
+    return 4.0 * case.heads * case.dim * pairs
+
+
+def run_case_paired(case, args):
+    """--rounds: each round times attend, this binary's FMA probe at the case's thread count and every peer once,
+    in an order rotated from round to round, so that a host whose speed drifts slows all of them alike; the ratios
+    are taken within each round (attend / peer, and each one's fraction of that round's probe) and their medians
+    and quartiles reported."""
+    q, k, v = make_inputs(case)
+    runners = {}
+    for peer in (p for p, kinds in PEERS.items() if case.kind in kinds):
+        if not args.correct.get((peer, case.kind, case.causal, case.dtype), True):
+            continue
+        try:
+            run, _ = BUILDERS[peer](case, q, k, v)
+            run()
+            runners[peer] = run
+        except Exception:  # an unsupported or failing peer is left out of the pairing; the plain mode reports it
+            pass
+    # attend as its users call it: a decode with check_finite on (the default options), as the decode target says
+    mine, flops = attend_name(case, check_finite=case.kind == "decode"), flop_count(case)
+    steps = {"attend": lambda: gbench_once(args.attend_bench, mine, args.min_time)[0]}
+    if flops:
+        probe = f"fma_peak<float>/{case.threads}/"
+        steps["fma peak"] = lambda: gbench_once(args.attend_bench, probe, 0.3)[1]["flops"]
+    steps.update({peer: (lambda run=run: calls_time(run, args.min_runs, args.min_time)) for peer, run in
+                  runners.items()})
+    names, rounds = list(steps), []
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        rounds.append({name: steps[name]() for name in order})
+
+    def spread(values):
+        return [float(x) for x in np.percentile(values, [50, 25, 75])]
+    result = {"rounds": rounds, "attend / peer": {}, "fraction of fma peak": {}}
+    for peer in runners:
+        result["attend / peer"][peer] = spread([x["attend"] / x[peer] for x in rounds])
+    if runners:
+        # The target's ratio: attend against the peer of the lowest median time (not the fastest peer of each
+        # round: the least of several noisy times is biased low).
+        best = min(runners, key=lambda p: float(np.median([x[p] for x in rounds])))
+        result["best peer"] = best
+        result["attend / best peer"] = result["attend / peer"][best]
+    for name in ["attend"] + list(runners):
+        if flops:
+            result["fraction of fma peak"][name] = spread([flops / x[name] / x["fma peak"] for x in rounds])
+    return result
+
+
+def paired_markdown(cases, results, rounds):
+    peers = list(dict.fromkeys(p for c in cases for p in results[c.name]["attend / peer"]))
+    out = [f"attend / peer time per round, median (quartiles) of {rounds} rounds; fraction of the FMA probe's "
+           "rate in the same round (prefill: 4 B H D flops per allowed query and key)", "",
+           "| case | attend / best peer | " + " | ".join(f"attend / {p}" for p in peers) + " | attend / FMA peak | " +
+           " | ".join(f"{p} / FMA peak" for p in peers) + " |", "|---" * (3 + 2 * len(peers)) + "|"]
+
+    def show(x):
+        return f"{x[0]:.3f} ({x[1]:.3f} to {x[2]:.3f})" if x else "-"
+    for c in cases:
+        r = results[c.name]
+        fractions = r["fraction of fma peak"]
+        best = f"{show(r['attend / best peer'])}, {r['best peer']}" if "best peer" in r else "-"
+        out.append(f"| {c.name} | {best} | " +
+                   " | ".join(show(r["attend / peer"].get(p)) for p in peers) + " | " +
+                   " | ".join(show(fractions.get(p)) for p in ["attend"] + peers) + " |")
+    return "\n".join(out)
 
 
 def run_case(case, args):
@@ -521,7 +622,13 @@ def main():
     p.add_argument("--min-runs", type=int, default=5, help="timed calls (attend: repetitions) per measurement")
     p.add_argument("--min-time", type=float, default=1.0, help="seconds of timed calls per measurement")
     p.add_argument("--list", action="store_true", help="print the case names and exit")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="paired mode (with --attend-bench): this many rounds per case, each timing attend, the FMA "
+                        "probe and every peer once; reports per-round ratios (--min-runs calls and --min-time "
+                        "seconds per peer timing, --min-time for attend's)")
     args = p.parse_args()
+    if args.rounds and not args.attend_bench:
+        p.error("--rounds needs --attend-bench")
 
     cases = [c for c in all_cases(args.quick) if not args.filter or re.search(args.filter, c.name)]
     if args.list:
@@ -539,6 +646,19 @@ def main():
         print("Some peer models failed the numerical check; their cases are skipped (see --verify).\n")
 
     results, loads = {}, {"all": [os.getloadavg()[0]]}
+    if args.rounds:
+        for case in cases:
+            print(f"  {case.name} ...", file=sys.stderr, flush=True)
+            results[case.name] = run_case_paired(case, args)
+        loads["all"].append(os.getloadavg()[0])
+        print(paired_markdown(cases, results, args.rounds))
+        print(f"\nload average at start / end of the sitting: {loads['all'][0]:.2f} / {loads['all'][1]:.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"environment": env, "load_average": loads, "rounds": args.rounds,
+                           "cases": [dict(asdict(c), name=c.name, paired=results[c.name]) for c in cases]}, f,
+                          indent=1)
+        return
     for case in cases:
         loads.setdefault(case.group, [os.getloadavg()[0]])
         print(f"  {case.name} ...", file=sys.stderr, flush=True)
