@@ -70,8 +70,12 @@ def main():
     for a in args:
         if a not in torch_json:
             with open(a) as f:
-                if "cases" in json.load(f):
-                    peers_json.append(a)
+                doc = json.load(f)
+            if "rounds" in doc:
+                sys.exit(f"{a} is a `compare.py --rounds` sitting, whose table compare.py prints itself; "
+                         "summarize.py reads the plain mode's --json")
+            if "cases" in doc:
+                peers_json.append(a)
     if plot and not peers_json:
         sys.exit("--plot draws one sitting of bench/peers/compare.py: give its --json output too")
     b = load_bench([a for a in args if a not in torch_json and a not in peers_json])
