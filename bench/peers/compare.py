@@ -362,12 +362,23 @@ def median_time(fn, min_runs, min_time):
     first = time.perf_counter() - start
     if first < 0.5:  # a second warm-up call unless one call is long
         fn()
+    times = timed_calls(fn, min_runs, min_time)
+    return float(np.median(times)), len(times)
+
+
+def timed_calls(fn, runs, min_time):
+    """The times of at least `runs` calls of fn and at least `min_time` seconds of calls, no warm-up."""
     times, begin = [], time.perf_counter()
-    while len(times) < min_runs or time.perf_counter() - begin < min_time:
+    while len(times) < runs or time.perf_counter() - begin < min_time:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return float(np.median(times)), len(times)
+    return times
+
+
+def peers_of(case):
+    """The peers that run this kind of case."""
+    return [p for p, kinds in PEERS.items() if case.kind in kinds]
 
 
 ATTEND_TYPES = {"fp32": "float", "fp16": "Eigen::half", "bf16": "Eigen::bfloat16"}
@@ -398,7 +409,9 @@ def gbench_cases(binary, name, *flags):
     return cases
 
 
-SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+def seconds(entry):
+    """A Google Benchmark JSON entry's real time in seconds."""
+    return entry["real_time"] * {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}[entry["time_unit"]]
 
 
 def attend_time(binary, name, min_runs, min_time):
@@ -407,24 +420,13 @@ def attend_time(binary, name, min_runs, min_time):
                           f"--benchmark_min_time={max(min_time / min_runs, 0.05):g}",
                           "--benchmark_min_warmup_time=0.1", "--benchmark_report_aggregates_only=true"):
         if b.get("aggregate_name") == "median":
-            return b["real_time"] * SECONDS[b["time_unit"]], b.get("repetitions", min_runs)
+            return seconds(b), b.get("repetitions", min_runs)
     raise RuntimeError(f"attend_bench gave no median for {name!r}")
 
 
 def gbench_once(binary, name, min_time):
-    """One Google Benchmark repetition of the case `name`: its real time in seconds, and its JSON entry."""
-    b = gbench_cases(binary, name, f"--benchmark_min_time={min_time:g}", "--benchmark_min_warmup_time=0.1")[0]
-    return b["real_time"] * SECONDS[b["time_unit"]], b
-
-
-def calls_time(fn, runs, min_time):
-    """Median of at least `runs` calls and `min_time` seconds of calls, no warm-up (the caller warmed fn up once)."""
-    times, begin = [], time.perf_counter()
-    while len(times) < runs or time.perf_counter() - begin < min_time:
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    """The JSON entry of one Google Benchmark repetition of the case `name`."""
+    return gbench_cases(binary, name, f"--benchmark_min_time={min_time:g}", "--benchmark_min_warmup_time=0.1")[0]
 
 
 def flop_count(case):
@@ -444,7 +446,7 @@ def run_case_paired(case, args):
     and quartiles reported."""
     q, k, v = make_inputs(case)
     runners = {}
-    for peer in (p for p, kinds in PEERS.items() if case.kind in kinds):
+    for peer in peers_of(case):
         if not args.correct.get((peer, case.kind, case.causal, case.dtype), True):
             continue
         try:
@@ -455,12 +457,12 @@ def run_case_paired(case, args):
             pass
     # attend as its users call it: a decode with check_finite on (the default options), as the decode target says
     mine, flops = attend_name(case, check_finite=case.kind == "decode"), flop_count(case)
-    steps = {"attend": lambda: gbench_once(args.attend_bench, mine, args.min_time)[0]}
+    steps = {"attend": lambda: seconds(gbench_once(args.attend_bench, mine, args.min_time))}
     if flops:
         probe = f"fma_peak<float>/{case.threads}/"
-        steps["fma peak"] = lambda: gbench_once(args.attend_bench, probe, 0.3)[1]["flops"]
-    steps.update({peer: (lambda run=run: calls_time(run, args.min_runs, args.min_time)) for peer, run in
-                  runners.items()})
+        steps["fma peak"] = lambda: gbench_once(args.attend_bench, probe, 0.3)["flops"]
+    steps.update({peer: (lambda run=run: float(np.median(timed_calls(run, args.min_runs, args.min_time))))
+                  for peer, run in runners.items()})
     names, rounds = list(steps), []
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
@@ -477,8 +479,8 @@ def run_case_paired(case, args):
         best = min(runners, key=lambda p: float(np.median([x[p] for x in rounds])))
         result["best peer"] = best
         result["attend / best peer"] = result["attend / peer"][best]
-    for name in ["attend"] + list(runners):
-        if flops:
+    if flops:
+        for name in ["attend"] + list(runners):
             result["fraction of fma peak"][name] = spread([flops / x[name] / x["fma peak"] for x in rounds])
     return result
 
@@ -515,7 +517,7 @@ def run_case(case, args):
             except (subprocess.CalledProcessError, RuntimeError) as e:
                 results[label] = {"error": first_line(e)}
     q, k, v = make_inputs(case)
-    for peer in (p for p, kinds in PEERS.items() if case.kind in kinds):
+    for peer in peers_of(case):
         if not args.correct.get((peer, case.kind, case.causal, case.dtype), True):
             results[peer] = {"error": "skipped: wrong result in the numerical check"}
             continue
