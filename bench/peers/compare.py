@@ -381,6 +381,11 @@ def peers_of(case):
     return [p for p, kinds in PEERS.items() if case.kind in kinds]
 
 
+def check_key(peer, case):
+    """What the numerical check (verify) reports a peer's result under: the kind, mask and type it checked."""
+    return peer, case.kind, case.causal, case.dtype
+
+
 ATTEND_TYPES = {"fp32": "float", "fp16": "Eigen::half", "bf16": "Eigen::bfloat16"}
 
 
@@ -447,7 +452,7 @@ def run_case_paired(case, args):
     q, k, v = make_inputs(case)
     runners = {}
     for peer in peers_of(case):
-        if not args.correct.get((peer, case.kind, case.causal, case.dtype), True):
+        if not args.correct.get(check_key(peer, case), True):
             continue
         try:
             run, _ = BUILDERS[peer](case, q, k, v)
@@ -518,7 +523,7 @@ def run_case(case, args):
                 results[label] = {"error": first_line(e)}
     q, k, v = make_inputs(case)
     for peer in peers_of(case):
-        if not args.correct.get((peer, case.kind, case.causal, case.dtype), True):
+        if not args.correct.get(check_key(peer, case), True):
             results[peer] = {"error": "skipped: wrong result in the numerical check"}
             continue
         try:
@@ -552,12 +557,12 @@ def verify(print_report=True):
             case = Case(kind, dtype, L, S, 16, 1, causal, heads, kv_heads, segments, 0.5 if kind == "softcap" else 0.0)
             q, k, v = make_inputs(case, seed=1)
             want = reference(q, k, v, case.causal, segments, case.softcap)
-            for peer in (p for p, kinds in PEERS.items() if kind in kinds):
+            for peer in peers_of(case):
                 try:
                     run, fetch = BUILDERS[peer](case, q, k, v)
                     run()
                     err = float(np.abs(fetch() - want).max())
-                    passed[(peer, kind, causal, dtype)] = ok = err < tol
+                    passed[check_key(peer, case)] = ok = err < tol
                     result = f"{'PASS' if ok else 'FAIL'}  max |diff| = {err:.2e} (tolerance {tol:g})"
                 except Unsupported as e:
                     result = f"n/a   {e}"
@@ -648,32 +653,28 @@ def main():
         print("Some peer models failed the numerical check; their cases are skipped (see --verify).\n")
 
     results, loads = {}, {"all": [os.getloadavg()[0]]}
-    if args.rounds:
-        for case in cases:
-            print(f"  {case.name} ...", file=sys.stderr, flush=True)
-            results[case.name] = run_case_paired(case, args)
-        loads["all"].append(os.getloadavg()[0])
-        print(paired_markdown(cases, results, args.rounds))
-        print(f"\nload average at start / end of the sitting: {loads['all'][0]:.2f} / {loads['all'][1]:.2f}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"environment": env, "load_average": loads, "rounds": args.rounds,
-                           "cases": [dict(asdict(c), name=c.name, paired=results[c.name]) for c in cases]}, f,
-                          indent=1)
-        return
+    run = run_case_paired if args.rounds else run_case
     for case in cases:
         loads.setdefault(case.group, [os.getloadavg()[0]])
         print(f"  {case.name} ...", file=sys.stderr, flush=True)
-        results[case.name] = run_case(case, args)
+        results[case.name] = run(case, args)
         loads[case.group][1:] = [os.getloadavg()[0]]
     loads["all"].append(os.getloadavg()[0])
-    if cases:
+    if args.rounds:
+        print(paired_markdown(cases, results, args.rounds))
+        print(f"\nload average at start / end of the sitting: {loads['all'][0]:.2f} / {loads['all'][1]:.2f}")
+    elif cases:
         print(markdown(cases, results, loads))
     if args.json:
+        doc = {"environment": env, "load_average": loads}
+        if args.rounds:
+            doc["rounds"] = args.rounds
+        else:
+            doc["verify"] = {"/".join(map(str, k)): v for k, v in args.correct.items()}
+        key = "paired" if args.rounds else "results"
+        doc["cases"] = [dict(asdict(c), name=c.name, **{key: results[c.name]}) for c in cases]
         with open(args.json, "w") as f:
-            json.dump({"environment": env, "load_average": loads, "verify": {"/".join(map(str, k)): v for k, v in
-                                                                              args.correct.items()},
-                       "cases": [dict(asdict(c), name=c.name, results=results[c.name]) for c in cases]}, f, indent=1)
+            json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,12 @@ index rows_following(const quantized_view<Block>&, index, index n) {
     return n;
 }
 
+/// The blocks from a row of a quantized view to the next (paged_view.hpp's row_stride for the others).
+template <class Block>
+index row_stride(const quantized_view<Block>& x) {
+    return x.strides[2];
+}
+
 /// The `size` values of a block of a row as floats: in place for a float row, otherwise widened into `buffer`. (A
 /// float row copied first had its 16-byte stores read back by 32-byte loads on AVX2, which a store cannot forward:
 /// the q4_0 append in packets took 1.39 x as long as a value at a time there.)

@@ -31,6 +31,7 @@
 
 #include "../tensor.hpp"
 #include "micro_kernel.hpp"
+#include "paged_view.hpp"
 #include "quantized_rows.hpp"
 #include "widen.hpp"
 
@@ -957,7 +958,7 @@ template <class T>
 struct linear_rows {
     template <class View>
     linear_rows(const View* view, index batch, index head, index first)
-        : row0(view->row(batch, head, first)), stride(view->strides[2]) {}
+        : row0(view->row(batch, head, first)), stride(row_stride(*view)) {}
     T* operator()(index j) const { return row0 + j * stride; }
 
 private:

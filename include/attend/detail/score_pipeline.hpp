@@ -113,24 +113,23 @@ private:
     static constexpr float lowest = -87.3365402f;  // ln FLT_MIN, rounded up: exp of it is at least FLT_MIN
     static constexpr float highest = 88.7228394f;  // ln FLT_MAX: 2^k is at most 2^128, which is +inf
 
-    /// t = 1.5 * 2^23 + round(x s / ln 2): n sits in t's low mantissa bits, and t's bits are a multiple of s plus n.
-    static value rounded(const value& x, float s_over_ln2) {
-        return Eigen::internal::pmadd(x, Eigen::internal::pset1<value>(s_over_ln2),
-                                      Eigen::internal::pset1<value>(magic));
+    /// t = offset + x / ln 2 rounded to a multiple of 1 / s, for offset = 1.5 * 2^23 / s (t's ulp is 1 / s): t - offset
+    /// is n / s = k + j / s, and t's low mantissa bits hold n.
+    static value rounded(const value& x, float offset) {
+        return Eigen::internal::pmadd(x, Eigen::internal::pset1<value>(1.44269502f),
+                                      Eigen::internal::pset1<value>(offset));
     }
-    static constexpr float magic = 12582912.0f;
 
 #if defined(EIGEN_VECTORIZE_AVX512)
-    /// 1.5 * 2^19: magic16 + x / ln 2 rounds to a multiple of 1 / 16, the n / 16 of rounded(x, 16 / ln 2) (16 / ln 2
-    /// in float is 16 times 1 / ln 2 in float), so t - magic16 = k + j / 16 is scalef's operand as it is, where n
-    /// took a multiply by 1 / 16, and t's low 4 bits are j. Every float's exp has the bits it had with n (checked
-    /// over all 2^32 floats).
+    /// s = 16: t - magic16 is scalef's operand as it is (k + j / 16, whose floor is k), and t's low 4 bits are j.
+    /// Where n itself was rounded (magic 1.5 * 2^23, x times 16 / ln 2) it took a multiply by 1 / 16 more; every
+    /// float's exp has the bits it had then (checked over all 2^32 floats).
     static constexpr float magic16 = 786432.0f;
 
     static value by_table(const value& xc, __mmask16 kept) {
         using namespace Eigen::internal;
-        const value t = pmadd(xc, pset1<value>(1.44269502f), pset1<value>(magic16));  // 1 / ln 2
-        const value m = psub(t, pset1<value>(magic16));                               // n / 16
+        const value t = rounded(xc, magic16);
+        const value m = psub(t, pset1<value>(magic16));  // n / 16
         // ln 2 in two parts, the first of 12 bits: m has at most 12 bits too, so m times it is exact. The products
         // are those of n and ln 2 / 16's parts, so r has the bits it had with n.
         value r = pmadd(m, pset1<value>(-0.693115234375f), xc);
@@ -147,6 +146,7 @@ private:
     }
 #else
     using integer = typename Eigen::internal::unpacket_traits<value>::integer_packet;
+    static constexpr float magic = 12582912.0f;  // s = 1
 
     /// 2^n for n in t's bits (s = 1): the magic's bits are a multiple of 2^22, so the low 9 bits of n + 127 are n's
     /// biased exponent in [1, 255].
@@ -157,7 +157,7 @@ private:
 
     static value by_polynomial(const value& xc) {
         using namespace Eigen::internal;
-        const value t = rounded(xc, 1.44269504088896341f);
+        const value t = rounded(xc, magic);
         const value m = psub(t, pset1<value>(magic));
         value r = pmadd(m, pset1<value>(-0.693359375f), xc);  // ln 2 in two parts: m times the first is exact
         r = pmadd(m, pset1<value>(2.12194440e-4f), r);
