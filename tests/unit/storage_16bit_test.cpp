@@ -61,15 +61,19 @@ struct inputs16 {
           v(random16<T>(seed + 2, 2, kv_heads, S, dim)) {}
 };
 
-/// The option sets every invariant runs under: plain, causal tiles with sinks and soft-capping, and weights.
+/// The option sets every invariant runs under: plain, causal tiles with sinks and soft-capping, weights, and
+/// dropout (applied to each row of probabilities before the pair path rounds it to bf16).
 std::vector<attend::sdpa_options> option_sets(index heads) {
-    std::vector<attend::sdpa_options> sets(3);
+    std::vector<attend::sdpa_options> sets(4);
     sets[1].softcap = 5.0;
     std::vector<double> sinks;
     for (index h = 0; h < heads; ++h) sinks.push_back(0.5 * static_cast<double>(h));
     sets[1].sinks = attend::attention_sinks(sinks);
     sets[2].need_weights = true;
     sets[2].kernel = attend::kernel::reference;
+    sets[3].dropout.training = true;
+    sets[3].dropout.probability = 0.25;
+    sets[3].dropout.seed = 7;
     return sets;
 }
 

@@ -651,6 +651,13 @@ private:
         }
         return false;
     }
+    /// Row r's probabilities (nk at p) rounded to bf16 pairs for accumulate_value_pairs, as the softmax leaves them.
+    void round_probability_pairs(tiled_workspace<Acc>& w, index r, const Acc* p, index nk) const {
+        if constexpr (pair_target) {
+            const index ldp = (c_.key_tile + 1) / 2;
+            round_to_pairs(p, c_.key_tile, 1, nk, w.pairs.probabilities.data() + r * ldp, ldp);
+        }
+    }
     void accumulate_value_pairs(tiled_workspace<Acc>& w, const block& blk, index r0, index rows, index k0,
                                 index k1) const {
         if constexpr (pair_target) {
@@ -663,9 +670,7 @@ private:
                 w.packed_values = want;
             }
             const index ldp = (c_.key_tile + 1) / 2;
-            std::uint32_t* p = w.pairs.probabilities.data() + r0 * ldp;
-            round_to_pairs(w.scores.data() + r0 * c_.key_tile, c_.key_tile, rows, k1 - k0, p, ldp);
-            accumulate_on_pair_path(p, ldp, rows, k1 - k0, s_.value_dim,
+            accumulate_on_pair_path(w.pairs.probabilities.data() + r0 * ldp, ldp, rows, k1 - k0, s_.value_dim,
                                     w.pairs.values.data() + (k0 - want.begin) / 2 * bf16_tile::cols,
                                     (n + 1) / 2 * bf16_tile::cols, w.acc.data() + r0 * s_.value_dim, s_.value_dim);
         }
@@ -802,10 +807,11 @@ private:
         // values, and from them into the next keys.
         const bool in_place = rows <= c_.gemv_rows;
         compute_scores(w, blk, sl, k0, k1, in_place ? run_of_rows(v_, blk.batch, blk.kv_head, k0, nk) : row_run{});
-        w.softmax.absorb(w.scores.data() + r0 * ld, ld, r0, rows, nk, w.acc.data() + r0 * dv, dv);
-        if (p_.dropout.active())
-            for (index r = r0; r < r0 + rows; ++r)
-                p_.dropout.apply(w.scores.data() + r * ld, nk, blk.batch, head_of(blk, r), query_of(blk, r), k0);
+        const bool pairs = !in_place && uses_pairs();
+        w.softmax.absorb(w.scores.data() + r0 * ld, ld, r0, rows, nk, w.acc.data() + r0 * dv, dv, [&](index r, Acc* p) {
+            if (p_.dropout.active()) p_.dropout.apply(p, nk, blk.batch, head_of(blk, r), query_of(blk, r), k0);
+            if (pairs) round_probability_pairs(w, r, p, nk);
+        });
         tile_map<Acc> acc(w.acc.data() + r0 * dv, rows, dv, Eigen::OuterStride<>(dv));
         const_tile_map<Acc> probabilities(w.scores.data() + r0 * ld, rows, nk, Eigen::OuterStride<>(ld));
         if (in_place) {
