@@ -668,10 +668,9 @@ def main():
     if args.json:
         doc = {"environment": env, "load_average": loads}
         if args.rounds:
-            doc["rounds"] = args.rounds
+            doc["rounds"], key = args.rounds, "paired"
         else:
-            doc["verify"] = {"/".join(map(str, k)): v for k, v in args.correct.items()}
-        key = "paired" if args.rounds else "results"
+            doc["verify"], key = {"/".join(map(str, k)): v for k, v in args.correct.items()}, "results"
         doc["cases"] = [dict(asdict(c), name=c.name, **{key: results[c.name]}) for c in cases]
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

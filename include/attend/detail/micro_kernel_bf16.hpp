@@ -49,6 +49,8 @@ struct bf16_tile {
     }
     /// Words of a value tile's blocks: keys rounded up to pairs, times value_dim (whole blocks only).
     static index value_panel_words(index keys, index value_dim) { return (keys + 1) / 2 * value_dim; }
+    /// Words of a row of P rounded to pairs: keys rounded up to pairs, halved (a zero after an odd last key).
+    static index probability_row_words(index keys) { return (keys + 1) / 2; }
 };
 
 /// Scratch of the pair path, in 32-bit words (pairs of bf16): empty unless a call takes it.
@@ -56,7 +58,7 @@ struct pair_scratch {
     aligned_vector<std::uint32_t> queries;        ///< [rows, head_dim / 2]: the block's query rows as stored
     aligned_vector<std::uint32_t> keys;           ///< key_panel_words(key_tile, head_dim)
     aligned_vector<std::uint32_t> values;         ///< value_panel_words(key_tile, value_dim)
-    aligned_vector<std::uint32_t> probabilities;  ///< [rows, key_tile / 2]: P rounded to bf16
+    aligned_vector<std::uint32_t> probabilities;  ///< [rows, probability_row_words(key_tile)]: P in bf16
 };
 
 // The pair path's functions, declared for every target: the tiled kernel names them in branches that targets

@@ -254,7 +254,7 @@ struct tiled_workspace {
         pairs.queries.resize(static_cast<std::size_t>(rows * (head_dim / 2)));
         pairs.keys.resize(static_cast<std::size_t>(bf16_tile::key_panel_words(key_tile, head_dim)));
         pairs.values.resize(static_cast<std::size_t>(bf16_tile::value_panel_words(key_tile, value_dim)));
-        pairs.probabilities.resize(static_cast<std::size_t>(rows * ((key_tile + 1) / 2)));
+        pairs.probabilities.resize(static_cast<std::size_t>(rows * bf16_tile::probability_row_words(key_tile)));
     }
 
 private:
@@ -346,7 +346,7 @@ private:
                 const index panels =
                     !uses_panels() ? 0
                     : uses_pairs()  // words, as many bytes as floats
-                        ? rows_ * (s_.head_dim / 2 + (c_.key_tile + 1) / 2) +
+                        ? rows_ * (s_.head_dim / 2 + bf16_tile::probability_row_words(c_.key_tile)) +
                               bf16_tile::key_panel_words(c_.key_tile, s_.head_dim) +
                               bf16_tile::value_panel_words(c_.key_tile, s_.value_dim)
                         : micro_tile<Acc>::panel_elements(c_.key_tile, s_.head_dim) + c_.key_tile * s_.value_dim;
@@ -654,7 +654,7 @@ private:
     /// Row r's probabilities (nk at p) rounded to bf16 pairs for accumulate_value_pairs, as the softmax leaves them.
     void round_probability_pairs(tiled_workspace<Acc>& w, index r, const Acc* p, index nk) const {
         if constexpr (pair_target) {
-            const index ldp = (c_.key_tile + 1) / 2;
+            const index ldp = bf16_tile::probability_row_words(c_.key_tile);
             round_to_pairs(p, c_.key_tile, 1, nk, w.pairs.probabilities.data() + r * ldp, ldp);
         }
     }
@@ -669,7 +669,7 @@ private:
                 if (w.found.active) scan_in_place(w, blk, want.begin, want.end, false, true);
                 w.packed_values = want;
             }
-            const index ldp = (c_.key_tile + 1) / 2;
+            const index ldp = bf16_tile::probability_row_words(c_.key_tile);
             accumulate_on_pair_path(w.pairs.probabilities.data() + r0 * ldp, ldp, rows, k1 - k0, s_.value_dim,
                                     w.pairs.values.data() + (k0 - want.begin) / 2 * bf16_tile::cols,
                                     (n + 1) / 2 * bf16_tile::cols, w.acc.data() + r0 * s_.value_dim, s_.value_dim);
@@ -820,7 +820,7 @@ private:
                             acc.data(), dv, w.found.active ? &seen : nullptr,
                             run_of_rows(k_, blk.batch, blk.kv_head, k1, key_end - k1));
             if (w.found.active) w.found.values(seen);
-        } else if (uses_pairs()) {
+        } else if (pairs) {
             accumulate_value_pairs(w, blk, r0, rows, k0, k1);
         } else {
             accumulate_values(w, blk, r0, rows, k0, k1);
