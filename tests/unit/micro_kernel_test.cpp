@@ -234,14 +234,28 @@ TYPED_TEST(MicroKernel, PackedPanelsHoldEachKeyDimensionOnceAndZerosPastTheLastK
             }
 }
 
-/// packet_exp on xs (padded to whole packets), in place.
+/// A float's bits, and the float of given bits: negative floats' bits grow with their magnitude.
+std::uint32_t float_bits(float x) {
+    std::uint32_t u = 0;
+    std::memcpy(&u, &x, sizeof u);
+    return u;
+}
+float float_of_bits(std::uint32_t u) {
+    float x = 0;
+    std::memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+/// packet_exp on xs (padded to whole packets), in place; NotAboveHighest as packet_exp takes it.
+template <bool NotAboveHighest = false>
 void packet_exp_of(std::vector<float>& xs) {
     using attend::detail::packet_exp;
     constexpr std::size_t lanes = Eigen::internal::packet_traits<float>::size;
     xs.resize((xs.size() + lanes - 1) / lanes * lanes, 0.0f);
     const packet_exp exp;
     for (std::size_t j = 0; j < xs.size(); j += lanes)
-        Eigen::internal::pstoreu(xs.data() + j, exp(Eigen::internal::ploadu<packet_exp::value>(xs.data() + j)));
+        Eigen::internal::pstoreu(xs.data() + j, exp.template operator()<NotAboveHighest>(
+                                                    Eigen::internal::ploadu<packet_exp::value>(xs.data() + j)));
 }
 
 // The softmax's float exp (packet_exp, in exp_shifted_sum) on this instruction set's packets, over floats spread
@@ -257,18 +271,8 @@ TEST(PacketExp, IsWithinTwoUlpOfExpAndNeverSubnormal) {
         for (int i = 0; i < 2 * ulps; ++i, x = std::nextafter(x, inf)) xs.push_back(x);
     };
     // About 500 000 floats evenly in their ordering: negative floats' bits grow with their magnitude.
-    const auto bits = [](float x) {
-        std::uint32_t u = 0;
-        std::memcpy(&u, &x, sizeof u);
-        return u;
-    };
-    const auto from_bits = [](std::uint32_t u) {
-        float x = 0;
-        std::memcpy(&x, &u, sizeof x);
-        return x;
-    };
-    for (std::uint32_t u = bits(lowest); u > bits(-0.0f); u -= 4099) xs.push_back(from_bits(u));
-    for (std::uint32_t u = 0; u < bits(highest); u += 4099) xs.push_back(from_bits(u));
+    for (std::uint32_t u = float_bits(lowest); u > float_bits(-0.0f); u -= 4099) xs.push_back(float_of_bits(u));
+    for (std::uint32_t u = 0; u < float_bits(highest); u += 4099) xs.push_back(float_of_bits(u));
     for (const float centre : {lowest, highest, 88.3762626f, 0.0f, 0.34657359f, -0.34657359f, 1.03972077f, -45.0f})
         around(centre, 3000);
     const std::vector<float> specials = {
@@ -300,6 +304,28 @@ TEST(PacketExp, IsWithinTwoUlpOfExpAndNeverSubnormal) {
     EXPECT_EQ(es[n - 5], 1.0f);
     EXPECT_EQ(es[n - 8], inf);
     EXPECT_EQ(es[n - 9], 0.0f);
+}
+
+// The online softmax's exp of scores minus their own row's maximum (at most 0) leaves out packet_exp's upper clamp:
+// the same bits as with it for every argument up to ln FLT_MAX, the clamp's bound, and for -inf and NaN. Floats
+// spread evenly through that range in their ordering, and every float next to its ends and to 0.
+TEST(PacketExp, WithoutTheUpperClampGivesTheSameBitsUpToLnFltMax) {
+    const float lowest = -87.3365402f, highest = 88.7228394f, inf = std::numeric_limits<float>::infinity();
+    std::vector<float> xs;
+    for (std::uint32_t u = float_bits(-inf); u > float_bits(-0.0f); u -= 4099)
+        xs.push_back(float_of_bits(u));  // -inf to -0
+    for (std::uint32_t u = 0; u < float_bits(highest); u += 4099) xs.push_back(float_of_bits(u));
+    for (const float centre : {lowest, highest, 0.0f}) {
+        float x = centre;
+        for (int i = 0; i < 3000; ++i) x = std::nextafter(x, -inf);
+        for (int i = 0; i < (centre == highest ? 3001 : 6000); ++i, x = std::nextafter(x, inf)) xs.push_back(x);
+    }
+    xs.insert(xs.end(), {-inf, -0.0f, std::numeric_limits<float>::quiet_NaN(), highest});
+    ASSERT_EQ(xs.back(), highest);
+    std::vector<float> clamped = xs, unclamped = xs;
+    packet_exp_of<false>(clamped);
+    packet_exp_of<true>(unclamped);
+    for (std::size_t j = 0; j < xs.size(); ++j) ASSERT_EQ(float_bits(unclamped[j]), float_bits(clamped[j])) << xs[j];
 }
 
 // max_of (the online softmax's row maximum over a tile's scores): the largest element wherever it sits, for every

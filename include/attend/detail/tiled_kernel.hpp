@@ -857,7 +857,7 @@ private:
             for (index r = r0; r < r0 + sl.rows(blk); ++r) {
                 if (w.softmax.empty(r)) continue;
                 Acc* p = w.scores.data() + r * ld;
-                exp_shifted(p, nk, w.softmax.max(r));  // the softmax's own scores: none above the row's max
+                exp_shifted<Acc, true>(p, nk, w.softmax.max(r));  // the softmax's own scores: none above its max
                 const Acc l = w.softmax.sum(r);
                 for (index j = 0; j < nk; ++j) p[j] /= l;
                 if (drop) p_.dropout.apply(p, nk, blk.batch, head_of(blk, r), query_of(blk, r), k0);
