@@ -246,16 +246,29 @@ float float_of_bits(std::uint32_t u) {
     return x;
 }
 
-/// packet_exp on xs (padded to whole packets), in place; NotAboveHighest as packet_exp takes it.
+/// Every 4099th float from low up to -0 and from 0 up to high (low < 0 < high), evenly in their ordering.
+void push_floats_spread(std::vector<float>& xs, float low, float high) {
+    for (std::uint32_t u = float_bits(low); u > float_bits(-0.0f); u -= 4099) xs.push_back(float_of_bits(u));
+    for (std::uint32_t u = 0; u < float_bits(high); u += 4099) xs.push_back(float_of_bits(u));
+}
+
+/// `count` consecutive floats from the one `below` floats under centre.
+void push_floats_from(std::vector<float>& xs, float centre, int below, int count) {
+    const float inf = std::numeric_limits<float>::infinity();
+    float x = centre;
+    for (int i = 0; i < below; ++i) x = std::nextafter(x, -inf);
+    for (int i = 0; i < count; ++i, x = std::nextafter(x, inf)) xs.push_back(x);
+}
+
+/// packet_exp<NotAboveHighest> on xs (padded to whole packets), in place.
 template <bool NotAboveHighest = false>
 void packet_exp_of(std::vector<float>& xs) {
-    using attend::detail::packet_exp;
+    using exp_type = attend::detail::packet_exp<NotAboveHighest>;
     constexpr std::size_t lanes = Eigen::internal::packet_traits<float>::size;
     xs.resize((xs.size() + lanes - 1) / lanes * lanes, 0.0f);
-    const packet_exp exp;
+    const exp_type exp;
     for (std::size_t j = 0; j < xs.size(); j += lanes)
-        Eigen::internal::pstoreu(xs.data() + j, exp.template operator()<NotAboveHighest>(
-                                                    Eigen::internal::ploadu<packet_exp::value>(xs.data() + j)));
+        Eigen::internal::pstoreu(xs.data() + j, exp(Eigen::internal::ploadu<typename exp_type::value>(xs.data() + j)));
 }
 
 // The softmax's float exp (packet_exp, in exp_shifted_sum) on this instruction set's packets, over floats spread
@@ -265,16 +278,9 @@ void packet_exp_of(std::vector<float>& xs) {
 TEST(PacketExp, IsWithinTwoUlpOfExpAndNeverSubnormal) {
     const float lowest = -87.3365402f, highest = 88.7228394f, inf = std::numeric_limits<float>::infinity();
     std::vector<float> xs;
-    const auto around = [&xs, inf](float centre, int ulps) {
-        float x = centre;
-        for (int i = 0; i < ulps; ++i) x = std::nextafter(x, -inf);
-        for (int i = 0; i < 2 * ulps; ++i, x = std::nextafter(x, inf)) xs.push_back(x);
-    };
-    // About 500 000 floats evenly in their ordering: negative floats' bits grow with their magnitude.
-    for (std::uint32_t u = float_bits(lowest); u > float_bits(-0.0f); u -= 4099) xs.push_back(float_of_bits(u));
-    for (std::uint32_t u = 0; u < float_bits(highest); u += 4099) xs.push_back(float_of_bits(u));
+    push_floats_spread(xs, lowest, highest);  // about 500 000 floats
     for (const float centre : {lowest, highest, 88.3762626f, 0.0f, 0.34657359f, -0.34657359f, 1.03972077f, -45.0f})
-        around(centre, 3000);
+        push_floats_from(xs, centre, 3000, 6000);
     const std::vector<float> specials = {
         -inf, inf, std::numeric_limits<float>::quiet_NaN(), -0.0f, 0.0f, -1e30f, 1e30f, -88.0f, -100.0f};
     xs.insert(xs.end(), specials.begin(), specials.end());
@@ -312,14 +318,9 @@ TEST(PacketExp, IsWithinTwoUlpOfExpAndNeverSubnormal) {
 TEST(PacketExp, WithoutTheUpperClampGivesTheSameBitsUpToLnFltMax) {
     const float lowest = -87.3365402f, highest = 88.7228394f, inf = std::numeric_limits<float>::infinity();
     std::vector<float> xs;
-    for (std::uint32_t u = float_bits(-inf); u > float_bits(-0.0f); u -= 4099)
-        xs.push_back(float_of_bits(u));  // -inf to -0
-    for (std::uint32_t u = 0; u < float_bits(highest); u += 4099) xs.push_back(float_of_bits(u));
-    for (const float centre : {lowest, highest, 0.0f}) {
-        float x = centre;
-        for (int i = 0; i < 3000; ++i) x = std::nextafter(x, -inf);
-        for (int i = 0; i < (centre == highest ? 3001 : 6000); ++i, x = std::nextafter(x, inf)) xs.push_back(x);
-    }
+    push_floats_spread(xs, -inf, highest);
+    for (const float centre : {lowest, highest, 0.0f})
+        push_floats_from(xs, centre, 3000, centre == highest ? 3001 : 6000);
     xs.insert(xs.end(), {-inf, -0.0f, std::numeric_limits<float>::quiet_NaN(), highest});
     ASSERT_EQ(xs.back(), highest);
     std::vector<float> clamped = xs, unclamped = xs;

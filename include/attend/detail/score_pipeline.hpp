@@ -92,14 +92,14 @@ T max_of(const T* x, index n) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wignored-attributes"
 #endif
+/// NotAboveHighest: the caller knows no argument exceeds ln FLT_MAX (a softmax's scores minus their own row's
+/// maximum are at most 0), so the upper clamp, which changes only arguments above it, is left out: the same bits with
+/// one vector instruction fewer of the packet's 14 (AVX-512).
+template <bool NotAboveHighest = false>
 class packet_exp {
 public:
     using value = Eigen::internal::packet_traits<float>::type;
 
-    /// NotAboveHighest: the caller knows no argument exceeds ln FLT_MAX (a softmax's scores minus their own row's
-    /// maximum are at most 0), so the upper clamp, which changes only arguments above it, is left out: the same
-    /// bits with one vector instruction fewer of the packet's 14 (AVX-512).
-    template <bool NotAboveHighest = false>
     value operator()(const value& x) const {
         using namespace Eigen::internal;
 #if defined(EIGEN_VECTORIZE_AVX512)
@@ -201,18 +201,18 @@ T exp_shifted_sum(T* x, index n, T shift) {
     packet sums = pset1<packet>(T(0));
     index j = 0;
     if constexpr (std::is_same_v<T, float>) {
-        const packet_exp exp;
+        const packet_exp<NoneAboveShift> exp;
         packet more = sums;
         for (; j + 2 * lanes <= n; j += 2 * lanes) {
-            const packet a = exp.template operator()<NoneAboveShift>(psub(ploadu<packet>(x + j), by));
-            const packet b = exp.template operator()<NoneAboveShift>(psub(ploadu<packet>(x + j + lanes), by));
+            const packet a = exp(psub(ploadu<packet>(x + j), by));
+            const packet b = exp(psub(ploadu<packet>(x + j + lanes), by));
             pstoreu(x + j, a);
             pstoreu(x + j + lanes, b);
             sums = padd(sums, a);
             more = padd(more, b);
         }
         for (; j + lanes <= n; j += lanes) {
-            const packet a = exp.template operator()<NoneAboveShift>(psub(ploadu<packet>(x + j), by));
+            const packet a = exp(psub(ploadu<packet>(x + j), by));
             pstoreu(x + j, a);
             sums = padd(sums, a);
         }
