@@ -234,6 +234,10 @@ TYPED_TEST(MicroKernel, PackedPanelsHoldEachKeyDimensionOnceAndZerosPastTheLastK
             }
 }
 
+/// packet_exp's bounds: ln FLT_MIN rounded up (exp of it is at least FLT_MIN; below it, 0) and ln FLT_MAX (its upper
+/// clamp).
+constexpr float exp_lowest = -87.3365402f, exp_highest = 88.7228394f;
+
 /// A float's bits, and the float of given bits: negative floats' bits grow with their magnitude.
 std::uint32_t float_bits(float x) {
     std::uint32_t u = 0;
@@ -276,7 +280,7 @@ void packet_exp_of(std::vector<float>& xs) {
 // within 2 ulp of exp, never subnormal, 0 below ln FLT_MIN and for -inf, exactly 1 at 0, +inf past 88.37 (past ln
 // FLT_MAX on AVX-512), NaN kept.
 TEST(PacketExp, IsWithinTwoUlpOfExpAndNeverSubnormal) {
-    const float lowest = -87.3365402f, highest = 88.7228394f, inf = std::numeric_limits<float>::infinity();
+    const float lowest = exp_lowest, highest = exp_highest, inf = std::numeric_limits<float>::infinity();
     std::vector<float> xs;
     push_floats_spread(xs, lowest, highest);  // about 500 000 floats
     for (const float centre : {lowest, highest, 88.3762626f, 0.0f, 0.34657359f, -0.34657359f, 1.03972077f, -45.0f})
@@ -316,7 +320,7 @@ TEST(PacketExp, IsWithinTwoUlpOfExpAndNeverSubnormal) {
 // the same bits as with it for every argument up to ln FLT_MAX, the clamp's bound, and for -inf and NaN. Floats
 // spread evenly through that range in their ordering, and every float next to its ends and to 0.
 TEST(PacketExp, WithoutTheUpperClampGivesTheSameBitsUpToLnFltMax) {
-    const float lowest = -87.3365402f, highest = 88.7228394f, inf = std::numeric_limits<float>::infinity();
+    const float lowest = exp_lowest, highest = exp_highest, inf = std::numeric_limits<float>::infinity();
     std::vector<float> xs;
     push_floats_spread(xs, -inf, highest);
     for (const float centre : {lowest, highest, 0.0f})
