@@ -6,9 +6,12 @@
 
 #include <cassert>
 #include <limits>
+#include <new>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <Eigen/Core>
@@ -24,55 +27,86 @@
 
 namespace attend {
 
-/// Base of every error attend throws; `id()` is the stable identifier without brackets.
-class error : public std::invalid_argument {
+/// Base of every error attend throws; `id()` is the stable identifier without brackets, `what()` the message
+/// `[id] text`. Each kind also derives from the standard exception a C++ program catches for it: bad input is a
+/// std::invalid_argument, memory that could not be had a std::bad_alloc. So `catch (const attend::error&)` handles
+/// every failure of a call, and `catch (const std::bad_alloc&)` or `catch (const std::exception&)` work as usual.
+class error {
 public:
-    /// An error whose what() is `[id] message`.
-    error(std::string id, const std::string& message)
-        : std::invalid_argument("[" + id + "] " + message), id_(std::move(id)) {}
+    virtual ~error() = default;
     /// The stable id, e.g. attend.shape.key_dim (see docs/errors.md).
     const std::string& id() const noexcept { return id_; }
+    /// `[id] message`.
+    virtual const char* what() const noexcept = 0;
+
+protected:
+    /// The base of a kind with this id; only the kinds construct it.
+    explicit error(std::string id) : id_(std::move(id)) {}
+    /// Copied with the exception that holds it.
+    error(const error&) = default;
+    /// Assigned with the exception that holds it.
+    error& operator=(const error&) = default;
 
 private:
     std::string id_;
 };
 
-/// Tensors whose shapes do not fit together (ids `attend.shape.*`).
-class shape_error : public error {
+namespace detail {
+/// An attend::error that is also the standard exception `Standard` (std::invalid_argument or std::bad_alloc).
+template <class Standard>
+class standard_error : public Standard, public error {
 public:
-    using error::error;
+    /// An error whose what() is `[id] message`.
+    standard_error(std::string id, const std::string& message)
+        : Standard(make_standard()), error(id), what_("[" + id + "] " + message) {}
+    const char* what() const noexcept override { return what_.c_str(); }
+
+private:
+    static Standard make_standard() {
+        if constexpr (std::is_constructible_v<Standard, const char*>) return Standard("attend error");
+        else return Standard();
+    }
+    std::string what_;
+};
+}  // namespace detail
+
+/// Tensors whose shapes do not fit together (ids `attend.shape.*`).
+class shape_error : public detail::standard_error<std::invalid_argument> {
+public:
+    using standard_error::standard_error;
 };
 
 /// Masks that do not broadcast, are inconsistent, or leave a query with no allowed key (`attend.mask.*`).
-class mask_error : public error {
+class mask_error : public detail::standard_error<std::invalid_argument> {
 public:
-    using error::error;
+    using standard_error::standard_error;
 };
 
 /// Bad numbers: non-finite inputs, scales, probabilities, sizes (`attend.value.*`).
-class value_error : public error {
+class value_error : public detail::standard_error<std::invalid_argument> {
 public:
-    using error::error;
+    using standard_error::standard_error;
 };
 
 /// Positions outside what an embedding or cache can represent (`attend.position.*`).
-class position_error : public error {
+class position_error : public detail::standard_error<std::invalid_argument> {
 public:
-    using error::error;
+    using standard_error::standard_error;
 };
 
 /// Memory a valid call needs could not be allocated: a result, a workspace or the scratch of a thread. Thrown
 /// before any output is written; the message names what was being allocated and its bytes (`attend.resource.*`).
-class resource_error : public error {
+/// A std::bad_alloc, so code that handles out-of-memory the usual way handles this too.
+class resource_error : public detail::standard_error<std::bad_alloc> {
 public:
-    using error::error;
+    using standard_error::standard_error;
 };
 
 /// A file attend reads (interop/safetensors.hpp) that cannot be read or does not follow its format. Thrown
 /// before any tensor of the file is handed out (`attend.format.*`).
-class format_error : public error {
+class format_error : public detail::standard_error<std::invalid_argument> {
 public:
-    using error::error;
+    using standard_error::standard_error;
 };
 
 namespace detail {

@@ -10,6 +10,8 @@
 
 #include <fstream>
 #include <limits>
+#include <new>
+#include <stdexcept>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -80,6 +82,27 @@ TEST(AllocationFailure, NeedWeightsOfTwoToTheFortyElementsIsAResourceError) {
         EXPECT_NE(message.find("weights [1,1048576,1048576] = 4398046511104 bytes"), std::string::npos) << message;
         EXPECT_NE(message.find("need_weights"), std::string::npos) << message;
     }
+}
+
+TEST(AllocationFailure, OutOfMemoryIsCaughtAsStdBadAllocAndAsAnAttendError) {
+    // Code that handles out-of-memory the usual way sees attend's too; attend::error still catches every failure.
+    ATTEND_SKIP_IF_ALWAYS_OVERCOMMITTING();
+    huge_call c;
+    attend::sdpa_options o;
+    o.need_weights = true;
+    o.threads = 1;
+    int as_bad_alloc = 0, as_attend_error = 0, as_invalid_argument = 0;
+    try {
+        (void)attend::scaled_dot_product_attention(c.q, c.k, c.v, o);
+    } catch (const std::bad_alloc& e) {
+        ++as_bad_alloc;
+        EXPECT_NE(std::string(e.what()).find("[attend.resource.allocation]"), std::string::npos) << e.what();
+        as_attend_error += dynamic_cast<const attend::error*>(&e) != nullptr;
+        as_invalid_argument += dynamic_cast<const std::invalid_argument*>(&e) != nullptr;
+    }
+    EXPECT_EQ(as_bad_alloc, 1);
+    EXPECT_EQ(as_attend_error, 1);
+    EXPECT_EQ(as_invalid_argument, 0);
 }
 
 TEST(AllocationFailure, TheSameShapeWithoutWeightsRunsInTiles) {

@@ -259,6 +259,8 @@ template <class Allocate, class Describe>
 auto allocating(Allocate&& allocate, Describe&& describe, const char* hint) -> decltype(allocate()) {
     try {
         return allocate();
+    } catch (const resource_error&) {  // already says what failed, from deeper inside
+        throw;
     } catch (const std::bad_alloc&) {
         throw_allocation_failure(describe(), "std::bad_alloc", hint);
     } catch (const std::length_error&) {

@@ -18,11 +18,11 @@
 namespace attend::distributed::detail {
 
 /// Which class of attend::error to rebuild on the ranks that did not throw it.
-enum class error_kind : int { shape, mask, value, position, resource, other };
+enum class error_kind : int { shape, mask, value, position, resource, format };
 
 /// An error one rank caught, in a form that crosses the network.
 struct captured_error {
-    error_kind kind = error_kind::other;
+    error_kind kind = error_kind::format;
     std::string id;
     std::string message;  ///< what() without the "[id] " prefix
 };
@@ -34,6 +34,7 @@ inline captured_error capture(const attend::error& e) {
     else if (dynamic_cast<const value_error*>(&e)) c.kind = error_kind::value;
     else if (dynamic_cast<const position_error*>(&e)) c.kind = error_kind::position;
     else if (dynamic_cast<const resource_error*>(&e)) c.kind = error_kind::resource;
+    else c.kind = error_kind::format;
     c.id = e.id();
     const std::string what = e.what(), prefix = "[" + e.id() + "] ";
     c.message = what.compare(0, prefix.size(), prefix) == 0 ? what.substr(prefix.size()) : what;
@@ -62,9 +63,9 @@ std::optional<captured_error> capture_errors(F&& f) {
         case error_kind::value: throw value_error(c.id, c.message);
         case error_kind::position: throw position_error(c.id, c.message);
         case error_kind::resource: throw resource_error(c.id, c.message);
-        case error_kind::other: break;
+        case error_kind::format: break;
     }
-    throw attend::error(c.id, c.message);
+    throw format_error(c.id, c.message);
 }
 
 /// Broadcasts `root`'s error to every rank and throws it there, with "(rank <root> of <size>)" appended so the
