@@ -6,7 +6,7 @@
 //   reference_kernel<T>/L              the oracle kernel (single-threaded, materializes [L, S] per head)
 //   tiled<T>/L/threads                 tiled kernel, no mask
 //   tiled_causal/L/threads             causal(top_left)
-//   tiled_window256/L/threads          sliding_window(255, 0): each query sees itself and 255 keys before it
+//   tiled_window256/L/threads          sliding_window(255, 0, top_left): each query sees itself and 255 keys before it
 //   tiled_softcap/L/threads            softcap 30 on the scores of tiled<float> (its cost: the ratio of the two)
 //   alibi_builtin/L/threads            ALiBi as score_bias::alibi; alibi_score_mod/L/threads the same as a score_mod
 //   mask_mod_window256/L/threads       tiled_window256's window as a mask_mod function with a block rule
@@ -102,7 +102,7 @@ void tiled_causal(benchmark::State& state) {
 void tiled_window256(benchmark::State& state) {
     const index len = state.range(0);
     problem<float> p(8, 8, len, len, 64);
-    run_tiled(state, p, attend::sliding_window(255, 0), static_cast<int>(state.range(1)),
+    run_tiled(state, p, attend::sliding_window(255, 0, attend::alignment::top_left), static_cast<int>(state.range(1)),
               attend_bench::attention_flops(1, 8, len, 256, 64));
 }
 
@@ -143,7 +143,7 @@ void alibi(benchmark::State& state, bool as_function) {
             using S = decltype(s);
             return s - static_cast<S>(slopes[static_cast<std::size_t>(h)]) * static_cast<S>(std::abs(i - j));
         });
-    else o.score_bias = attend::score_bias::alibi(slopes);
+    else o.score_bias = attend::score_bias::alibi(slopes, attend::alignment::top_left);
     run_tiled(state, p, attend::no_mask{}, static_cast<int>(state.range(1)),
               attend_bench::attention_flops(1, 8, len, len, 64), o);
 }
@@ -169,7 +169,7 @@ void packed_8x512_dense_mask(benchmark::State& state) {
     attend::tensor<bool, 2> allowed(len, len);
     for (index i = 0; i < len; ++i)
         for (index j = 0; j < len; ++j) allowed(i, j) = i / packed_segment_len == j / packed_segment_len;
-    run_tiled(state, p, attend::allowed_mask::true_means_allowed(allowed), static_cast<int>(state.range(0)),
+    run_tiled(state, p, attend::allowed_mask::query_key_grid(allowed), static_cast<int>(state.range(0)),
               attend_bench::attention_flops(1, 8, len, packed_segment_len, 64));
 }
 

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
 // What a mask allows and where attention goes, as a picture: two sequences (12 real tokens, and 9 real tokens
-// padded to 12) under causal && sliding_window(4, 0) && key_padding && query_padding. Writes
+// padded to 12) under causal && sliding_window(4, 0, top_left) && key_padding && query_padding. Writes
 // attention_heatmap.png: one row per sequence, the mask on the left (dark = may attend, light = forbidden, gray =
 // padded query), the weights of head 0 on the right (white 0 to dark blue 1, on a square-root scale so small
 // weights stay visible). Prints the same as text, and checks that docs/attention_heatmap.png (shown in the README)
@@ -215,8 +215,9 @@ std::array<std::uint8_t, 3> blend(double t) {  // white (t = 0) to dark blue (t 
 int main() {
     using attend::index;  // not POSIX's index() of <strings.h>
     const std::vector<index> lengths{12, 9};
-    const auto mask = attend::causal(attend::alignment::top_left) && attend::sliding_window(4, 0) &&
-                      attend::key_padding(lengths) && attend::query_padding(lengths);
+    const auto mask = attend::causal(attend::alignment::top_left) &&
+                      attend::sliding_window(4, 0, attend::alignment::top_left) && attend::key_padding(lengths) &&
+                      attend::query_padding(lengths);
     const attend::score_shape shape{batch, 1, len, len};
     std::cout << "mask: causal && sliding_window(4, 0) && key_padding({12, 9}) && query_padding({12, 9})\n"
               << attend::to_string(mask, shape);

@@ -29,7 +29,7 @@ int main() {
     attend::tensor<bool, 2> blocked(3, 3);
     for (int i = 0; i < 3; ++i)
         for (int j = 0; j < 3; ++j) blocked(i, j) = j > i;
-    const auto forbidden = attend::forbidden_mask::from_torch_mha(blocked);
+    const auto forbidden = attend::forbidden_mask::query_key_grid(blocked);
     const auto again = attend::scaled_dot_product_attention(q, k, v, attend::to_allowed(forbidden));
     std::cout << "out from forbidden_mask via to_allowed: " << again.out(0, 0, 0) << ' ' << again.out(0, 1, 0) << ' '
               << again.out(0, 2, 0) << '\n';

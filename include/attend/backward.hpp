@@ -253,9 +253,10 @@ void run_backward(const backward_inputs<T>& in, const checked_backward<T, Bound>
 template <class T, class Mask>
 void sdpa_backward_views(const backward_inputs<T>& in, const Mask& mask, const sdpa_options& options,
                          const gradient_outputs<T>& out) {
-    require_mask<Mask>();
-    const auto checked = check_backward(in, &out, mask, options);
-    run_backward(in, checked, out);
+    if constexpr (require_mask<Mask>()) {
+        const auto checked = check_backward(in, &out, mask, options);
+        run_backward(in, checked, out);
+    }
 }
 
 template <class Lse, class T, int Rank>
@@ -349,8 +350,9 @@ auto backward_allocating(const Q& q, const K& k, const V& v, const Out& out, con
 template <class Q, class K, class V, class Out, class Lse, class DOut, class Mask>
 auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, const Out& out, const Lse& lse,
                                            const DOut& d_out, const Mask& mask, const sdpa_options& options = {}) {
-    detail::require_mask<Mask>();
-    return detail::backward_allocating<detail::rank_of<Q>()>(q, k, v, out, lse, d_out, mask, options);
+    if constexpr (detail::require_mask<Mask>()) {
+        return detail::backward_allocating<detail::rank_of<Q>()>(q, k, v, out, lse, d_out, mask, options);
+    }
 }
 
 /// Gradients of attention without a mask.
@@ -397,51 +399,52 @@ void scaled_dot_product_attention_backward_into(const Q& q, const K& k, const V&
                                                 const sdpa_options& options = {},
                                                 BiasGrad&& score_bias_gradient = nullptr,
                                                 SinkGrad&& sink_gradient = nullptr) {
-    detail::require_mask<Mask>();
-    using T = detail::scalar_of<Q>;
-    using G = detail::scalar_of<DQ>;  // T, or float for 16-bit inputs
-    constexpr int rank = detail::rank_of<Q>();
-    static_assert((std::is_same_v<G, T> || (detail::is_16bit_v<T> && std::is_same_v<G, float>)) &&
-                      std::is_same_v<G, detail::scalar_of<DK>> && std::is_same_v<G, detail::scalar_of<DV>>,
-                  "attend: dq, dk and dv must have the query's scalar type (with 16-bit inputs: all of it, or "
-                  "all float)");
-    static_assert(detail::rank_of<DQ>() == rank && detail::rank_of<DK>() == rank && detail::rank_of<DV>() == rank,
-                  "attend: dq, dk and dv must have the query's rank");
-    const auto in = detail::backward_inputs_of<rank>(q, k, v, out, lse, d_out);
-    detail::gradient_outputs<G> o;
-    o.dq = detail::as_mutable_view(dq);
-    o.dk = detail::as_mutable_view(dk);
-    o.dv = detail::as_mutable_view(dv);
-    if constexpr (!std::is_same_v<std::decay_t<BiasGrad>, std::nullptr_t>) {
-        static_assert(std::is_same_v<G, detail::scalar_of<BiasGrad>> && detail::rank_of<BiasGrad>() == 2,
-                      "attend: score_bias_gradient is a rank-2 tensor [heads, query_len + key_len - 1] of dq's "
-                      "scalar type");
-        const std::array<index, 2> expected{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1};
-        const std::array<index, 2> got{score_bias_gradient.dimension(0), score_bias_gradient.dimension(1)};
-        if (!options.score_bias.empty() && got != expected)
-            throw shape_error("attend.shape.backward_score_bias",
-                              detail::concat("score_bias_gradient ", detail::format_shape(got), " != expected ",
-                                             detail::format_shape(expected), " [heads, query_len + key_len - 1]"));
-        o.score_bias_gradient = options.score_bias.empty() ? nullptr : score_bias_gradient.data();
+    if constexpr (detail::require_mask<Mask>()) {
+        using T = detail::scalar_of<Q>;
+        using G = detail::scalar_of<DQ>;  // T, or float for 16-bit inputs
+        constexpr int rank = detail::rank_of<Q>();
+        static_assert((std::is_same_v<G, T> || (detail::is_16bit_v<T> && std::is_same_v<G, float>)) &&
+                          std::is_same_v<G, detail::scalar_of<DK>> && std::is_same_v<G, detail::scalar_of<DV>>,
+                      "attend: dq, dk and dv must have the query's scalar type (with 16-bit inputs: all of it, or "
+                      "all float)");
+        static_assert(detail::rank_of<DQ>() == rank && detail::rank_of<DK>() == rank && detail::rank_of<DV>() == rank,
+                      "attend: dq, dk and dv must have the query's rank");
+        const auto in = detail::backward_inputs_of<rank>(q, k, v, out, lse, d_out);
+        detail::gradient_outputs<G> o;
+        o.dq = detail::as_mutable_view(dq);
+        o.dk = detail::as_mutable_view(dk);
+        o.dv = detail::as_mutable_view(dv);
+        if constexpr (!std::is_same_v<std::decay_t<BiasGrad>, std::nullptr_t>) {
+            static_assert(std::is_same_v<G, detail::scalar_of<BiasGrad>> && detail::rank_of<BiasGrad>() == 2,
+                          "attend: score_bias_gradient is a rank-2 tensor [heads, query_len + key_len - 1] of dq's "
+                          "scalar type");
+            const std::array<index, 2> expected{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1};
+            const std::array<index, 2> got{score_bias_gradient.dimension(0), score_bias_gradient.dimension(1)};
+            if (!options.score_bias.empty() && got != expected)
+                throw shape_error("attend.shape.backward_score_bias",
+                                  detail::concat("score_bias_gradient ", detail::format_shape(got), " != expected ",
+                                                 detail::format_shape(expected), " [heads, query_len + key_len - 1]"));
+            o.score_bias_gradient = options.score_bias.empty() ? nullptr : score_bias_gradient.data();
+        }
+        if constexpr (!std::is_same_v<std::decay_t<SinkGrad>, std::nullptr_t>) {
+            static_assert(std::is_same_v<G, detail::scalar_of<SinkGrad>> && detail::rank_of<SinkGrad>() == 1,
+                          "attend: sink_gradient is a rank-1 tensor [heads] of dq's scalar type");
+            if (!options.sinks.empty() && sink_gradient.dimension(0) != in.q.dims[1])
+                throw shape_error("attend.shape.backward_sinks",
+                                  detail::concat("sink_gradient [", sink_gradient.dimension(0), "] != expected [",
+                                                 in.q.dims[1], "] [heads]"));
+            o.sink_gradient = options.sinks.empty() ? nullptr : sink_gradient.data();
+        }
+        detail::check_no_aliasing(
+            {detail::named("query", in.q), detail::named("key", in.k), detail::named("value", in.v),
+             detail::named("out", in.out), detail::named("d_out", in.d_out), detail::named("lse", in.lse, in.lse_dims)},
+            {detail::named("dq", o.dq), detail::named("dk", o.dk), detail::named("dv", o.dv),
+             detail::named("score_bias_gradient", o.score_bias_gradient,
+                           std::array<index, 2>{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1}),
+             detail::named("sink_gradient", o.sink_gradient, std::array<index, 1>{in.q.dims[1]})});
+        const auto checked = detail::check_backward(in, &o, mask, options);
+        detail::run_backward(in, checked, o);
     }
-    if constexpr (!std::is_same_v<std::decay_t<SinkGrad>, std::nullptr_t>) {
-        static_assert(std::is_same_v<G, detail::scalar_of<SinkGrad>> && detail::rank_of<SinkGrad>() == 1,
-                      "attend: sink_gradient is a rank-1 tensor [heads] of dq's scalar type");
-        if (!options.sinks.empty() && sink_gradient.dimension(0) != in.q.dims[1])
-            throw shape_error("attend.shape.backward_sinks",
-                              detail::concat("sink_gradient [", sink_gradient.dimension(0), "] != expected [",
-                                             in.q.dims[1], "] [heads]"));
-        o.sink_gradient = options.sinks.empty() ? nullptr : sink_gradient.data();
-    }
-    detail::check_no_aliasing({detail::named("query", in.q), detail::named("key", in.k), detail::named("value", in.v),
-                               detail::named("out", in.out), detail::named("d_out", in.d_out),
-                               detail::named("lse", in.lse, in.lse_dims)},
-                              {detail::named("dq", o.dq), detail::named("dk", o.dk), detail::named("dv", o.dv),
-                               detail::named("score_bias_gradient", o.score_bias_gradient,
-                                             std::array<index, 2>{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1}),
-                               detail::named("sink_gradient", o.sink_gradient, std::array<index, 1>{in.q.dims[1]})});
-    const auto checked = detail::check_backward(in, &o, mask, options);
-    detail::run_backward(in, checked, o);
 }
 
 /// The gradient of a T5 relative-position bias table `[num_buckets, heads]` (d loss / d table(bucket, h)) from

@@ -62,35 +62,63 @@ constexpr bool has_query_padding() {
     return false;
 }
 
-/// The shape of a dense mask as the user gave it (rank 2, 3 or 4), and a message-friendly spelling.
+/// How a dense mask's axes meet the scores `[batch, heads, query_len, key_len]`.
+enum class dense_layout {
+    right_aligned,  ///< numpy / PyTorch broadcasting from the right (rank 1, 3, 4; rank 2 only when built by name)
+    batch_key       ///< rank 2 `[batch, key_len]`: PyTorch's key_padding_mask, HF's attention_mask
+};
+
+/// The shape of a dense mask as the user gave it (rank 1 to 4), how its axes meet the scores, and whether its key
+/// axis may be shorter than key_len (ONNX pads such a mask with -inf: the missing keys are forbidden).
 struct dense_dims {
     std::vector<index> dims;
+    dense_layout layout = dense_layout::right_aligned;
+    bool short_keys_forbidden = false;  ///< ONNX: a key axis shorter than key_len forbids the keys past it
 
     /// Strides onto `[batch, heads, query_len, key_len]`, aligned from the right against the score shape of the
-    /// call (rank 3 inputs have scores `[batch, query_len, key_len]`), 0 on broadcast axes.
+    /// call (rank 3 inputs have scores `[batch, query_len, key_len]`) or by the batch_key layout, 0 on broadcast
+    /// axes.
     std::array<index, 4> broadcast_strides(const attention_shape& s, const char* what) const {
         const std::array<index, 4> score{s.batch, s.heads, s.query_len, s.key_len};
-        const std::vector<int> axes = s.rank == 4 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 2, 3};
+        const std::vector<int> right = s.rank == 4 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 2, 3};
         const auto score_spelled = s.rank == 4 ? format_shape(score)
                                                : format_shape(std::array<index, 3>{s.batch, s.query_len, s.key_len});
         const int mask_rank = static_cast<int>(dims.size());
-        if (mask_rank > static_cast<int>(axes.size()))
+        if (mask_rank > static_cast<int>(right.size()))
             throw mask_error("attend.mask.rank", concat(what, " of rank ", mask_rank, ' ', format_shape(dims),
                                                         " has more axes than the scores ", score_spelled));
+        const std::vector<int> axes = layout == dense_layout::batch_key
+                                          ? std::vector<int>{0, 3}
+                                          : std::vector<int>(right.end() - mask_rank, right.end());
         std::array<index, 4> strides{0, 0, 0, 0};
         index stride = 1;
         for (int a = mask_rank - 1; a >= 0; --a) {
-            const int axis = axes[axes.size() - static_cast<std::size_t>(mask_rank - a)];
+            const auto axis = static_cast<std::size_t>(axes[static_cast<std::size_t>(a)]);
             const index n = dims[static_cast<std::size_t>(a)];
-            if (n != 1 && n != score[static_cast<std::size_t>(axis)])
+            const bool shorter_keys_ok = short_keys_forbidden && axis == 3 && n < score[axis];
+            if (n != 1 && n != score[axis] && !shorter_keys_ok)
                 throw mask_error("attend.mask.broadcast",
                                  concat(what, ' ', format_shape(dims), " does not broadcast to the scores ",
                                         score_spelled, " [batch, heads, query_len, key_len]: axis ", a, " is ", n,
-                                        ", expected 1 or ", score[static_cast<std::size_t>(axis)]));
-            strides[static_cast<std::size_t>(axis)] = n == 1 ? 0 : stride;
+                                        ", expected 1 or ", score[axis], hint(mask_rank)));
+            strides[axis] = n == 1 && !(shorter_keys_ok && n < score[axis]) ? 0 : stride;
             stride *= n;
         }
         return strides;
+    }
+    /// Keys at or past this are forbidden (ONNX's short masks); key_len otherwise.
+    index key_end(const attention_shape& s) const {
+        if (!short_keys_forbidden || dims.empty()) return s.key_len;
+        return std::min(dims.back(), s.key_len);
+    }
+
+private:
+    std::string hint(int mask_rank) const {
+        if (layout == dense_layout::batch_key) return " (a key padding mask is [batch, key_len])";
+        if (mask_rank == 2)
+            return " (a rank-2 grid is [query_len, key_len]; PyTorch's key_padding_mask [batch, key_len] is "
+                   "forbidden_mask::key_padding(t), HF's attention_mask allowed_mask::key_padding(t))";
+        return "";
     }
 };
 
@@ -118,23 +146,63 @@ V saturating_cast(X x) {
     return static_cast<V>(x);
 }
 
-/// Reads a Boolean or numeric rank 2-4 row-major tensor (or TensorMap) into a flat vector plus its dims; numbers
-/// convert with saturating_cast.
-template <class V, class X>
-std::pair<std::vector<V>, dense_dims> read_dense(const X& x, const char* what) {
+/// How a dense mask was built: which ranks its constructor takes and how its axes meet the scores.
+enum class dense_form {
+    broadcast,       ///< rank 1, 3 or 4, broadcast from the right (rank 2 is ambiguous: refused)
+    query_key_grid,  ///< rank 2 `[query_len, key_len]`
+    key_padding,     ///< rank 2 `[batch, key_len]`
+    onnx             ///< rank 1 to 4 from the right (rank 2 is `[query_len, key_len]`), short key axis forbidden
+};
+
+/// Reads a Boolean or numeric rank 1-4 row-major tensor (or TensorMap) into a flat vector plus its dims; numbers
+/// convert with saturating_cast. `Form` is checked against the tensor's rank at compile time.
+template <class V, dense_form Form, class X>
+std::pair<std::vector<V>, dense_dims> read_dense(const X& x) {
     using traits = tensor_traits<std::decay_t<X>>;
     static_assert(traits::supported,
                   "attend: masks are built from attend::tensor (row-major Eigen::Tensor) or "
                   "an Eigen::TensorMap of one");
-    static_assert(traits::row_major, "attend: mask tensors must be Eigen::RowMajor (PyTorch's layout)");
-    static_assert(traits::rank >= 2 && traits::rank <= 4,
-                  "attend: dense masks have rank 2 [query_len, key_len], 3 or 4 [batch, heads, query_len, key_len]");
-    dense_dims d;
-    for (int a = 0; a < traits::rank; ++a) d.dims.push_back(x.dimensions()[static_cast<std::size_t>(a)]);
-    std::vector<V> values(static_cast<std::size_t>(x.size()));
-    for (index n = 0; n < x.size(); ++n) values[static_cast<std::size_t>(n)] = saturating_cast<V>(x.data()[n]);
-    (void)what;
-    return {std::move(values), std::move(d)};
+    if constexpr (traits::supported) {
+        static_assert(traits::row_major, "attend: mask tensors must be Eigen::RowMajor (PyTorch's layout)");
+        static_assert(Form != dense_form::broadcast || traits::rank != 2,
+                      "attend: a rank-2 mask is ambiguous: build a [query_len, key_len] grid with "
+                      "query_key_grid(t), PyTorch's key_padding_mask [batch, key_len] with "
+                      "forbidden_mask::key_padding(t), HF's attention_mask with allowed_mask::key_padding(t)");
+        static_assert(Form == dense_form::broadcast || Form == dense_form::onnx || traits::rank == 2,
+                      "attend: query_key_grid and key_padding take rank-2 tensors");
+        static_assert(traits::rank >= 1 && traits::rank <= 4,
+                      "attend: dense masks have rank 1 [key_len] to 4 [batch, heads, query_len, key_len]");
+        dense_dims d;
+        for (int a = 0; a < traits::rank; ++a) d.dims.push_back(x.dimensions()[static_cast<std::size_t>(a)]);
+        d.layout = Form == dense_form::key_padding ? dense_layout::batch_key : dense_layout::right_aligned;
+        d.short_keys_forbidden = Form == dense_form::onnx;
+        std::vector<V> values(static_cast<std::size_t>(x.size()));
+        for (index n = 0; n < x.size(); ++n) values[static_cast<std::size_t>(n)] = saturating_cast<V>(x.data()[n]);
+        return {std::move(values), std::move(d)};
+    } else {
+        return {};
+    }
+}
+
+/// The scalar of a tensor, or void for a type that is not one (whose own static_assert then speaks).
+template <class X, bool = tensor_traits<std::decay_t<X>>::supported>
+struct scalar_or_void {
+    using type = void;
+};
+template <class X>
+struct scalar_or_void<X, true> {
+    using type = scalar_of<X>;
+};
+
+/// Reads a bool tensor for a Boolean mask; the static_assert comes first, so it is the one message.
+template <dense_form Form, class BoolTensor>
+std::pair<std::vector<std::uint8_t>, dense_dims> read_boolean(const BoolTensor& t) {
+    using scalar = typename scalar_or_void<BoolTensor>::type;
+    static_assert(std::is_same_v<scalar, bool> || std::is_void_v<scalar>,
+                  "attend: allowed_mask and forbidden_mask are built from bool tensors; for float masks use "
+                  "additive_mask<T>");
+    if constexpr (std::is_same_v<scalar, bool> || std::is_void_v<scalar>) return read_dense<std::uint8_t, Form>(t);
+    else return {};
 }
 
 }  // namespace detail
@@ -147,28 +215,45 @@ class allowed_mask : public detail::boolean_term {
 public:
     static constexpr bool has_query_padding = false;
 
-    /// From a bool tensor in PyTorch scaled_dot_product_attention's convention: true = may attend.
+    /// From a bool tensor in PyTorch scaled_dot_product_attention's convention: true = may attend. Rank 1
+    /// `[key_len]`, 3 or 4, broadcast from the right; a rank-2 tensor is ambiguous and does not compile (use
+    /// query_key_grid or key_padding).
     template <class BoolTensor>
     static allowed_mask from_torch_sdpa(const BoolTensor& t) {
         return true_means_allowed(t);
     }
-    /// From a bool tensor in JAX's and FlexAttention's convention: true = may attend.
+    /// From a bool tensor in JAX's and FlexAttention's convention: true = may attend (ranks as from_torch_sdpa).
     template <class BoolTensor>
     static allowed_mask from_jax(const BoolTensor& t) {
         return true_means_allowed(t);
     }
-    /// From a bool tensor whose true means "may attend".
+    /// From a bool tensor whose true means "may attend" (ranks as from_torch_sdpa).
     template <class BoolTensor>
     static allowed_mask true_means_allowed(const BoolTensor& t) {
-        static_assert(std::is_same_v<detail::scalar_of<BoolTensor>, bool>,
-                      "attend: allowed_mask is built from a bool tensor; for float masks use additive_mask");
-        auto [values, dims] = detail::read_dense<std::uint8_t>(t, "allowed mask");
-        return allowed_mask(std::make_shared<const std::vector<std::uint8_t>>(std::move(values)), std::move(dims),
-                            false);
+        return make(detail::read_boolean<detail::dense_form::broadcast>(t));
+    }
+    /// From a rank-2 bool grid `[query_len, key_len]`, true = may attend, broadcast over batch and heads.
+    template <class BoolTensor>
+    static allowed_mask query_key_grid(const BoolTensor& t) {
+        return make(detail::read_boolean<detail::dense_form::query_key_grid>(t));
+    }
+    /// From a rank-2 bool `[batch, key_len]`, true = a real key (HF's attention_mask as bool): the keys each
+    /// sequence may attend, for every head and query.
+    template <class BoolTensor>
+    static allowed_mask key_padding(const BoolTensor& t) {
+        return make(detail::read_boolean<detail::dense_form::key_padding>(t));
+    }
+    /// From an ONNX Attention bool attn_mask: true = takes part in attention; rank 1 to 4 broadcast from the right
+    /// (rank 2 is `[query_len, key_len]`); a key axis shorter than key_len forbids the keys past it, as ONNX pads.
+    template <class BoolTensor>
+    static allowed_mask from_onnx(const BoolTensor& t) {
+        return make(detail::read_boolean<detail::dense_form::onnx>(t));
     }
 
-    /// The mask's dims as given (rank 2, 3 or 4).
+    /// The mask's dims as given (rank 1 to 4).
     const std::vector<index>& dims() const { return dims_.dims; }
+    /// True when built as `[batch, key_len]` key padding (key_padding), false for a grid or a broadcast mask.
+    bool is_key_padding() const { return dims_.layout == detail::dense_layout::batch_key; }
     /// The value at a position of a rank-4 mask (what materialize returns): true = may attend.
     bool operator()(index b, index h, index i, index j) const {
         ATTEND_ASSERT(dims_.dims.size() == 4);
@@ -181,12 +266,17 @@ public:
         detail::bound_dense_boolean bound;
         bound.data = values_->data();
         bound.strides = dims_.broadcast_strides(s, "allowed mask");
+        bound.key_end = dims_.key_end(s);
         bound.inverted = inverted_;
         return bound;
     }
 
 private:
     friend class forbidden_mask;
+    static allowed_mask make(std::pair<std::vector<std::uint8_t>, detail::dense_dims> read) {
+        return allowed_mask(std::make_shared<const std::vector<std::uint8_t>>(std::move(read.first)),
+                            std::move(read.second), false);
+    }
     friend forbidden_mask to_forbidden(const allowed_mask&);
     friend allowed_mask to_allowed(const forbidden_mask&);
     allowed_mask(std::shared_ptr<const std::vector<std::uint8_t>> values, detail::dense_dims dims, bool inverted)
@@ -201,25 +291,38 @@ private:
 /// combining it with masks or passing it to attention does not compile; convert it with to_allowed.
 class forbidden_mask : public detail::forbidden_term {
 public:
-    /// From a bool attn_mask or key_padding_mask of nn.MultiheadAttention: true = not allowed to attend.
+    /// From a bool attn_mask of nn.MultiheadAttention (rank 3 or 4; a rank-2 `[query_len, key_len]` one is
+    /// query_key_grid, its key_padding_mask key_padding): true = not allowed to attend.
     template <class BoolTensor>
     static forbidden_mask from_torch_mha(const BoolTensor& t) {
         return true_means_blocked(t);
     }
-    /// From a bool tensor whose true means "blocked".
+    /// From a bool tensor whose true means "blocked" (rank 1, 3 or 4, broadcast from the right).
     template <class BoolTensor>
     static forbidden_mask true_means_blocked(const BoolTensor& t) {
-        static_assert(std::is_same_v<detail::scalar_of<BoolTensor>, bool>,
-                      "attend: forbidden_mask is built from a bool tensor; for float masks use additive_mask");
-        auto [values, dims] = detail::read_dense<std::uint8_t>(t, "forbidden mask");
-        return forbidden_mask(std::make_shared<const std::vector<std::uint8_t>>(std::move(values)), std::move(dims),
-                              false);
+        return make(detail::read_boolean<detail::dense_form::broadcast>(t));
+    }
+    /// From a rank-2 bool grid `[query_len, key_len]`, true = blocked (nn.MultiheadAttention's 2-D attn_mask).
+    template <class BoolTensor>
+    static forbidden_mask query_key_grid(const BoolTensor& t) {
+        return make(detail::read_boolean<detail::dense_form::query_key_grid>(t));
+    }
+    /// From PyTorch's key_padding_mask, a rank-2 bool `[batch, key_len]`: true = padding, never attended.
+    template <class BoolTensor>
+    static forbidden_mask key_padding(const BoolTensor& t) {
+        return make(detail::read_boolean<detail::dense_form::key_padding>(t));
     }
 
     /// The mask's dims as given.
     const std::vector<index>& dims() const { return dims_.dims; }
+    /// True when built as `[batch, key_len]` key padding (key_padding).
+    bool is_key_padding() const { return dims_.layout == detail::dense_layout::batch_key; }
 
 private:
+    static forbidden_mask make(std::pair<std::vector<std::uint8_t>, detail::dense_dims> read) {
+        return forbidden_mask(std::make_shared<const std::vector<std::uint8_t>>(std::move(read.first)),
+                              std::move(read.second), false);
+    }
     friend forbidden_mask to_forbidden(const allowed_mask&);
     friend allowed_mask to_allowed(const forbidden_mask&);
     forbidden_mask(std::shared_ptr<const std::vector<std::uint8_t>> values, detail::dense_dims dims, bool inverted)
@@ -244,32 +347,56 @@ public:
                   "attend: additive_mask<T> needs a floating-point T (float, double, Eigen::half, Eigen::bfloat16)");
     static constexpr bool has_query_padding = false;
 
-    /// From values to add to the scores (PyTorch's float attn_mask in both SDPA and nn.MultiheadAttention).
+    /// From values to add to the scores (PyTorch's float attn_mask in both SDPA and nn.MultiheadAttention): rank 1
+    /// `[key_len]`, 3 or 4 broadcast from the right; rank 2 is ambiguous and does not compile (use query_key_grid
+    /// or key_padding).
     template <class Tensor>
     static additive_mask from_values(const Tensor& t) {
-        auto [values, dims] = detail::read_dense<T>(t, "additive mask");
-        for (std::size_t n = 0; n < values.size(); ++n)
-            if ((Eigen::numext::isnan)(values[n]) || values[n] == std::numeric_limits<T>::infinity())
-                throw value_error("attend.value.additive_mask", concat_position(values[n], n, dims.dims));
-        return additive_mask(std::make_shared<const std::vector<T>>(std::move(values)), std::move(dims));
+        return make(detail::read_dense<T, detail::dense_form::broadcast>(t));
     }
     /// Same as from_values: PyTorch's float masks are additive in every API.
     template <class Tensor>
     static additive_mask from_torch(const Tensor& t) {
         return from_values(t);
     }
+    /// From a rank-2 grid `[query_len, key_len]` of values to add, broadcast over batch and heads.
+    template <class Tensor>
+    static additive_mask query_key_grid(const Tensor& t) {
+        return make(detail::read_dense<T, detail::dense_form::query_key_grid>(t));
+    }
+    /// From a rank-2 `[batch, key_len]` of values added to every query's score of that key (a float
+    /// key_padding_mask: -inf on padding).
+    template <class Tensor>
+    static additive_mask key_padding(const Tensor& t) {
+        return make(detail::read_dense<T, detail::dense_form::key_padding>(t));
+    }
+    /// From an ONNX Attention float attn_mask: rank 1 to 4 broadcast from the right (rank 2 is
+    /// `[query_len, key_len]`); a key axis shorter than key_len adds -inf past it, as ONNX pads.
+    template <class Tensor>
+    static additive_mask from_onnx(const Tensor& t) {
+        return make(detail::read_dense<T, detail::dense_form::onnx>(t));
+    }
 
-    /// The mask's dims as given (rank 2, 3 or 4).
+    /// The mask's dims as given (rank 1 to 4).
     const std::vector<index>& dims() const { return dims_.dims; }
 
     detail::bound_dense_additive<T> bind(const attention_shape& s) const {
         detail::bound_dense_additive<T> bound;
         bound.data = values_->data();
         bound.strides = dims_.broadcast_strides(s, "additive mask");
+        bound.key_end = dims_.key_end(s);
         return bound;
     }
 
 private:
+    /// NaN or +inf entries are a value_error (attend.value.additive_mask).
+    static additive_mask make(std::pair<std::vector<T>, detail::dense_dims> read) {
+        auto& [values, dims] = read;
+        for (std::size_t n = 0; n < values.size(); ++n)
+            if ((Eigen::numext::isnan)(values[n]) || values[n] == std::numeric_limits<T>::infinity())
+                throw value_error("attend.value.additive_mask", concat_position(values[n], n, dims.dims));
+        return additive_mask(std::make_shared<const std::vector<T>>(std::move(values)), std::move(dims));
+    }
     additive_mask(std::shared_ptr<const std::vector<T>> values, detail::dense_dims dims)
         : values_(std::move(values)), dims_(std::move(dims)) {}
     static std::string concat_position(T value, std::size_t flat, const std::vector<index>& dims) {
@@ -288,10 +415,6 @@ struct no_mask : detail::boolean_term {
 };
 
 namespace detail {
-inline index alignment_offset(alignment a, const attention_shape& s) {
-    return a == alignment::bottom_right ? s.key_len - s.query_len : 0;
-}
-
 inline std::shared_ptr<const std::vector<index>> checked_lengths(const std::vector<index>& lengths, index batch,
                                                                  index limit, const char* what,
                                                                  const char* limit_name) {
@@ -304,59 +427,64 @@ inline std::shared_ptr<const std::vector<index>> checked_lengths(const std::vect
                                                                 " is outside [0, ", limit_name, " = ", limit, ']'));
     return std::make_shared<const std::vector<index>>(lengths);
 }
+
+inline bound_diagonal bind_diagonal(const diagonal& d, const attention_shape& s, const char* rule) {
+    return d.bind(s.batch, s.query_len, s.key_len, rule);
+}
 }  // namespace detail
 
-/// Causal rule: with alignment::top_left query i sees keys j <= i (PyTorch's is_causal); with
-/// alignment::bottom_right, j <= i + key_len - query_len (KV-cache decoding). The alignment is required because
-/// the two differ exactly when query_len != key_len, where silent bugs live.
+/// Causal rule: query i sees keys j <= i + offset, the offset of its diagonal `d`: 0 for alignment::top_left
+/// (PyTorch's is_causal), key_len - query_len for alignment::bottom_right (KV-cache decoding), or explicit
+/// (diagonal_offset, diagonal_offsets, aligned_to_key_lengths). The diagonal is required because the choices
+/// differ exactly when query_len != key_len, where silent bugs live.
 struct causal_rule : detail::boolean_term {
     static constexpr bool has_query_padding = false;
-    alignment align;  ///< which corner the diagonal starts from
+    attend::diagonal diagonal;  ///< where the diagonal runs
 
     detail::bound_band bind(const attention_shape& s) const {
-        detail::bound_band band;
-        band.offset = detail::alignment_offset(align, s);
-        band.left = s.query_len + s.key_len;
-        band.right = 0;
-        band.key_len = s.key_len;
-        return band;
+        return detail::bound_band::around(detail::bind_diagonal(diagonal, s, "causal"), unbounded, 0, s.query_len,
+                                          s.key_len);
     }
 };
-/// The causal rule with alignment `a` (there is no default: top_left and bottom_right differ when
+/// The causal rule with diagonal `d` (there is no default: top_left and bottom_right differ when
 /// query_len != key_len).
-inline causal_rule causal(alignment a) { return causal_rule{{}, a}; }
+inline causal_rule causal(diagonal d) { return causal_rule{{}, std::move(d)}; }
 
-/// Sliding window: query i sees keys j with i' - left <= j <= i' + right, i' = i (top_left) or
-/// i + key_len - query_len (bottom_right). Negative sizes are a mask_error (attend.mask.window).
+/// Sliding window: query i sees keys j with i + offset - left <= j <= i + offset + right, offset that of the
+/// diagonal (as for causal). `unbounded` leaves a side open; negative sizes are a mask_error (attend.mask.window).
+/// The sizes count keys besides the diagonal's own: Hugging Face's `sliding_window: W` (W keys including the
+/// query's own) is sliding_window(W - 1, 0, d).
 struct sliding_window_rule : detail::boolean_term {
     static constexpr bool has_query_padding = false;
-    index left = 0;                         ///< keys before the diagonal a query also sees
-    index right = 0;                        ///< keys after the diagonal a query also sees
-    alignment align = alignment::top_left;  ///< where the diagonal runs, as for causal
+    index left = 0;             ///< keys before the diagonal a query also sees
+    index right = 0;            ///< keys after the diagonal a query also sees
+    attend::diagonal diagonal;  ///< where the diagonal runs, as for causal
 
     detail::bound_band bind(const attention_shape& s) const {
-        detail::bound_band band;
-        band.offset = detail::alignment_offset(align, s);
-        band.left = std::min(left, s.query_len + s.key_len);
-        band.right = std::min(right, s.query_len + s.key_len);
-        band.key_len = s.key_len;
-        return band;
+        return detail::bound_band::around(detail::bind_diagonal(diagonal, s, "sliding_window"), left, right,
+                                          s.query_len, s.key_len);
     }
 };
-/// The sliding window of `left` keys before and `right` keys after the diagonal of alignment `a`; throws
-/// mask_error attend.mask.window for a negative size.
-inline sliding_window_rule sliding_window(index left, index right, alignment a = alignment::top_left) {
+namespace detail {
+inline void check_window(index left, index right, const char* rule) {
     if (left < 0 || right < 0)
         throw mask_error("attend.mask.window",
-                         detail::concat("sliding_window(left ", left, ", right ", right, ") needs sizes >= 0"));
-    return sliding_window_rule{{}, left, right, a};
+                         concat(rule, "(left ", left, ", right ", right,
+                                ") needs sizes >= 0 (attend::unbounded for a side without a bound, ONNX's -1)"));
+}
+}  // namespace detail
+/// The sliding window of `left` keys before and `right` keys after the diagonal `d`; either side may be
+/// `unbounded`. Throws mask_error attend.mask.window for a negative size.
+inline sliding_window_rule sliding_window(index left, index right, diagonal d) {
+    detail::check_window(left, right, "sliding_window");
+    return sliding_window_rule{{}, left, right, std::move(d)};
 }
 
-/// Prefix LM: every query sees the first prefix_len keys, and the rest causally (j <= i' as in causal).
+/// Prefix LM: every query sees the first prefix_len keys, and the rest causally (j <= i + offset as in causal).
 struct prefix_lm_rule : detail::boolean_term {
     static constexpr bool has_query_padding = false;
-    index prefix_len = 0;                   ///< keys every query sees
-    alignment align = alignment::top_left;  ///< the causal part's diagonal
+    index prefix_len = 0;       ///< keys every query sees
+    attend::diagonal diagonal;  ///< the causal part's diagonal
 
     detail::bound_prefix_lm bind(const attention_shape& s) const {
         if (prefix_len > s.key_len)
@@ -364,17 +492,18 @@ struct prefix_lm_rule : detail::boolean_term {
                              detail::concat("prefix_lm prefix_len ", prefix_len, " exceeds key_len ", s.key_len));
         detail::bound_prefix_lm rule;
         rule.prefix_len = prefix_len;
-        rule.offset = detail::alignment_offset(align, s);
+        rule.diagonal = detail::bind_diagonal(diagonal, s, "prefix_lm");
+        rule.query_len = s.query_len;
         rule.key_len = s.key_len;
         return rule;
     }
 };
-/// The prefix LM rule; throws mask_error attend.mask.prefix_len for a negative prefix_len (and, when bound,
-/// for one beyond key_len).
-inline prefix_lm_rule prefix_lm(index prefix_len, alignment a = alignment::top_left) {
+/// The prefix LM rule with its causal part on diagonal `d`; throws mask_error attend.mask.prefix_len for a
+/// negative prefix_len (and, when bound, for one beyond key_len).
+inline prefix_lm_rule prefix_lm(index prefix_len, diagonal d) {
     if (prefix_len < 0)
         throw mask_error("attend.mask.prefix_len", detail::concat("prefix_lm prefix_len ", prefix_len, " is negative"));
-    return prefix_lm_rule{{}, prefix_len, a};
+    return prefix_lm_rule{{}, prefix_len, std::move(d)};
 }
 
 /// Key padding: in sequence b only keys j < lengths[b] exist. One length per batch entry, 0 <= length <= key_len.
@@ -473,11 +602,10 @@ struct packed_segments_rule : detail::boolean_term {
         return r;
     }
     /// A sliding window within each segment: segment query i' sees keys j' with d - left <= j' <= d + right, d the
-    /// diagonal of alignment `a` (as sliding_window, per segment). Negative sizes: mask_error attend.mask.window.
-    packed_segments_rule window(index left_keys, index right_keys, alignment a = alignment::top_left) const {
-        if (left_keys < 0 || right_keys < 0)
-            throw mask_error("attend.mask.window", detail::concat("packed_segments window(left ", left_keys, ", right ",
-                                                                  right_keys, ") needs sizes >= 0"));
+    /// diagonal of alignment `a` (as sliding_window, per segment; either side may be `unbounded`). Negative sizes:
+    /// mask_error attend.mask.window.
+    packed_segments_rule window(index left_keys, index right_keys, alignment a) const {
+        detail::check_window(left_keys, right_keys, "packed_segments window");
         auto r = *this;
         r.left = left_keys;
         r.right = right_keys;
@@ -660,16 +788,24 @@ auto operator+(const A& a, const B& b) {
 
 namespace detail {
 
-/// The compile-time gate of every function that takes a mask, with the message naming the conversion.
+/// A type attention takes as its mask: an allowed set or an additive expression.
 template <class Mask>
-constexpr void require_mask() {
+inline constexpr bool is_attention_mask_v = !is_forbidden_v<Mask> && is_mask_v<Mask>;
+
+/// The compile-time gate of every function that takes a mask, with the message naming the conversion. Returns
+/// whether Mask passed, so a caller guards its body with `if constexpr (require_mask<Mask>())` and the message is
+/// the only error the compiler prints.
+template <class Mask>
+constexpr bool require_mask() {
     static_assert(!is_forbidden_v<Mask>,
                   "attend: attention takes allowed sets; a forbidden_mask (true = blocked) must be converted "
                   "explicitly with attend::to_allowed(mask)");
-    static_assert(is_mask_v<Mask>,
+    static_assert(is_forbidden_v<Mask> || is_mask_v<Mask>,
                   "attend: the mask argument must be an attend mask: wrap Boolean tensors with "
-                  "allowed_mask::from_torch_sdpa / forbidden_mask::from_torch_mha, float tensors with "
-                  "additive_mask<T>::from_values, or use a rule such as causal(alignment::top_left)");
+                  "allowed_mask::from_torch_sdpa / forbidden_mask::from_torch_mha (a rank-2 [query_len, key_len] "
+                  "grid with query_key_grid), float tensors with additive_mask<T>::from_values, or use a rule such "
+                  "as causal(alignment::top_left)");
+    return is_attention_mask_v<Mask>;
 }
 
 /// The score shape as an attention shape with one-element heads. Throws shape_error attend.shape.negative or
@@ -696,62 +832,65 @@ inline attention_shape scores_only(const score_shape& s) {
 /// the dense mask cannot be allocated, and the mask's own binding errors.
 template <class Mask>
 allowed_mask materialize(const Mask& mask, const score_shape& shape) {
-    detail::require_mask<Mask>();
-    const auto bound = mask.bind(detail::scores_only(shape));
-    tensor<bool, 4> dense;
-    const std::array<index, 4> dims{shape.batch, shape.heads, shape.query_len, shape.key_len};
-    detail::resize_guarded(dense, dims, "materialized mask", "Materialize a smaller score shape");
-    for (index b = 0; b < shape.batch; ++b)
-        for (index h = 0; h < shape.heads; ++h)
-            for (index i = 0; i < shape.query_len; ++i)
-                for (index j = 0; j < shape.key_len; ++j) dense(b, h, i, j) = bound.allowed(b, h, i, j);
-    return allowed_mask::true_means_allowed(dense);
+    if constexpr (detail::require_mask<Mask>()) {
+        const auto bound = mask.bind(detail::scores_only(shape));
+        tensor<bool, 4> dense;
+        const std::array<index, 4> dims{shape.batch, shape.heads, shape.query_len, shape.key_len};
+        detail::resize_guarded(dense, dims, "materialized mask", "Materialize a smaller score shape");
+        for (index b = 0; b < shape.batch; ++b)
+            for (index h = 0; h < shape.heads; ++h)
+                for (index i = 0; i < shape.query_len; ++i)
+                    for (index j = 0; j < shape.key_len; ++j) dense(b, h, i, j) = bound.allowed(b, h, i, j);
+        return allowed_mask::true_means_allowed(dense);
+    }
 }
 
 /// Tile classification of a mask expression for one shape, as the kernels see it. Throws shape_error
 /// attend.shape.tile if the tile is not inside the shape, and what materialize throws for the shape.
 template <class Mask>
 tile_class classify(const Mask& mask, const score_shape& shape, const tile& t) {
-    detail::require_mask<Mask>();
-    const auto bound = mask.bind(detail::scores_only(shape));
-    const bool inside = t.batch >= 0 && t.batch < shape.batch && t.head >= 0 && t.head < shape.heads &&
-                        t.query_begin >= 0 && t.query_begin <= t.query_end && t.query_end <= shape.query_len &&
-                        t.key_begin >= 0 && t.key_begin <= t.key_end && t.key_end <= shape.key_len;
-    if (!inside)
-        throw shape_error("attend.shape.tile",
-                          detail::concat("tile {batch ", t.batch, ", head ", t.head, ", queries [", t.query_begin, ", ",
-                                         t.query_end, "), keys [", t.key_begin, ", ", t.key_end,
-                                         ")} is not inside the score shape [", shape.batch, ',', shape.heads, ',',
-                                         shape.query_len, ',', shape.key_len, ']'));
-    return bound.classify(t);
+    if constexpr (detail::require_mask<Mask>()) {
+        const auto bound = mask.bind(detail::scores_only(shape));
+        const bool inside = t.batch >= 0 && t.batch < shape.batch && t.head >= 0 && t.head < shape.heads &&
+                            t.query_begin >= 0 && t.query_begin <= t.query_end && t.query_end <= shape.query_len &&
+                            t.key_begin >= 0 && t.key_begin <= t.key_end && t.key_end <= shape.key_len;
+        if (!inside)
+            throw shape_error("attend.shape.tile",
+                              detail::concat("tile {batch ", t.batch, ", head ", t.head, ", queries [", t.query_begin,
+                                             ", ", t.query_end, "), keys [", t.key_begin, ", ", t.key_end,
+                                             ")} is not inside the score shape [", shape.batch, ',', shape.heads, ',',
+                                             shape.query_len, ',', shape.key_len, ']'));
+        return bound.classify(t);
+    }
 }
 
 /// Draws the allowed grid, one line per query (`q0: k0`, `q1: k0 k1`, ...); padded queries read `(padded)`,
 /// queries with no allowed key `(none)`. With several batches or heads each grid gets a `batch b, head h:` line.
 template <class Mask>
 std::string to_string(const Mask& mask, const score_shape& shape) {
-    detail::require_mask<Mask>();
-    const auto bound = mask.bind(detail::scores_only(shape));
-    std::ostringstream s;
-    for (index b = 0; b < shape.batch; ++b)
-        for (index h = 0; h < shape.heads; ++h) {
-            if (shape.batch * shape.heads > 1) s << "batch " << b << ", head " << h << ":\n";
-            for (index i = 0; i < shape.query_len; ++i) {
-                s << 'q' << i << ':';
-                if (bound.query_padded(b, i)) {
-                    s << " (padded)\n";
-                    continue;
-                }
-                bool any = false;
-                for (index j = 0; j < shape.key_len; ++j)
-                    if (bound.allowed(b, h, i, j)) {
-                        s << " k" << j;
-                        any = true;
+    if constexpr (detail::require_mask<Mask>()) {
+        const auto bound = mask.bind(detail::scores_only(shape));
+        std::ostringstream s;
+        for (index b = 0; b < shape.batch; ++b)
+            for (index h = 0; h < shape.heads; ++h) {
+                if (shape.batch * shape.heads > 1) s << "batch " << b << ", head " << h << ":\n";
+                for (index i = 0; i < shape.query_len; ++i) {
+                    s << 'q' << i << ':';
+                    if (bound.query_padded(b, i)) {
+                        s << " (padded)\n";
+                        continue;
                     }
-                s << (any ? "\n" : " (none)\n");
+                    bool any = false;
+                    for (index j = 0; j < shape.key_len; ++j)
+                        if (bound.allowed(b, h, i, j)) {
+                            s << " k" << j;
+                            any = true;
+                        }
+                    s << (any ? "\n" : " (none)\n");
+                }
             }
-        }
-    return s.str();
+        return s.str();
+    }
 }
 
 }  // namespace attend

@@ -116,7 +116,7 @@ public:
     mha_key_padding(std::initializer_list<index> lengths) : kind_(kind::lengths), lengths_(lengths) {}
     /// The rule key_padding(lengths).
     mha_key_padding(key_padding_rule rule) : kind_(kind::lengths), lengths_(std::move(rule.lengths)) {}
-    /// PyTorch's key_padding_mask `[batch, key_len]`: true = ignore this key.
+    /// PyTorch's key_padding_mask `[batch, key_len]` (forbidden_mask::key_padding(t)): true = ignore this key.
     mha_key_padding(forbidden_mask mask) : kind_(kind::forbidden), mask_(std::move(mask)) {}
 
     /// Anything else does not compile, with the message saying what to write instead.
@@ -132,7 +132,7 @@ public:
                       "ignore this key); an allowed_mask (true = may attend) must be converted explicitly with "
                       "attend::to_forbidden(mask)");
         static_assert(!detail::tensor_traits<m>::supported,
-                      "attend: wrap a bool key_padding_mask tensor in attend::forbidden_mask::from_torch_mha(t) "
+                      "attend: wrap a bool key_padding_mask tensor in attend::forbidden_mask::key_padding(t) "
                       "(true = ignore this key) before passing it as key_padding");
         static_assert(!detail::is_mask_like_v<m> || std::is_same_v<m, allowed_mask>,
                       "attend: key_padding takes lengths or a forbidden_mask [batch, key_len]; pass other masks "
@@ -303,34 +303,23 @@ auto combine_masks(const A& a, const B& b) {
     else return a && b;
 }
 
-/// A `[batch, key_len]` forbidden mask as the allowed mask `[batch, 1, 1, key_len]` it means for the scores.
-/// Throws mask_error `attend.mask.key_padding_shape` unless it is exactly `[batch, key_len]`.
+/// A `[batch, key_len]` forbidden mask (forbidden_mask::key_padding) as the allowed set it means for the scores.
+/// Throws mask_error `attend.mask.key_padding_shape` unless it was built as key padding and is exactly
+/// `[batch, key_len]`.
 inline allowed_mask key_padding_allowed(const forbidden_mask& m, index batch, index key_len) {
     const auto& d = m.dims();
-    if (d.size() != 2 || d[0] != batch || d[1] != key_len)
+    if (!m.is_key_padding() || d[0] != batch || d[1] != key_len)
         throw mask_error("attend.mask.key_padding_shape",
                          concat("key_padding mask ", format_shape(d),
+                                m.is_key_padding() ? "" : " (not built by forbidden_mask::key_padding)",
                                 " must be [batch, key_len] = ", format_shape(std::array<index, 2>{batch, key_len}),
-                                " (nn.MultiheadAttention's key_padding_mask, true = ignore this key)"));
-    // Read the values through the mask's own binding against scores [1, 1, batch, key_len].
-    attention_shape s;
-    s.batch = 1;
-    s.heads = 1;
-    s.kv_heads = 1;
-    s.query_len = batch;
-    s.key_len = key_len;
-    s.head_dim = 1;
-    s.value_dim = 1;
-    s.rank = 4;
-    const auto bound = to_allowed(m).bind(s);
-    tensor<bool, 4> allowed(batch, 1, 1, key_len);
-    for (index b = 0; b < batch; ++b)
-        for (index j = 0; j < key_len; ++j) allowed(b, 0, 0, j) = bound.allowed(0, 0, b, j);
-    return allowed_mask::true_means_allowed(allowed);
+                                " (nn.MultiheadAttention's key_padding_mask, true = ignore this key, built by "
+                                "forbidden_mask::key_padding(t))"));
+    return to_allowed(m);
 }
 
 /// The mask argument of multi-head attention: an allowed set or additive expression, or a forbidden_mask, which
-/// nn.MultiheadAttention's attn_mask is (true = blocked), so both of its masks pass as from_torch_mha gives them.
+/// nn.MultiheadAttention's attn_mask is (true = blocked), so both of its masks pass as forbidden_mask builds them.
 /// A forbidden_mask still never combines with && || ! or reaches scaled_dot_product_attention unconverted.
 template <class Mask>
 constexpr void require_mha_mask() {
@@ -650,7 +639,7 @@ public:
     /// Attention of query `[batch, query_len, model_dim]` over key `[batch, key_len, key_dim]` and value
     /// `[batch, key_len, value_dim]` (self-attention: pass the same tensor three times) under `mask` (an allowed
     /// set or additive expression over scores `[batch, heads, query_len, key_len]` such as
-    /// causal(alignment::top_left), or nn.MultiheadAttention's bool attn_mask as forbidden_mask::from_torch_mha(t),
+    /// causal(alignment::top_left), or nn.MultiheadAttention's bool attn_mask as forbidden_mask::query_key_grid(t) (2-D) or from_torch_mha(t),
     /// true = blocked, the same wrapper options.key_padding takes), intersected with options.key_padding. Padded queries (query_padding in the mask) get zero output and weight rows.
     /// Throws shape_error `attend.shape.model_dim` (an input's last dim differs from model_dim / key_dim /
     /// value_dim), `attend.shape.batch`, `attend.shape.key_len`, `attend.shape.empty_keys`, and what

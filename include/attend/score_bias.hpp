@@ -22,8 +22,8 @@ namespace attend {
 /// What attention adds to the scaled score of query i and key j of head h before masking and softmax. A small
 /// closed type so kernels can inline it: none, ALiBi (-slope[h] * |i' - j|) or a T5 relative-position bias
 /// (table(bucket(j - i'), h)), where i' = i for alignment::top_left and i + key_len - query_len for
-/// alignment::bottom_right (so the last query sits at the last key, as in KV-cache decoding). The bias is the
-/// same for every batch entry. Copies are cheap: a relative table is shared, not copied.
+/// alignment::bottom_right (so the last query sits at the last key, as in KV-cache decoding). The alignment has no
+/// default: the two differ whenever query_len != key_len. The bias is the same for every batch entry. Copies are cheap: a relative table is shared, not copied.
 class score_bias {
 public:
     /// No bias; empty() is true and kernels skip it.
@@ -34,7 +34,7 @@ public:
 
     /// ALiBi: head h adds -slopes_per_head[h] * |i' - j| (see alibi_slopes for the paper's slopes).
     /// Throws value_error `attend.value.alibi_slopes` if a slope is not finite.
-    static score_bias alibi(std::vector<double> slopes_per_head, alignment align = alignment::top_left) {
+    static score_bias alibi(std::vector<double> slopes_per_head, alignment align) {
         for (std::size_t h = 0; h < slopes_per_head.size(); ++h)
             if (!std::isfinite(slopes_per_head[h]))
                 throw value_error("attend.value.alibi_slopes",
@@ -49,12 +49,12 @@ public:
 
     /// T5 relative-position bias: head h adds table.value(h, i', j) = table(bucket(j - i'), h). The table is
     /// copied into shared ownership, so the bias stays valid after `table` goes away.
-    static score_bias relative(const relative_position_bias<double>& table, alignment align = alignment::top_left) {
+    static score_bias relative(const relative_position_bias<double>& table, alignment align) {
         return relative(std::make_shared<const relative_position_bias<double>>(table), align);
     }
 
     /// As above for a float table, converted to double once here (every float is exact in double).
-    static score_bias relative(const relative_position_bias<float>& table, alignment align = alignment::top_left) {
+    static score_bias relative(const relative_position_bias<float>& table, alignment align) {
         auto converted = std::make_shared<relative_position_bias<double>>(table.heads(), table.bidirectional(),
                                                                           table.num_buckets(), table.max_distance());
         // An element loop, not Eigen's cast(): g++ 12 reports a false -Warray-bounds on the vectorized cast of
@@ -67,8 +67,7 @@ public:
 
     /// As above, sharing a table the caller keeps updating (e.g. during training) instead of copying it.
     /// Throws value_error `attend.value.score_bias_table` if table is null.
-    static score_bias relative(std::shared_ptr<const relative_position_bias<double>> table,
-                               alignment align = alignment::top_left) {
+    static score_bias relative(std::shared_ptr<const relative_position_bias<double>> table, alignment align) {
         if (!table) throw value_error("attend.value.score_bias_table", "score_bias::relative got a null table");
         score_bias b;
         b.kind_ = kind::relative;

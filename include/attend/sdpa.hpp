@@ -267,6 +267,21 @@ strided_view<const scalar_of<X>> checked_input(const X& x) {
     return as_view(x);
 }
 
+/// q, k and v as views read in place (k and v of q's type, or 16-bit, or q8_0 blocks) and the shape they make.
+template <class Q, class K, class V>
+auto checked_inputs(const Q& q, const K& k, const V& v) {
+    struct inputs {
+        decltype(checked_input(std::declval<const Q&>())) q;
+        decltype(checked_input(std::declval<const K&>())) k, v;
+        attention_shape shape;
+    };
+    inputs in{checked_input(q), checked_input(k), checked_input(v), {}};
+    static_assert(std::is_same_v<scalar_of<K>, scalar_of<V>> && storage_pair_v<scalar_of<Q>, scalar_of<K>>,
+                  ATTEND_STORAGE_PAIR_MESSAGE);
+    in.shape = check_views(in.q, in.k, in.v);
+    return in;
+}
+
 /// Shape of a caller-owned output, checked against what the call produces.
 template <class Out, std::size_t N>
 void check_output_dims(const Out& out, const std::array<index, N>& expected, const char* id, const char* what) {
@@ -298,27 +313,25 @@ std::array<index, Rank - 1> lse_dims(const attention_shape& s) {
 template <class Q, class K, class V, class Mask>
 auto scaled_dot_product_attention(const Q& q, const K& k, const V& v, const Mask& mask,
                                   const sdpa_options& options = {}) {
-    detail::require_mask<Mask>();
-    using T = detail::scalar_of<Q>;
-    constexpr int rank = detail::rank_of<Q>();
-    const auto qv = detail::checked_input(q);
-    const auto kv = detail::checked_input(k), vv = detail::checked_input(v);  // of q's type, or 16-bit, or q8_0
-    static_assert(std::is_same_v<detail::scalar_of<K>, detail::scalar_of<V>> &&
-                      detail::storage_pair_v<T, detail::scalar_of<K>>,
-                  ATTEND_STORAGE_PAIR_MESSAGE);
-    const attention_shape s = detail::check_views(qv, kv, vv);
-    const auto call = detail::check_call(qv, kv, vv, s, mask, options, true);
-    attention_result<T, rank> r;
-    const char* hint = "need_weights materializes [batch, heads, query_len, key_len]; leave it off or split the call";
-    detail::resize_guarded(r.out, detail::rank_dims<rank>(s, s.value_dim), "out", hint);
-    if (options.need_weights) detail::resize_guarded(r.weights, detail::rank_dims<rank>(s, s.key_len), "weights", hint);
-    if (options.need_lse) detail::resize_guarded(r.lse, detail::lse_dims<rank>(s), "lse", hint);
-    detail::attention_outputs<T> o;
-    o.out = detail::as_mutable_view(r.out);
-    o.weights = options.need_weights ? r.weights.data() : nullptr;
-    o.lse = options.need_lse ? r.lse.data() : nullptr;
-    detail::run_checked(qv, kv, vv, s, call, o);
-    return r;
+    if constexpr (detail::require_mask<Mask>()) {
+        using T = detail::scalar_of<Q>;
+        constexpr int rank = detail::rank_of<Q>();
+        const auto [qv, kv, vv, s] = detail::checked_inputs(q, k, v);
+        const auto call = detail::check_call(qv, kv, vv, s, mask, options, true);
+        attention_result<T, rank> r;
+        const char* hint =
+            "need_weights materializes [batch, heads, query_len, key_len]; leave it off or split the call";
+        detail::resize_guarded(r.out, detail::rank_dims<rank>(s, s.value_dim), "out", hint);
+        if (options.need_weights)
+            detail::resize_guarded(r.weights, detail::rank_dims<rank>(s, s.key_len), "weights", hint);
+        if (options.need_lse) detail::resize_guarded(r.lse, detail::lse_dims<rank>(s), "lse", hint);
+        detail::attention_outputs<T> o;
+        o.out = detail::as_mutable_view(r.out);
+        o.weights = options.need_weights ? r.weights.data() : nullptr;
+        o.lse = options.need_lse ? r.lse.data() : nullptr;
+        detail::run_checked(qv, kv, vv, s, call, o);
+        return r;
+    }
 }
 
 /// Attention without a mask: every query attends every key.
@@ -338,46 +351,42 @@ template <class Q, class K, class V, class Mask, class Out, class Weights = std:
 void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const Mask& mask, Out&& out,
                                        const sdpa_options& options = {}, Weights&& weights = nullptr,
                                        Lse&& lse = nullptr) {
-    detail::require_mask<Mask>();
-    using T = detail::scalar_of<Q>;
-    constexpr int rank = detail::rank_of<Q>();
-    static_assert(std::is_same_v<T, detail::scalar_of<Out>> && detail::rank_of<Out>() == rank,
-                  "attend: out must have the scalar type and rank of the query");
-    const auto qv = detail::checked_input(q);
-    const auto kv = detail::checked_input(k), vv = detail::checked_input(v);  // of q's type, or 16-bit, or q8_0
-    static_assert(std::is_same_v<detail::scalar_of<K>, detail::scalar_of<V>> &&
-                      detail::storage_pair_v<T, detail::scalar_of<K>>,
-                  ATTEND_STORAGE_PAIR_MESSAGE);
-    const attention_shape s = detail::check_views(qv, kv, vv);
-    detail::check_output_dims(out, detail::rank_dims<rank>(s, s.value_dim), "attend.shape.output", "out");
-    detail::attention_outputs<T> o;
-    o.out = detail::as_mutable_view(out);
-    if constexpr (!std::is_same_v<std::decay_t<Weights>, std::nullptr_t>) {
-        static_assert(
-            std::is_same_v<T, detail::scalar_of<Weights>> && detail::rank_of<Weights>() == rank &&
-                detail::tensor_traits<std::decay_t<Weights>>::row_major,
-            "attend: weights must be row-major with the scalar type and rank of the query ([batch, heads, query_len, "
-            "key_len], or [batch, query_len, key_len] for rank-3 inputs)");
-        detail::check_output_dims(weights, detail::rank_dims<rank>(s, s.key_len), "attend.shape.weights_output",
-                                  "weights");
-        o.weights = weights.data();
+    if constexpr (detail::require_mask<Mask>()) {
+        using T = detail::scalar_of<Q>;
+        constexpr int rank = detail::rank_of<Q>();
+        static_assert(std::is_same_v<T, detail::scalar_of<Out>> && detail::rank_of<Out>() == rank,
+                      "attend: out must have the scalar type and rank of the query");
+        const auto [qv, kv, vv, s] = detail::checked_inputs(q, k, v);
+        detail::check_output_dims(out, detail::rank_dims<rank>(s, s.value_dim), "attend.shape.output", "out");
+        detail::attention_outputs<T> o;
+        o.out = detail::as_mutable_view(out);
+        if constexpr (!std::is_same_v<std::decay_t<Weights>, std::nullptr_t>) {
+            static_assert(std::is_same_v<T, detail::scalar_of<Weights>> && detail::rank_of<Weights>() == rank &&
+                              detail::tensor_traits<std::decay_t<Weights>>::row_major,
+                          "attend: weights must be row-major with the scalar type and rank of the query ([batch, "
+                          "heads, query_len, "
+                          "key_len], or [batch, query_len, key_len] for rank-3 inputs)");
+            detail::check_output_dims(weights, detail::rank_dims<rank>(s, s.key_len), "attend.shape.weights_output",
+                                      "weights");
+            o.weights = weights.data();
+        }
+        if constexpr (!std::is_same_v<std::decay_t<Lse>, std::nullptr_t>) {
+            static_assert(
+                std::is_same_v<accumulator_t<T>, detail::scalar_of<Lse>> && detail::rank_of<Lse>() == rank - 1 &&
+                    detail::tensor_traits<std::decay_t<Lse>>::row_major,
+                "attend: lse must be row-major in the accumulation type of the query (float for float, half and "
+                "bfloat16, double for double) and one rank less ([batch, heads, query_len], or [batch, query_len] for "
+                "rank-3 inputs)");
+            detail::check_output_dims(lse, detail::lse_dims<rank>(s), "attend.shape.lse_output", "lse");
+            o.lse = lse.data();
+        }
+        detail::check_no_aliasing({detail::named("query", qv), detail::named("key", kv), detail::named("value", vv)},
+                                  {detail::named("out", o.out),
+                                   detail::named("weights", o.weights, detail::rank_dims<rank>(s, s.key_len)),
+                                   detail::named("lse", o.lse, detail::lse_dims<rank>(s))});
+        const auto call = detail::check_call(qv, kv, vv, s, mask, options, true);
+        detail::run_checked(qv, kv, vv, s, call, o);
     }
-    if constexpr (!std::is_same_v<std::decay_t<Lse>, std::nullptr_t>) {
-        static_assert(
-            std::is_same_v<accumulator_t<T>, detail::scalar_of<Lse>> && detail::rank_of<Lse>() == rank - 1 &&
-                detail::tensor_traits<std::decay_t<Lse>>::row_major,
-            "attend: lse must be row-major in the accumulation type of the query (float for float, half and "
-            "bfloat16, double for double) and one rank less ([batch, heads, query_len], or [batch, query_len] for "
-            "rank-3 inputs)");
-        detail::check_output_dims(lse, detail::lse_dims<rank>(s), "attend.shape.lse_output", "lse");
-        o.lse = lse.data();
-    }
-    detail::check_no_aliasing({detail::named("query", qv), detail::named("key", kv), detail::named("value", vv)},
-                              {detail::named("out", o.out),
-                               detail::named("weights", o.weights, detail::rank_dims<rank>(s, s.key_len)),
-                               detail::named("lse", o.lse, detail::lse_dims<rank>(s))});
-    const auto call = detail::check_call(qv, kv, vv, s, mask, options, true);
-    detail::run_checked(qv, kv, vv, s, call, o);
 }
 
 }  // namespace attend

@@ -2,7 +2,7 @@
 #pragma once
 /// attend's version. CMake's project version is checked against these by a test.
 #define ATTEND_VERSION_MAJOR 0
-#define ATTEND_VERSION_MINOR 1
+#define ATTEND_VERSION_MINOR 2
 #define ATTEND_VERSION_PATCH 0
 
 namespace attend {

@@ -5,6 +5,6 @@
 std::string draw() {
     attend::tensor<float, 2> bias(3, 3);
     bias.setZero();
-    const auto additive = attend::additive_mask<float>::from_values(bias);
+    const auto additive = attend::additive_mask<float>::query_key_grid(bias);
     return attend::to_string(additive + attend::causal(attend::alignment::top_left), {1, 1, 3, 3});
 }

@@ -5,7 +5,7 @@
 std::string draw() {
     attend::tensor<bool, 2> blocked(3, 3);
     blocked.setConstant(false);
-    const auto forbidden = attend::forbidden_mask::from_torch_mha(blocked);
+    const auto forbidden = attend::forbidden_mask::query_key_grid(blocked);
     const auto causal = attend::causal(attend::alignment::top_left);
     return attend::to_string(causal && attend::to_allowed(forbidden), {1, 1, 3, 3});
 }

@@ -10,6 +10,6 @@ float run() {
     v.setConstant(1.f);
     attend::tensor<bool, 2> blocked(3, 3);
     blocked.setConstant(false);
-    const auto forbidden = attend::forbidden_mask::from_torch_mha(blocked);
+    const auto forbidden = attend::forbidden_mask::query_key_grid(blocked);
     return attend::scaled_dot_product_attention(q, k, v, forbidden).out(0, 0, 0);
 }

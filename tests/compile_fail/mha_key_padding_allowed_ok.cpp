@@ -5,6 +5,6 @@
 
 attend::mha_options padding(const attend::tensor<bool, 2>& may_attend) {
     attend::mha_options options;
-    options.key_padding = attend::to_forbidden(attend::allowed_mask::true_means_allowed(may_attend));
+    options.key_padding = attend::to_forbidden(attend::allowed_mask::key_padding(may_attend));
     return options;
 }

@@ -68,13 +68,15 @@ TEST(BlockMask, EveryBlockOfAMaskOfTheWholeSequenceIsItsSubGrid) {
         attend::tensor<bool, 4> dense(batch, heads, total, total);
         for (index e = 0; e < dense.size(); ++e) dense.data()[e] = g.bernoulli(0.6);
         expect_blocks_are_sub_grids(attend::causal(attend::alignment::top_left), batch, heads, total, g, "causal");
-        expect_blocks_are_sub_grids(attend::sliding_window(left, right), batch, heads, total, g, "sliding_window");
+        expect_blocks_are_sub_grids(attend::sliding_window(left, right, attend::alignment::top_left), batch, heads,
+                                    total, g, "sliding_window");
         expect_blocks_are_sub_grids(attend::key_padding(lengths), batch, heads, total, g, "key_padding");
         expect_blocks_are_sub_grids(attend::causal(attend::alignment::top_left) && attend::key_padding(lengths), batch,
                                     heads, total, g, "causal && key_padding");
         expect_blocks_are_sub_grids(attend::allowed_mask::true_means_allowed(dense), batch, heads, total, g, "dense");
-        expect_blocks_are_sub_grids(!attend::sliding_window(left, right) || attend::prefix_lm(left), batch, heads,
-                                    total, g, "union and complement");
+        expect_blocks_are_sub_grids(!attend::sliding_window(left, right, attend::alignment::top_left) ||
+                                        attend::prefix_lm(left, attend::alignment::top_left),
+                                    batch, heads, total, g, "union and complement");
     }
 }
 
@@ -87,7 +89,7 @@ TEST(BlockMask, QueryRowsComputedBlockByBlockAndMergedByLseEqualOneCallOverTheWh
         attend_test::fill_uniform(q, g.next());
         attend_test::fill_uniform(k, g.next());
         attend_test::fill_uniform(v, g.next());
-        const auto mask = attend::sliding_window(g.uniform_int(0, total), 0) &&
+        const auto mask = attend::sliding_window(g.uniform_int(0, total), 0, attend::alignment::top_left) &&
                           attend::key_padding({total, g.uniform_int(1, total)});
         attend::sdpa_options o;
         o.dropout = {0.3, g.next(), true};

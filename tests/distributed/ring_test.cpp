@@ -143,9 +143,9 @@ void run_all_mask_kinds(double tolerance) {
                                                                  kv_heads, head_dim, value_dim, lengths, tolerance);
                             break;
                         case mask_kind::sliding_window:
-                            expect_ring_equals_single_process<T>(c, attend::sliding_window(window, right), total, batch,
-                                                                 heads, kv_heads, head_dim, value_dim, lengths,
-                                                                 tolerance);
+                            expect_ring_equals_single_process<T>(
+                                c, attend::sliding_window(window, right, attend::alignment::top_left), total, batch,
+                                heads, kv_heads, head_dim, value_dim, lengths, tolerance);
                             break;
                         case mask_kind::key_padding:
                             expect_ring_equals_single_process<T>(c, attend::key_padding(padding), total, batch, heads,
@@ -157,9 +157,9 @@ void run_all_mask_kinds(double tolerance) {
                                 kv_heads, head_dim, value_dim, lengths, tolerance);
                             break;
                         case mask_kind::windowed_causal:
-                            expect_ring_equals_single_process<T>(c, attend::sliding_window(window, 0), total, batch,
-                                                                 heads, kv_heads, head_dim, value_dim, lengths,
-                                                                 tolerance);
+                            expect_ring_equals_single_process<T>(
+                                c, attend::sliding_window(window, 0, attend::alignment::top_left), total, batch, heads,
+                                kv_heads, head_dim, value_dim, lengths, tolerance);
                             break;
                         case mask_kind::dense: {
                             attend::tensor<bool, 4> allowed(batch, 1, total, total);
@@ -249,7 +249,8 @@ TEST(RingAttention, AShardTheMaskHidesFromEveryLaterRankIsNeitherSentNorComputed
                                   std::vector<index>(static_cast<std::size_t>(ranks), shard_len));
     const auto qs = ad::take_shard(q, layout, rank);
     // A window of 3 keys back: rank r needs only its own shard and the end of rank r - 1's.
-    const auto windowed = ad::ring_attention(qs, qs, qs, attend::sliding_window(3, 0), MPI_COMM_WORLD);
+    const auto windowed =
+        ad::ring_attention(qs, qs, qs, attend::sliding_window(3, 0, attend::alignment::top_left), MPI_COMM_WORLD);
     EXPECT_EQ(windowed.statistics.shards_sent, rank + 1 < ranks ? 1 : 0);
     EXPECT_EQ(windowed.statistics.blocks_computed, rank > 0 ? 2 : 1);
     EXPECT_EQ(windowed.statistics.bytes_sent, rank + 1 < ranks ? 2 * shard_len * 4 * index(sizeof(float)) : 0);

@@ -26,6 +26,7 @@
 #include <attend/mask_function.hpp>
 
 #include "fuzz_input.hpp"
+#include "support/dense_masks.hpp"
 
 namespace attend_fuzz {
 
@@ -454,8 +455,8 @@ private:
         // Half the time the data follows the forbidden convention and reaches the algebra through to_allowed.
         const bool blocked_convention = in_.chance(128);
         const auto mask = with_tensor<bool>(dims, stored, [&](const auto& t) {
-            return blocked_convention ? attend::to_allowed(attend::forbidden_mask::true_means_blocked(t))
-                                      : attend::allowed_mask::true_means_allowed(t);
+            return blocked_convention ? attend::to_allowed(attend_test::dense_mask<attend::forbidden_mask>(t))
+                                      : attend_test::dense_mask<attend::allowed_mask>(t);
         });
         return leaf<runtime_allowed>(
             mask,
@@ -498,8 +499,9 @@ private:
             x = additive_value<V>();
             if (plain && std::isfinite(x) && std::abs(x) > 10) x = V(1);
         }
-        const auto mask =
-            with_tensor<V>(dims, flat, [](const auto& t) { return attend::additive_mask<V>::from_values(t); });
+        const auto mask = with_tensor<V>(dims, flat, [](const auto& t) {
+            return attend_test::dense_mask<attend::additive_mask<V>>(t);
+        });
         return leaf<runtime_additive>(
             mask,
             [=](const attention_shape& s) {

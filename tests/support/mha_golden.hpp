@@ -70,9 +70,9 @@ auto with_golden_masks(const json& c, attend::mha_options options, F&& f) {
     const json& masks = member(c, "masks");
     if (!masks.at("key_padding_mask").is_null())
         options.key_padding =
-            attend::forbidden_mask::from_torch_mha(to_bool<2>(masks.at("key_padding_mask"), "key_padding_mask"));
+            attend::forbidden_mask::key_padding(to_bool<2>(masks.at("key_padding_mask"), "key_padding_mask"));
     if (!masks.at("attn_mask").is_null()) {
-        return f(attend::forbidden_mask::from_torch_mha(to_bool<2>(masks.at("attn_mask"))), options);
+        return f(attend::forbidden_mask::query_key_grid(to_bool<2>(masks.at("attn_mask"))), options);
     }
     return f(attend::no_mask{}, options);
 }

@@ -315,7 +315,7 @@ tensor<V, R> grid_tensor(const dense_grid& m, const std::function<V(double)>& co
 inline attend::allowed_mask as_allowed(const dense_grid& m) {
     const std::function<bool(double)> f = [](double x) { return x != 0.0; };
     switch (m.dims.size()) {
-        case 2: return attend::allowed_mask::from_torch_sdpa(grid_tensor<bool, 2>(m, f));
+        case 2: return attend::allowed_mask::query_key_grid(grid_tensor<bool, 2>(m, f));
         case 3: return attend::allowed_mask::from_torch_sdpa(grid_tensor<bool, 3>(m, f));
         default: return attend::allowed_mask::from_torch_sdpa(grid_tensor<bool, 4>(m, f));
     }
@@ -325,7 +325,7 @@ inline attend::allowed_mask as_allowed(const dense_grid& m) {
 inline attend::forbidden_mask as_forbidden(const dense_grid& m) {
     const std::function<bool(double)> f = [](double x) { return x == 0.0; };
     switch (m.dims.size()) {
-        case 2: return attend::forbidden_mask::from_torch_mha(grid_tensor<bool, 2>(m, f));
+        case 2: return attend::forbidden_mask::query_key_grid(grid_tensor<bool, 2>(m, f));
         case 3: return attend::forbidden_mask::from_torch_mha(grid_tensor<bool, 3>(m, f));
         default: return attend::forbidden_mask::from_torch_mha(grid_tensor<bool, 4>(m, f));
     }
@@ -335,7 +335,7 @@ template <class T>
 attend::additive_mask<T> as_additive(const dense_grid& m) {
     const std::function<T(double)> f = [](double x) { return static_cast<T>(x); };
     switch (m.dims.size()) {
-        case 2: return attend::additive_mask<T>::from_values(grid_tensor<T, 2>(m, f));
+        case 2: return attend::additive_mask<T>::query_key_grid(grid_tensor<T, 2>(m, f));
         case 3: return attend::additive_mask<T>::from_values(grid_tensor<T, 3>(m, f));
         default: return attend::additive_mask<T>::from_values(grid_tensor<T, 4>(m, f));
     }

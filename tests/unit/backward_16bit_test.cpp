@@ -78,7 +78,7 @@ std::vector<attend::sdpa_options> option_sets(index heads) {
     sets[1].sinks = attend::attention_sinks(sinks);
     sets[1].kernel = attend::kernel::reference;
     sets[1].threads = 2;
-    sets[2].score_bias = attend::score_bias::alibi(attend::alibi_slopes(heads));
+    sets[2].score_bias = attend::score_bias::alibi(attend::alibi_slopes(heads), attend::alignment::top_left);
     sets[2].dropout = {0.25, 99, true};
     sets[2].sinks = sets[1].sinks;
     sets[2].threads = 3;

@@ -150,7 +150,7 @@ TEST(BackwardFiniteDifferences, AdditiveMask) {
     for (index i = 0; i < d.query_len; ++i)
         for (index j = 0; j < d.key_len; ++j)
             m(i, j) = j != i && g.bernoulli(0.25) ? -std::numeric_limits<double>::infinity() : g.uniform(-2, 2);
-    check_fd("additive mask", d, attend::additive_mask<double>::from_values(m));
+    check_fd("additive mask", d, attend::additive_mask<double>::query_key_grid(m));
 }
 
 TEST(BackwardFiniteDifferences, CausalBothAlignments) {
@@ -165,7 +165,7 @@ TEST(BackwardFiniteDifferences, CausalBothAlignments) {
 TEST(BackwardFiniteDifferences, KeyPadding) { check_fd("key padding", dims{}, attend::key_padding({7, 3})); }
 
 TEST(BackwardFiniteDifferences, SlidingWindow) {
-    check_fd("sliding window", dims{}, attend::sliding_window(1, 2));
+    check_fd("sliding window", dims{}, attend::sliding_window(1, 2, attend::alignment::top_left));
     check_fd("sliding window bottom_right", dims{}, attend::sliding_window(2, 0, alignment::bottom_right));
 }
 
@@ -175,7 +175,8 @@ TEST(BackwardFiniteDifferences, MaskCombination) {
     tensor<double, 2> bias(d.query_len, d.key_len);
     attend_test::fill_uniform(bias, 4, -1.5, 1.5);
     check_fd("additive + sliding window", d,
-             attend::additive_mask<double>::from_values(bias) + attend::sliding_window(2, 2, alignment::bottom_right));
+             attend::additive_mask<double>::query_key_grid(bias) +
+                 attend::sliding_window(2, 2, alignment::bottom_right));
 }
 
 TEST(BackwardFiniteDifferences, GroupedAndMultiQuery) {
@@ -186,7 +187,7 @@ TEST(BackwardFiniteDifferences, GroupedAndMultiQuery) {
     dims mqa;
     mqa.heads = 3;
     mqa.kv_heads = 1;
-    check_fd("MQA H=3 Hkv=1", mqa, attend::sliding_window(2, 1));
+    check_fd("MQA H=3 Hkv=1", mqa, attend::sliding_window(2, 1, attend::alignment::top_left));
 }
 
 TEST(BackwardFiniteDifferences, Rank3) {
@@ -203,7 +204,7 @@ TEST(BackwardFiniteDifferences, Alibi) {
     sdpa_options o;
     o.score_bias = attend::score_bias::alibi(attend::alibi_slopes(4), alignment::bottom_right);
     check_fd("ALiBi bottom_right + causal", d, attend::causal(alignment::bottom_right), o);
-    o.score_bias = attend::score_bias::alibi({0.5, -0.25, 1.0, 0.125});
+    o.score_bias = attend::score_bias::alibi({0.5, -0.25, 1.0, 0.125}, attend::alignment::top_left);
     check_fd("ALiBi top_left", d, attend::no_mask{}, o);
 }
 
@@ -288,7 +289,7 @@ TEST(BackwardFiniteDifferences, RelativeBiasFloatTable) {
     dims d;
     attend::relative_position_bias<float> table(d.heads, false, 4, 6, 9);
     sdpa_options o;
-    o.score_bias = attend::score_bias::relative(table);
+    o.score_bias = attend::score_bias::relative(table, attend::alignment::top_left);
     auto x = random_qkv(d, 41);
     const auto f = forward(x.q, x.k, x.v, attend::no_mask{}, o);
     const auto g = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, f.out, o);
@@ -355,7 +356,7 @@ struct config {
     }
 };
 
-constexpr int mask_kinds = 15;
+constexpr int mask_kinds = 16;
 
 /// Calls f with the mask expression of kind `kind` built for the configuration (random parameters from seed).
 template <class F>
@@ -381,9 +382,17 @@ void with_mask(const config& c, F&& f) {
             m.data()[n] = g.bernoulli(0.2) ? -std::numeric_limits<double>::infinity() : g.uniform(-3, 3);
         return attend::additive_mask<double>::from_values(m);
     };
+    // An alignment, or one diagonal offset per batch row.
+    const auto diagonal = [&]() -> attend::diagonal {
+        if (g.bernoulli(0.5)) return align();
+        std::vector<index> offsets;
+        for (index b = 0; b < d.batch; ++b) offsets.push_back(g.uniform_int(-d.query_len, d.key_len));
+        return attend::diagonal_offsets(offsets);
+    };
     const auto window = [&] {
-        const index left = g.uniform_int(0, d.key_len), right = g.uniform_int(0, d.key_len);
-        return attend::sliding_window(left, right, align());
+        const index left = g.bernoulli(0.2) ? attend::unbounded : g.uniform_int(0, d.key_len);
+        const index right = g.uniform_int(0, d.key_len);
+        return attend::sliding_window(left, right, diagonal());
     };
     switch (c.mask_kind) {
         case 0: return f(attend::no_mask{});
@@ -408,7 +417,11 @@ void with_mask(const config& c, F&& f) {
         }
         case 12: return f(window() || dense_allowed());
         case 13: return f(!dense_allowed());
-        default: return f(window() && attend::query_padding(lengths(d.query_len)));
+        case 14: return f(window() && attend::query_padding(lengths(d.query_len)));
+        default: {  // ONNX's is_causal with nonpad_kv_seqlen: causal over each row's real keys
+            const auto real_keys = lengths(d.key_len);
+            return f(attend::causal(attend::aligned_to_key_lengths(real_keys)) && attend::key_padding(real_keys));
+        }
     }
 }
 
@@ -825,7 +838,7 @@ TEST(BackwardErrors, ShapesOfGradientOutputs) {
         scaled_dot_product_attention_backward_into(x.q, x.k, x.v, x.out, x.lse, x.d_out, none, x.dq, x.dk, bad_dv);
     });
     sdpa_options o;
-    o.score_bias = attend::score_bias::alibi({1, 2});
+    o.score_bias = attend::score_bias::alibi({1, 2}, attend::alignment::top_left);
     tensor<double, 2> bad_bias(d.heads, d.query_len + d.key_len);
     x.expect<attend::shape_error>("attend.shape.backward_score_bias", [&] {
         scaled_dot_product_attention_backward_into(x.q, x.k, x.v, x.out, x.lse, x.d_out, none, x.dq, x.dk, x.dv, o,
@@ -865,11 +878,11 @@ TEST(BackwardErrors, ForwardChecks) {
     o.threads = -2;
     x.expect<attend::value_error>("attend.value.threads", call(none, o));
     o = {};
-    o.score_bias = attend::score_bias::alibi({1, 2, 3});
+    o.score_bias = attend::score_bias::alibi({1, 2, 3}, attend::alignment::top_left);
     x.expect<attend::shape_error>("attend.shape.score_bias_heads", call(none, o));
     tensor<bool, 2> wrong(d.query_len + 1, d.key_len);
     wrong.setConstant(true);
-    x.expect<attend::mask_error>("attend.mask.broadcast", call(attend::allowed_mask::from_torch_sdpa(wrong), {}));
+    x.expect<attend::mask_error>("attend.mask.broadcast", call(attend::allowed_mask::query_key_grid(wrong), {}));
     x.expect<attend::mask_error>("attend.mask.lengths_batch", call(attend::key_padding({1}), {}));
     x.expect<attend::mask_error>("attend.mask.empty_row", call(attend::key_padding({3, 0}), {}));
 }
@@ -908,7 +921,7 @@ TEST(BackwardErrors, RelativeBiasGradient) {
     attend::relative_position_bias<double> table(d.heads, true, 8, 20, 1), other(d.heads, true, 8, 20, 2),
         wrong_heads(3, true, 8, 20, 1);
     sdpa_options o;
-    o.score_bias = attend::score_bias::relative(table);
+    o.score_bias = attend::score_bias::relative(table, attend::alignment::top_left);
     const auto f = forward(x.q, x.k, x.v, attend::no_mask{}, o);
     const auto g = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, f.out, o);
     EXPECT_NO_THROW(attend::relative_bias_gradient(table, g, o.score_bias));
@@ -916,7 +929,9 @@ TEST(BackwardErrors, RelativeBiasGradient) {
                                       "attend.value.relative_bias_table");
     // A bias built from another table, with the call's table passed along: caught the same way.
     expect_error<attend::value_error>(
-        [&] { attend::relative_bias_gradient(table, g, attend::score_bias::relative(other)); },
+        [&] {
+            attend::relative_bias_gradient(table, g, attend::score_bias::relative(other, attend::alignment::top_left));
+        },
         "attend.value.relative_bias_table");
     expect_error<attend::shape_error>([&] { attend::relative_bias_gradient(wrong_heads, g, o.score_bias); },
                                       "attend.shape.relative_bias_gradient");

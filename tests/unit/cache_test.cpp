@@ -287,7 +287,7 @@ TEST(ForwardCached, CombinesKeyPaddingAndTheCallersMask) {
     blocked(1, 0) = blocked(1, 1) = true;
     attend::mha_options o;
     o.empty_rows = attend::empty_rows::zero;
-    o.key_padding = attend::forbidden_mask::from_torch_mha(blocked);
+    o.key_padding = attend::forbidden_mask::key_padding(blocked);
     const auto full = m.forward(
         x, x, x,
         attend::causal(attend::alignment::top_left) && attend::sliding_window(2, 0, attend::alignment::top_left), o);
@@ -298,7 +298,7 @@ TEST(ForwardCached, CombinesKeyPaddingAndTheCallersMask) {
         for (index b = 0; b < 2; ++b)
             for (index j = 0; j <= pos; ++j) so_far(b, j) = blocked(b, j);
         attend::mha_options step_options = o;
-        step_options.key_padding = attend::forbidden_mask::from_torch_mha(so_far);
+        step_options.key_padding = attend::forbidden_mask::key_padding(so_far);
         const auto step = m.forward_cached(slice_tokens(x, pos, 1), cache,
                                            attend::sliding_window(2, 0, attend::alignment::bottom_right), step_options);
         for (index b = 0; b < 2; ++b)

@@ -51,7 +51,7 @@ TEST(FuzzFindings, DoubleAdditiveAboveFloatRangeSaturates) {
     bias(0, 1) = 1e300;
     bias(1, 1) = 1e300;
     bias(1, 2) = 1e300;
-    expect_saturated_rows(x, attend::additive_mask<double>::from_values(bias), 1);
+    expect_saturated_rows(x, attend::additive_mask<double>::query_key_grid(bias), 1);
 }
 
 // Two float max() entries added used to overflow to +inf in the same way.
@@ -62,7 +62,7 @@ TEST(FuzzFindings, SumOfLargestFloatsSaturates) {
     bias(0, 2) = std::numeric_limits<float>::max();
     bias(1, 0) = std::numeric_limits<float>::max();
     bias(1, 1) = std::numeric_limits<float>::max();
-    const auto mask = attend::additive_mask<float>::from_values(bias);
+    const auto mask = attend::additive_mask<float>::query_key_grid(bias);
     expect_saturated_rows(x, mask + mask, 2);
 }
 
@@ -88,7 +88,7 @@ TEST(FuzzFindings, ScaleOutsideTheInputScalarTypeIsAnError) {
 TEST(FuzzFindings, BackwardWithBatchZeroZeroesTheScoreBiasGradient) {
     attend::tensor<float, 4> q(0, 2, 3, 4), k(0, 2, 5, 4), v(0, 2, 5, 4), d_out(0, 2, 3, 4);
     attend::sdpa_options o;
-    o.score_bias = attend::score_bias::alibi(attend::alibi_slopes(2));
+    o.score_bias = attend::score_bias::alibi(attend::alibi_slopes(2), attend::alignment::top_left);
     o.need_lse = true;
     const auto f = attend::scaled_dot_product_attention(q, k, v, o);
     for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
@@ -132,12 +132,12 @@ TEST(FuzzFindings, BackwardWithLargeLseAndMoreQueryTilesThanUnitsStaysInBounds) 
 TEST(FuzzFindings, ScoreBiasBeyondTheScoresScalarTypeIsAnError) {
     constant_inputs<float> x;
     attend::sdpa_options o;
-    o.score_bias = attend::score_bias::alibi({1e300});
+    o.score_bias = attend::score_bias::alibi({1e300}, attend::alignment::top_left);
     attend_test::expect_error<attend::value_error>(
         [&] { (void)attend::scaled_dot_product_attention(x.q, x.k, x.v, o); }, "attend.value.alibi_slopes");
     attend::relative_position_bias<double> table(1, true, 4, 8);
     table.table().setConstant(1e300);
-    o.score_bias = attend::score_bias::relative(table);
+    o.score_bias = attend::score_bias::relative(table, attend::alignment::top_left);
     attend_test::expect_error<attend::value_error>(
         [&] { (void)attend::scaled_dot_product_attention(x.q, x.k, x.v, o); }, "attend.value.score_bias_table");
     constant_inputs<double> y;

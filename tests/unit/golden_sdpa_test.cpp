@@ -23,6 +23,7 @@
 #include <attend/attend.hpp>
 
 #include "support/compare.hpp"
+#include "support/dense_masks.hpp"
 #include "support/golden.hpp"
 
 namespace {
@@ -97,13 +98,14 @@ errors run_with_named_mask(const json& c, attend::kernel kernel) {
         go(attend::no_mask{});
     } else if (kind == "sdpa_bool") {
         with_mask_tensor<bool>(
-            mask, [](const auto& t) { return attend::allowed_mask::from_torch_sdpa(t); }, go);
+            mask, [](const auto& t) { return attend_test::dense_mask<attend::allowed_mask>(t); }, go);
     } else if (kind == "mha_bool") {
         with_mask_tensor<bool>(
-            mask, [](const auto& t) { return attend::to_allowed(attend::forbidden_mask::from_torch_mha(t)); }, go);
+            mask, [](const auto& t) { return attend::to_allowed(attend_test::dense_mask<attend::forbidden_mask>(t)); },
+            go);
     } else if (kind == "additive") {
         with_mask_tensor<double>(
-            mask, [](const auto& t) { return attend::additive_mask<double>::from_values(t); }, go);
+            mask, [](const auto& t) { return attend_test::dense_mask<attend::additive_mask<double>>(t); }, go);
     } else if (kind == "causal_top_left") {
         go(attend::causal(attend::alignment::top_left));
     } else if (kind == "causal_bottom_right") {
@@ -181,7 +183,7 @@ TEST(GoldenSdpaFile, ReadingAnMhaMaskInTheSdpaConventionDoesNotMatch) {
         };
         double wrong = 0;
         switch (attend_test::shape_of(t).size()) {
-            case 2: wrong = run(attend::allowed_mask::from_torch_sdpa(attend_test::to_tensor<bool, 2>(t))); break;
+            case 2: wrong = run(attend::allowed_mask::query_key_grid(attend_test::to_tensor<bool, 2>(t))); break;
             case 4: wrong = run(attend::allowed_mask::from_torch_sdpa(attend_test::to_tensor<bool, 4>(t))); break;
             default: continue;
         }

@@ -185,18 +185,30 @@ TEST(HostileSizes, MaskRulesWithHostileLengthsThrowTypedErrors) {
                 (void)attend::scaled_dot_product_attention(q, k, v, attend::query_padding({1, n}), o);
             },
             "query_padding " + s);
-        typed_or_ok([&] { (void)attend::scaled_dot_product_attention(q, k, v, attend::sliding_window(n, 1), o); },
-                    "sliding_window left " + s);
-        typed_or_ok([&] { (void)attend::scaled_dot_product_attention(q, k, v, attend::sliding_window(1, n), o); },
-                    "sliding_window right " + s);
+        typed_or_ok(
+            [&] {
+                (void)attend::scaled_dot_product_attention(
+                    q, k, v, attend::sliding_window(n, 1, attend::alignment::top_left), o);
+            },
+            "sliding_window left " + s);
+        typed_or_ok(
+            [&] {
+                (void)attend::scaled_dot_product_attention(
+                    q, k, v, attend::sliding_window(1, n, attend::alignment::top_left), o);
+            },
+            "sliding_window right " + s);
         typed_or_ok(
             [&] {
                 (void)attend::scaled_dot_product_attention(
                     q, k, v, attend::sliding_window(n, n, attend::alignment::bottom_right), o);
             },
             "sliding_window bottom_right " + s);
-        typed_or_ok([&] { (void)attend::scaled_dot_product_attention(q, k, v, attend::prefix_lm(n), o); },
-                    "prefix_lm " + s);
+        typed_or_ok(
+            [&] {
+                (void)attend::scaled_dot_product_attention(q, k, v, attend::prefix_lm(n, attend::alignment::top_left),
+                                                           o);
+            },
+            "prefix_lm " + s);
         typed_or_ok([&] { (void)attend::scaled_dot_product_attention(q, k, v, attend::block_diagonal({n}), o); },
                     "block_diagonal " + s);
     }

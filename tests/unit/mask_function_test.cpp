@@ -23,7 +23,7 @@ using attend::alignment;
 using attend::index;
 using attend::tile_class;
 
-/// sliding_window(left, 0) (top-left) as a function, and its exact block rule.
+/// sliding_window(left, 0, top_left) as a function, and its exact block rule.
 struct window_function {
     index left = 0;
     bool operator()(index, index, index i, index j) const { return j <= i && j >= i - left; }
@@ -48,7 +48,7 @@ TYPED_TEST(MaskFunction, SlidingWindowAsAFunctionEqualsTheBuiltInRule) {
     const index B = 2, H = 4, G = 2, L = 300, D = 16, left = 70;
     const auto q = attend_test::random_tensor<T>(1, B, H, L, D), k = attend_test::random_tensor<T>(2, B, G, L, D),
                v = attend_test::random_tensor<T>(3, B, G, L, D);
-    const auto builtin = attend::sliding_window(left, 0);
+    const auto builtin = attend::sliding_window(left, 0, attend::alignment::top_left);
     const auto with_blocks = attend::mask_mod(window_function{left}, window_blocks{left});
     const auto untiled = attend::mask_mod(window_function{left});
     for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled})

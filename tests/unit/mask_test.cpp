@@ -130,7 +130,7 @@ TEST(mask, prefix_lm_is_bidirectional_over_the_prefix_and_causal_after) {
     for (int n = 0; n < attend_test::repeat(200); ++n) {
         const auto s = random_shape(g);
         const index prefix = g.uniform_int(0, s.key_len);
-        const auto rule = attend::prefix_lm(prefix);
+        const auto rule = attend::prefix_lm(prefix, attend::alignment::top_left);
         expect_materializes_to(rule, s, [&](index, index, index i, index j) { return j < prefix || j <= i; });
         expect_classification_agrees(rule, s, g, true);
     }
@@ -216,7 +216,7 @@ TEST(mask, algebra_is_set_algebra_and_classification_stays_sound) {
         const auto dense = attend::allowed_mask::from_torch_sdpa(dense_values);
         const auto causal = attend::causal(attend::alignment::top_left);
         const index left = g.uniform_int(0, 6);
-        const auto window = attend::sliding_window(left, 0);
+        const auto window = attend::sliding_window(left, 0, attend::alignment::top_left);
         const auto pad = attend::key_padding(random_lengths(g, s.batch, s.key_len));
         const auto a = attend::materialize(causal, s), w = attend::materialize(window, s);
         const auto d = attend::materialize(dense, s), p = attend::materialize(pad, s);
@@ -271,7 +271,7 @@ TEST(mask, dense_masks_align_from_the_right_like_numpy) {
     // Rank 2 [query_len, key_len] applies to every batch and head.
     attend::tensor<bool, 2> grid(2, 3);
     grid.setValues({{true, false, true}, {false, true, false}});
-    EXPECT_EQ(attend::to_string(attend::allowed_mask::from_torch_sdpa(grid), {2, 1, 2, 3}),
+    EXPECT_EQ(attend::to_string(attend::allowed_mask::query_key_grid(grid), {2, 1, 2, 3}),
               "batch 0, head 0:\nq0: k0 k2\nq1: k1\nbatch 1, head 0:\nq0: k0 k2\nq1: k1\n");
 
     // Rank 3 against rank-4 scores [batch, heads, L, S] means [heads, L, S], as in PyTorch.
@@ -304,7 +304,7 @@ TEST(mask, additive_values_of_a_wider_type_saturate_at_the_narrower_range) {
     values(0, 0) = -1e300;
     values(0, 1) = 1e300;
     values(0, 2) = -std::numeric_limits<double>::infinity();
-    const auto m = attend::additive_mask<float>::from_values(values);
+    const auto m = attend::additive_mask<float>::query_key_grid(values);
     EXPECT_EQ(attend::to_string(m, {1, 1, 1, 3}), "q0: k0 k1\n");
     const auto bound = m.bind(attend::attention_shape{1, 1, 1, 1, 3, 1, 1, 4});
     EXPECT_EQ(bound.value(0, 0, 0, 0), std::numeric_limits<float>::lowest());
@@ -316,7 +316,7 @@ TEST(mask, additive_terms_add_and_boolean_terms_contribute_zero_or_minus_infinit
     attend::tensor<double, 2> bias(2, 3);
     const double inf = std::numeric_limits<double>::infinity();
     bias.setValues({{0.5, -inf, -1.0}, {2.0, 0.0, -inf}});
-    const auto additive = attend::additive_mask<double>::from_values(bias);
+    const auto additive = attend::additive_mask<double>::query_key_grid(bias);
     const auto expr = additive + attend::causal(attend::alignment::top_left);
     EXPECT_EQ(attend::to_string(expr, {1, 1, 2, 3}), "q0: k0\nq1: k0 k1\n");
 
@@ -405,7 +405,7 @@ TEST(mask, first_empty_row_equals_a_scan_of_every_row) {
 TEST(mask_errors, a_mask_that_does_not_broadcast_names_both_shapes) {
     attend::tensor<bool, 2> grid(3, 4);
     grid.setConstant(true);
-    const auto mask = attend::allowed_mask::from_torch_sdpa(grid);
+    const auto mask = attend::allowed_mask::query_key_grid(grid);
     try {
         (void)attend::materialize(mask, {1, 1, 3, 5});
         FAIL() << "expected mask_error";
@@ -454,10 +454,12 @@ TEST(mask_errors, lengths_are_checked_against_batch_and_sequence_length) {
 }
 
 TEST(mask_errors, structured_rule_parameters_are_checked) {
-    expect_mask_error("attend.mask.window", [] { (void)attend::sliding_window(-1, 2); });
-    expect_mask_error("attend.mask.window", [] { (void)attend::sliding_window(1, -2); });
-    expect_mask_error("attend.mask.prefix_len", [] { (void)attend::prefix_lm(-1); });
-    expect_mask_error("attend.mask.prefix_len", [] { (void)attend::materialize(attend::prefix_lm(5), {1, 1, 3, 4}); });
+    expect_mask_error("attend.mask.window", [] { (void)attend::sliding_window(-1, 2, attend::alignment::top_left); });
+    expect_mask_error("attend.mask.window", [] { (void)attend::sliding_window(1, -2, attend::alignment::top_left); });
+    expect_mask_error("attend.mask.prefix_len", [] { (void)attend::prefix_lm(-1, attend::alignment::top_left); });
+    expect_mask_error("attend.mask.prefix_len", [] {
+        (void)attend::materialize(attend::prefix_lm(5, attend::alignment::top_left), {1, 1, 3, 4});
+    });
     expect_mask_error("attend.mask.block_lengths", [] {
         (void)attend::materialize(attend::block_diagonal({2, 1}), {1, 1, 4, 4});
     });
@@ -475,11 +477,197 @@ TEST(mask_errors, additive_masks_reject_nan_and_plus_infinity) {
         bias.setZero();
         bias(1, 0) = bad;
         try {
-            (void)attend::additive_mask<double>::from_values(bias);
+            (void)attend::additive_mask<double>::query_key_grid(bias);
             FAIL() << "expected value_error";
         } catch (const attend::value_error& e) {
             EXPECT_EQ(e.id(), "attend.value.additive_mask");
         }
+    }
+}
+
+// ---- 0.2: diagonals are named, never defaulted ----
+
+TEST(mask, a_decode_window_sits_on_the_diagonal_it_names) {
+    // One query over five cached keys, the trap of 0.1's default: a decode's window is bottom-right.
+    const attend::score_shape decode{1, 1, 1, 5};
+    EXPECT_EQ(attend::to_string(attend::sliding_window(2, 0, attend::alignment::bottom_right), decode),
+              "q0: k2 k3 k4\n");
+    EXPECT_EQ(attend::to_string(attend::sliding_window(2, 0, attend::alignment::top_left), decode), "q0: k0\n");
+    EXPECT_EQ(attend::to_string(attend::prefix_lm(1, attend::alignment::bottom_right), decode), "q0: k0 k1 k2 k3 k4\n");
+    EXPECT_EQ(attend::to_string(attend::prefix_lm(1, attend::alignment::top_left), decode), "q0: k0\n");
+}
+
+/// The band of a window around diagonal offsets[b], computed in long double so huge offsets cannot overflow.
+predicate band_of(const std::vector<index>& offsets, index left, index right) {
+    return [=](index b, index, index i, index j) {
+        const long double d = static_cast<long double>(j) - static_cast<long double>(i) -
+                              static_cast<long double>(offsets[static_cast<std::size_t>(b)]);
+        return (left == attend::unbounded || d >= -static_cast<long double>(left)) &&
+               (right == attend::unbounded || d <= static_cast<long double>(right));
+    };
+}
+
+std::vector<index> random_diagonal_offsets(attend_test::rng& g, const attend::score_shape& s) {
+    std::vector<index> offsets(static_cast<std::size_t>(s.batch));
+    for (auto& x : offsets) {
+        const double u = g.uniform();
+        x = u < 0.05   ? std::numeric_limits<index>::max()
+            : u < 0.1  ? std::numeric_limits<index>::min() + 1
+            : u < 0.15 ? index(1) << 50
+            : u < 0.2  ? -(index(1) << 50)
+                       : g.uniform_int(-s.query_len - 2, s.key_len + 2);
+    }
+    return offsets;
+}
+
+TEST(mask, explicit_diagonal_offsets_place_each_batch_rows_band_exactly) {
+    attend_test::rng g(68);
+    for (int n = 0; n < attend_test::repeat(60); ++n) {
+        const auto s = random_shape(g);
+        const auto offsets = random_diagonal_offsets(g, s);
+        const index left = g.bernoulli(0.2) ? attend::unbounded : g.uniform_int(0, 45);
+        const index right = g.bernoulli(0.2) ? attend::unbounded : g.uniform_int(0, 45);
+        const auto window = attend::sliding_window(left, right, attend::diagonal_offsets(offsets));
+        expect_materializes_to(window, s, band_of(offsets, left, right));
+        expect_classification_agrees(window, s, g, true);
+        const auto causal = attend::causal(attend::diagonal_offsets(offsets));
+        expect_materializes_to(causal, s, band_of(offsets, attend::unbounded, 0));
+        expect_classification_agrees(causal, s, g, true);
+        const index prefix = g.uniform_int(0, s.key_len);
+        const auto prefix_lm = attend::prefix_lm(prefix, attend::diagonal_offsets(offsets));
+        const auto causal_part = band_of(offsets, attend::unbounded, 0);
+        expect_materializes_to(prefix_lm, s, [&](index b, index h, index i, index j) {
+            return j < prefix || causal_part(b, h, i, j);
+        });
+        expect_classification_agrees(prefix_lm, s, g, false);
+        // One offset for every row is the same as that offset per row.
+        const index one = offsets[0];
+        EXPECT_EQ(attend::to_string(attend::causal(attend::diagonal_offset(one)), s),
+                  attend::to_string(attend::causal(attend::diagonal_offsets(
+                                        std::vector<index>(static_cast<std::size_t>(s.batch), one))),
+                                    s));
+    }
+}
+
+TEST(mask, offsets_generalize_the_alignments_and_an_unbounded_side_is_causal) {
+    attend_test::rng g(69);
+    for (int n = 0; n < attend_test::repeat(40); ++n) {
+        const auto s = random_shape(g);
+        const auto text = [&](const auto& m) { return attend::to_string(m, s); };
+        EXPECT_EQ(text(attend::causal(attend::diagonal_offset(0))), text(attend::causal(attend::alignment::top_left)));
+        EXPECT_EQ(text(attend::causal(attend::diagonal_offset(s.key_len - s.query_len))),
+                  text(attend::causal(attend::alignment::bottom_right)));
+        EXPECT_EQ(text(attend::causal(attend::aligned_to_key_lengths(
+                      std::vector<index>(static_cast<std::size_t>(s.batch), s.key_len)))),
+                  text(attend::causal(attend::alignment::bottom_right)));
+        for (const auto a : {attend::alignment::top_left, attend::alignment::bottom_right})
+            EXPECT_EQ(text(attend::sliding_window(attend::unbounded, 0, a)), text(attend::causal(a)));
+    }
+}
+
+TEST(mask, causal_aligned_to_key_lengths_is_onnx_causal_over_each_rows_real_keys) {
+    // ONNX Attention's is_causal with nonpad_kv_seqlen: row b's last query sees its last real key.
+    attend_test::rng g(70);
+    for (int n = 0; n < attend_test::repeat(40); ++n) {
+        const auto s = random_shape(g);
+        const auto real = random_lengths(g, s.batch, s.key_len);
+        const auto mask = attend::causal(attend::aligned_to_key_lengths(real)) && attend::key_padding(real);
+        expect_materializes_to(mask, s, [&](index b, index, index i, index j) {
+            const index n_keys = real[static_cast<std::size_t>(b)];
+            return j < n_keys && j <= i + n_keys - s.query_len;
+        });
+        expect_classification_agrees(mask, s, g, false);
+    }
+}
+
+TEST(mask, a_batch_by_key_padding_mask_is_per_sequence_even_when_batch_equals_query_len) {
+    // The 0.1 trap: PyTorch's key_padding_mask [B, S] read as [L, S] when B == L. Built by name it is per sequence.
+    attend::tensor<bool, 2> padding(3, 4);  // [batch 3, key_len 4], true = padding
+    padding.setValues({{false, false, false, true}, {false, true, true, true}, {false, false, false, false}});
+    const attend::score_shape s{3, 2, 3, 4};
+    const auto per_sequence = attend::to_allowed(attend::forbidden_mask::key_padding(padding));
+    expect_materializes_to(per_sequence, s, [&](index b, index, index, index j) { return !padding(b, j); });
+    EXPECT_EQ(attend::to_string(per_sequence, s), attend::to_string(attend::key_padding({3, 1, 4}), s));
+    const auto as_grid = attend::to_allowed(attend::forbidden_mask::query_key_grid(padding));
+    EXPECT_NE(attend::to_string(as_grid, s), attend::to_string(per_sequence, s));
+    // HF's attention_mask (true = real token) says the same with the other polarity.
+    attend::tensor<bool, 2> real(3, 4);
+    for (index n = 0; n < real.size(); ++n) real.data()[n] = !padding.data()[n];
+    EXPECT_EQ(attend::to_string(attend::allowed_mask::key_padding(real), s), attend::to_string(per_sequence, s));
+    attend::tensor<float, 2> additive(3, 4);
+    for (index n = 0; n < additive.size(); ++n)
+        additive.data()[n] = padding.data()[n] ? -std::numeric_limits<float>::infinity() : 0.f;
+    EXPECT_EQ(attend::to_string(attend::additive_mask<float>::key_padding(additive), s),
+              attend::to_string(per_sequence, s));
+}
+
+TEST(mask, a_rank_one_mask_is_a_key_vector) {
+    attend::tensor<bool, 1> keys(4);
+    keys.setValues({true, false, true, true});
+    EXPECT_EQ(attend::to_string(attend::allowed_mask::from_torch_sdpa(keys), {1, 1, 2, 4}),
+              "q0: k0 k2 k3\nq1: k0 k2 k3\n");
+}
+
+TEST(mask, an_onnx_mask_shorter_than_key_len_forbids_the_keys_past_it) {
+    attend_test::rng g(71);
+    for (int n = 0; n < attend_test::repeat(40); ++n) {
+        const auto s = random_shape(g);
+        const index stored = g.uniform_int(1, s.key_len);
+        attend::tensor<bool, 2> grid(s.query_len, stored);
+        attend::tensor<float, 2> bias(s.query_len, stored);
+        for (index x = 0; x < grid.size(); ++x) {
+            grid.data()[x] = g.bernoulli(0.7);
+            bias.data()[x] = grid.data()[x] ? static_cast<float>(g.uniform(-2, 2))
+                                            : -std::numeric_limits<float>::infinity();
+        }
+        const auto expected = [&](index, index, index i, index j) { return j < stored && grid(i, j); };
+        const auto boolean = attend::allowed_mask::from_onnx(grid);
+        expect_materializes_to(boolean, s, expected);
+        expect_classification_agrees(boolean, s, g, true);
+        expect_materializes_to(attend::additive_mask<float>::from_onnx(bias), s, expected);
+        expect_classification_agrees(attend::additive_mask<float>::from_onnx(bias), s, g, false);
+    }
+}
+
+TEST(mask_errors, a_rank_two_grid_that_does_not_broadcast_names_the_key_padding_constructor) {
+    attend::tensor<bool, 2> padding(2, 5);  // a [batch, key_len] key padding mask given as a grid
+    padding.setConstant(false);
+    try {
+        (void)attend::materialize(attend::to_allowed(attend::forbidden_mask::query_key_grid(padding)), {2, 1, 3, 5});
+        FAIL() << "expected mask_error";
+    } catch (const attend::mask_error& e) {
+        EXPECT_EQ(e.id(), "attend.mask.broadcast");
+        EXPECT_NE(std::string(e.what()).find("forbidden_mask::key_padding(t)"), std::string::npos) << e.what();
+    }
+    // A short key axis is ONNX's convention only: elsewhere it does not broadcast.
+    attend::tensor<bool, 2> short_grid(3, 4);
+    short_grid.setConstant(true);
+    expect_mask_error("attend.mask.broadcast", [&] {
+        (void)attend::materialize(attend::allowed_mask::query_key_grid(short_grid), {1, 1, 3, 5});
+    });
+    expect_mask_error("attend.mask.broadcast", [&] {
+        (void)attend::materialize(attend::allowed_mask::from_onnx(short_grid), {1, 1, 3, 3});
+    });
+}
+
+TEST(mask_errors, per_row_diagonals_are_checked_against_the_batch_and_key_len) {
+    expect_mask_error("attend.mask.diagonal_batch", [] {
+        (void)attend::materialize(attend::causal(attend::diagonal_offsets({0, 1})), {3, 1, 2, 2});
+    });
+    expect_mask_error("attend.mask.diagonal_batch", [] {
+        (void)attend::materialize(attend::sliding_window(1, 0, attend::aligned_to_key_lengths({2})), {2, 1, 2, 2});
+    });
+    expect_mask_error("attend.mask.length_range", [] {
+        (void)attend::materialize(attend::prefix_lm(0, attend::aligned_to_key_lengths({3, -1})), {2, 1, 2, 2});
+    });
+    expect_mask_error("attend.mask.length_range", [] {
+        (void)attend::materialize(attend::causal(attend::aligned_to_key_lengths({3})), {1, 1, 2, 2});
+    });
+    try {
+        (void)attend::sliding_window(-1, 0, attend::alignment::bottom_right);
+        FAIL() << "expected mask_error";
+    } catch (const attend::mask_error& e) {
+        EXPECT_NE(std::string(e.what()).find("attend::unbounded"), std::string::npos) << e.what();
     }
 }
 

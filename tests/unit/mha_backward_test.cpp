@@ -190,9 +190,9 @@ TEST(MhaBackwardFiniteDifferences, KeyPaddingAsForbiddenMaskAndAdditiveMask) {
     ignore.setConstant(false);
     ignore(1, 0) = true;
     ignore(0, 3) = true;
-    t.options.key_padding = attend::forbidden_mask::from_torch_mha(ignore);
+    t.options.key_padding = attend::forbidden_mask::key_padding(ignore);
     const auto bias = attend_test::random_tensor<double>(14, 3, 4);
-    check_mha_by_finite_differences(t, attend::additive_mask<double>::from_values(bias), 15);
+    check_mha_by_finite_differences(t, attend::additive_mask<double>::query_key_grid(bias), 15);
 }
 
 TEST(MhaBackwardFiniteDifferences, GroupedAndMultiQueryHeadsSumKeyValueGradientsOverTheGroup) {
@@ -255,7 +255,7 @@ TEST(MhaBackwardFiniteDifferences, PaddedQueriesAndEmptyRowsGetZeroGradients) {
     tensor<bool, 2> allowed(4, 4);
     for (index i = 0; i < 4; ++i)
         for (index j = 0; j < 4; ++j) allowed(i, j) = i > 0 && j <= i;
-    const auto mask = attend::allowed_mask::true_means_allowed(allowed) && attend::query_padding({4, 3});
+    const auto mask = attend::allowed_mask::query_key_grid(allowed) && attend::query_padding({4, 3});
     check_mha_by_finite_differences(t, mask, 22);
 }
 
@@ -392,7 +392,7 @@ TEST(MhaBackwardErrors, ForwardChecksApplyToTheBackwardCall) {
     expect_error<attend::mask_error>(
         [&] {
             attend::multi_head_attention_backward(f.m, f.x, f.x, f.x, f.saved, f.d_out,
-                                                  attend::allowed_mask::true_means_allowed(none));
+                                                  attend::allowed_mask::query_key_grid(none));
         },
         "attend.mask.empty_row");
     attend::mha_options o;
@@ -408,7 +408,7 @@ TEST(MhaBackwardErrors, FailingTrainingForwardLeavesSavedUnchanged) {
     tensor<bool, 2> none(3, 3);
     none.setConstant(false);
     expect_error<attend::mask_error>(
-        [&] { f.m.forward(f.x, f.x, f.x, attend::allowed_mask::true_means_allowed(none), {}, f.saved); },
+        [&] { f.m.forward(f.x, f.x, f.x, attend::allowed_mask::query_key_grid(none), {}, f.saved); },
         "attend.mask.empty_row");
     EXPECT_TRUE(bit_equal(before.q, f.saved.q) && bit_equal(before.k, f.saved.k) && bit_equal(before.v, f.saved.v) &&
                 bit_equal(before.attention, f.saved.attention) && bit_equal(before.lse, f.saved.lse));

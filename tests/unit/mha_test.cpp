@@ -454,7 +454,7 @@ TEST(Masks, KeyPaddingAsForbiddenMaskEqualsLengthsAndAnyPaddedContent) {
     for (index b = 0; b < 2; ++b)
         for (index j = 0; j < 6; ++j) kpm(b, j) = j >= (b == 0 ? 6 : 3);
     attend::mha_options by_mask, by_lengths;
-    by_mask.key_padding = attend::forbidden_mask::from_torch_mha(kpm);
+    by_mask.key_padding = attend::forbidden_mask::key_padding(kpm);
     by_lengths.key_padding = {6, 3};
     const auto a = m.forward(x, src, src, by_mask);
     EXPECT_TRUE(bit_equal(a.out, m.forward(x, src, src, by_lengths).out));
@@ -473,7 +473,7 @@ TEST(Masks, KeyPaddingCombinesWithAnAdditiveMask) {
     attend::mha_options o;
     o.key_padding = {3, 2};
     o.need_weights = true;
-    const auto r = m.forward(x, x, x, attend::additive_mask<double>::from_values(bias), o);
+    const auto r = m.forward(x, x, x, attend::additive_mask<double>::query_key_grid(bias), o);
     EXPECT_EQ(r.weights(0, 0, 2), 0.0);
     EXPECT_EQ(r.weights(1, 1, 2), 0.0);
     EXPECT_GT(r.weights(0, 1, 2), 0.0);
@@ -803,12 +803,12 @@ TEST(Errors, ForwardMasksOptionsAndValues) {
     expect_error<attend::mask_error>([&] { m.forward(x, x, x, o); }, "attend.mask.lengths_batch");
     o.key_padding = {3, 4};
     expect_error<attend::mask_error>([&] { m.forward(x, x, x, o); }, "attend.mask.length_range");
-    o.key_padding = attend::forbidden_mask::from_torch_mha(tensor<bool, 2>(3, 2).setConstant(false));
+    o.key_padding = attend::forbidden_mask::key_padding(tensor<bool, 2>(3, 2).setConstant(false));
     auto msg = expect_error<attend::mask_error>([&] { m.forward(x, x, x, o); }, "attend.mask.key_padding_shape");
     EXPECT_TRUE(contains(msg, "[3,2]") && contains(msg, "[2,3]")) << msg;
     o.key_padding = {};
     expect_error<attend::mask_error>(
-        [&] { m.forward(x, x, x, attend::allowed_mask::from_torch_sdpa(tensor<bool, 2>(4, 3).setConstant(true))); },
+        [&] { m.forward(x, x, x, attend::allowed_mask::query_key_grid(tensor<bool, 2>(4, 3).setConstant(true))); },
         "attend.mask.broadcast");
     o.rotary = attend::rotary_embedding{6};  // head_dim is 4
     expect_error<attend::shape_error>([&] { m.forward(x, x, x, o); }, "attend.shape.rotary_dim");
@@ -882,10 +882,10 @@ TEST(TorchMasks, AttnMaskAndKeyPaddingTakeTheSameWrapperAndMeanWhatPyTorchMeans)
         attend::mha_options o;
         o.need_weights = true;
         o.average_weights = false;
-        o.key_padding = attend::forbidden_mask::from_torch_mha(key_padding_mask);
-        const auto direct = m.forward(q, kv, kv, attend::forbidden_mask::from_torch_mha(attn_mask), o);
+        o.key_padding = attend::forbidden_mask::key_padding(key_padding_mask);
+        const auto direct = m.forward(q, kv, kv, attend::forbidden_mask::query_key_grid(attn_mask), o);
         const auto converted =
-            m.forward(q, kv, kv, attend::to_allowed(attend::forbidden_mask::from_torch_mha(attn_mask)), o);
+            m.forward(q, kv, kv, attend::to_allowed(attend::forbidden_mask::query_key_grid(attn_mask)), o);
         EXPECT_TRUE(bit_equal(direct.out, converted.out)) << "rep " << rep;
         const auto& w = direct.per_head_weights();
         for (index b = 0; b < B; ++b)
@@ -902,10 +902,10 @@ TEST(TorchMasks, AttnMaskAndKeyPaddingTakeTheSameWrapperAndMeanWhatPyTorchMeans)
         if (L == S) {
             auto cache = m.make_cache(B, S);
             attend::mha_options plain;
-            const auto cached = m.forward_cached(kv, cache, attend::forbidden_mask::from_torch_mha(attn_mask), plain);
+            const auto cached = m.forward_cached(kv, cache, attend::forbidden_mask::query_key_grid(attn_mask), plain);
             auto cache2 = m.make_cache(B, S);
             const auto cached2 = m.forward_cached(
-                kv, cache2, attend::to_allowed(attend::forbidden_mask::from_torch_mha(attn_mask)), plain);
+                kv, cache2, attend::to_allowed(attend::forbidden_mask::query_key_grid(attn_mask)), plain);
             EXPECT_TRUE(bit_equal(cached.out, cached2.out));
         }
     }

@@ -213,7 +213,7 @@ TYPED_TEST(NumericsStress, ASingleAllowedKeyPerRowGivesWeightOneAndExactlyThatVa
         for (index j = 0; j < S; ++j)
             if (j != only[static_cast<std::size_t>(i)]) x.at(i, j) = -std::numeric_limits<real>::infinity();
     }
-    const auto mask = attend::allowed_mask::from_torch_sdpa(allowed);
+    const auto mask = attend::allowed_mask::query_key_grid(allowed);
     expect_both_kernels_match_oracle(x, mask);
     for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
         attend::sdpa_options o;
@@ -251,11 +251,11 @@ TYPED_TEST(NumericsStress, FiniteLargeNegativeFillsMatchTheOracleWithoutOverflow
         for (const index S : {9, 700}) {
             problem<T> x(11, S, 8, 40);
             const auto m = partly_filled(x, fill, 41);
-            expect_both_kernels_match_oracle(x, attend::additive_mask<T>::from_values(m));
+            expect_both_kernels_match_oracle(x, attend::additive_mask<T>::query_key_grid(m));
             // Added twice the fill saturates at lowest() instead of reaching -inf: the same keys stay at weight 0
             // and no row empties.
-            expect_both_kernels_match_oracle(x, attend::additive_mask<T>::from_values(m) +
-                                                    attend::additive_mask<T>::from_values(m));
+            expect_both_kernels_match_oracle(x, attend::additive_mask<T>::query_key_grid(m) +
+                                                    attend::additive_mask<T>::query_key_grid(m));
         }
     }
 }
@@ -271,7 +271,7 @@ TYPED_TEST(NumericsStress, RowsFilledEntirelyWithAFiniteFillAreUniformNotNaN) {
             problem<T> x(6, S, 8, 50);
             attend::tensor<T, 2> m(x.L(), S);
             m.setConstant(fill);
-            const auto mask = attend::additive_mask<T>::from_values(m);
+            const auto mask = attend::additive_mask<T>::query_key_grid(m);
             problem<T> uniform = x;  // the same problem with every score equal and no bias
             uniform.q.setZero();
             const oracle want = solve(uniform);

@@ -89,7 +89,7 @@ auto alone(within w, F&& f) {
         case within::causal_top_left: return f(attend::causal(alignment::top_left));
         case within::causal_bottom_right: return f(attend::causal(alignment::bottom_right));
         case within::window_bottom_right: return f(attend::sliding_window(3, 1, alignment::bottom_right));
-        default: return f(attend::sliding_window(1 << 20, 1 << 20));
+        default: return f(attend::sliding_window(1 << 20, 1 << 20, attend::alignment::top_left));
     }
 }
 
@@ -218,10 +218,11 @@ TEST(PackedSegmentsCombined, TiledEqualsReferenceWithSinksSoftcapWindowGqaAndDro
     o.empty_rows = attend::empty_rows::zero;
     o.softcap = 5.0;
     o.sinks = attend::attention_sinks{0.5, -1.0, 2.0, 0.0};
-    o.score_bias = attend::score_bias::alibi(attend::alibi_slopes(c.heads));
+    o.score_bias = attend::score_bias::alibi(attend::alibi_slopes(c.heads), attend::alignment::top_left);
     o.dropout = {0.1, 9, true};
     o.need_weights = true;
-    const auto mask = c.packed().window(64, 0, alignment::bottom_right) && attend::sliding_window(1000, 1000);
+    const auto mask = c.packed().window(64, 0, alignment::bottom_right) &&
+                      attend::sliding_window(1000, 1000, attend::alignment::top_left);
     const auto d_out = attend_test::random_tensor<double>(8, c.batch, c.heads, c.query_len, c.dim);
     attend_test::expect_kernels_agree(attend_test::run_every_kernel(c.q, c.k, c.v, d_out, mask, o));
 }
@@ -288,7 +289,8 @@ TEST(PackedSegmentsErrors, OffsetsAndLengthsThatDoNotDescribeSegmentsAreRejected
     rejects(c.packed().with_lengths({1, 1}, c.key_lengths), "lengths for two of three segments");
     rejects(c.packed().with_lengths({-1, 0, 0}, c.key_lengths), "negative length");
     rejects(c.packed().with_lengths(c.query_lengths, {ko[1] - ko[0] + 1, 1, 1}), "length past its slot");
-    attend_test::expect_error<attend::mask_error>([&] { c.packed().window(-1, 0); }, "attend.mask.window");
+    attend_test::expect_error<attend::mask_error>([&] { c.packed().window(-1, 0, attend::alignment::top_left); },
+                                                  "attend.mask.window");
 }
 
 }  // namespace

@@ -763,7 +763,7 @@ TEST(PagedCacheMha, AFloatOr16BitModuleOverAnInt4PoolIsBitIdenticalToDecodingEac
 TEST(PagedCacheMha, ARollingWindowKeepsAbsoluteRotaryPositionsAndEqualsASlidingWindowOverTheWholeHistory) {
     // 300 tokens through 8 blocks of 8 positions with a window of 20: blocks are handed back and reused many
     // times, while rotary positions keep counting from 0. A plain kv_cache holding the whole history, attended
-    // with sliding_window(19, 0), must give the same bits at every step, prefill chunks included.
+    // with sliding_window(19, 0, bottom_right), must give the same bits at every step, prefill chunks included.
     attend::mha_config cfg{16, 4};
     cfg.kv_heads = 2;
     const attend::multi_head_attention<float> m(cfg, 9);

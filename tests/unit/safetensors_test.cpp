@@ -107,9 +107,9 @@ void check_golden_case(const json& c, double tolerance) {
     attend::mha_options options;
     options.need_weights = true;
     options.key_padding =
-        attend::forbidden_mask::from_torch_mha(attend_test::to_bool<2>(masks.at("key_padding_mask"), "key_padding"));
+        attend::forbidden_mask::key_padding(attend_test::to_bool<2>(masks.at("key_padding_mask"), "key_padding"));
     const auto r = m.forward(query, key, value,
-                             attend::forbidden_mask::from_torch_mha(attend_test::to_bool<2>(masks.at("attn_mask"))),
+                             attend::forbidden_mask::query_key_grid(attend_test::to_bool<2>(masks.at("attn_mask"))),
                              options);
     const json& outputs = c.at("outputs");
     const auto out = attend_test::to_double<3>(outputs.at("out"), "out");

@@ -73,7 +73,7 @@ TEST(ScoreBias, NoneIsEmptyAndAddsNothing) {
     const auto none = score_bias::none();
     EXPECT_TRUE(none.empty());
     EXPECT_TRUE(score_bias().empty());
-    EXPECT_FALSE(score_bias::alibi({0.5}).empty());
+    EXPECT_FALSE(score_bias::alibi({0.5}, attend::alignment::top_left).empty());
     EXPECT_NO_THROW(none.validate(7, 3, 5));
     std::vector<double> scores(12, 1.5);
     none.add_tile(0, 0, 0, 3, 4, 3, 4, scores.data(), 4);
@@ -82,7 +82,7 @@ TEST(ScoreBias, NoneIsEmptyAndAddsNothing) {
 }
 
 TEST(ScoreBias, AlibiValueIsMinusSlopeTimesDistanceToTheAlignedDiagonal) {
-    const auto top = score_bias::alibi({0.5, 0.25});
+    const auto top = score_bias::alibi({0.5, 0.25}, attend::alignment::top_left);
     const auto bottom = score_bias::alibi({0.5, 0.25}, alignment::bottom_right);
     // L 2, S 5: top_left puts query i at key i; bottom_right puts it at key i + 3.
     EXPECT_EQ(top.value<double>(0, 1, 1, 2, 5), 0.0);
@@ -113,7 +113,7 @@ TEST(ScoreBias, AlignmentsAgreeWhenQueryLenEqualsKeyLen) {
 
 TEST(ScoreBias, RelativeValueIsTheTableValueAtTheAlignedQueryPosition) {
     attend::relative_position_bias<double> table(3, true, 32, 128, 5);
-    const auto top = score_bias::relative(table);
+    const auto top = score_bias::relative(table, attend::alignment::top_left);
     const auto bottom = score_bias::relative(table, alignment::bottom_right);
     attend_test::rng g(8);
     for (int rep = 0; rep < attend_test::repeat(1000); ++rep) {
@@ -176,7 +176,7 @@ TEST(ScoreBias, TilingTheWholeScoreMatrixEqualsOneTile) {
 }
 
 TEST(ScoreBias, EmptyTilesWriteNothing) {
-    const auto bias = score_bias::alibi({1.0});
+    const auto bias = score_bias::alibi({1.0}, attend::alignment::top_left);
     double sentinel = 3.0;
     bias.add_tile(0, 0, 0, 0, 5, 4, 5, &sentinel, 5);
     bias.add_tile(0, 0, 0, 4, 0, 4, 5, &sentinel, 1);
@@ -186,7 +186,7 @@ TEST(ScoreBias, EmptyTilesWriteNothing) {
 TEST(ScoreBias, RelativeKeepsItsOwnCopyOfTheTable) {
     auto table = std::make_unique<attend::relative_position_bias<double>>(2, false, 16, 64, 1);
     const double expected = table->value(1, 10, 3);
-    const auto bias = score_bias::relative(*table);
+    const auto bias = score_bias::relative(*table, attend::alignment::top_left);
     table->table().setConstant(99.0);  // later edits of the original do not reach the copy
     table.reset();                     // nor does its destruction
     EXPECT_EQ(bias.value<double>(1, 10, 3, 20, 20), expected);
@@ -196,7 +196,8 @@ TEST(ScoreBias, RelativeKeepsItsOwnCopyOfTheTable) {
 
 TEST(ScoreBias, RelativeSharedTableSeesTheCallersUpdates) {
     auto table = std::make_shared<attend::relative_position_bias<double>>(1, true);
-    const auto bias = score_bias::relative(std::shared_ptr<const attend::relative_position_bias<double>>(table));
+    const auto bias = score_bias::relative(std::shared_ptr<const attend::relative_position_bias<double>>(table),
+                                           attend::alignment::top_left);
     table->table().setConstant(2.5);
     EXPECT_EQ(bias.value<double>(0, 4, 1, 8, 8), 2.5);
 }
@@ -213,26 +214,32 @@ TEST(ScoreBias, RelativeFromAFloatTableUsesTheSameValues) {
 }
 
 TEST(ScoreBias, ValidateRejectsAHeadCountThatDoesNotMatch) {
-    const auto alibi = score_bias::alibi(attend::alibi_slopes(8));
+    const auto alibi = score_bias::alibi(attend::alibi_slopes(8), attend::alignment::top_left);
     EXPECT_NO_THROW(alibi.validate(8, 3, 4));
     expect_error<attend::shape_error>([&] { alibi.validate(12, 3, 4); }, "attend.shape.score_bias_heads");
     expect_error<attend::shape_error>([&] { alibi.validate(4, 3, 4); }, "attend.shape.score_bias_heads");
-    const auto relative = score_bias::relative(attend::relative_position_bias<double>(6, true));
+    const auto relative =
+        score_bias::relative(attend::relative_position_bias<double>(6, true), attend::alignment::top_left);
     EXPECT_NO_THROW(relative.validate(6, 1, 1));
     expect_error<attend::shape_error>([&] { relative.validate(5, 1, 1); }, "attend.shape.score_bias_heads");
-    expect_error<attend::shape_error>([] { score_bias::alibi({}).validate(1, 1, 1); }, "attend.shape.score_bias_heads");
+    expect_error<attend::shape_error>([] { score_bias::alibi({}, attend::alignment::top_left).validate(1, 1, 1); },
+                                      "attend.shape.score_bias_heads");
 }
 
 TEST(ScoreBias, RejectsNonFiniteSlopesAndNullTables) {
     expect_error<attend::value_error>(
         [] {
-            score_bias::alibi({0.5, std::numeric_limits<double>::infinity()});
+            score_bias::alibi({0.5, std::numeric_limits<double>::infinity()}, attend::alignment::top_left);
         },
         "attend.value.alibi_slopes");
-    expect_error<attend::value_error>([] { score_bias::alibi({std::numeric_limits<double>::quiet_NaN()}); },
-                                      "attend.value.alibi_slopes");
     expect_error<attend::value_error>(
-        [] { score_bias::relative(std::shared_ptr<const attend::relative_position_bias<double>>()); },
+        [] { score_bias::alibi({std::numeric_limits<double>::quiet_NaN()}, attend::alignment::top_left); },
+        "attend.value.alibi_slopes");
+    expect_error<attend::value_error>(
+        [] {
+            score_bias::relative(std::shared_ptr<const attend::relative_position_bias<double>>(),
+                                 attend::alignment::top_left);
+        },
         "attend.value.score_bias_table");
 }
 

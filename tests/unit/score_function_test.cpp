@@ -54,7 +54,7 @@ TYPED_TEST(ScoreMod, AlibiAsAFunctionEqualsTheBuiltInBiasForwardAndBackward) {
     for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
         attend::sdpa_options builtin, function;
         builtin.kernel = function.kernel = kernel;
-        builtin.score_bias = attend::score_bias::alibi(slopes);
+        builtin.score_bias = attend::score_bias::alibi(slopes, attend::alignment::top_left);
         function.score_mod = alibi_as_function(slopes);
         const auto want = attend::scaled_dot_product_attention(q, k, v, mask, builtin);
         const auto got = attend::scaled_dot_product_attention(q, k, v, mask, function);
@@ -122,10 +122,11 @@ TEST(ScoreModCombined, TiledEqualsReferenceWithSoftcapSinksAlibiPackedSegmentsGq
     o.score_mod = wavy();
     o.softcap = 4.0;
     o.sinks = attend::attention_sinks{0.5, -1.0, 2.0, 0.0};
-    o.score_bias = attend::score_bias::alibi(attend::alibi_slopes(H));
+    o.score_bias = attend::score_bias::alibi(attend::alibi_slopes(H), attend::alignment::top_left);
     o.dropout = {0.1, 4, true};
     o.need_weights = true;
-    const auto mask = attend::packed_segments({0, 100, 270, 300}, {0, 100, 270, 300}).window(60, 0);
+    const auto mask =
+        attend::packed_segments({0, 100, 270, 300}, {0, 100, 270, 300}).window(60, 0, attend::alignment::top_left);
     attend_test::expect_kernels_agree(attend_test::run_every_kernel(q, k, v, d_out, mask, o));
 }
 

@@ -311,7 +311,7 @@ TEST(SdpaErrors, DenseMaskThatDoesNotBroadcastIsMaskBroadcast) {
     const auto x = make(2, 2, 2, 4, 5, 3, 3);
     tensor<bool, 2> wrong_len(3, 5);  // query_len 3, the call has 4
     wrong_len.setConstant(true);
-    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::allowed_mask::from_torch_sdpa(wrong_len), {},
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::allowed_mask::query_key_grid(wrong_len), {},
                                           "attend.mask.broadcast", {"[3,5]", "[2,2,4,5]"});
     tensor<bool, 4> wrong_batch(3, 1, 1, 5);  // key padding for 3 sequences, the batch is 2
     wrong_batch.setConstant(false);
@@ -320,7 +320,7 @@ TEST(SdpaErrors, DenseMaskThatDoesNotBroadcastIsMaskBroadcast) {
                                           "attend.mask.broadcast", {"[3,1,1,5]", "[2,2,4,5]"});
     tensor<float, 2> wrong_keys(4, 6);
     wrong_keys.setZero();
-    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::additive_mask<float>::from_values(wrong_keys), {},
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::additive_mask<float>::query_key_grid(wrong_keys), {},
                                           "attend.mask.broadcast", {"[4,6]", "[2,2,4,5]"});
 }
 
@@ -352,17 +352,18 @@ TEST(SdpaErrors, PaddingLengthOutsideZeroToLenIsMaskLengthRange) {
 }
 
 TEST(SdpaErrors, NegativeSlidingWindowIsMaskWindow) {
-    expect_error<attend::mask_error>([] { (void)attend::sliding_window(-1, 2); }, "attend.mask.window",
-                                     {"left -1", "right 2"});
+    expect_error<attend::mask_error>([] { (void)attend::sliding_window(-1, 2, attend::alignment::top_left); },
+                                     "attend.mask.window", {"left -1", "right 2"});
     expect_error<attend::mask_error>([] { (void)attend::sliding_window(3, -2, attend::alignment::bottom_right); },
                                      "attend.mask.window", {"left 3", "right -2"});
 }
 
 TEST(SdpaErrors, PrefixLongerThanKeysOrNegativeIsMaskPrefixLen) {
-    expect_error<attend::mask_error>([] { (void)attend::prefix_lm(-1); }, "attend.mask.prefix_len", {"-1"});
+    expect_error<attend::mask_error>([] { (void)attend::prefix_lm(-1, attend::alignment::top_left); },
+                                     "attend.mask.prefix_len", {"-1"});
     const auto x = make(2, 2, 2, 4, 5, 3, 3);
-    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::prefix_lm(6), {}, "attend.mask.prefix_len",
-                                          {"prefix_len 6", "key_len 5"});
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::prefix_lm(6, attend::alignment::top_left), {},
+                                          "attend.mask.prefix_len", {"prefix_len 6", "key_len 5"});
 }
 
 TEST(SdpaErrors, BlockDiagonalLengthsNotMatchingTheSequenceIsMaskBlockLengths) {
@@ -394,12 +395,12 @@ TEST(SdpaErrors, AdditiveMaskWithNaNOrPlusInfinityIsValueAdditiveMask) {
         tensor<float, 2> m(3, 4);
         m.setZero();
         m(1, 2) = bad;
-        expect_error<attend::value_error>([&] { (void)attend::additive_mask<float>::from_values(m); },
+        expect_error<attend::value_error>([&] { (void)attend::additive_mask<float>::query_key_grid(m); },
                                           "attend.value.additive_mask", {"[3,4]", "flat index 6"});
     }
     tensor<double, 2> ok(3, 4);  // -inf is the one allowed infinity
     ok.setConstant(-std::numeric_limits<double>::infinity());
-    EXPECT_NO_THROW((void)attend::additive_mask<double>::from_values(ok));
+    EXPECT_NO_THROW((void)attend::additive_mask<double>::query_key_grid(ok));
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -614,11 +615,13 @@ TEST(SdpaErrors, NegativeThreadCountIsValueThreads) {
 TEST(SdpaErrors, ScoreBiasForAnotherHeadCountIsShapeScoreBiasHeads) {
     const auto x = make(2, 2, 1, 4, 5, 3, 3);
     attend::sdpa_options o;
-    o.score_bias = attend::score_bias::alibi({0.5, 0.25, 0.125});  // three slopes, two heads
+    o.score_bias =
+        attend::score_bias::alibi({0.5, 0.25, 0.125}, attend::alignment::top_left);  // three slopes, two heads
     expect_call_error<attend::shape_error>(x.q, x.k, x.v, o, "attend.shape.score_bias_heads", {"3 slopes", "2 heads"});
     expect_error<attend::value_error>(
         [] {
-            (void)attend::score_bias::alibi({0.5, std::numeric_limits<double>::infinity()});
+            (void)attend::score_bias::alibi({0.5, std::numeric_limits<double>::infinity()},
+                                            attend::alignment::top_left);
         },
         "attend.value.alibi_slopes", {"head 1"});
 }

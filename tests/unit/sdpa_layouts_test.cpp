@@ -171,7 +171,8 @@ TYPED_TEST(SdpaProperty, SplitHeadsViewsEqualTransposedTensorsAndPlainReshapeDoe
             return t;
         };
         const auto qt = transpose(xq, H, D), kt = transpose(xk, G, D), vt = transpose(xv, G, Dv);
-        const auto mask = attend::causal(attend::alignment::bottom_right) || attend::sliding_window(1, 1);
+        const auto mask = attend::causal(attend::alignment::bottom_right) ||
+                          attend::sliding_window(1, 1, attend::alignment::top_left);
         attend::sdpa_options o = zero_rows();
         o.kernel = c.kernel;
         o.need_weights = true;
@@ -220,8 +221,8 @@ void check_zero_size_calls(attend::kernel kernel) {
         EXPECT_NO_THROW(check4(attend::scaled_dot_product_attention(q, k, v, attend::key_padding(lengths), o)));
         tensor<bool, 2> everything(L, S);
         everything.setConstant(true);
-        EXPECT_NO_THROW(check4(
-            attend::scaled_dot_product_attention(q, k, v, attend::allowed_mask::from_torch_sdpa(everything), o)));
+        EXPECT_NO_THROW(
+            check4(attend::scaled_dot_product_attention(q, k, v, attend::allowed_mask::query_key_grid(everything), o)));
         tensor<T, 4> out(B, H, L, Dv), weights(B, H, L, S);
         tensor<T, 3> lse(B, H, L);
         EXPECT_NO_THROW(attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, out, o, weights, lse));

@@ -178,9 +178,9 @@ TYPED_TEST(SdpaProperty, SeedThreeByThreeCausalExampleGivesTwoThreeFourteenThird
             lower(i, j) = j <= i;
         }
     const auto from_mha = attend::scaled_dot_product_attention(
-        q, k, v, attend::to_allowed(attend::forbidden_mask::from_torch_mha(upper)), o);
+        q, k, v, attend::to_allowed(attend::forbidden_mask::query_key_grid(upper)), o);
     const auto from_sdpa =
-        attend::scaled_dot_product_attention(q, k, v, attend::allowed_mask::from_torch_sdpa(lower), o);
+        attend::scaled_dot_product_attention(q, k, v, attend::allowed_mask::query_key_grid(lower), o);
     EXPECT_TRUE(identical(from_mha.out, from_sdpa.out));
     EXPECT_TRUE(identical(from_mha.weights, from_sdpa.weights));
     EXPECT_TRUE(near(from_mha.out, r.out, 4 * eps<T>() * 5));
@@ -189,7 +189,7 @@ TYPED_TEST(SdpaProperty, SeedThreeByThreeCausalExampleGivesTwoThreeFourteenThird
     // The trap: the same upper triangle read in the SDPA convention (true = may attend) means the opposite.
     // Query 2 then has no key at all: loud under the default policy ...
     try {
-        (void)attend::scaled_dot_product_attention(q, k, v, attend::allowed_mask::from_torch_sdpa(upper), o);
+        (void)attend::scaled_dot_product_attention(q, k, v, attend::allowed_mask::query_key_grid(upper), o);
         ADD_FAILURE() << "the inverted mask leaves query 2 without keys and must throw";
     } catch (const attend::mask_error& e) {
         EXPECT_EQ(e.id(), "attend.mask.empty_row");
@@ -197,8 +197,7 @@ TYPED_TEST(SdpaProperty, SeedThreeByThreeCausalExampleGivesTwoThreeFourteenThird
     }
     // ... and visibly different numbers under empty_rows::zero: 6, 8, 0 instead of 2, 3, 14/3.
     o.empty_rows = attend::empty_rows::zero;
-    const auto inverted =
-        attend::scaled_dot_product_attention(q, k, v, attend::allowed_mask::from_torch_sdpa(upper), o);
+    const auto inverted = attend::scaled_dot_product_attention(q, k, v, attend::allowed_mask::query_key_grid(upper), o);
     EXPECT_EQ(inverted.out(0, 0, 0), T(6));
     EXPECT_EQ(inverted.out(0, 1, 0), T(8));
     EXPECT_EQ(inverted.out(0, 2, 0), T(0));
@@ -248,9 +247,9 @@ TYPED_TEST(SdpaProperty, FiniteLargeNegativeFillIsNotExactZeroButMinusInfinityIs
         finite.setValues({{T(0), static_cast<T>(fill)}});
         infinite.setValues({{T(0), -std::numeric_limits<T>::infinity()}});
         const auto with_fill =
-            attend::scaled_dot_product_attention(q, k, v, attend::additive_mask<T>::from_values(finite), o);
+            attend::scaled_dot_product_attention(q, k, v, attend::additive_mask<T>::query_key_grid(finite), o);
         const auto with_inf =
-            attend::scaled_dot_product_attention(q, k, v, attend::additive_mask<T>::from_values(infinite), o);
+            attend::scaled_dot_product_attention(q, k, v, attend::additive_mask<T>::query_key_grid(infinite), o);
         EXPECT_GT(with_fill.weights(0, 0, 1), T(0.1)) << "a finite fill only shifts the score; it does not forbid";
         EXPECT_EQ(with_inf.weights(0, 0, 1), T(0));
         EXPECT_EQ(with_inf.weights(0, 0, 0), T(1));
@@ -266,11 +265,11 @@ TYPED_TEST(SdpaProperty, FiniteLargeNegativeFillIsNotExactZeroButMinusInfinityIs
     finite.setConstant(T(-1e4));
     infinite.setConstant(-std::numeric_limits<T>::infinity());
     const auto padded_row =
-        attend::scaled_dot_product_attention(q, k, v, attend::additive_mask<T>::from_values(finite), o);
+        attend::scaled_dot_product_attention(q, k, v, attend::additive_mask<T>::query_key_grid(finite), o);
     // (Loose on purpose: the point is "about 1/3, not 0"; accuracy is WeightsStayAccurateUnderALargeCommonOffset.)
     for (int j = 0; j < 3; ++j) EXPECT_NEAR(static_cast<double>(padded_row.weights(0, 0, j)), 1.0 / 3, 1e-3);
     EXPECT_NEAR(static_cast<double>(padded_row.out(0, 0, 0)), 3.0, 1e-3);
-    EXPECT_THROW((void)attend::scaled_dot_product_attention(q, k, v, attend::additive_mask<T>::from_values(infinite),
+    EXPECT_THROW((void)attend::scaled_dot_product_attention(q, k, v, attend::additive_mask<T>::query_key_grid(infinite),
                                                             o),
                  attend::mask_error);
 }
@@ -342,12 +341,12 @@ TEST(SdpaFillValues, FiniteAdditiveFillThatOverflowsTheScoreTypeNeverGivesASilen
     };
     tensor<double, 2> huge(2, 3);
     huge.setValues({{-1e300, -1e300, -1e300}, {0, 0, 0}});
-    check(attend::additive_mask<double>::from_values(huge), "additive_mask<double> -1e300 on float inputs");
+    check(attend::additive_mask<double>::query_key_grid(huge), "additive_mask<double> -1e300 on float inputs");
     tensor<float, 2> lowest(2, 3);
     lowest.setValues({{std::numeric_limits<float>::lowest(), std::numeric_limits<float>::lowest(),
                        std::numeric_limits<float>::lowest()},
                       {0, 0, 0}});
-    const auto m = attend::additive_mask<float>::from_values(lowest);
+    const auto m = attend::additive_mask<float>::query_key_grid(lowest);
     check(m + m, "two additive_mask<float> of lowest() added");
 }
 

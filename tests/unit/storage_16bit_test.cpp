@@ -442,18 +442,18 @@ TYPED_TEST(Storage16, ASixteenBitAdditiveMaskIsTheFloatMaskOfTheSameValues) {
     // -1e9 trap) or +inf; NaN is rejected.
     attend::tensor<float, 2> fill(1, 3);
     fill.setValues({{-1e30f, -std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}});
-    const auto one_key = attend::additive_mask<T>::from_values(fill);
+    const auto one_key = attend::additive_mask<T>::query_key_grid(fill);
     const inputs16<T> small(1, 1, 1, 3, 8, 63);
     const auto r = attend::scaled_dot_product_attention(small.q, small.k, small.v, one_key);  // not an empty row
     for (index d = 0; d < 8; ++d) EXPECT_TRUE(r.out(0, 0, 0, d) == small.v(0, 0, 0, d));
     fill(0, 0) = 1e30f;
     const auto large =
-        attend::scaled_dot_product_attention(small.q, small.k, small.v, attend::additive_mask<T>::from_values(fill));
+        attend::scaled_dot_product_attention(small.q, small.k, small.v, attend::additive_mask<T>::query_key_grid(fill));
     for (index d = 0; d < 8; ++d) EXPECT_TRUE(large.out(0, 0, 0, d) == small.v(0, 0, 0, d));
     attend::tensor<T, 2> nan_mask(2, 2);
     nan_mask.setConstant(T(0));
     nan_mask(1, 0) = T(std::numeric_limits<float>::quiet_NaN());
-    attend_test::expect_error<attend::value_error>([&] { (void)attend::additive_mask<T>::from_values(nan_mask); },
+    attend_test::expect_error<attend::value_error>([&] { (void)attend::additive_mask<T>::query_key_grid(nan_mask); },
                                                    "attend.value.additive_mask");
 }
 
@@ -537,7 +537,7 @@ void expect_a_single_allowed_key_to_get_weight_one(std::uint64_t seed) {
     o.kernel = attend::kernel::tiled;
     o.need_weights = true;
     const auto r =
-        attend::scaled_dot_product_attention(in.q, in.k, in.v, attend::allowed_mask::from_torch_sdpa(allowed), o);
+        attend::scaled_dot_product_attention(in.q, in.k, in.v, attend::allowed_mask::query_key_grid(allowed), o);
     for (index b = 0; b < 2; ++b)
         for (index h = 0; h < 2; ++h)
             for (index i = 0; i < L; ++i) {

@@ -28,6 +28,7 @@
 #include <attend/attend.hpp>
 
 #include "support/compare.hpp"
+#include "support/dense_masks.hpp"
 #include "support/kept_scratch.hpp"
 #include "support/paged_model.hpp"
 #include "support/random.hpp"
@@ -234,8 +235,8 @@ void with_dense_boolean(attend_test::rng& g, const config& c, bool forbidden, F&
         for (index n = 0; n < x.size(); ++n) x.data()[n] = g.bernoulli(density) != forbidden;
     };
     const auto make = [&](const auto& x) {
-        if (forbidden) f(attend::to_allowed(attend::forbidden_mask::from_torch_mha(x)));
-        else f(attend::allowed_mask::from_torch_sdpa(x));
+        if (forbidden) f(attend::to_allowed(attend_test::dense_mask<attend::forbidden_mask>(x)));
+        else f(attend_test::dense_mask<attend::allowed_mask>(x));
     };
     if (dims.size() == 2) {
         auto x = dense_tensor<2, bool>(dims);
@@ -268,7 +269,7 @@ attend::additive_mask<T> dense_additive(attend_test::rng& g, const config& c) {
     if (dims.size() == 2) {
         auto x = dense_tensor<2, T>(dims);
         fill(x);
-        return attend::additive_mask<T>::from_values(x);
+        return attend::additive_mask<T>::query_key_grid(x);
     }
     if (dims.size() == 3) {
         auto x = dense_tensor<3, T>(dims);
@@ -290,9 +291,31 @@ alignment any_alignment(attend_test::rng& g) {
     return g.bernoulli(0.5) ? alignment::top_left : alignment::bottom_right;
 }
 
+/// Any diagonal a rule takes: an alignment, one offset for every batch row (at times far outside the scores),
+/// one offset per row, or per-row key lengths (ONNX's nonpad_kv_seqlen).
+attend::diagonal any_diagonal(attend_test::rng& g, const config& c) {
+    const index reach = c.query_len + c.key_len;
+    const auto offset = [&] {
+        if (g.bernoulli(0.1)) return g.bernoulli(0.5) ? std::numeric_limits<index>::max() : -reach * 1000;
+        return g.uniform_int(-c.query_len, c.key_len);
+    };
+    switch (g.uniform_int(0, 4)) {
+        case 0: return attend::diagonal_offset(offset());
+        case 1: {
+            std::vector<index> offsets(static_cast<std::size_t>(c.batch));
+            for (auto& x : offsets) x = offset();
+            return attend::diagonal_offsets(std::move(offsets));
+        }
+        case 2: return attend::aligned_to_key_lengths(lengths(g, c.batch, c.key_len));
+        default: return any_alignment(g);
+    }
+}
+
 attend::sliding_window_rule any_window(attend_test::rng& g, const config& c) {
     const index span = std::max(c.query_len, c.key_len);
-    return attend::sliding_window(g.uniform_int(0, span / 2 + 2), g.uniform_int(0, span / 4 + 1), any_alignment(g));
+    const index left = g.bernoulli(0.1) ? attend::unbounded : g.uniform_int(0, span / 2 + 2);
+    const index right = g.bernoulli(0.1) ? attend::unbounded : g.uniform_int(0, span / 4 + 1);
+    return attend::sliding_window(left, right, any_diagonal(g, c));
 }
 
 std::vector<index> block_lengths(attend_test::rng& g, index total) {
@@ -324,20 +347,20 @@ void compare_random_mask(attend_test::rng& g, config& c, const inputs<T>& in, ta
         case 4: return run("causal top_left", attend::causal(alignment::top_left));
         case 5: return run("causal bottom_right", attend::causal(alignment::bottom_right));
         case 6: return run("sliding_window", any_window(g, c));
-        case 7: return run("prefix_lm", attend::prefix_lm(g.uniform_int(0, c.key_len), any_alignment(g)));
+        case 7: return run("prefix_lm", attend::prefix_lm(g.uniform_int(0, c.key_len), any_diagonal(g, c)));
         case 8: return run("key_padding", attend::key_padding(lengths(g, c.batch, c.key_len)));
         case 9:
             return run("query_padding && causal",
-                       attend::query_padding(lengths(g, c.batch, c.query_len)) && attend::causal(any_alignment(g)));
+                       attend::query_padding(lengths(g, c.batch, c.query_len)) && attend::causal(any_diagonal(g, c)));
         case 10: return run("block_diagonal", attend::block_diagonal(block_lengths(g, c.query_len)));
         case 11:
             return run("causal && key_padding",
-                       attend::causal(any_alignment(g)) && attend::key_padding(lengths(g, c.batch, c.key_len)));
+                       attend::causal(any_diagonal(g, c)) && attend::key_padding(lengths(g, c.batch, c.key_len)));
         case 12:
             return run("sliding_window || prefix_lm",
-                       any_window(g, c) || attend::prefix_lm(g.uniform_int(0, c.key_len), any_alignment(g)));
+                       any_window(g, c) || attend::prefix_lm(g.uniform_int(0, c.key_len), any_diagonal(g, c)));
         case 13: return with_dense_boolean(g, c, false, [&](const auto& m) { run("!allowed_mask", !m); });
-        case 14: return run("additive + causal", dense_additive<T>(g, c) + attend::causal(any_alignment(g)));
+        case 14: return run("additive + causal", dense_additive<T>(g, c) + attend::causal(any_diagonal(g, c)));
         case 15:
             return with_dense_boolean(g, c, false, [&](const auto& m) {
                 run("query_padding && allowed_mask", attend::query_padding(lengths(g, c.batch, c.query_len)) && m);
@@ -502,7 +525,7 @@ TEST(TiledKernel, BitIdenticalForAnyThreadCount) {
     o.need_lse = true;
     o.empty_rows = attend::empty_rows::zero;
     o.dropout = {0.2, 1234, true};
-    o.score_bias = attend::score_bias::alibi(attend::alibi_slopes(4));
+    o.score_bias = attend::score_bias::alibi(attend::alibi_slopes(4), attend::alignment::top_left);
     const auto mask = attend::causal(alignment::bottom_right) && attend::key_padding({517, 300});
     o.threads = 1;
     const auto one = attend::scaled_dot_product_attention(q, k, v, mask, o);
@@ -576,7 +599,7 @@ void expect_shared_blocks_change_no_bit() {
     attend::sdpa_options o;
     o.need_weights = true;
     o.dropout = {0.1, 99, true};
-    o.score_bias = attend::score_bias::alibi(attend::alibi_slopes(H));
+    o.score_bias = attend::score_bias::alibi(attend::alibi_slopes(H), attend::alignment::top_left);
     o.sinks = attend::attention_sinks(std::vector<double>{0.5, -1.0, 2.0, 0.0});
     o.empty_rows = attend::empty_rows::zero;
     const auto mask = attend::causal(alignment::bottom_right) && attend::key_padding({170, 131});

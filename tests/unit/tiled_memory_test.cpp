@@ -124,7 +124,8 @@ TEST(TiledMemory, LongSequenceAllocatesNoScoreMatrix) {
     attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, out, o, nullptr, lse);
 #else
     // Unoptimized (debug, sanitizer) builds: the same call shape, with a band mask so it takes seconds, not minutes.
-    attend::scaled_dot_product_attention_into(q, k, v, attend::sliding_window(1024, 0), out, o, nullptr, lse);
+    attend::scaled_dot_product_attention_into(q, k, v, attend::sliding_window(1024, 0, attend::alignment::top_left),
+                                              out, o, nullptr, lse);
 #endif
     const long long extra = peak_bytes.load() - live_before;
     const long long rss_growth = peak_rss_bytes() - rss_before;

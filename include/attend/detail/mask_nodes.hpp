@@ -16,7 +16,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "../alignment.hpp"
 #include "../tensor.hpp"
+#include "checked_arithmetic.hpp"
 
 namespace attend {
 
@@ -102,15 +104,39 @@ private:
     const Rule& self() const { return static_cast<const Rule&>(*this); }
 };
 
-/// Keys j with i + offset - left <= j <= i + offset + right: causal is a band with right = 0 and an unbounded left.
+/// Keys j with i + low <= j <= i + high, low = offset - left and high = offset + right for the diagonal offset of
+/// the row's batch entry: causal is a band with right = 0 and an unbounded left. Both edges are clamped to
+/// [-query_len, key_len], which changes no row (an edge below -query_len leaves no row a key before 0 to cut, one
+/// above key_len no key to reach) and keeps every sum in range, whatever offsets and sizes the caller gave.
 struct bound_band : interval_rule<bound_band> {
-    index offset = 0;  ///< 0 for top_left, key_len - query_len for bottom_right
-    index left = 0;    ///< capped at query_len + key_len, so no arithmetic overflows
-    index right = 0;
+    std::array<index, 2> edges{};                                        ///< {low, high} of every batch row
+    std::shared_ptr<const std::vector<std::array<index, 2>>> per_batch;  ///< [batch] {low, high}, or null
     index key_len = 0;
 
-    std::array<index, 2> interval(index, index i) const {
-        return {std::max<index>(0, i + offset - left), std::min(key_len, i + offset + right + 1)};
+    /// The band of `left` keys before and `right` after diagonal `d` of a call with query_len queries.
+    static bound_band around(const bound_diagonal& d, index left, index right, index query_len, index key_len_) {
+        const auto edges_of = [&](index offset) -> std::array<index, 2> {
+            // An unbounded side is no bound at all, not offset -+ the largest index.
+            return {left == unbounded ? -query_len
+                                      : std::clamp(saturating_difference(offset, left), -query_len, key_len_),
+                    right == unbounded ? key_len_
+                                       : std::clamp(saturating_difference(offset, -right), -query_len, key_len_)};
+        };
+        bound_band band;
+        band.key_len = key_len_;
+        band.edges = edges_of(d.offset);
+        if (d.per_batch) {
+            std::vector<std::array<index, 2>> rows;
+            rows.reserve(d.per_batch->size());
+            for (index offset : *d.per_batch) rows.push_back(edges_of(offset));
+            band.per_batch = std::make_shared<const std::vector<std::array<index, 2>>>(std::move(rows));
+        }
+        return band;
+    }
+
+    std::array<index, 2> interval(index b, index i) const {
+        const auto& e = per_batch ? (*per_batch)[static_cast<std::size_t>(b)] : edges;
+        return {std::max<index>(0, i + e[0]), std::min(key_len, i + e[1] + 1)};
     }
     tile_class classify(const tile& t) const {
         const index first = t.query_begin, last = t.query_end - 1;
@@ -122,13 +148,16 @@ struct bound_band : interval_rule<bound_band> {
     }
 };
 
-/// Keys j < prefix_len, or j <= i + offset (bidirectional over the prefix, causal after it).
+/// Keys j < prefix_len, or j <= i + offset (bidirectional over the prefix, causal after it). Offsets are clamped
+/// to [-query_len, key_len], as bound_band's edges.
 struct bound_prefix_lm : interval_rule<bound_prefix_lm> {
     index prefix_len = 0;
-    index offset = 0;
+    bound_diagonal diagonal;  ///< the causal part's diagonal, per batch row
+    index query_len = 0;
     index key_len = 0;
 
-    std::array<index, 2> interval(index, index i) const {
+    std::array<index, 2> interval(index b, index i) const {
+        const index offset = std::clamp(diagonal.offset_of(b), -query_len, key_len);
         return {0, std::min(key_len, std::max(prefix_len, i + offset + 1))};
     }
     tile_class classify(const tile& t) const {
@@ -278,29 +307,36 @@ inline byte_kinds_found byte_kinds(const std::uint8_t* p, index n, index stride)
 }
 
 /// A dense Boolean grid broadcast onto `[batch, heads, query_len, key_len]` by strides (0 on broadcast axes).
-/// `inverted` is true when the stored values follow the forbidden convention (true = blocked).
+/// `inverted` is true when the stored values follow the forbidden convention (true = blocked). Keys at or past
+/// key_end are forbidden (an ONNX mask shorter than key_len); it is key_len otherwise.
 struct bound_dense_boolean {
     const std::uint8_t* data = nullptr;
     std::array<index, 4> strides{};
+    index key_end = std::numeric_limits<index>::max();
     bool inverted = false;
 
     bool allowed(index b, index h, index i, index j) const {
-        return (data[b * strides[0] + h * strides[1] + i * strides[2] + j * strides[3]] != 0) != inverted;
+        return j < key_end &&
+               (data[b * strides[0] + h * strides[1] + i * strides[2] + j * strides[3]] != 0) != inverted;
     }
     bool query_padded(index, index) const { return false; }
     /// Row by row, each row's bytes in one branch-free pass (vectorized where the key axis is contiguous), stopping
     /// at the first row that shows both kinds: the kernels classify every tile of every head, and most tiles of a
     /// block-diagonal or padded mask are wholly one kind, so they are read to the end.
     tile_class classify(const tile& t) const {
+        const index stored_end = std::min(t.key_end, key_end);
+        if (stored_end <= t.key_begin) return tile_class::empty;
         bool nonzero = false, zero = false;
         const std::uint8_t* row = data + t.batch * strides[0] + t.head * strides[1] + t.key_begin * strides[3];
         for (index i = t.query_begin; i < t.query_end && !(nonzero && zero); ++i) {
-            const auto kinds = byte_kinds(row + i * strides[2], t.key_end - t.key_begin, strides[3]);
+            const auto kinds = byte_kinds(row + i * strides[2], stored_end - t.key_begin, strides[3]);
             nonzero = nonzero || kinds.nonzero;
             zero = zero || kinds.zero;
         }
-        if (nonzero && zero) return tile_class::mixed;
-        return (inverted ? zero : nonzero) ? tile_class::full : tile_class::empty;
+        const bool any_allowed = inverted ? zero : nonzero,
+                   any_forbidden = (inverted ? nonzero : zero) || stored_end < t.key_end;
+        if (!any_allowed) return tile_class::empty;
+        return any_forbidden ? tile_class::mixed : tile_class::full;
     }
     template <class T>
     void apply(const tile& t, T* scores, index ld) const {
@@ -308,13 +344,16 @@ struct bound_dense_boolean {
     }
 };
 
-/// A dense additive grid broadcast like bound_dense_boolean; -inf forbids, finite values bias the scores.
+/// A dense additive grid broadcast like bound_dense_boolean; -inf forbids, finite values bias the scores, and keys
+/// at or past key_end are forbidden.
 template <class V>
 struct bound_dense_additive {
     const V* data = nullptr;
     std::array<index, 4> strides{};
+    index key_end = std::numeric_limits<index>::max();
 
     V value(index b, index h, index i, index j) const {
+        if (j >= key_end) return minus_infinity<V>();
         return data[b * strides[0] + h * strides[1] + i * strides[2] + j * strides[3]];
     }
     bool allowed(index b, index h, index i, index j) const { return value(b, h, i, j) != minus_infinity<V>(); }
