@@ -479,6 +479,16 @@ inline sliding_window_rule sliding_window(index left, index right, diagonal d) {
     detail::check_window(left, right, "sliding_window");
     return sliding_window_rule{{}, left, right, std::move(d)};
 }
+/// The window of a Hugging Face config's `sliding_window: W` (transformers' sliding_window_overlay: W keys, the
+/// query's own included, so key j > i' - W) on diagonal `d`: sliding_window(W - 1, 0, d), without the off-by-one.
+/// Throws mask_error attend.mask.window_from_config for W <= 0.
+inline sliding_window_rule sliding_window_from_config(index window_keys, diagonal d) {
+    if (window_keys <= 0)
+        throw mask_error("attend.mask.window_from_config",
+                         detail::concat("sliding_window_from_config(", window_keys,
+                                        ") needs a window of at least 1 key (the query's own)"));
+    return sliding_window(window_keys - 1, 0, std::move(d));
+}
 
 /// Prefix LM: every query sees the first prefix_len keys, and the rest causally (j <= i + offset as in causal).
 struct prefix_lm_rule : detail::boolean_term {

@@ -347,7 +347,8 @@ auto scaled_dot_product_attention(const Q& q, const K& k, const V& v, const sdpa
 /// Outputs must not overlap q, k, v or each other in memory (measured conservatively, from each tensor's lowest
 /// to its highest element address): the kernels read inputs while they write outputs, tile by tile, so an
 /// overlap is shape_error attend.shape.aliasing naming both tensors. Adjacent buffers are fine.
-template <class Q, class K, class V, class Mask, class Out, class Weights = std::nullptr_t, class Lse = std::nullptr_t>
+template <class Q, class K, class V, class Mask, class Out, class Weights = std::nullptr_t, class Lse = std::nullptr_t,
+          std::enable_if_t<!std::is_same_v<std::decay_t<Out>, sdpa_options>, int> = 0>
 void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const Mask& mask, Out&& out,
                                        const sdpa_options& options = {}, Weights&& weights = nullptr,
                                        Lse&& lse = nullptr) {
@@ -387,6 +388,15 @@ void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const
         const auto call = detail::check_call(qv, kv, vv, s, mask, options, true);
         detail::run_checked(qv, kv, vv, s, call, o);
     }
+}
+
+/// The _into form without a mask: every query attends every key. Outputs and errors as the masked form.
+template <class Q, class K, class V, class Out, class Weights = std::nullptr_t, class Lse = std::nullptr_t,
+          std::enable_if_t<!detail::is_mask_like_v<std::decay_t<Out>>, int> = 0>
+void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, Out&& out, const sdpa_options& options = {},
+                                       Weights&& weights = nullptr, Lse&& lse = nullptr) {
+    scaled_dot_product_attention_into(q, k, v, no_mask{}, std::forward<Out>(out), options,
+                                      std::forward<Weights>(weights), std::forward<Lse>(lse));
 }
 
 }  // namespace attend

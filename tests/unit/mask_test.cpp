@@ -580,6 +580,21 @@ TEST(mask, causal_aligned_to_key_lengths_is_onnx_causal_over_each_rows_real_keys
     }
 }
 
+TEST(mask, a_window_from_config_counts_the_querys_own_key_as_hugging_face_does) {
+    // transformers' sliding_window_overlay: key j is seen by query i when i - W < j <= i.
+    attend_test::rng g(72);
+    for (int n = 0; n < attend_test::repeat(30); ++n) {
+        const auto s = random_shape(g);
+        const index w = g.uniform_int(1, 12);
+        const index offset = s.key_len - s.query_len;
+        expect_materializes_to(attend::sliding_window_from_config(w, attend::alignment::bottom_right), s,
+                               [&](index, index, index i, index j) { return j > i + offset - w && j <= i + offset; });
+    }
+    for (const index bad : {index(0), index(-3)})
+        expect_mask_error("attend.mask.window_from_config",
+                          [&] { (void)attend::sliding_window_from_config(bad, attend::alignment::top_left); });
+}
+
 TEST(mask, a_batch_by_key_padding_mask_is_per_sequence_even_when_batch_equals_query_len) {
     // The 0.1 trap: PyTorch's key_padding_mask [B, S] read as [L, S] when B == L. Built by name it is per sequence.
     attend::tensor<bool, 2> padding(3, 4);  // [batch 3, key_len 4], true = padding

@@ -139,6 +139,28 @@ TYPED_TEST(SdpaProperty, IntoFormWritesTheSameValuesAsTheAllocatingFormRank3Rank
     }
 }
 
+TYPED_TEST(SdpaProperty, IntoFormWithoutAMaskWritesWhatTheUnmaskedCallReturns) {
+    using T = TypeParam;
+    for (int n = 0; n < attend_test::repeat(40); ++n) {
+        const config c = random_config(18500 + static_cast<std::uint64_t>(n));
+        const auto x = random_inputs<T>(c);
+        attend::sdpa_options o;
+        o.need_weights = true;
+        o.need_lse = true;
+        o.kernel = c.kernel;
+        const auto r = attend::scaled_dot_product_attention(x.q, x.k, x.v, o);
+        tensor<T, 4> out(c.batch, c.heads, c.query_len, c.value_dim), weights(c.batch, c.heads, c.query_len, c.key_len);
+        tensor<T, 3> lse(c.batch, c.heads, c.query_len);
+        attend::scaled_dot_product_attention_into(x.q, x.k, x.v, out, o, weights, lse);
+        ASSERT_TRUE(identical(out, r.out)) << describe(c);
+        ASSERT_TRUE(identical(weights, r.weights)) << describe(c);
+        ASSERT_TRUE(identical(lse, r.lse)) << describe(c);
+        tensor<T, 4> out_only(c.batch, c.heads, c.query_len, c.value_dim);
+        attend::scaled_dot_product_attention_into(x.q, x.k, x.v, out_only);
+        ASSERT_TRUE(identical(out_only, attend::scaled_dot_product_attention(x.q, x.k, x.v).out)) << describe(c);
+    }
+}
+
 // split_heads reads a projected [B, L, H*D] buffer as [B, H, L, D] through strides. Compared with the explicitly
 // transposed contiguous tensors within tol_same (strided and contiguous operands may take different product
 // paths). A plain reshape of the same buffer into [B, H, L, D] (no transpose) mixes heads and tokens: the test
