@@ -6,7 +6,6 @@
 
 #include <limits>
 #include <memory>
-#include <string>
 #include <utility>
 #include <vector>
 
@@ -93,22 +92,6 @@ public:
         }
         d.per_batch = std::make_shared<const std::vector<index>>(std::move(offsets));
         return d;
-    }
-
-    /// The alignment this diagonal was built from, for the biases that take only an alignment; false otherwise.
-    bool is_alignment() const { return kind_ == kind::top_left || kind_ == kind::bottom_right; }
-
-    /// How to_string-style messages spell it: `top_left`, `bottom_right`, `offset 3`, `offsets [..]`,
-    /// `key_lengths [..]`.
-    std::string spelled() const {
-        switch (kind_) {
-            case kind::top_left: return "top_left";
-            case kind::bottom_right: return "bottom_right";
-            case kind::offset: return detail::concat("offset ", offset_);
-            case kind::per_batch: return "offsets " + detail::format_shape(*values_);
-            case kind::key_lengths: break;
-        }
-        return "key_lengths " + detail::format_shape(*values_);
     }
 
 private:
