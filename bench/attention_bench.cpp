@@ -42,7 +42,7 @@
 
 namespace {
 
-using attend_bench::index;
+using attend_bench::index_t;
 
 /// q and out in T, k and v in KV.
 template <class T, class KV = T>
@@ -50,7 +50,7 @@ struct problem {
     attend::tensor<T, 4> q;
     attend::tensor<KV, 4> k, v;
     attend::tensor<T, 4> out;
-    problem(index heads, index kv_heads, index query_len, index key_len, index dim)
+    problem(index_t heads, index_t kv_heads, index_t query_len, index_t key_len, index_t dim)
         : q(attend_bench::random_tensor<T, 4>(1, {1, heads, query_len, dim})),
           k(attend_bench::random_tensor<KV, 4>(2, {1, kv_heads, key_len, dim})),
           v(attend_bench::random_tensor<KV, 4>(3, {1, kv_heads, key_len, dim})),
@@ -63,7 +63,7 @@ void run_tiled(benchmark::State& state, problem<T, KV>& p, const Mask& mask, int
     o.kernel = attend::kernel::tiled;
     o.threads = threads;
     for (auto _ : state) {
-        attend::scaled_dot_product_attention_into(p.q, p.k, p.v, mask, p.out, o);
+        attend::scaled_dot_product_attention_into(p.q, p.k, p.v, mask, o, p.out);
         benchmark::DoNotOptimize(p.out.data());
         benchmark::ClobberMemory();
     }
@@ -72,12 +72,12 @@ void run_tiled(benchmark::State& state, problem<T, KV>& p, const Mask& mask, int
 
 template <class T>
 void reference_kernel(benchmark::State& state) {
-    const index len = state.range(0);
+    const index_t len = state.range(0);
     problem<T> p(8, 8, len, len, 64);
     attend::sdpa_options o;
     o.kernel = attend::kernel::reference;
     for (auto _ : state) {
-        attend::scaled_dot_product_attention_into(p.q, p.k, p.v, attend::no_mask{}, p.out, o);
+        attend::scaled_dot_product_attention_into(p.q, p.k, p.v, attend::no_mask{}, o, p.out);
         benchmark::DoNotOptimize(p.out.data());
         benchmark::ClobberMemory();
     }
@@ -86,21 +86,21 @@ void reference_kernel(benchmark::State& state) {
 
 template <class T>
 void tiled(benchmark::State& state) {
-    const index len = state.range(0);
+    const index_t len = state.range(0);
     problem<T> p(8, 8, len, len, 64);
     run_tiled(state, p, attend::no_mask{}, static_cast<int>(state.range(1)),
               attend_bench::attention_flops(1, 8, len, len, 64));
 }
 
 void tiled_causal(benchmark::State& state) {
-    const index len = state.range(0);
+    const index_t len = state.range(0);
     problem<float> p(8, 8, len, len, 64);
     run_tiled(state, p, attend::causal(attend::alignment::top_left), static_cast<int>(state.range(1)),
               attend_bench::attention_flops(1, 8, len, len, 64) / 2);
 }
 
 void tiled_window256(benchmark::State& state) {
-    const index len = state.range(0);
+    const index_t len = state.range(0);
     problem<float> p(8, 8, len, len, 64);
     run_tiled(state, p, attend::sliding_window(255, 0, attend::alignment::top_left), static_cast<int>(state.range(1)),
               attend_bench::attention_flops(1, 8, len, 256, 64));
@@ -108,7 +108,7 @@ void tiled_window256(benchmark::State& state) {
 
 /// Soft-capping at 30 (Gemma 2 uses 50): the same work as tiled<float> plus a tanh per score.
 void tiled_softcap(benchmark::State& state) {
-    const index len = state.range(0);
+    const index_t len = state.range(0);
     problem<float> p(8, 8, len, len, 64);
     attend::sdpa_options o;
     o.softcap = 30.0;
@@ -119,10 +119,10 @@ void tiled_softcap(benchmark::State& state) {
 /// tiled_window256's window as a mask_mod function with its exact block rule: what a user's function costs over
 /// the built-in rule.
 void mask_mod_window256(benchmark::State& state) {
-    const index len = state.range(0);
+    const index_t len = state.range(0);
     problem<float> p(8, 8, len, len, 64);
-    constexpr index left = 255;
-    const auto allowed = [](index, index, index i, index j) { return j <= i && j >= i - left; };
+    constexpr index_t left = 255;
+    const auto allowed = [](index_t, index_t, index_t i, index_t j) { return j <= i && j >= i - left; };
     const auto blocks = [](const attend::tile& t) {
         if (t.key_begin > t.query_end - 1 || t.key_end - 1 < t.query_begin - left) return attend::tile_class::empty;
         if (t.key_end - 1 <= t.query_begin && t.key_begin >= t.query_end - 1 - left) return attend::tile_class::full;
@@ -134,7 +134,7 @@ void mask_mod_window256(benchmark::State& state) {
 
 /// ALiBi (top-left) at L = S, built in (score_bias) or as a score_mod function: what a user's function costs.
 void alibi(benchmark::State& state, bool as_function) {
-    const index len = state.range(0);
+    const index_t len = state.range(0);
     problem<float> p(8, 8, len, len, 64);
     const std::vector<double> slopes = attend::alibi_slopes(8);
     attend::sdpa_options o;
@@ -150,31 +150,31 @@ void alibi(benchmark::State& state, bool as_function) {
 void alibi_builtin(benchmark::State& state) { alibi(state, false); }
 void alibi_score_mod(benchmark::State& state) { alibi(state, true); }
 
-constexpr index packed_segments_count = 8, packed_segment_len = 512;
+constexpr index_t packed_segments_count = 8, packed_segment_len = 512;
 
 /// Eight sequences of 512 packed into one 4096 axis, as packed_segments; flops of the work inside the segments.
 void packed_8x512(benchmark::State& state) {
-    const index len = packed_segments_count * packed_segment_len;
+    const index_t len = packed_segments_count * packed_segment_len;
     problem<float> p(8, 8, len, len, 64);
-    std::vector<index> offsets;
-    for (index n = 0; n <= packed_segments_count; ++n) offsets.push_back(n * packed_segment_len);
+    std::vector<index_t> offsets;
+    for (index_t n = 0; n <= packed_segments_count; ++n) offsets.push_back(n * packed_segment_len);
     run_tiled(state, p, attend::packed_segments(offsets, offsets), static_cast<int>(state.range(0)),
               attend_bench::attention_flops(1, 8, len, packed_segment_len, 64));
 }
 
 /// The same packing as a dense block-diagonal allowed_mask `[4096, 4096]` (what packing costs without the rule).
 void packed_8x512_dense_mask(benchmark::State& state) {
-    const index len = packed_segments_count * packed_segment_len;
+    const index_t len = packed_segments_count * packed_segment_len;
     problem<float> p(8, 8, len, len, 64);
     attend::tensor<bool, 2> allowed(len, len);
-    for (index i = 0; i < len; ++i)
-        for (index j = 0; j < len; ++j) allowed(i, j) = i / packed_segment_len == j / packed_segment_len;
+    for (index_t i = 0; i < len; ++i)
+        for (index_t j = 0; j < len; ++j) allowed(i, j) = i / packed_segment_len == j / packed_segment_len;
     run_tiled(state, p, attend::allowed_mask::query_key_grid(allowed), static_cast<int>(state.range(0)),
               attend_bench::attention_flops(1, 8, len, packed_segment_len, 64));
 }
 
 void tiled_tiles(benchmark::State& state) {
-    const index len = 2048;
+    const index_t len = 2048;
     problem<float> p(8, 8, len, len, 64);
     const auto qv = attend::detail::as_view(p.q), kv = attend::detail::as_view(p.k), vv = attend::detail::as_view(p.v);
     const auto s = attend::check_shapes(p.q, p.k, p.v);
@@ -194,20 +194,20 @@ void tiled_tiles(benchmark::State& state) {
     attend_bench::set_flops(state, attend_bench::attention_flops(1, 8, len, len, 64));
 }
 
-constexpr index decode_heads = 32, decode_kv_heads = 8, decode_keys = 8192, decode_dim = 128;
+constexpr index_t decode_heads = 32, decode_kv_heads = 8, decode_keys = 8192, decode_dim = 128;
 constexpr double decode_kv_bytes = 2.0 * decode_kv_heads * decode_keys * decode_dim * sizeof(float);
 
 /// decode's case over `keys` keys, K and V stored as KV.
 template <class KV>
-void decode_over(benchmark::State& state, index keys) {
+void decode_over(benchmark::State& state, index_t keys) {
     problem<float, KV> p(decode_heads, decode_kv_heads, 1, keys, decode_dim);
     attend::sdpa_options o;
     o.kernel = attend::kernel::tiled;
     o.threads = static_cast<int>(state.range(0));
     o.check_finite = state.range(1) != 0;  // the NaN/Inf scan of q, k, v is itself one full read of K and V
     for (auto _ : state) {
-        attend::scaled_dot_product_attention_into(p.q, p.k, p.v, attend::causal(attend::alignment::bottom_right), p.out,
-                                                  o);
+        attend::scaled_dot_product_attention_into(p.q, p.k, p.v, attend::causal(attend::alignment::bottom_right), o,
+                                                  p.out);
         benchmark::DoNotOptimize(p.out.data());
         benchmark::ClobberMemory();
     }
@@ -239,7 +239,7 @@ void call_overhead(benchmark::State& state) {
     o.threads = 1;
     o.check_finite = state.range(0) != 0;
     for (auto _ : state) {
-        attend::scaled_dot_product_attention_into(p.q, p.k, p.v, attend::no_mask{}, p.out, o);
+        attend::scaled_dot_product_attention_into(p.q, p.k, p.v, attend::no_mask{}, o, p.out);
         benchmark::DoNotOptimize(p.out.data());
         benchmark::ClobberMemory();
     }
@@ -247,7 +247,7 @@ void call_overhead(benchmark::State& state) {
 
 /// decode's case over `keys` keys of a quantized cache.
 template <class Block>
-void decode_quantized(benchmark::State& state, index keys = decode_keys) {
+void decode_quantized(benchmark::State& state, index_t keys = decode_keys) {
     problem<float> p(decode_heads, decode_kv_heads, 1, keys, decode_dim);
     attend::quantized_kv_cache<Block> cache(1, decode_kv_heads, keys, decode_dim, decode_dim);
     cache.append(p.k, p.v);
@@ -257,7 +257,7 @@ void decode_quantized(benchmark::State& state, index keys = decode_keys) {
     o.check_finite = state.range(1) != 0;
     for (auto _ : state) {
         attend::scaled_dot_product_attention_into(p.q, cache.keys(), cache.values(),
-                                                  attend::causal(attend::alignment::bottom_right), p.out, o);
+                                                  attend::causal(attend::alignment::bottom_right), o, p.out);
         benchmark::DoNotOptimize(p.out.data());
         benchmark::ClobberMemory();
     }
@@ -273,7 +273,7 @@ void decode_q4(benchmark::State& state) { decode_quantized<attend::q4_0_block>(s
 /// or quantization (q8_0).
 template <class Cache>
 void append(benchmark::State& state) {
-    const index kv_heads = 8, len = 2048, dim = 128;
+    const index_t kv_heads = 8, len = 2048, dim = 128;
     problem<float> p(kv_heads, kv_heads, 1, len, dim);
     Cache cache(1, kv_heads, len, dim, dim);
     for (auto _ : state) {
@@ -287,10 +287,10 @@ void append(benchmark::State& state) {
 void stream_kv(benchmark::State& state) {
     problem<float> p(decode_heads, decode_kv_heads, 1, decode_keys, decode_dim);
     const int threads = static_cast<int>(state.range(0));
-    const index parts = 64, n = p.k.size() / parts;
+    const index_t parts = 64, n = p.k.size() / parts;
     std::vector<float> sums(static_cast<std::size_t>(2 * parts));
     for (auto _ : state) {
-        attend::detail::parallel_for(2 * parts, threads, [&](index u, int) {
+        attend::detail::parallel_for(2 * parts, threads, [&](index_t u, int) {
             const float* base = (u < parts ? p.k.data() : p.v.data()) + (u % parts) * n;
             sums[static_cast<std::size_t>(u)] = Eigen::Map<const Eigen::ArrayXf>(base, n).sum();
         });

@@ -13,11 +13,11 @@
 
 namespace {
 
-using attend_bench::index;
+using attend_bench::index_t;
 
 template <class T, class Mask>
 void run_backward(benchmark::State& state, const Mask& mask, double flops_fraction) {
-    const index len = state.range(0), heads = 8, dim = 64;
+    const index_t len = state.range(0), heads = 8, dim = 64;
     const auto q = attend_bench::random_tensor<T, 4>(1, {1, heads, len, dim});
     const auto k = attend_bench::random_tensor<T, 4>(2, {1, heads, len, dim});
     const auto v = attend_bench::random_tensor<T, 4>(3, {1, heads, len, dim});
@@ -28,8 +28,8 @@ void run_backward(benchmark::State& state, const Mask& mask, double flops_fracti
     const auto forward = attend::scaled_dot_product_attention(q, k, v, mask, o);
     attend::tensor<T, 4> dq(q.dimensions()), dk(k.dimensions()), dv(v.dimensions());
     for (auto _ : state) {
-        attend::scaled_dot_product_attention_backward_into(q, k, v, forward.out, forward.lse, d_out, mask, dq, dk, dv,
-                                                           o);
+        attend::scaled_dot_product_attention_backward_into(q, k, v, mask, forward.out, forward.lse, d_out, o, dq, dk,
+                                                           dv);
         benchmark::DoNotOptimize(dq.data());
         benchmark::DoNotOptimize(dk.data());
         benchmark::DoNotOptimize(dv.data());

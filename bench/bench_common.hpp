@@ -10,14 +10,14 @@
 
 namespace attend_bench {
 
-using attend::index;
+using attend::index_t;
 
 /// A tensor of the given dims with values uniform in [-1, 1) (splitmix64, the same everywhere).
 template <class T, int Rank>
-attend::tensor<T, Rank> random_tensor(std::uint64_t seed, const std::array<index, Rank>& dims) {
+attend::tensor<T, Rank> random_tensor(std::uint64_t seed, const std::array<index_t, Rank>& dims) {
     attend::tensor<T, Rank> t(dims);
     std::uint64_t s = seed;
-    for (index n = 0; n < t.size(); ++n) {
+    for (index_t n = 0; n < t.size(); ++n) {
         std::uint64_t z = (s += 0x9E3779B97F4A7C15ULL);
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
         z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
@@ -29,7 +29,7 @@ attend::tensor<T, Rank> random_tensor(std::uint64_t seed, const std::array<index
 }
 
 /// Multiply-adds of attention counted as flops: 2 L S D for q k^T plus 2 L S Dv for P v, per (batch, head).
-inline double attention_flops(index batch, index heads, index query_len, index key_len, index dim) {
+inline double attention_flops(index_t batch, index_t heads, index_t query_len, index_t key_len, index_t dim) {
     return 4.0 * static_cast<double>(batch * heads) * static_cast<double>(query_len) * static_cast<double>(key_len) *
            static_cast<double>(dim);
 }

@@ -21,7 +21,7 @@
 
 namespace {
 
-using attend_bench::index;
+using attend_bench::index_t;
 template <class T>
 using matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
@@ -41,10 +41,10 @@ void reference_gemm(benchmark::State& state) {
 
 template <class T>
 void gemm_attention_shape(benchmark::State& state) {
-    const index len = state.range(0), heads = 8, dim = 64;
+    const index_t len = state.range(0), heads = 8, dim = 64;
     const int threads = static_cast<int>(state.range(1));
     std::vector<matrix<T>> q, k, v, o;
-    for (index h = 0; h < heads; ++h) {
+    for (index_t h = 0; h < heads; ++h) {
         q.push_back(matrix<T>::Random(len, dim));
         k.push_back(matrix<T>::Random(len, dim));
         v.push_back(matrix<T>::Random(len, dim));
@@ -52,7 +52,7 @@ void gemm_attention_shape(benchmark::State& state) {
     }
     std::vector<matrix<T>> scores(static_cast<std::size_t>(threads), matrix<T>(len, len));
     for (auto _ : state) {
-        attend::detail::parallel_for(heads, threads, [&](index h, int worker) {
+        attend::detail::parallel_for(heads, threads, [&](index_t h, int worker) {
             auto& s = scores[static_cast<std::size_t>(worker)];
             const auto u = static_cast<std::size_t>(h);
             s.noalias() = q[u] * k[u].transpose();
@@ -66,11 +66,11 @@ void gemm_attention_shape(benchmark::State& state) {
 
 template <class T>
 void gemm_square(benchmark::State& state) {
-    const index len = state.range(0), heads = 8, dim = 64;
+    const index_t len = state.range(0), heads = 8, dim = 64;
     const int threads = static_cast<int>(state.range(1));
     // threads GEMMs of n^3 each with 2 threads n^3 = 4 H L^2 D.
     const double total = attend_bench::attention_flops(1, heads, len, len, dim);
-    const auto n = static_cast<index>(std::lround(std::cbrt(total / (2.0 * threads))));
+    const auto n = static_cast<index_t>(std::lround(std::cbrt(total / (2.0 * threads))));
     std::vector<matrix<T>> a, b, c;
     for (int t = 0; t < threads; ++t) {
         a.push_back(matrix<T>::Random(n, n));
@@ -78,7 +78,7 @@ void gemm_square(benchmark::State& state) {
         c.emplace_back(n, n);
     }
     for (auto _ : state) {
-        attend::detail::parallel_for(threads, threads, [&](index t, int) {
+        attend::detail::parallel_for(threads, threads, [&](index_t t, int) {
             const auto u = static_cast<std::size_t>(t);
             c[u].noalias() = a[u] * b[u];
         });

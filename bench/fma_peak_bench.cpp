@@ -23,7 +23,7 @@ void fma_peak(benchmark::State& state) {
     const int threads = static_cast<int>(state.range(0));
     std::vector<T> sink(static_cast<std::size_t>(threads * lanes), T(0));
     for (auto _ : state) {
-        attend::detail::parallel_for(threads, threads, [&](attend_bench::index worker, int) {
+        attend::detail::parallel_for(threads, threads, [&](attend_bench::index_t worker, int) {
             const packet a = Eigen::internal::pset1<packet>(T(0.999999));
             const packet b = Eigen::internal::pset1<packet>(T(1e-7));
             packet acc[chains];  // a plain array: std::array<packet> drops the packet's vector attributes

@@ -15,7 +15,7 @@
 
 namespace {
 
-using attend_bench::index;
+using attend_bench::index_t;
 
 double peak_rss_mib() {
     rusage u{};
@@ -32,15 +32,15 @@ void report(benchmark::State& state, double start, double io_bytes) {
 }
 
 /// Bytes of `count` fp32 tensors [1, 1, len, dim] plus `rows` lse values.
-double tensor_bytes(index count, index len, index dim, index rows) {
-    return static_cast<double>((count * len * dim + rows) * static_cast<index>(sizeof(float)));
+double tensor_bytes(index_t count, index_t len, index_t dim, index_t rows) {
+    return static_cast<double>((count * len * dim + rows) * static_cast<index_t>(sizeof(float)));
 }
 
 /// q, k, v `[1, 1, len, dim]` (random), out (zero) and lse `[1, 1, len]` of a single-head call.
 struct single_head {
     attend::tensor<float, 4> q, k, v, out;
     attend::tensor<float, 3> lse;
-    single_head(index len, index dim)
+    single_head(index_t len, index_t dim)
         : q(attend_bench::random_tensor<float, 4>(1, {1, 1, len, dim})),
           k(attend_bench::random_tensor<float, 4>(2, {1, 1, len, dim})),
           v(attend_bench::random_tensor<float, 4>(3, {1, 1, len, dim})),
@@ -59,13 +59,13 @@ attend::sdpa_options tiled_on_two_threads() {
 }
 
 void peak_rss(benchmark::State& state) {
-    const index len = 65536, dim = 64;
+    const index_t len = 65536, dim = 64;
     const double start = peak_rss_mib();
     single_head x(len, dim);
     auto& [q, k, v, out, lse] = x;
     const auto o = tiled_on_two_threads();
     for (auto _ : state) {
-        attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, out, o, nullptr, lse);
+        attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, o, out, nullptr, lse);
         benchmark::DoNotOptimize(out.data());
         benchmark::ClobberMemory();
     }
@@ -74,7 +74,7 @@ void peak_rss(benchmark::State& state) {
 }
 
 void peak_rss_backward(benchmark::State& state) {
-    const index len = 32768, dim = 64;
+    const index_t len = 32768, dim = 64;
     const double start = peak_rss_mib();
     single_head x(len, dim);
     auto& [q, k, v, out, lse] = x;
@@ -84,9 +84,9 @@ void peak_rss_backward(benchmark::State& state) {
     dk.setZero();
     dv.setZero();
     const auto o = tiled_on_two_threads();
-    attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, out, o, nullptr, lse);
+    attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, o, out, nullptr, lse);
     for (auto _ : state) {
-        attend::scaled_dot_product_attention_backward_into(q, k, v, out, lse, d_out, attend::no_mask{}, dq, dk, dv, o);
+        attend::scaled_dot_product_attention_backward_into(q, k, v, attend::no_mask{}, out, lse, d_out, o, dq, dk, dv);
         benchmark::DoNotOptimize(dq.data());
         benchmark::ClobberMemory();
     }

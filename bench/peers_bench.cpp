@@ -13,11 +13,11 @@
 
 namespace {
 
-using attend_bench::index;
+using attend_bench::index_t;
 
 template <class T>
 void prefill(benchmark::State& state) {
-    const index len = state.range(0), dim = state.range(1), heads = 8;
+    const index_t len = state.range(0), dim = state.range(1), heads = 8;
     const bool causal = state.range(3) != 0;
     const auto q = attend_bench::random_tensor<T, 4>(1, {1, heads, len, dim});
     const auto k = attend_bench::random_tensor<T, 4>(2, {1, heads, len, dim});
@@ -28,8 +28,8 @@ void prefill(benchmark::State& state) {
     o.check_finite = false;
     for (auto _ : state) {
         if (causal)
-            attend::scaled_dot_product_attention_into(q, k, v, attend::causal(attend::alignment::top_left), out, o);
-        else attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, out, o);
+            attend::scaled_dot_product_attention_into(q, k, v, attend::causal(attend::alignment::top_left), o, out);
+        else attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, o, out);
         benchmark::DoNotOptimize(out.data());
         benchmark::ClobberMemory();
     }

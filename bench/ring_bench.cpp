@@ -32,11 +32,11 @@
 namespace {
 
 namespace ad = attend::distributed;
-using attend::index;
+using attend::index_t;
 
 /// q, k or v `[b, h, l, d]`, uniform in [-1, 1) (bench_common.hpp's generator), rounded to T.
 template <class T = float>
-attend::tensor<T, 4> random_tensor(std::uint64_t seed, index b, index h, index l, index d) {
+attend::tensor<T, 4> random_tensor(std::uint64_t seed, index_t b, index_t h, index_t l, index_t d) {
     return attend_bench::random_tensor<float, 4>(seed, {b, h, l, d}).template cast<T>();
 }
 
@@ -51,14 +51,14 @@ double collective_seconds(F&& f) {
     return slowest;
 }
 
-index argument(int argc, char** argv, int at, index fallback) {
-    return argc > at ? static_cast<index>(std::atoll(argv[at])) : fallback;
+index_t argument(int argc, char** argv, int at, index_t fallback) {
+    return argc > at ? static_cast<index_t>(std::atoll(argv[at])) : fallback;
 }
 
 /// The overlap case in storage type T: the ring's K / V shards travel in T; its blocks compute with float
 /// queries (16-bit ones widened once, as the ring does) and merge in float.
 template <class T>
-void overlap(index tokens, index dim, index heads, index repeats, int rank, int ranks, const char* name) {
+void overlap(index_t tokens, index_t dim, index_t heads, index_t repeats, int rank, int ranks, const char* name) {
     const auto q = random_tensor<T>(1 + static_cast<std::uint64_t>(rank), 1, heads, tokens, dim);
     const auto k = random_tensor<T>(100 + static_cast<std::uint64_t>(rank), 1, heads, tokens, dim);
     const auto v = random_tensor<T>(200 + static_cast<std::uint64_t>(rank), 1, heads, tokens, dim);
@@ -88,7 +88,7 @@ void overlap(index tokens, index dim, index heads, index repeats, int rank, int 
     };
     ring_call();  // warm up: first-touch pages, MPI connections
     double best_ring = 1e300, best_alone = 1e300, best_exchange = 1e300;
-    for (index n = 0; n < repeats; ++n) {
+    for (index_t n = 0; n < repeats; ++n) {
         best_ring = std::min(best_ring, collective_seconds(ring_call));
         best_alone = std::min(best_alone, collective_seconds(compute_alone));
         best_exchange = std::min(best_exchange, collective_seconds(exchange));
@@ -107,8 +107,8 @@ void overlap(index tokens, index dim, index heads, index repeats, int rank, int 
 }
 
 void overlap(int argc, char** argv, int rank, int ranks) {
-    const index tokens = argument(argc, argv, 2, 4096), dim = argument(argc, argv, 3, 64),
-                heads = argument(argc, argv, 4, 4), repeats = argument(argc, argv, 5, 3);
+    const index_t tokens = argument(argc, argv, 2, 4096), dim = argument(argc, argv, 3, 64),
+                  heads = argument(argc, argv, 4, 4), repeats = argument(argc, argv, 5, 3);
     const std::string storage = argc > 6 ? argv[6] : "fp32";
     if (storage == "fp32" || storage == "both") overlap<float>(tokens, dim, heads, repeats, rank, ranks, "fp32");
     if (storage == "bf16" || storage == "both")
@@ -116,16 +116,16 @@ void overlap(int argc, char** argv, int rank, int ranks) {
 }
 
 void balance(int argc, char** argv, int rank, int ranks) {
-    const index tokens = argument(argc, argv, 2, 2048), dim = argument(argc, argv, 3, 64),
-                heads = argument(argc, argv, 4, 2);
-    const index total = tokens * ranks;
+    const index_t tokens = argument(argc, argv, 2, 2048), dim = argument(argc, argv, 3, 64),
+                  heads = argument(argc, argv, 4, 2);
+    const index_t total = tokens * ranks;
     for (ad::sharding kind : {ad::sharding::contiguous, ad::sharding::zigzag}) {
         const ad::shard_layout layout(kind, ad::shard_layout::balanced_lengths(kind, total, ranks));
         // Causal work: query p sees keys 0 .. p, in whichever block they fall.
         std::vector<double> pairs(static_cast<std::size_t>(ranks), 0);
         for (int r = 0; r < ranks; ++r)
             for (const auto& s : layout.segments(r))
-                for (index i = 0; i < s.length; ++i)
+                for (index_t i = 0; i < s.length; ++i)
                     pairs[static_cast<std::size_t>(r)] += double(s.global_begin + i + 1);
         double mean = 0;
         for (double p : pairs) mean += p / ranks;

@@ -28,11 +28,11 @@
 
 namespace {
 
-using attend_bench::index;
+using attend_bench::index_t;
 
-constexpr index serving_sequences = 16, serving_heads = 32, serving_kv_heads = 8, serving_dim = 128;
+constexpr index_t serving_sequences = 16, serving_heads = 32, serving_kv_heads = 8, serving_dim = 128;
 
-index serving_length(index n) { return 512 + n * (8192 - 512) / (serving_sequences - 1); }
+index_t serving_length(index_t n) { return 512 + n * (8192 - 512) / (serving_sequences - 1); }
 
 /// The 16 sequences' keys and values, each `[1, kv_heads, length, dim]`, and one query per sequence.
 struct serving_problem {
@@ -42,7 +42,7 @@ struct serving_problem {
     double bytes = 0;
 
     serving_problem() {
-        for (index n = 0; n < serving_sequences; ++n) {
+        for (index_t n = 0; n < serving_sequences; ++n) {
             const auto seed = static_cast<std::uint64_t>(2 * n);
             keys.push_back(
                 attend_bench::random_tensor<float, 4>(seed, {1, serving_kv_heads, serving_length(n), serving_dim}));
@@ -71,9 +71,9 @@ double stored_bytes(const serving_problem& p) {
 template <class S>
 void paged_decode(benchmark::State& state) {
     const serving_problem p;
-    const index block_size = state.range(0);
-    index blocks = 0;
-    for (index n = 0; n < serving_sequences; ++n) blocks += (serving_length(n) + block_size - 1) / block_size;
+    const index_t block_size = state.range(0);
+    index_t blocks = 0;
+    for (index_t n = 0; n < serving_sequences; ++n) blocks += (serving_length(n) + block_size - 1) / block_size;
     attend::paged_cache_config c;
     c.kv_heads = serving_kv_heads;
     c.head_dim = serving_dim;
@@ -81,17 +81,17 @@ void paged_decode(benchmark::State& state) {
     c.blocks = blocks;
     c.max_sequences = serving_sequences;
     attend::paged_kv_cache<S> cache(c);
-    std::vector<index> ids, ones(static_cast<std::size_t>(serving_sequences), 1);
-    for (index n = 0; n < serving_sequences; ++n) ids.push_back(cache.add_sequence());
+    std::vector<index_t> ids, ones(static_cast<std::size_t>(serving_sequences), 1);
+    for (index_t n = 0; n < serving_sequences; ++n) ids.push_back(cache.add_sequence());
     const bool interleaved = state.range(1) != 0;
-    const index step = interleaved ? block_size : serving_length(serving_sequences - 1);
-    for (index at = 0; at < serving_length(serving_sequences - 1); at += step)
-        for (index n = 0; n < serving_sequences; ++n) {
+    const index_t step = interleaved ? block_size : serving_length(serving_sequences - 1);
+    for (index_t at = 0; at < serving_length(serving_sequences - 1); at += step)
+        for (index_t n = 0; n < serving_sequences; ++n) {
             const auto& k = p.keys[static_cast<std::size_t>(n)];
             const auto& v = p.values[static_cast<std::size_t>(n)];
-            const index rows = std::min(step, k.dimension(2) - at);
+            const index_t rows = std::min(step, k.dimension(2) - at);
             if (rows <= 0) continue;
-            const std::array<index, 4> from{0, 0, at, 0}, size{1, serving_kv_heads, rows, serving_dim};
+            const std::array<index_t, 4> from{0, 0, at, 0}, size{1, serving_kv_heads, rows, serving_dim};
             cache.append(ids[static_cast<std::size_t>(n)], attend::tensor<float, 4>(k.slice(from, size)),
                          attend::tensor<float, 4>(v.slice(from, size)));
         }
@@ -108,10 +108,10 @@ void paged_decode(benchmark::State& state) {
 struct per_sequence_queries {
     std::vector<attend::tensor<float, 4>> queries, outs;
     explicit per_sequence_queries(const serving_problem& p) {
-        for (index n = 0; n < serving_sequences; ++n) {
+        for (index_t n = 0; n < serving_sequences; ++n) {
             attend::tensor<float, 4> q(1, serving_heads, 1, serving_dim);
-            for (index h = 0; h < serving_heads; ++h)
-                for (index d = 0; d < serving_dim; ++d) q(0, h, 0, d) = p.q(n, h, 0, d);
+            for (index_t h = 0; h < serving_heads; ++h)
+                for (index_t d = 0; d < serving_dim; ++d) q(0, h, 0, d) = p.q(n, h, 0, d);
             queries.push_back(q);
             outs.emplace_back(1, serving_heads, 1, serving_dim);
         }
@@ -125,7 +125,7 @@ void contiguous_decode(benchmark::State& state) {
     for (auto _ : state) {
         for (std::size_t n = 0; n < s.queries.size(); ++n)
             attend::scaled_dot_product_attention_into(s.queries[n], p.keys[n], p.values[n],
-                                                      attend::causal(attend::alignment::bottom_right), s.outs[n], o);
+                                                      attend::causal(attend::alignment::bottom_right), o, s.outs[n]);
         benchmark::DoNotOptimize(s.outs.data());
         benchmark::ClobberMemory();
     }
@@ -136,7 +136,7 @@ void contiguous_decode_q8(benchmark::State& state) {
     const serving_problem p;
     per_sequence_queries s(p);
     std::vector<attend::q8_kv_cache> caches;
-    for (index n = 0; n < serving_sequences; ++n) {
+    for (index_t n = 0; n < serving_sequences; ++n) {
         caches.emplace_back(1, serving_kv_heads, serving_length(n), serving_dim, serving_dim);
         caches.back().append(p.keys[static_cast<std::size_t>(n)], p.values[static_cast<std::size_t>(n)]);
     }
@@ -144,7 +144,7 @@ void contiguous_decode_q8(benchmark::State& state) {
     for (auto _ : state) {
         for (std::size_t n = 0; n < caches.size(); ++n)
             attend::scaled_dot_product_attention_into(s.queries[n], caches[n].keys(), caches[n].values(),
-                                                      attend::causal(attend::alignment::bottom_right), s.outs[n], o);
+                                                      attend::causal(attend::alignment::bottom_right), o, s.outs[n]);
         benchmark::DoNotOptimize(s.outs.data());
         benchmark::ClobberMemory();
     }

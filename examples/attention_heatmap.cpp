@@ -26,7 +26,7 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using byte_string = std::vector<std::uint8_t>;
 
 // ---------------------------------------------------------------------------------------------------------
@@ -154,13 +154,13 @@ void put_chunk(byte_string& out, const char* type, const byte_string& data) {
 
 /// An RGB image, row-major, 3 bytes per pixel.
 struct image {
-    index width, height;
+    index_t width, height;
     byte_string rgb;
 
-    image(index w, index h) : width(w), height(h), rgb(static_cast<std::size_t>(w * h * 3), 255) {}
-    void fill(index x0, index y0, index w, index h, std::array<std::uint8_t, 3> color) {
-        for (index y = y0; y < y0 + h; ++y)
-            for (index x = x0; x < x0 + w; ++x)
+    image(index_t w, index_t h) : width(w), height(h), rgb(static_cast<std::size_t>(w * h * 3), 255) {}
+    void fill(index_t x0, index_t y0, index_t w, index_t h, std::array<std::uint8_t, 3> color) {
+        for (index_t y = y0; y < y0 + h; ++y)
+            for (index_t x = x0; x < x0 + w; ++x)
                 for (std::size_t c = 0; c < 3; ++c) rgb[static_cast<std::size_t>((y * width + x) * 3) + c] = color[c];
     }
 };
@@ -168,7 +168,7 @@ struct image {
 byte_string png(const image& img) {
     const auto row_bytes = static_cast<std::size_t>(img.width * 3);
     byte_string filtered;  // each row: filter type 2 ("Up"), then the byte-wise difference to the row above
-    for (index y = 0; y < img.height; ++y) {
+    for (index_t y = 0; y < img.height; ++y) {
         filtered.push_back(2);
         for (std::size_t x = 0; x < row_bytes; ++x) {
             const std::uint8_t above = y == 0 ? 0 : img.rgb[static_cast<std::size_t>(y - 1) * row_bytes + x];
@@ -189,14 +189,14 @@ byte_string png(const image& img) {
 // ---------------------------------------------------------------------------------------------------------
 // The attention case
 
-constexpr index batch = 2, len = 12, head_dim = 4, cell = 12, gap = 1, margin = 8, spacing = 16;
-constexpr index panel = len * (cell + gap) + gap;
+constexpr index_t batch = 2, len = 12, head_dim = 4, cell = 12, gap = 1, margin = 8, spacing = 16;
+constexpr index_t panel = len * (cell + gap) + gap;
 
 /// Deterministic inputs in [-1, 1): a linear congruential sequence.
 attend::tensor<double, 4> inputs(std::uint32_t seed) {
     attend::tensor<double, 4> t(batch, 1, len, head_dim);
     std::uint32_t s = seed;
-    for (index n = 0; n < t.size(); ++n) {
+    for (index_t n = 0; n < t.size(); ++n) {
         s = s * 1664525u + 1013904223u;
         t.data()[n] = static_cast<double>(s >> 8) / static_cast<double>(1u << 23) - 1.0;
     }
@@ -213,8 +213,8 @@ std::array<std::uint8_t, 3> blend(double t) {  // white (t = 0) to dark blue (t 
 }  // namespace
 
 int main() {
-    using attend::index;  // not POSIX's index() of <strings.h>
-    const std::vector<index> lengths{12, 9};
+    using attend::index_t;
+    const std::vector<index_t> lengths{12, 9};
     const auto mask = attend::causal(attend::alignment::top_left) &&
                       attend::sliding_window(4, 0, attend::alignment::top_left) && attend::key_padding(lengths) &&
                       attend::query_padding(lengths);
@@ -230,19 +230,19 @@ int main() {
 
     image img(margin * 2 + panel * 2 + spacing, margin * 2 + panel * batch + spacing * (batch - 1));
     std::cout << "weights x 100 (. = forbidden):\n";
-    for (index b = 0; b < batch; ++b) {
+    for (index_t b = 0; b < batch; ++b) {
         std::cout << "batch " << b << ":\n";
-        const index top = margin + b * (panel + spacing);
-        const index left_mask = margin, left_weights = margin + panel + spacing;
+        const index_t top = margin + b * (panel + spacing);
+        const index_t left_mask = margin, left_weights = margin + panel + spacing;
         img.fill(left_mask, top, panel, panel, {200, 200, 200});  // grid lines
         img.fill(left_weights, top, panel, panel, {200, 200, 200});
-        for (index i = 0; i < len; ++i) {
+        for (index_t i = 0; i < len; ++i) {
             const bool padded = i >= lengths[static_cast<std::size_t>(b)];
             std::cout << 'q' << std::setw(2) << std::left << i << std::right << ':';
-            for (index j = 0; j < len; ++j) {
+            for (index_t j = 0; j < len; ++j) {
                 const double w = r.weights(b, 0, i, j);
                 const bool may = allowed(b, 0, i, j);
-                const index y = top + gap + i * (cell + gap), dx = gap + j * (cell + gap);
+                const index_t y = top + gap + i * (cell + gap), dx = gap + j * (cell + gap);
                 const std::array<std::uint8_t, 3> gray{150, 150, 150}, light{238, 238, 238}, dark{8, 48, 107};
                 img.fill(left_mask + dx, y, cell, cell, padded ? gray : may ? dark : light);
                 img.fill(left_weights + dx, y, cell, cell, padded ? gray : blend(std::sqrt(w)));

@@ -20,11 +20,11 @@ std::string fixed4(double x) {
     return s == "-0.0000" ? "0.0000" : s;
 }
 
-void print_rows(const attend::tensor<double, 3>& t, attend::index b, const char* what) {
+void print_rows(const attend::tensor<double, 3>& t, attend::index_t b, const char* what) {
     std::cout << what << " (sequence " << b << "):\n";
-    for (attend::index i = 0; i < t.dimension(1); ++i) {
+    for (attend::index_t i = 0; i < t.dimension(1); ++i) {
         std::cout << "  q" << i << ':';
-        for (attend::index j = 0; j < t.dimension(2); ++j) std::cout << ' ' << fixed4(t(b, i, j));
+        for (attend::index_t j = 0; j < t.dimension(2); ++j) std::cout << ' ' << fixed4(t(b, i, j));
         std::cout << '\n';
     }
 }
@@ -32,16 +32,16 @@ void print_rows(const attend::tensor<double, 3>& t, attend::index b, const char*
 }  // namespace
 
 int main() {
-    using attend::index;
-    const index batch = 2, len = 4, model_dim = 8;
-    const std::vector<index> lengths{4, 2};
+    using attend::index_t;
+    const index_t batch = 2, len = 4, model_dim = 8;
+    const std::vector<index_t> lengths{4, 2};
     const attend::multi_head_attention<double> encoder({model_dim, 2}, /*seed*/ 7);
 
     // Token features: exact small fractions, so the input is the same everywhere.
     attend::tensor<double, 3> x(batch, len, model_dim);
-    for (index b = 0; b < batch; ++b)
-        for (index i = 0; i < len; ++i)
-            for (index e = 0; e < model_dim; ++e)
+    for (index_t b = 0; b < batch; ++b)
+        for (index_t i = 0; i < len; ++i)
+            for (index_t e = 0; e < model_dim; ++e)
                 x(b, i, e) = i < lengths[static_cast<std::size_t>(b)]
                                  ? static_cast<double>((b * 31 + i * 17 + e * 7) % 11 - 5) / 5.0
                                  : 0.0;
@@ -59,18 +59,18 @@ int main() {
     print_rows(r.out, 1, "out");
 
     bool padded_zero = true;
-    for (index i = lengths[1]; i < len; ++i)
-        for (index e = 0; e < model_dim; ++e) padded_zero = padded_zero && r.out(1, i, e) == 0.0;
+    for (index_t i = lengths[1]; i < len; ++i)
+        for (index_t e = 0; e < model_dim; ++e) padded_zero = padded_zero && r.out(1, i, e) == 0.0;
     std::cout << "padded queries are zero: " << (padded_zero ? "yes" : "NO") << '\n';
 
     // Fill the padding with garbage: the real queries must not notice.
-    for (index i = lengths[1]; i < len; ++i)
-        for (index e = 0; e < model_dim; ++e) x(1, i, e) = 100.0 + static_cast<double>(e);
+    for (index_t i = lengths[1]; i < len; ++i)
+        for (index_t e = 0; e < model_dim; ++e) x(1, i, e) = 100.0 + static_cast<double>(e);
     const auto again = encoder.forward(x, x, x, padded_queries, options);
     bool unchanged = true;
-    for (index b = 0; b < batch; ++b)
-        for (index i = 0; i < len; ++i)
-            for (index e = 0; e < model_dim; ++e) unchanged = unchanged && again.out(b, i, e) == r.out(b, i, e);
+    for (index_t b = 0; b < batch; ++b)
+        for (index_t i = 0; i < len; ++i)
+            for (index_t e = 0; e < model_dim; ++e) unchanged = unchanged && again.out(b, i, e) == r.out(b, i, e);
     std::cout << "outputs unchanged by what the padding holds: " << (unchanged ? "yes" : "NO") << '\n';
 
     // Without query padding the padded rows are not zero: key padding alone does not remove padded queries.

@@ -14,7 +14,7 @@
 #include <attend/distributed/ring.hpp>
 
 namespace ad = attend::distributed;
-using idx = attend::index;
+using idx = attend::index_t;
 
 /// A deterministic [1, 2, 16, 4] tensor, the same on every rank.
 attend::tensor<double, 4> make(double phase) {
@@ -49,19 +49,19 @@ int main(int argc, char** argv) {
     const auto shard = [&](const auto& x) { return ad::take_shard(x, layout, rank); };
 
     const auto ring = ad::ring_attention(shard(q), shard(k), shard(v), causal, MPI_COMM_WORLD, options);
-    const auto grads = ad::ring_attention_backward(shard(q), shard(k), shard(v), ring.out, ring.lse, shard(d_out),
-                                                   causal, MPI_COMM_WORLD, options);
+    const auto grads = ad::ring_attention_backward(shard(q), shard(k), shard(v), causal, ring.out, ring.lse,
+                                                   shard(d_out), MPI_COMM_WORLD, options);
 
     // The same attention in one process, to compare this rank's rows with.
     attend::sdpa_options one;
     one.need_lse = true;
     const auto whole = attend::scaled_dot_product_attention(q, k, v, causal, one);
     const auto whole_grads =
-        attend::scaled_dot_product_attention_backward(q, k, v, whole.out, whole.lse, d_out, causal, one);
-    double mine =
-        std::max({max_difference(ring.out, shard(whole.out)), max_difference(ring.lse, shard(whole.lse)),
-                  max_difference(grads.dq, shard(whole_grads.dq)), max_difference(grads.dk, shard(whole_grads.dk)),
-                  max_difference(grads.dv, shard(whole_grads.dv))});
+        attend::scaled_dot_product_attention_backward(q, k, v, causal, whole.out, whole.lse, d_out, one);
+    double mine = std::max({max_difference(ring.out, shard(whole.out)), max_difference(ring.lse, shard(whole.lse)),
+                            max_difference(grads.d_query, shard(whole_grads.d_query)),
+                            max_difference(grads.d_key, shard(whole_grads.d_key)),
+                            max_difference(grads.d_value, shard(whole_grads.d_value))});
     double worst = 0;
     MPI_Reduce(&mine, &worst, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
 

@@ -23,15 +23,15 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend::tensor;
 
-constexpr index digits = 8;  // length of the sequence to copy
-constexpr index vocab = 11;  // 0-9 and the separator
-constexpr index separator = 10;
-constexpr index len = 2 * digits;           // the model sees [x0 .. x7, SEP, x0 .. x6]
-constexpr index model_dim = 32, heads = 4;  // head_dim 8
-constexpr index batch = 32, full_steps = 400;
+constexpr index_t digits = 8;  // length of the sequence to copy
+constexpr index_t vocab = 11;  // 0-9 and the separator
+constexpr index_t separator = 10;
+constexpr index_t len = 2 * digits;           // the model sees [x0 .. x7, SEP, x0 .. x6]
+constexpr index_t model_dim = 32, heads = 4;  // head_dim 8
+constexpr index_t batch = 32, full_steps = 400;
 constexpr float final_loss_limit = 0.05f, accuracy_limit = 0.95f;
 
 /// splitmix64: the same numbers on every platform.
@@ -48,20 +48,20 @@ struct rng {
     }
 };
 
-using sequence = std::vector<index>;  // the `digits` digits to copy
+using sequence = std::vector<index_t>;  // the `digits` digits to copy
 
 sequence random_sequence(rng& r) {
     sequence s(digits);
-    for (auto& d : s) d = static_cast<index>(r.next() % 10);
+    for (auto& d : s) d = static_cast<index_t>(r.next() % 10);
     return s;
 }
 
 /// Model input token at position i of a sample, and the target of position i >= digits.
-index input_token(const sequence& s, index i) {
+index_t input_token(const sequence& s, index_t i) {
     if (i < digits) return s[static_cast<std::size_t>(i)];
     return i == digits ? separator : s[static_cast<std::size_t>(i - digits - 1)];
 }
-index target_token(const sequence& s, index i) { return s[static_cast<std::size_t>(i - digits)]; }
+index_t target_token(const sequence& s, index_t i) { return s[static_cast<std::size_t>(i - digits)]; }
 
 /// Embedding, attention layer and readout, with their gradients in the same layout.
 struct model {
@@ -71,9 +71,9 @@ struct model {
     tensor<float, 1> readout_bias{vocab};
 
     explicit model(rng& r) {
-        for (index n = 0; n < embedding.size(); ++n) embedding.data()[n] = r.uniform(-1, 1);
+        for (index_t n = 0; n < embedding.size(); ++n) embedding.data()[n] = r.uniform(-1, 1);
         const float bound = 1.0f / std::sqrt(static_cast<float>(model_dim));
-        for (index n = 0; n < readout.size(); ++n) readout.data()[n] = r.uniform(-bound, bound);
+        for (index_t n = 0; n < readout.size(); ++n) readout.data()[n] = r.uniform(-bound, bound);
         readout_bias.setZero();
     }
 };
@@ -94,30 +94,30 @@ struct forward_pass {
 };
 
 forward_pass run_forward(const model& m, const std::vector<sequence>& samples) {
-    const auto b_count = static_cast<index>(samples.size());
+    const auto b_count = static_cast<index_t>(samples.size());
     forward_pass f;
     f.x = tensor<float, 3>(b_count, len, model_dim);
-    for (index b = 0; b < b_count; ++b)
-        for (index i = 0; i < len; ++i)
-            for (index e = 0; e < model_dim; ++e)
+    for (index_t b = 0; b < b_count; ++b)
+        for (index_t i = 0; i < len; ++i)
+            for (index_t e = 0; e < model_dim; ++e)
                 f.x(b, i, e) = m.embedding(input_token(samples[static_cast<std::size_t>(b)], i), e);
     f.layer = m.attention.forward(f.x, f.x, f.x, attend::causal(attend::alignment::top_left), layer_options(), f.saved);
     f.logits = tensor<float, 3>(b_count, len, vocab);
-    for (index b = 0; b < b_count; ++b)
-        for (index i = 0; i < len; ++i)
-            for (index t = 0; t < vocab; ++t) {
+    for (index_t b = 0; b < b_count; ++b)
+        for (index_t i = 0; i < len; ++i)
+            for (index_t t = 0; t < vocab; ++t) {
                 float z = m.readout_bias(t);
-                for (index e = 0; e < model_dim; ++e) z += f.layer.out(b, i, e) * m.readout(t, e);
+                for (index_t e = 0; e < model_dim; ++e) z += f.layer.out(b, i, e) * m.readout(t, e);
                 f.logits(b, i, t) = z;
             }
     return f;
 }
 
 /// Softmax of one logits row, in place over `p`.
-void softmax_row(const tensor<float, 3>& logits, index b, index i, std::vector<float>& p) {
+void softmax_row(const tensor<float, 3>& logits, index_t b, index_t i, std::vector<float>& p) {
     float max = logits(b, i, 0), sum = 0;
-    for (index t = 1; t < vocab; ++t) max = std::max(max, logits(b, i, t));
-    for (index t = 0; t < vocab; ++t) sum += (p[static_cast<std::size_t>(t)] = std::exp(logits(b, i, t) - max));
+    for (index_t t = 1; t < vocab; ++t) max = std::max(max, logits(b, i, t));
+    for (index_t t = 0; t < vocab; ++t) sum += (p[static_cast<std::size_t>(t)] = std::exp(logits(b, i, t) - max));
     for (auto& x : p) x /= sum;
 }
 
@@ -137,7 +137,7 @@ struct adam {
         ++t;
         const float c1 = 1 - std::pow(beta1, static_cast<float>(t)), c2 = 1 - std::pow(beta2, static_cast<float>(t));
         for (std::size_t k = 0; k < params.size(); ++k)
-            for (index n = 0; n < params[k].size; ++n) {
+            for (index_t n = 0; n < params[k].size; ++n) {
                 const float g = grads[k].data[n];
                 float& mk = m[k][static_cast<std::size_t>(n)];
                 float& vk = v[k][static_cast<std::size_t>(n)];
@@ -151,7 +151,7 @@ struct adam {
 /// One training step on `samples`: mean cross-entropy over the copied positions, gradients, Adam. Returns the loss.
 float train_step(model& m, adam& opt, const std::vector<sequence>& samples) {
     const auto f = run_forward(m, samples);
-    const auto b_count = static_cast<index>(samples.size());
+    const auto b_count = static_cast<index_t>(samples.size());
     const float per_target = 1.0f / static_cast<float>(b_count * digits);
     // d loss / d logits = (softmax - one_hot) / targets, then back through the readout.
     tensor<float, 2> d_readout(vocab, model_dim);
@@ -162,28 +162,28 @@ float train_step(model& m, adam& opt, const std::vector<sequence>& samples) {
     d_layer.setZero();
     std::vector<float> p(vocab);
     float loss = 0;
-    for (index b = 0; b < b_count; ++b)
-        for (index i = digits; i < len; ++i) {
+    for (index_t b = 0; b < b_count; ++b)
+        for (index_t i = digits; i < len; ++i) {
             softmax_row(f.logits, b, i, p);
-            const index target = target_token(samples[static_cast<std::size_t>(b)], i);
+            const index_t target = target_token(samples[static_cast<std::size_t>(b)], i);
             loss -= std::log(p[static_cast<std::size_t>(target)]) * per_target;
-            for (index t = 0; t < vocab; ++t) {
+            for (index_t t = 0; t < vocab; ++t) {
                 const float dz = (p[static_cast<std::size_t>(t)] - (t == target ? 1.0f : 0.0f)) * per_target;
                 d_readout_bias(t) += dz;
-                for (index e = 0; e < model_dim; ++e) {
+                for (index_t e = 0; e < model_dim; ++e) {
                     d_readout(t, e) += dz * f.layer.out(b, i, e);
                     d_layer(b, i, e) += dz * m.readout(t, e);
                 }
             }
         }
-    const auto g = attend::multi_head_attention_backward(m.attention, f.x, f.x, f.x, f.saved, d_layer,
-                                                         attend::causal(attend::alignment::top_left), layer_options());
+    const auto g = attend::multi_head_attention_backward(
+        m.attention, f.x, f.x, f.x, attend::causal(attend::alignment::top_left), f.saved, d_layer, layer_options());
     // Self-attention f(x, x, x): the input's gradient is the sum of the three; scattered into the embedding rows.
     tensor<float, 2> d_embedding(vocab, model_dim);
     d_embedding.setZero();
-    for (index b = 0; b < b_count; ++b)
-        for (index i = 0; i < len; ++i)
-            for (index e = 0; e < model_dim; ++e)
+    for (index_t b = 0; b < b_count; ++b)
+        for (index_t i = 0; i < len; ++i)
+            for (index_t e = 0; e < model_dim; ++e)
                 d_embedding(input_token(samples[static_cast<std::size_t>(b)], i), e) +=
                     g.d_query(b, i, e) + g.d_key(b, i, e) + g.d_value(b, i, e);
 
@@ -202,21 +202,21 @@ float train_step(model& m, adam& opt, const std::vector<sequence>& samples) {
 /// Fraction of copied tokens predicted right (argmax) over `samples`.
 float accuracy(const model& m, const std::vector<sequence>& samples) {
     const auto f = run_forward(m, samples);
-    index right = 0;
-    for (index b = 0; b < static_cast<index>(samples.size()); ++b)
-        for (index i = digits; i < len; ++i) {
-            index best = 0;
-            for (index t = 1; t < vocab; ++t)
+    index_t right = 0;
+    for (index_t b = 0; b < static_cast<index_t>(samples.size()); ++b)
+        for (index_t i = digits; i < len; ++i) {
+            index_t best = 0;
+            for (index_t t = 1; t < vocab; ++t)
                 if (f.logits(b, i, t) > f.logits(b, i, best)) best = t;
             right += best == target_token(samples[static_cast<std::size_t>(b)], i);
         }
-    return static_cast<float>(right) / static_cast<float>(static_cast<index>(samples.size()) * digits);
+    return static_cast<float>(right) / static_cast<float>(static_cast<index_t>(samples.size()) * digits);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-    attend::index steps = full_steps;
+    attend::index_t steps = full_steps;
     if (argc == 3 && std::strcmp(argv[1], "--steps") == 0) steps = std::atoll(argv[2]);
     if (argc != 1 && !(argc == 3 && steps >= 1 && steps <= full_steps)) {
         std::fprintf(stderr, "usage: train_copy [--steps N], 1 <= N <= %lld\n", static_cast<long long>(full_steps));
@@ -238,7 +238,7 @@ int main(int argc, char** argv) {
     std::printf("step  loss\n");
     float loss = 0, first_loss = 0;
     std::vector<sequence> samples(batch);
-    for (attend::index step = 1; step <= steps; ++step) {
+    for (attend::index_t step = 1; step <= steps; ++step) {
         for (auto& s : samples) s = pool[static_cast<std::size_t>(r.next() % pool.size())];
         loss = train_step(m, opt, samples);
         if (step == 1) first_loss = loss;

@@ -52,16 +52,16 @@ namespace attend {
 /// Gradients of scaled dot-product attention; Rank is the rank of the inputs (3 or 4).
 template <class T, int Rank>
 struct attention_gradients {
-    tensor<T, Rank> dq;  ///< `[batch, heads, query_len, head_dim]`
-    tensor<T, Rank> dk;  ///< `[batch, kv_heads, key_len, head_dim]`, summed over the query heads of each group
-    tensor<T, Rank> dv;  ///< `[batch, kv_heads, key_len, value_dim]`, summed over the query heads of each group
+    tensor<T, Rank> d_query;  ///< `[batch, heads, query_len, head_dim]`
+    tensor<T, Rank> d_key;    ///< `[batch, kv_heads, key_len, head_dim]`, summed over the query heads of each group
+    tensor<T, Rank> d_value;  ///< `[batch, kv_heads, key_len, value_dim]`, summed over the query heads of each group
     /// `[heads, query_len + key_len - 1]` when options.score_bias is not none, else empty: entry (h, n) is
     /// d loss / d (the bias head h adds where key - query = n - (query_len - 1)), summed over the batch and over
     /// every (query, key) pair on that diagonal. Input of relative_bias_gradient; for ALiBi it is informational.
-    tensor<T, 2> score_bias_gradient;
+    tensor<T, 2> d_score_bias;
     /// `[heads]` when options.sinks is not empty, else empty: d loss / d sink logit of each query head (sinks.hpp),
     /// summed over the batch and the queries.
-    tensor<T, 1> sink_gradient;
+    tensor<T, 1> d_sinks;
 };
 
 namespace detail {
@@ -83,9 +83,9 @@ strided_view<F> contiguous_like(const strided_view<T>& x, F* data) {
 /// Every row of view x, each rounded once to the type of view y (same dims; widening is exact).
 template <class X, class Y>
 void convert_rows(const strided_view<X>& x, const strided_view<Y>& y) {
-    for (index b = 0; b < x.dims[0]; ++b)
-        for (index h = 0; h < x.dims[1]; ++h)
-            for (index i = 0; i < x.dims[2]; ++i)
+    for (index_t b = 0; b < x.dims[0]; ++b)
+        for (index_t h = 0; h < x.dims[1]; ++h)
+            for (index_t i = 0; i < x.dims[2]; ++i)
                 std::transform(x.row(b, h, i), x.row(b, h, i) + x.dims[3], y.row(b, h, i),
                                [](const auto v) { return static_cast<std::remove_const_t<Y>>(v); });
 }
@@ -99,12 +99,12 @@ struct checked_backward {
 
 template <class T>
 std::string spell_lse(const backward_inputs<T>& in) {
-    if (in.lse_rank == 2) return format_shape(std::array<index, 2>{in.lse_dims[0], in.lse_dims[2]});
+    if (in.lse_rank == 2) return format_shape(std::array<index_t, 2>{in.lse_dims[0], in.lse_dims[2]});
     return format_shape(in.lse_dims);
 }
 
 template <class View>
-void check_view_dims(const View& x, const std::array<index, 4>& expected, int rank, const char* id, const char* what,
+void check_view_dims(const View& x, const std::array<index_t, 4>& expected, int rank, const char* id, const char* what,
                      const std::string& context) {
     if (x.dims != expected || x.rank != rank) {
         strided_view<const scalar_of<View>> want;
@@ -131,9 +131,9 @@ auto check_backward(const backward_inputs<T>& in, const gradient_outputs<G>* out
     const int rank = s.rank;
     const std::string context =
         concat(" (query ", spell_view(in.q), ", key ", spell_view(in.k), ", value ", spell_view(in.v), ')');
-    const std::array<index, 4> out_dims{s.batch, s.heads, s.query_len, s.value_dim};
+    const std::array<index_t, 4> out_dims{s.batch, s.heads, s.query_len, s.value_dim};
     check_view_dims(in.out, out_dims, rank, "attend.shape.backward_out", "out", context);
-    const std::array<index, 3> lse_expected{s.batch, s.heads, s.query_len};
+    const std::array<index_t, 3> lse_expected{s.batch, s.heads, s.query_len};
     if (in.lse_dims != lse_expected || in.lse_rank != rank - 1) {
         backward_inputs<T> want;
         want.lse_dims = lse_expected;
@@ -143,16 +143,16 @@ auto check_backward(const backward_inputs<T>& in, const gradient_outputs<G>* out
     }
     check_view_dims(in.d_out, out_dims, rank, "attend.shape.backward_d_out", "d_out", context);
     if (out) {
-        check_view_dims(out->dq, in.q.dims, rank, "attend.shape.backward_dq", "dq", context);
-        check_view_dims(out->dk, in.k.dims, rank, "attend.shape.backward_dk", "dk", context);
-        check_view_dims(out->dv, in.v.dims, rank, "attend.shape.backward_dv", "dv", context);
+        check_view_dims(out->d_query, in.q.dims, rank, "attend.shape.backward_dq", "d_query", context);
+        check_view_dims(out->d_key, in.k.dims, rank, "attend.shape.backward_dk", "d_key", context);
+        check_view_dims(out->d_value, in.v.dims, rank, "attend.shape.backward_dv", "d_value", context);
     }
     checked_backward<T, decltype(mask.bind(s))> checked{s, check_call(in.q, in.k, in.v, s, mask, o)};
     if (o.check_finite) {
         check_finite(in.out, "out", resolve_threads(o.threads));
         check_finite(in.d_out, "d_out", resolve_threads(o.threads));
-        const index rows = s.batch * s.heads * s.query_len;
-        for (index n = 0; n < rows; ++n) {
+        const index_t rows = s.batch * s.heads * s.query_len;
+        for (index_t n = 0; n < rows; ++n) {
             const accumulator_t<T> x = in.lse[n];
             if (std::isnan(x) || x == std::numeric_limits<accumulator_t<T>>::infinity())
                 throw value_error("attend.value.lse",
@@ -171,15 +171,15 @@ void reference_backward_16bit(const backward_inputs<T>& in, const checked_backwa
     const attention_shape& s = checked.shape;
     const auto& p = checked.call.params;
     constexpr bool round = !std::is_same_v<G, float>;
-    const bool bias = round && out.score_bias_gradient && p.bias && !p.bias->empty();
-    const bool sinks = round && out.sink_gradient && p.has_sinks();
+    const bool bias = round && out.d_score_bias && p.bias && !p.bias->empty();
+    const bool sinks = round && out.d_sinks && p.has_sinks();
     const std::array<const strided_view<const T>*, 5> inputs{&in.q, &in.k, &in.v, &in.out, &in.d_out};
-    std::array<index, 10> sizes{};  // q, k, v, out, d_out; then, when rounding, dq, dk, dv, bias and sink gradients
+    std::array<index_t, 10> sizes{};  // q, k, v, out, d_out; then, when rounding, dq, dk, dv, bias and sink gradients
     for (std::size_t n = 0; n < inputs.size(); ++n) sizes[n] = inputs[n]->size();
     if (round) {
-        sizes[5] = out.dq.size();
-        sizes[6] = out.dk.size();
-        sizes[7] = out.dv.size();
+        sizes[5] = out.d_query.size();
+        sizes[6] = out.d_key.size();
+        sizes[7] = out.d_value.size();
         sizes[8] = bias ? s.heads * (s.query_len + s.key_len - 1) : 0;
         sizes[9] = sinks ? s.heads : 0;
     }
@@ -189,10 +189,10 @@ void reference_backward_16bit(const backward_inputs<T>& in, const checked_backwa
             for (std::size_t n = 0; n < buffers.size(); ++n) buffers[n].resize(static_cast<std::size_t>(sizes[n]));
         },
         [&] {
-            index total = 0;
-            for (const index n : sizes) total += n;
+            index_t total = 0;
+            for (const index_t n : sizes) total += n;
             return allocation_text("kernel::reference's float copies of the 16-bit inputs and gradients (elements)",
-                                   std::array<index, 1>{total}, sizeof(float));
+                                   std::array<index_t, 1>{total}, sizeof(float));
         },
         "the tiled kernel (the default) reads 16-bit inputs in place");
     backward_inputs<float> f;
@@ -206,18 +206,18 @@ void reference_backward_16bit(const backward_inputs<T>& in, const checked_backwa
     f.lse_rank = in.lse_rank;
     if constexpr (round) {
         gradient_outputs<float> g;
-        g.dq = contiguous_like(out.dq, buffers[5].data());
-        g.dk = contiguous_like(out.dk, buffers[6].data());
-        g.dv = contiguous_like(out.dv, buffers[7].data());
-        g.score_bias_gradient = bias ? buffers[8].data() : nullptr;
-        g.sink_gradient = sinks ? buffers[9].data() : nullptr;
+        g.d_query = contiguous_like(out.d_query, buffers[5].data());
+        g.d_key = contiguous_like(out.d_key, buffers[6].data());
+        g.d_value = contiguous_like(out.d_value, buffers[7].data());
+        g.d_score_bias = bias ? buffers[8].data() : nullptr;
+        g.d_sinks = sinks ? buffers[9].data() : nullptr;
         reference_backward(f, s, checked.call.mask, p, g);
-        convert_rows(g.dq, out.dq);
-        convert_rows(g.dk, out.dk);
-        convert_rows(g.dv, out.dv);
+        convert_rows(g.d_query, out.d_query);
+        convert_rows(g.d_key, out.d_key);
+        convert_rows(g.d_value, out.d_value);
         const auto to_g = [](float v) { return static_cast<G>(v); };
-        if (bias) std::transform(buffers[8].begin(), buffers[8].end(), out.score_bias_gradient, to_g);
-        if (sinks) std::transform(buffers[9].begin(), buffers[9].end(), out.sink_gradient, to_g);
+        if (bias) std::transform(buffers[8].begin(), buffers[8].end(), out.d_score_bias, to_g);
+        if (sinks) std::transform(buffers[9].begin(), buffers[9].end(), out.d_sinks, to_g);
     } else {
         reference_backward(f, s, checked.call.mask, p, out);
     }
@@ -248,7 +248,7 @@ void run_backward(const backward_inputs<T>& in, const checked_backward<T, Bound>
 
 /// The backward on strided views, for multi-head attention (heads read from and written to projected
 /// `[batch, len, heads * dim]` buffers through split_heads): checks everything, then writes dq, dk, dv and,
-/// when not null and the call has a score_bias, score_bias_gradient. Throws as
+/// when not null and the call has a score_bias, d_score_bias. Throws as
 /// scaled_dot_product_attention_backward, before any write.
 template <class T, class Mask>
 void sdpa_backward_views(const backward_inputs<T>& in, const Mask& mask, const sdpa_options& options,
@@ -309,26 +309,28 @@ auto backward_allocating(const Q& q, const K& k, const V& v, const Out& out, con
     const attention_shape& s = checked.shape;
     attention_gradients<T, rank> g;
     const char* hint = "The gradients are as large as q, k and v; split the call over the batch";
-    detail::resize_guarded(g.dq, detail::rank_dims<rank>(s, s.head_dim), "dq", hint);
+    detail::resize_guarded(g.d_query, detail::rank_dims<rank>(s, s.head_dim), "d_query", hint);
     if constexpr (rank == 4) {
-        detail::resize_guarded(g.dk, std::array<index, 4>{s.batch, s.kv_heads, s.key_len, s.head_dim}, "dk", hint);
-        detail::resize_guarded(g.dv, std::array<index, 4>{s.batch, s.kv_heads, s.key_len, s.value_dim}, "dv", hint);
+        detail::resize_guarded(g.d_key, std::array<index_t, 4>{s.batch, s.kv_heads, s.key_len, s.head_dim}, "d_key",
+                               hint);
+        detail::resize_guarded(g.d_value, std::array<index_t, 4>{s.batch, s.kv_heads, s.key_len, s.value_dim},
+                               "d_value", hint);
     } else {
-        detail::resize_guarded(g.dk, std::array<index, 3>{s.batch, s.key_len, s.head_dim}, "dk", hint);
-        detail::resize_guarded(g.dv, std::array<index, 3>{s.batch, s.key_len, s.value_dim}, "dv", hint);
+        detail::resize_guarded(g.d_key, std::array<index_t, 3>{s.batch, s.key_len, s.head_dim}, "d_key", hint);
+        detail::resize_guarded(g.d_value, std::array<index_t, 3>{s.batch, s.key_len, s.value_dim}, "d_value", hint);
     }
     detail::gradient_outputs<T> o;
-    o.dq = detail::as_mutable_view(g.dq);
-    o.dk = detail::as_mutable_view(g.dk);
-    o.dv = detail::as_mutable_view(g.dv);
+    o.d_query = detail::as_mutable_view(g.d_query);
+    o.d_key = detail::as_mutable_view(g.d_key);
+    o.d_value = detail::as_mutable_view(g.d_value);
     if (!options.score_bias.empty()) {
-        detail::resize_guarded(g.score_bias_gradient, std::array<index, 2>{s.heads, s.query_len + s.key_len - 1},
-                               "score_bias_gradient", hint);
-        o.score_bias_gradient = g.score_bias_gradient.data();
+        detail::resize_guarded(g.d_score_bias, std::array<index_t, 2>{s.heads, s.query_len + s.key_len - 1},
+                               "d_score_bias", hint);
+        o.d_score_bias = g.d_score_bias.data();
     }
     if (!options.sinks.empty()) {
-        detail::resize_guarded(g.sink_gradient, std::array<index, 1>{s.heads}, "sink_gradient", hint);
-        o.sink_gradient = g.sink_gradient.data();
+        detail::resize_guarded(g.d_sinks, std::array<index_t, 1>{s.heads}, "d_sinks", hint);
+        o.d_sinks = g.d_sinks.data();
     }
     detail::run_backward(in, checked, o);
     return g;
@@ -342,14 +344,14 @@ auto backward_allocating(const Q& q, const K& k, const V& v, const Out& out, con
 /// score_bias and dropout (replayed from its seed, so the same weights are dropped) must be the same; threads and
 /// kernel may differ (kernel::reference is the oracle, anything else the tiled path, O(threads x tile) memory).
 /// Returns dq, dk, dv (dk and dv summed over the query heads of each group; of the inputs' type, 16-bit ones
-/// included) and, with a score_bias, score_bias_gradient.
+/// included) and, with a score_bias, d_score_bias.
 /// Throws before computing anything: everything scaled_dot_product_attention throws, shape_error
 /// attend.shape.backward_out / backward_lse / backward_d_out for out, lse, d_out of the wrong shape, value_error
 /// attend.value.non_finite for NaN / Inf in out or d_out and attend.value.lse for NaN / +inf in lse (both
 /// when check_finite).
-template <class Q, class K, class V, class Out, class Lse, class DOut, class Mask>
-auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, const Out& out, const Lse& lse,
-                                           const DOut& d_out, const Mask& mask, const sdpa_options& options = {}) {
+template <class Q, class K, class V, class Mask, class Out, class Lse, class DOut>
+auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, const Mask& mask, const Out& out,
+                                           const Lse& lse, const DOut& d_out, const sdpa_options& options = {}) {
     if constexpr (detail::require_mask<Mask>()) {
         return detail::backward_allocating<detail::rank_of<Q>()>(q, k, v, out, lse, d_out, mask, options);
     }
@@ -359,123 +361,139 @@ auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, c
 template <class Q, class K, class V, class Out, class Lse, class DOut>
 auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, const Out& out, const Lse& lse,
                                            const DOut& d_out, const sdpa_options& options = {}) {
-    return scaled_dot_product_attention_backward(q, k, v, out, lse, d_out, no_mask{}, options);
+    return scaled_dot_product_attention_backward(q, k, v, no_mask{}, out, lse, d_out, options);
 }
 
 /// Gradients from the forward's result as scaled_dot_product_attention returned it: its out and lse (need_lse
 /// is on by default). Throws shape_error attend.shape.backward_lse, saying so, when the forward ran with
 /// need_lse = false, and everything the form with out and lse throws.
-template <class Q, class K, class V, class T, int Rank, class DOut, class Mask>
-auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, const attention_result<T, Rank>& forward,
-                                           const DOut& d_out, const Mask& mask, const sdpa_options& options = {}) {
+template <class Q, class K, class V, class Mask, class T, int Rank, class DOut>
+auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, const Mask& mask,
+                                           const attention_result<T, Rank>& forward, const DOut& d_out,
+                                           const sdpa_options& options = {}) {
     if (forward.lse.size() == 0 && forward.out.size() != 0)
         throw shape_error("attend.shape.backward_lse",
                           detail::concat("the forward result holds out ",
                                          detail::format_shape(forward.out.dimensions()),
                                          " but no lse: run the forward with need_lse = true (the default)"));
-    return scaled_dot_product_attention_backward(q, k, v, forward.out, forward.lse, d_out, mask, options);
+    return scaled_dot_product_attention_backward(q, k, v, mask, forward.out, forward.lse, d_out, options);
 }
 
 /// Gradients of attention without a mask from the forward's result.
 template <class Q, class K, class V, class T, int Rank, class DOut>
 auto scaled_dot_product_attention_backward(const Q& q, const K& k, const V& v, const attention_result<T, Rank>& forward,
                                            const DOut& d_out, const sdpa_options& options = {}) {
-    return scaled_dot_product_attention_backward(q, k, v, forward, d_out, no_mask{}, options);
+    return scaled_dot_product_attention_backward(q, k, v, no_mask{}, forward, d_out, options);
 }
 
-/// Writes the gradients into caller-owned tensors of the inputs' rank (attend::tensor or TensorMap):
-/// dq like q, dk like k, dv like v (for 16-bit inputs: all in their type, rounded once, or all float, unrounded),
-/// and unless nullptr score_bias_gradient `[heads, query_len + key_len - 1]` (written only when
-/// options.score_bias is not none) and sink_gradient `[heads]` (only with sinks), both of dq's type. On any error
+/// Writes the gradients into caller-owned tensors of the inputs' rank (attend::tensor or TensorMap), given after
+/// the inputs, the mask and the options (the order of every attend call): d_query like q, d_key like k, d_value
+/// like v (for 16-bit inputs: all in their type, rounded once, or all float, unrounded),
+/// and unless nullptr d_score_bias `[heads, query_len + key_len - 1]` (written only when
+/// options.score_bias is not none) and d_sinks `[heads]` (only with sinks), both of d_query's type. On any error
 /// nothing is written: the throws of scaled_dot_product_attention_backward and shape_error
 /// attend.shape.backward_dq / backward_dk / backward_dv / backward_score_bias / backward_sinks for outputs of the
 /// wrong shape, and attend.shape.aliasing, naming both tensors, when an output overlaps q, k, v, out, d_out, lse
 /// or another output in memory (measured conservatively, from each tensor's lowest to its highest element
 /// address; adjacent buffers are fine).
-template <class Q, class K, class V, class Out, class Lse, class DOut, class Mask, class DQ, class DK, class DV,
+template <class Q, class K, class V, class Mask, class Out, class Lse, class DOut, class DQ, class DK, class DV,
           class BiasGrad = std::nullptr_t, class SinkGrad = std::nullptr_t>
-void scaled_dot_product_attention_backward_into(const Q& q, const K& k, const V& v, const Out& out, const Lse& lse,
-                                                const DOut& d_out, const Mask& mask, DQ&& dq, DK&& dk, DV&& dv,
-                                                const sdpa_options& options = {},
-                                                BiasGrad&& score_bias_gradient = nullptr,
-                                                SinkGrad&& sink_gradient = nullptr) {
+void scaled_dot_product_attention_backward_into(const Q& q, const K& k, const V& v, const Mask& mask, const Out& out,
+                                                const Lse& lse, const DOut& d_out, const sdpa_options& options,
+                                                DQ&& d_query, DK&& d_key, DV&& d_value,
+                                                BiasGrad&& d_score_bias = nullptr, SinkGrad&& d_sinks = nullptr) {
     if constexpr (detail::require_mask<Mask>()) {
         using T = detail::scalar_of<Q>;
         using G = detail::scalar_of<DQ>;  // T, or float for 16-bit inputs
         constexpr int rank = detail::rank_of<Q>();
-        static_assert((std::is_same_v<G, T> || (detail::is_16bit_v<T> && std::is_same_v<G, float>)) &&
-                          std::is_same_v<G, detail::scalar_of<DK>> && std::is_same_v<G, detail::scalar_of<DV>>,
-                      "attend: dq, dk and dv must have the query's scalar type (with 16-bit inputs: all of it, or "
-                      "all float)");
+        static_assert(
+            (std::is_same_v<G, T> || (detail::is_16bit_v<T> && std::is_same_v<G, float>)) &&
+                std::is_same_v<G, detail::scalar_of<DK>> && std::is_same_v<G, detail::scalar_of<DV>>,
+            "attend: d_query, d_key and d_value must have the query's scalar type (with 16-bit inputs: all of it, or "
+            "all float)");
         static_assert(detail::rank_of<DQ>() == rank && detail::rank_of<DK>() == rank && detail::rank_of<DV>() == rank,
-                      "attend: dq, dk and dv must have the query's rank");
+                      "attend: d_query, d_key and d_value must have the query's rank");
         const auto in = detail::backward_inputs_of<rank>(q, k, v, out, lse, d_out);
         detail::gradient_outputs<G> o;
-        o.dq = detail::as_mutable_view(dq);
-        o.dk = detail::as_mutable_view(dk);
-        o.dv = detail::as_mutable_view(dv);
+        o.d_query = detail::as_mutable_view(d_query);
+        o.d_key = detail::as_mutable_view(d_key);
+        o.d_value = detail::as_mutable_view(d_value);
+        if constexpr (detail::is_strided_view_v<DQ>) detail::check_output_strides(o.d_query, "d_query");
+        if constexpr (detail::is_strided_view_v<DK>) detail::check_output_strides(o.d_key, "d_key");
+        if constexpr (detail::is_strided_view_v<DV>) detail::check_output_strides(o.d_value, "d_value");
         if constexpr (!std::is_same_v<std::decay_t<BiasGrad>, std::nullptr_t>) {
             static_assert(std::is_same_v<G, detail::scalar_of<BiasGrad>> && detail::rank_of<BiasGrad>() == 2,
-                          "attend: score_bias_gradient is a rank-2 tensor [heads, query_len + key_len - 1] of dq's "
+                          "attend: d_score_bias is a rank-2 tensor [heads, query_len + key_len - 1] of d_query's "
                           "scalar type");
-            const std::array<index, 2> expected{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1};
-            const std::array<index, 2> got{score_bias_gradient.dimension(0), score_bias_gradient.dimension(1)};
+            const std::array<index_t, 2> expected{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1};
+            const std::array<index_t, 2> got{d_score_bias.dimension(0), d_score_bias.dimension(1)};
             if (!options.score_bias.empty() && got != expected)
                 throw shape_error("attend.shape.backward_score_bias",
-                                  detail::concat("score_bias_gradient ", detail::format_shape(got), " != expected ",
+                                  detail::concat("d_score_bias ", detail::format_shape(got), " != expected ",
                                                  detail::format_shape(expected), " [heads, query_len + key_len - 1]"));
-            o.score_bias_gradient = options.score_bias.empty() ? nullptr : score_bias_gradient.data();
+            o.d_score_bias = options.score_bias.empty() ? nullptr : d_score_bias.data();
         }
         if constexpr (!std::is_same_v<std::decay_t<SinkGrad>, std::nullptr_t>) {
             static_assert(std::is_same_v<G, detail::scalar_of<SinkGrad>> && detail::rank_of<SinkGrad>() == 1,
-                          "attend: sink_gradient is a rank-1 tensor [heads] of dq's scalar type");
-            if (!options.sinks.empty() && sink_gradient.dimension(0) != in.q.dims[1])
+                          "attend: d_sinks is a rank-1 tensor [heads] of d_query's scalar type");
+            if (!options.sinks.empty() && d_sinks.dimension(0) != in.q.dims[1])
                 throw shape_error("attend.shape.backward_sinks",
-                                  detail::concat("sink_gradient [", sink_gradient.dimension(0), "] != expected [",
-                                                 in.q.dims[1], "] [heads]"));
-            o.sink_gradient = options.sinks.empty() ? nullptr : sink_gradient.data();
+                                  detail::concat("d_sinks [", d_sinks.dimension(0), "] != expected [", in.q.dims[1],
+                                                 "] [heads]"));
+            o.d_sinks = options.sinks.empty() ? nullptr : d_sinks.data();
         }
         detail::check_no_aliasing(
             {detail::named("query", in.q), detail::named("key", in.k), detail::named("value", in.v),
              detail::named("out", in.out), detail::named("d_out", in.d_out), detail::named("lse", in.lse, in.lse_dims)},
-            {detail::named("dq", o.dq), detail::named("dk", o.dk), detail::named("dv", o.dv),
-             detail::named("score_bias_gradient", o.score_bias_gradient,
-                           std::array<index, 2>{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1}),
-             detail::named("sink_gradient", o.sink_gradient, std::array<index, 1>{in.q.dims[1]})});
+            {detail::named("d_query", o.d_query), detail::named("d_key", o.d_key), detail::named("d_value", o.d_value),
+             detail::named("d_score_bias", o.d_score_bias,
+                           std::array<index_t, 2>{in.q.dims[1], in.q.dims[2] + in.k.dims[2] - 1}),
+             detail::named("d_sinks", o.d_sinks, std::array<index_t, 1>{in.q.dims[1]})});
         const auto checked = detail::check_backward(in, &o, mask, options);
         detail::run_backward(in, checked, o);
     }
 }
 
+/// The _into backward with default options: the three input gradients only.
+template <class Q, class K, class V, class Mask, class Out, class Lse, class DOut, class DQ, class DK, class DV,
+          std::enable_if_t<!std::is_same_v<std::decay_t<DQ>, sdpa_options>, int> = 0>
+void scaled_dot_product_attention_backward_into(const Q& q, const K& k, const V& v, const Mask& mask, const Out& out,
+                                                const Lse& lse, const DOut& d_out, DQ&& d_query, DK&& d_key,
+                                                DV&& d_value) {
+    scaled_dot_product_attention_backward_into(q, k, v, mask, out, lse, d_out, sdpa_options{},
+                                               std::forward<DQ>(d_query), std::forward<DK>(d_key),
+                                               std::forward<DV>(d_value));
+}
+
 /// The gradient of a T5 relative-position bias table `[num_buckets, heads]` (d loss / d table(bucket, h)) from
-/// the score_bias_gradient of a backward call whose options.score_bias was built from `table`
+/// the d_score_bias of a backward call whose options.score_bias was built from `table`
 /// (score_bias::relative(table, alignment)): each key - query offset adds its gradient to its bucket.
 /// `bias` is that call's options.score_bias; the table must reproduce it at every offset of the call.
-/// Throws shape_error attend.shape.relative_bias_gradient when grads has no score_bias_gradient or its heads
+/// Throws shape_error attend.shape.relative_bias_gradient when grads has no d_score_bias or its heads
 /// differ from the table's, value_error attend.value.relative_bias_table when the table does not give bias's
 /// values (another table, another alignment, or a table changed since).
 template <class U, class T, int Rank>
 tensor<U, 2> relative_bias_gradient(const relative_position_bias<U>& table, const attention_gradients<T, Rank>& grads,
                                     const score_bias& bias) {
-    const index L = grads.dq.dimension(Rank - 2), S = grads.dk.dimension(Rank - 2);
-    const index heads = Rank == 4 ? grads.dq.dimension(1) : 1;
-    const index diagonals = L + S - 1;
-    const auto& g = grads.score_bias_gradient;
+    const index_t L = grads.d_query.dimension(Rank - 2), S = grads.d_key.dimension(Rank - 2);
+    const index_t heads = Rank == 4 ? grads.d_query.dimension(1) : 1;
+    const index_t diagonals = L + S - 1;
+    const auto& g = grads.d_score_bias;
     if (g.dimension(0) != heads || g.dimension(1) != diagonals || table.heads() != heads || bias.empty())
         throw shape_error("attend.shape.relative_bias_gradient",
-                          detail::concat("score_bias_gradient ", detail::format_shape(g.dimensions()), " must be [",
-                                         heads, ',', diagonals,
+                          detail::concat("d_score_bias ", detail::format_shape(g.dimensions()), " must be [", heads,
+                                         ',', diagonals,
                                          "] (heads, query_len + key_len - 1; empty means the "
                                          "backward ran without a score_bias) and the table ",
                                          detail::format_shape(table.table().dimensions()), " must have heads ", heads));
-    const index shift = bias.bias_alignment() == alignment::bottom_right ? S - L : 0;
+    const index_t shift = bias.bias_alignment() == alignment::bottom_right ? S - L : 0;
     tensor<U, 2> d_table(table.num_buckets(), heads);
     d_table.setZero();
-    for (index h = 0; h < heads; ++h)
-        for (index n = 0; n < diagonals; ++n) {
-            const index offset = n - (L - 1);  // key - query
-            const index i = std::max<index>(0, -offset), j = i + offset;
-            const index bucket = table.bucket(i + shift, j);
+    for (index_t h = 0; h < heads; ++h)
+        for (index_t n = 0; n < diagonals; ++n) {
+            const index_t offset = n - (L - 1);  // key - query
+            const index_t i = std::max<index_t>(0, -offset), j = i + offset;
+            const index_t bucket = table.bucket(i + shift, j);
             if (bias.value<double>(h, i, j, L, S) != static_cast<double>(table.table()(bucket, h)))
                 throw value_error("attend.value.relative_bias_table",
                                   detail::concat("the table does not give the call's score_bias at head ", h,

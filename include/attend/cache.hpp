@@ -21,7 +21,7 @@ namespace attend {
 namespace detail {
 
 /// The sizes of a cache: batch, kv_heads, capacity, head_dim, value_dim.
-using cache_sizes = std::array<index, 5>;
+using cache_sizes = std::array<index_t, 5>;
 
 /// Throws shape_error `attend.shape.negative` or `attend.shape.cache` unless new keys k `[batch, kv_heads, L,
 /// head_dim]` and values v `[batch, kv_heads, L, value_dim]` fit a cache of these sizes.
@@ -33,8 +33,8 @@ void check_append_shapes(const strided_view<const KV>& k, const strided_view<con
         return concat(" (cache [batch ", c[0], ", kv_heads ", c[1], ", capacity ", c[2], ", head_dim ", c[3],
                       ", value_dim ", c[4], "])");
     };
-    const std::array<index, 4> k_expected{c[0], c[1], k.dims[2], c[3]};
-    const std::array<index, 4> v_expected{c[0], c[1], k.dims[2], c[4]};
+    const std::array<index_t, 4> k_expected{c[0], c[1], k.dims[2], c[3]};
+    const std::array<index_t, 4> v_expected{c[0], c[1], k.dims[2], c[4]};
     if (k.dims != k_expected)
         throw shape_error("attend.shape.cache",
                           concat("new keys ", spell_view(k), " do not fit: expected ", format_shape(k_expected),
@@ -47,7 +47,7 @@ void check_append_shapes(const strided_view<const KV>& k, const strided_view<con
 
 /// Throws shape_error `attend.shape.negative` for new_tokens < 0 and position_error `attend.position.cache_full`
 /// if they do not fit after `length` positions.
-inline void check_cache_fits(index new_tokens, index length, index capacity) {
+inline void check_cache_fits(index_t new_tokens, index_t length, index_t capacity) {
     if (new_tokens < 0)
         throw shape_error("attend.shape.negative",
                           concat("new tokens ", new_tokens, " is negative; appending needs >= 0 tokens"));
@@ -58,7 +58,7 @@ inline void check_cache_fits(index new_tokens, index length, index capacity) {
 }
 
 /// Throws position_error `attend.position.truncate` unless 0 <= length <= current.
-inline void check_truncate(index length, index current) {
+inline void check_truncate(index_t length, index_t current) {
     if (length < 0 || length > current)
         throw position_error("attend.position.truncate",
                              concat("cannot truncate a cache of length ", current, " to length ", length,
@@ -89,7 +89,7 @@ public:
     /// An empty cache for `capacity` positions. Throws value_error `attend.value.size` if a size is < 1,
     /// shape_error `attend.shape.overflow` if the storage size overflows Eigen::Index and resource_error
     /// `attend.resource.allocation` if the storage cannot be allocated.
-    kv_cache(index batch, index kv_heads, index capacity, index head_dim, index value_dim)
+    kv_cache(index_t batch, index_t kv_heads, index_t capacity, index_t head_dim, index_t value_dim)
         : batch_(batch), kv_heads_(kv_heads), capacity_(capacity), head_dim_(head_dim), value_dim_(value_dim) {
         detail::check_cache_sizes({batch, kv_heads, capacity, head_dim, value_dim});
         if (detail::product_overflows(batch, kv_heads, capacity, head_dim) ||
@@ -105,21 +105,21 @@ public:
             [&] {
                 return detail::allocation_text(
                     "kv_cache storage (keys and values x batch x kv_heads x capacity x dim)",
-                    std::array<index, 5>{2, batch, kv_heads, capacity, std::max(head_dim, value_dim)}, sizeof(T));
+                    std::array<index_t, 5>{2, batch, kv_heads, capacity, std::max(head_dim, value_dim)}, sizeof(T));
             },
             "Choose a smaller capacity");
     }
 
-    index batch() const { return batch_; }          ///< sequences
-    index kv_heads() const { return kv_heads_; }    ///< key/value heads
-    index head_dim() const { return head_dim_; }    ///< width of a cached key
-    index value_dim() const { return value_dim_; }  ///< width of a cached value
+    index_t batch() const { return batch_; }          ///< sequences
+    index_t kv_heads() const { return kv_heads_; }    ///< key/value heads
+    index_t head_dim() const { return head_dim_; }    ///< width of a cached key
+    index_t value_dim() const { return value_dim_; }  ///< width of a cached value
     /// Positions the cache can hold; fixed for its lifetime.
-    index capacity() const { return capacity_; }
+    index_t capacity() const { return capacity_; }
     /// Positions held now; the next appended token has global position length().
-    index length() const { return length_; }
+    index_t length() const { return length_; }
     /// capacity() - length().
-    index remaining() const { return capacity_ - length_; }
+    index_t remaining() const { return capacity_ - length_; }
 
     /// Appends L positions: k_new `[batch, kv_heads, L, head_dim]`, v_new `[batch, kv_heads, L, value_dim]`
     /// (attend::tensor, a TensorMap of one, or a strided_view such as split_heads of a projected buffer).
@@ -134,10 +134,10 @@ public:
         const auto k = detail::as_view(k_new);
         const auto v = detail::as_view(v_new);
         check_append(k, v);
-        const index L = k.dims[2];
-        for (index b = 0; b < batch_; ++b)
-            for (index h = 0; h < kv_heads_; ++h)
-                for (index i = 0; i < L; ++i) {
+        const index_t L = k.dims[2];
+        for (index_t b = 0; b < batch_; ++b)
+            for (index_t h = 0; h < kv_heads_; ++h)
+                for (index_t i = 0; i < L; ++i) {
                     std::copy(k.row(b, h, i), k.row(b, h, i) + head_dim_, key_row(b, h, length_ + i));
                     std::copy(v.row(b, h, i), v.row(b, h, i) + value_dim_, value_row(b, h, length_ + i));
                 }
@@ -148,8 +148,8 @@ public:
     void check_append(const strided_view<const T>& k, const strided_view<const T>& v) const {
         detail::check_append_shapes(k, v, {batch_, kv_heads_, capacity_, head_dim_, value_dim_});
         check_fits(k.dims[2]);
-        const std::array<index, 4> keys_dims{batch_, kv_heads_, capacity_, head_dim_};
-        const std::array<index, 4> values_dims{batch_, kv_heads_, capacity_, value_dim_};
+        const std::array<index_t, 4> keys_dims{batch_, kv_heads_, capacity_, head_dim_};
+        const std::array<index_t, 4> values_dims{batch_, kv_heads_, capacity_, value_dim_};
         detail::check_no_aliasing({detail::named("new keys", k), detail::named("new values", v)},
                                   {detail::named("cache keys", keys_.data(), keys_dims),
                                    detail::named("cache values", values_.data(), values_dims)});
@@ -157,7 +157,7 @@ public:
 
     /// Throws position_error `attend.position.cache_full` if `new_tokens` more positions do not fit, shape_error
     /// `attend.shape.negative` if new_tokens < 0.
-    void check_fits(index new_tokens) const { detail::check_cache_fits(new_tokens, length_, capacity_); }
+    void check_fits(index_t new_tokens) const { detail::check_cache_fits(new_tokens, length_, capacity_); }
 
     /// Keys `[batch, kv_heads, length(), head_dim]` over the cache's own storage (row stride head_dim, head
     /// stride capacity * head_dim). Stays valid, and shows the same positions, across later appends.
@@ -174,13 +174,13 @@ public:
     /// Keeps the first `length` positions and forgets the rest (rolling back rejected tokens); the storage and
     /// capacity stay. Throws position_error `attend.position.truncate` unless 0 <= length <= length(); the cache is
     /// unchanged then.
-    void truncate(index length) {
+    void truncate(index_t length) {
         detail::check_truncate(length, length_);
         length_ = length;
     }
 
 private:
-    strided_view<const T> view(const T* data, index dim, index len) const {
+    strided_view<const T> view(const T* data, index_t dim, index_t len) const {
         strided_view<const T> v;
         v.data = data;
         v.dims = {batch_, kv_heads_, len, dim};
@@ -188,13 +188,15 @@ private:
         v.rank = 4;
         return v;
     }
-    T* key_row(index b, index h, index i) { return keys_.data() + ((b * kv_heads_ + h) * capacity_ + i) * head_dim_; }
-    T* value_row(index b, index h, index i) {
+    T* key_row(index_t b, index_t h, index_t i) {
+        return keys_.data() + ((b * kv_heads_ + h) * capacity_ + i) * head_dim_;
+    }
+    T* value_row(index_t b, index_t h, index_t i) {
         return values_.data() + ((b * kv_heads_ + h) * capacity_ + i) * value_dim_;
     }
 
-    index batch_, kv_heads_, capacity_, head_dim_, value_dim_;
-    index length_ = 0;
+    index_t batch_, kv_heads_, capacity_, head_dim_, value_dim_;
+    index_t length_ = 0;
     std::vector<T> keys_;
     std::vector<T> values_;
 };

@@ -32,10 +32,10 @@ namespace attend {
 
 /// The score shape `[batch, heads, query_len, key_len]` to draw or materialize a mask for.
 struct score_shape {
-    index batch = 1;      ///< sequences
-    index heads = 1;      ///< query heads
-    index query_len = 0;  ///< rows of the grid
-    index key_len = 0;    ///< columns of the grid
+    index_t batch = 1;      ///< sequences
+    index_t heads = 1;      ///< query heads
+    index_t query_len = 0;  ///< rows of the grid
+    index_t key_len = 0;    ///< columns of the grid
 };
 
 namespace detail {
@@ -71,18 +71,18 @@ enum class dense_layout {
 /// The shape of a dense mask as the user gave it (rank 1 to 4), how its axes meet the scores, and whether its key
 /// axis may be shorter than key_len (ONNX pads such a mask with -inf: the missing keys are forbidden).
 struct dense_dims {
-    std::vector<index> dims;
+    std::vector<index_t> dims;
     dense_layout layout = dense_layout::right_aligned;
     bool short_keys_forbidden = false;  ///< ONNX: a key axis shorter than key_len forbids the keys past it
 
     /// Strides onto `[batch, heads, query_len, key_len]`, aligned from the right against the score shape of the
     /// call (rank 3 inputs have scores `[batch, query_len, key_len]`) or by the batch_key layout, 0 on broadcast
     /// axes.
-    std::array<index, 4> broadcast_strides(const attention_shape& s, const char* what) const {
-        const std::array<index, 4> score{s.batch, s.heads, s.query_len, s.key_len};
+    std::array<index_t, 4> broadcast_strides(const attention_shape& s, const char* what) const {
+        const std::array<index_t, 4> score{s.batch, s.heads, s.query_len, s.key_len};
         const std::vector<int> right = s.rank == 4 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 2, 3};
         const auto score_spelled = s.rank == 4 ? format_shape(score)
-                                               : format_shape(std::array<index, 3>{s.batch, s.query_len, s.key_len});
+                                               : format_shape(std::array<index_t, 3>{s.batch, s.query_len, s.key_len});
         const int mask_rank = static_cast<int>(dims.size());
         if (mask_rank > static_cast<int>(right.size()))
             throw mask_error("attend.mask.rank", concat(what, " of rank ", mask_rank, ' ', format_shape(dims),
@@ -90,11 +90,11 @@ struct dense_dims {
         const std::vector<int> axes = layout == dense_layout::batch_key
                                           ? std::vector<int>{0, 3}
                                           : std::vector<int>(right.end() - mask_rank, right.end());
-        std::array<index, 4> strides{0, 0, 0, 0};
-        index stride = 1;
+        std::array<index_t, 4> strides{0, 0, 0, 0};
+        index_t stride = 1;
         for (int a = mask_rank - 1; a >= 0; --a) {
             const auto axis = static_cast<std::size_t>(axes[static_cast<std::size_t>(a)]);
-            const index n = dims[static_cast<std::size_t>(a)];
+            const index_t n = dims[static_cast<std::size_t>(a)];
             const bool shorter_keys_ok = short_keys_forbidden && axis == 3 && n < score[axis];
             if (n != 1 && n != score[axis] && !shorter_keys_ok)
                 throw mask_error("attend.mask.broadcast",
@@ -107,7 +107,7 @@ struct dense_dims {
         return strides;
     }
     /// Keys at or past this are forbidden (ONNX's short masks); key_len otherwise.
-    index key_end(const attention_shape& s) const {
+    index_t key_end(const attention_shape& s) const {
         if (!short_keys_forbidden || dims.empty()) return s.key_len;
         return std::min(dims.back(), s.key_len);
     }
@@ -177,7 +177,7 @@ std::pair<std::vector<V>, dense_dims> read_dense(const X& x) {
         d.layout = Form == dense_form::key_padding ? dense_layout::batch_key : dense_layout::right_aligned;
         d.short_keys_forbidden = Form == dense_form::onnx;
         std::vector<V> values(static_cast<std::size_t>(x.size()));
-        for (index n = 0; n < x.size(); ++n) values[static_cast<std::size_t>(n)] = saturating_cast<V>(x.data()[n]);
+        for (index_t n = 0; n < x.size(); ++n) values[static_cast<std::size_t>(n)] = saturating_cast<V>(x.data()[n]);
         return {std::move(values), std::move(d)};
     } else {
         return {};
@@ -251,11 +251,11 @@ public:
     }
 
     /// The mask's dims as given (rank 1 to 4).
-    const std::vector<index>& dims() const { return dims_.dims; }
+    const std::vector<index_t>& dims() const { return dims_.dims; }
     /// True when built as `[batch, key_len]` key padding (key_padding), false for a grid or a broadcast mask.
     bool is_key_padding() const { return dims_.layout == detail::dense_layout::batch_key; }
     /// The value at a position of a rank-4 mask (what materialize returns): true = may attend.
-    bool operator()(index b, index h, index i, index j) const {
+    bool operator()(index_t b, index_t h, index_t i, index_t j) const {
         ATTEND_ASSERT(dims_.dims.size() == 4);
         const auto& d = dims_.dims;
         return ((*values_)[static_cast<std::size_t>(((b * d[1] + h) * d[2] + i) * d[3] + j)] != 0) != inverted_;
@@ -314,7 +314,7 @@ public:
     }
 
     /// The mask's dims as given.
-    const std::vector<index>& dims() const { return dims_.dims; }
+    const std::vector<index_t>& dims() const { return dims_.dims; }
     /// True when built as `[batch, key_len]` key padding (key_padding).
     bool is_key_padding() const { return dims_.layout == detail::dense_layout::batch_key; }
 
@@ -378,7 +378,7 @@ public:
     }
 
     /// The mask's dims as given (rank 1 to 4).
-    const std::vector<index>& dims() const { return dims_.dims; }
+    const std::vector<index_t>& dims() const { return dims_.dims; }
 
     detail::bound_dense_additive<T> bind(const attention_shape& s) const {
         detail::bound_dense_additive<T> bound;
@@ -399,7 +399,7 @@ private:
     }
     additive_mask(std::shared_ptr<const std::vector<T>> values, detail::dense_dims dims)
         : values_(std::move(values)), dims_(std::move(dims)) {}
-    static std::string concat_position(T value, std::size_t flat, const std::vector<index>& dims) {
+    static std::string concat_position(T value, std::size_t flat, const std::vector<index_t>& dims) {
         return detail::concat("additive mask ", detail::format_shape(dims), " holds ", value, " at flat index ", flat,
                               "; entries must be finite or -inf (-inf forbids)");
     }
@@ -415,17 +415,17 @@ struct no_mask : detail::boolean_term {
 };
 
 namespace detail {
-inline std::shared_ptr<const std::vector<index>> checked_lengths(const std::vector<index>& lengths, index batch,
-                                                                 index limit, const char* what,
-                                                                 const char* limit_name) {
-    if (static_cast<index>(lengths.size()) != batch)
+inline std::shared_ptr<const std::vector<index_t>> checked_lengths(const std::vector<index_t>& lengths, index_t batch,
+                                                                   index_t limit, const char* what,
+                                                                   const char* limit_name) {
+    if (static_cast<index_t>(lengths.size()) != batch)
         throw mask_error("attend.mask.lengths_batch", concat(what, " has ", lengths.size(), " lengths for batch ",
                                                              batch, " (one length per sequence)"));
     for (std::size_t b = 0; b < lengths.size(); ++b)
         if (lengths[b] < 0 || lengths[b] > limit)
             throw mask_error("attend.mask.length_range", concat(what, " length ", lengths[b], " of batch ", b,
                                                                 " is outside [0, ", limit_name, " = ", limit, ']'));
-    return std::make_shared<const std::vector<index>>(lengths);
+    return std::make_shared<const std::vector<index_t>>(lengths);
 }
 
 inline bound_diagonal bind_diagonal(const diagonal& d, const attention_shape& s, const char* rule) {
@@ -456,8 +456,8 @@ inline causal_rule causal(diagonal d) { return causal_rule{{}, std::move(d)}; }
 /// query's own) is sliding_window(W - 1, 0, d).
 struct sliding_window_rule : detail::boolean_term {
     static constexpr bool has_query_padding = false;
-    index left = 0;             ///< keys before the diagonal a query also sees
-    index right = 0;            ///< keys after the diagonal a query also sees
+    index_t left = 0;           ///< keys before the diagonal a query also sees
+    index_t right = 0;          ///< keys after the diagonal a query also sees
     attend::diagonal diagonal;  ///< where the diagonal runs, as for causal
 
     detail::bound_band bind(const attention_shape& s) const {
@@ -466,7 +466,7 @@ struct sliding_window_rule : detail::boolean_term {
     }
 };
 namespace detail {
-inline void check_window(index left, index right, const char* rule) {
+inline void check_window(index_t left, index_t right, const char* rule) {
     if (left < 0 || right < 0)
         throw mask_error("attend.mask.window",
                          concat(rule, "(left ", left, ", right ", right,
@@ -475,14 +475,14 @@ inline void check_window(index left, index right, const char* rule) {
 }  // namespace detail
 /// The sliding window of `left` keys before and `right` keys after the diagonal `d`; either side may be
 /// `unbounded`. Throws mask_error attend.mask.window for a negative size.
-inline sliding_window_rule sliding_window(index left, index right, diagonal d) {
+inline sliding_window_rule sliding_window(index_t left, index_t right, diagonal d) {
     detail::check_window(left, right, "sliding_window");
     return sliding_window_rule{{}, left, right, std::move(d)};
 }
 /// The window of a Hugging Face config's `sliding_window: W` (transformers' sliding_window_overlay: W keys, the
 /// query's own included, so key j > i' - W) on diagonal `d`: sliding_window(W - 1, 0, d), without the off-by-one.
 /// Throws mask_error attend.mask.window_from_config for W <= 0.
-inline sliding_window_rule sliding_window_from_config(index window_keys, diagonal d) {
+inline sliding_window_rule sliding_window_from_config(index_t window_keys, diagonal d) {
     if (window_keys <= 0)
         throw mask_error("attend.mask.window_from_config",
                          detail::concat("sliding_window_from_config(", window_keys,
@@ -493,7 +493,7 @@ inline sliding_window_rule sliding_window_from_config(index window_keys, diagona
 /// Prefix LM: every query sees the first prefix_len keys, and the rest causally (j <= i + offset as in causal).
 struct prefix_lm_rule : detail::boolean_term {
     static constexpr bool has_query_padding = false;
-    index prefix_len = 0;       ///< keys every query sees
+    index_t prefix_len = 0;     ///< keys every query sees
     attend::diagonal diagonal;  ///< the causal part's diagonal
 
     detail::bound_prefix_lm bind(const attention_shape& s) const {
@@ -510,7 +510,7 @@ struct prefix_lm_rule : detail::boolean_term {
 };
 /// The prefix LM rule with its causal part on diagonal `d`; throws mask_error attend.mask.prefix_len for a
 /// negative prefix_len (and, when bound, for one beyond key_len).
-inline prefix_lm_rule prefix_lm(index prefix_len, diagonal d) {
+inline prefix_lm_rule prefix_lm(index_t prefix_len, diagonal d) {
     if (prefix_len < 0)
         throw mask_error("attend.mask.prefix_len", detail::concat("prefix_lm prefix_len ", prefix_len, " is negative"));
     return prefix_lm_rule{{}, prefix_len, std::move(d)};
@@ -519,7 +519,7 @@ inline prefix_lm_rule prefix_lm(index prefix_len, diagonal d) {
 /// Key padding: in sequence b only keys j < lengths[b] exist. One length per batch entry, 0 <= length <= key_len.
 struct key_padding_rule : detail::boolean_term {
     static constexpr bool has_query_padding = false;
-    std::vector<index> lengths;  ///< real keys of each sequence, one per batch entry
+    std::vector<index_t> lengths;  ///< real keys of each sequence, one per batch entry
 
     detail::bound_key_padding bind(const attention_shape& s) const {
         detail::bound_key_padding rule;
@@ -528,13 +528,13 @@ struct key_padding_rule : detail::boolean_term {
     }
 };
 /// Key padding by lengths: keys j >= lengths[b] of sequence b are padding.
-inline key_padding_rule key_padding(std::vector<index> lengths) { return key_padding_rule{{}, std::move(lengths)}; }
+inline key_padding_rule key_padding(std::vector<index_t> lengths) { return key_padding_rule{{}, std::move(lengths)}; }
 
 /// Query padding: in sequence b queries i >= lengths[b] are padding. Their output and weight rows are zero and
 /// lse is -inf whatever the empty-row policy, because masking keys never removes a padded query.
 struct query_padding_rule : detail::boolean_term {
     static constexpr bool has_query_padding = true;
-    std::vector<index> lengths;  ///< real queries of each sequence, one per batch entry
+    std::vector<index_t> lengths;  ///< real queries of each sequence, one per batch entry
 
     detail::bound_query_padding bind(const attention_shape& s) const {
         detail::bound_query_padding rule;
@@ -544,7 +544,7 @@ struct query_padding_rule : detail::boolean_term {
     }
 };
 /// Query padding by lengths: queries i >= lengths[b] of sequence b are padding (zero output rows).
-inline query_padding_rule query_padding(std::vector<index> lengths) {
+inline query_padding_rule query_padding(std::vector<index_t> lengths) {
     return query_padding_rule{{}, std::move(lengths)};
 }
 
@@ -552,11 +552,11 @@ inline query_padding_rule query_padding(std::vector<index> lengths) {
 /// to back, and a query sees only keys of its own sequence. Needs query_len == key_len == sum of lengths.
 struct block_diagonal_rule : detail::boolean_term {
     static constexpr bool has_query_padding = false;
-    std::vector<index> sequence_lengths;  ///< lengths of the packed sequences, in order
+    std::vector<index_t> sequence_lengths;  ///< lengths of the packed sequences, in order
 
     detail::bound_block_diagonal bind(const attention_shape& s) const {
-        std::vector<index> starts{0};
-        for (index n : sequence_lengths) {
+        std::vector<index_t> starts{0};
+        for (index_t n : sequence_lengths) {
             if (n < 0)
                 throw mask_error("attend.mask.block_lengths",
                                  detail::concat("block_diagonal sequence length ", n, " is negative"));
@@ -574,12 +574,12 @@ struct block_diagonal_rule : detail::boolean_term {
                                             " but query_len is ", s.query_len, " and key_len is ", s.key_len,
                                             " (packed sequences need all three equal)"));
         detail::bound_block_diagonal rule;
-        rule.starts = std::make_shared<const std::vector<index>>(std::move(starts));
+        rule.starts = std::make_shared<const std::vector<index_t>>(std::move(starts));
         return rule;
     }
 };
 /// The block-diagonal rule of packed sequences of the given lengths.
-inline block_diagonal_rule block_diagonal(std::vector<index> sequence_lengths) {
+inline block_diagonal_rule block_diagonal(std::vector<index_t> sequence_lengths) {
     return block_diagonal_rule{{}, std::move(sequence_lengths)};
 }
 
@@ -594,19 +594,19 @@ inline block_diagonal_rule block_diagonal(std::vector<index> sequence_lengths) {
 /// cross no segment's band are skipped. Bad offsets or lengths: mask_error attend.mask.segments when bound.
 struct packed_segments_rule : detail::boolean_term {
     static constexpr bool has_query_padding = true;
-    std::vector<index> query_offsets;  ///< cu_seqlens_q: [segments + 1]
-    std::vector<index> key_offsets;    ///< cu_seqlens_k: [segments + 1]
-    std::vector<index> query_lengths;  ///< [segments] real queries at the start of each slot; empty: the slots
-    std::vector<index> key_lengths;    ///< [segments] real keys at the start of each slot; empty: the slots
+    std::vector<index_t> query_offsets;  ///< cu_seqlens_q: [segments + 1]
+    std::vector<index_t> key_offsets;    ///< cu_seqlens_k: [segments + 1]
+    std::vector<index_t> query_lengths;  ///< [segments] real queries at the start of each slot; empty: the slots
+    std::vector<index_t> key_lengths;    ///< [segments] real keys at the start of each slot; empty: the slots
     /// Keys before each segment's diagonal a query sees (unbounded unless causal or windowed).
-    index left = std::numeric_limits<index>::max();
-    index right = std::numeric_limits<index>::max();  ///< keys after it (unbounded unless causal or windowed)
-    alignment align = alignment::top_left;            ///< the corner of each segment its diagonal starts from
+    index_t left = std::numeric_limits<index_t>::max();
+    index_t right = std::numeric_limits<index_t>::max();  ///< keys after it (unbounded unless causal or windowed)
+    alignment align = alignment::top_left;                ///< the corner of each segment its diagonal starts from
 
     /// Causal within each segment, aligned at corner `a` of the segment.
     packed_segments_rule causal(alignment a) const {
         auto r = *this;
-        r.left = std::numeric_limits<index>::max();
+        r.left = std::numeric_limits<index_t>::max();
         r.right = 0;
         r.align = a;
         return r;
@@ -614,7 +614,7 @@ struct packed_segments_rule : detail::boolean_term {
     /// A sliding window within each segment: segment query i' sees keys j' with d - left <= j' <= d + right, d the
     /// diagonal of alignment `a` (as sliding_window, per segment; either side may be `unbounded`). Negative sizes:
     /// mask_error attend.mask.window.
-    packed_segments_rule window(index left_keys, index right_keys, alignment a) const {
+    packed_segments_rule window(index_t left_keys, index_t right_keys, alignment a) const {
         detail::check_window(left_keys, right_keys, "packed_segments window");
         auto r = *this;
         r.left = left_keys;
@@ -623,7 +623,7 @@ struct packed_segments_rule : detail::boolean_term {
         return r;
     }
     /// Real lengths per segment; the rest of each slot is padding.
-    packed_segments_rule with_lengths(std::vector<index> real_queries, std::vector<index> real_keys) const {
+    packed_segments_rule with_lengths(std::vector<index_t> real_queries, std::vector<index_t> real_keys) const {
         auto r = *this;
         r.query_lengths = std::move(real_queries);
         r.key_lengths = std::move(real_keys);
@@ -638,7 +638,7 @@ struct packed_segments_rule : detail::boolean_term {
         if (query_offsets.size() < 2 || key_offsets.size() != query_offsets.size())
             fail(detail::concat("needs n + 1 >= 2 query offsets and as many key offsets (cu_seqlens style), got ",
                                 query_offsets.size(), " and ", key_offsets.size()));
-        const auto check_offsets = [&](const std::vector<index>& o, index len, const char* axis) {
+        const auto check_offsets = [&](const std::vector<index_t>& o, index_t len, const char* axis) {
             if (o[0] != 0) fail(detail::concat(axis, " offsets must start at 0, got ", o[0]));
             for (std::size_t k = 1; k < o.size(); ++k)
                 if (o[k] < o[k - 1])
@@ -647,10 +647,10 @@ struct packed_segments_rule : detail::boolean_term {
         };
         check_offsets(query_offsets, s.query_len, "query");
         check_offsets(key_offsets, s.key_len, "key");
-        const auto real = [&](const std::vector<index>& lengths, const std::vector<index>& o, const char* axis) {
-            if (lengths.empty()) return std::vector<index>(o.begin() + 1, o.end());
+        const auto real = [&](const std::vector<index_t>& lengths, const std::vector<index_t>& o, const char* axis) {
+            if (lengths.empty()) return std::vector<index_t>(o.begin() + 1, o.end());
             if (lengths.size() != n) fail(detail::concat(lengths.size(), " ", axis, " lengths for ", n, " segments"));
-            std::vector<index> end(n);
+            std::vector<index_t> end(n);
             for (std::size_t k = 0; k < n; ++k) {
                 if (lengths[k] < 0 || lengths[k] > o[k + 1] - o[k])
                     fail(detail::concat(axis, " length ", lengths[k], " of segment ", k, " is outside [0, ",
@@ -666,12 +666,12 @@ struct packed_segments_rule : detail::boolean_term {
         layout->key_end = real(key_lengths, key_offsets, "key");
         layout->diagonal.resize(n);
         for (std::size_t k = 0; k < n; ++k) {
-            const index shift = align == alignment::bottom_right
-                                    ? (layout->key_end[k] - key_offsets[k]) - (layout->query_end[k] - query_offsets[k])
-                                    : 0;
+            const index_t shift = align == alignment::bottom_right ? (layout->key_end[k] - key_offsets[k]) -
+                                                                         (layout->query_end[k] - query_offsets[k])
+                                                                   : 0;
             layout->diagonal[k] = key_offsets[k] + shift;
         }
-        const index cap = s.query_len + s.key_len;  // wider bands see no more, and the arithmetic stays in range
+        const index_t cap = s.query_len + s.key_len;  // wider bands see no more, and the arithmetic stays in range
         layout->left = std::min(left, cap);
         layout->right = std::min(right, cap);
         detail::bound_packed_segments rule;
@@ -681,7 +681,7 @@ struct packed_segments_rule : detail::boolean_term {
 };
 /// Packed segments from cu_seqlens-style offsets (n + 1 each, from 0): query slot n is
 /// [query_offsets[n], query_offsets[n + 1]) and sees key slot n; see packed_segments_rule.
-inline packed_segments_rule packed_segments(std::vector<index> query_offsets, std::vector<index> key_offsets) {
+inline packed_segments_rule packed_segments(std::vector<index_t> query_offsets, std::vector<index_t> key_offsets) {
     packed_segments_rule r;
     r.query_offsets = std::move(query_offsets);
     r.key_offsets = std::move(key_offsets);
@@ -821,7 +821,7 @@ constexpr bool require_mask() {
 /// The score shape as an attention shape with one-element heads. Throws shape_error attend.shape.negative or
 /// attend.shape.overflow for a size below 0 or sizes whose product overflows Eigen::Index.
 inline attention_shape scores_only(const score_shape& s) {
-    require_valid_sizes(std::array<index, 4>{s.batch, s.heads, s.query_len, s.key_len}, "score shape");
+    require_valid_sizes(std::array<index_t, 4>{s.batch, s.heads, s.query_len, s.key_len}, "score shape");
     attention_shape a;
     a.batch = s.batch;
     a.heads = s.heads;
@@ -845,12 +845,12 @@ allowed_mask materialize(const Mask& mask, const score_shape& shape) {
     if constexpr (detail::require_mask<Mask>()) {
         const auto bound = mask.bind(detail::scores_only(shape));
         tensor<bool, 4> dense;
-        const std::array<index, 4> dims{shape.batch, shape.heads, shape.query_len, shape.key_len};
+        const std::array<index_t, 4> dims{shape.batch, shape.heads, shape.query_len, shape.key_len};
         detail::resize_guarded(dense, dims, "materialized mask", "Materialize a smaller score shape");
-        for (index b = 0; b < shape.batch; ++b)
-            for (index h = 0; h < shape.heads; ++h)
-                for (index i = 0; i < shape.query_len; ++i)
-                    for (index j = 0; j < shape.key_len; ++j) dense(b, h, i, j) = bound.allowed(b, h, i, j);
+        for (index_t b = 0; b < shape.batch; ++b)
+            for (index_t h = 0; h < shape.heads; ++h)
+                for (index_t i = 0; i < shape.query_len; ++i)
+                    for (index_t j = 0; j < shape.key_len; ++j) dense(b, h, i, j) = bound.allowed(b, h, i, j);
         return allowed_mask::true_means_allowed(dense);
     }
 }
@@ -881,17 +881,17 @@ std::string to_string(const Mask& mask, const score_shape& shape) {
     if constexpr (detail::require_mask<Mask>()) {
         const auto bound = mask.bind(detail::scores_only(shape));
         std::ostringstream s;
-        for (index b = 0; b < shape.batch; ++b)
-            for (index h = 0; h < shape.heads; ++h) {
+        for (index_t b = 0; b < shape.batch; ++b)
+            for (index_t h = 0; h < shape.heads; ++h) {
                 if (shape.batch * shape.heads > 1) s << "batch " << b << ", head " << h << ":\n";
-                for (index i = 0; i < shape.query_len; ++i) {
+                for (index_t i = 0; i < shape.query_len; ++i) {
                     s << 'q' << i << ':';
                     if (bound.query_padded(b, i)) {
                         s << " (padded)\n";
                         continue;
                     }
                     bool any = false;
-                    for (index j = 0; j < shape.key_len; ++j)
+                    for (index_t j = 0; j < shape.key_len; ++j)
                         if (bound.allowed(b, h, i, j)) {
                             s << " k" << j;
                             any = true;

@@ -27,11 +27,14 @@ struct bound_mask_function {
     Allowed allowed_fn;
     Block block;
 
-    bool allowed(index b, index h, index i, index j) const { return static_cast<bool>(allowed_fn(b, h, i, j)); }
-    bool query_padded(index, index) const { return false; }
+    bool allowed(index_t b, index_t h, index_t i, index_t j) const {
+        return static_cast<bool>(allowed_fn(static_cast<mod_index>(b), static_cast<mod_index>(h),
+                                            static_cast<mod_index>(i), static_cast<mod_index>(j)));
+    }
+    bool query_padded(index_t, index_t) const { return false; }
     tile_class classify(const tile& t) const { return block(t); }
     template <class T>
-    void apply(const tile& t, T* scores, index ld) const {
+    void apply(const tile& t, T* scores, index_t ld) const {
         apply_by_position(*this, t, scores, ld);
     }
 };
@@ -48,15 +51,20 @@ struct mask_function_rule : detail::boolean_term {
     Allowed allowed;  ///< (batch, head, query, key) -> bool, true = may attend
     Block block;      ///< tile -> tile_class, exact for empty and full
 
-    detail::bound_mask_function<Allowed, Block> bind(const attention_shape&) const { return {allowed, block}; }
+    /// Throws shape_error attend.shape.mod_positions when the call's positions do not fit mod_index.
+    detail::bound_mask_function<Allowed, Block> bind(const attention_shape& s) const {
+        detail::check_mod_positions(s, "mask_mod");
+        return {allowed, block};
+    }
 };
 
-/// A mask from a function `allowed(batch, head, query, key) -> bool` (true = may attend) and optionally a block
+/// A mask from a function `allowed(batch, head, query, key) -> bool` (true = may attend; the indices are
+/// mod_index, int32, as score_mod's) and optionally a block
 /// rule `block(const attend::tile&) -> tile_class` that lets the kernels skip tiles the function allows nothing
 /// in, and take tiles it allows everything in untested; without one every tile is tested.
 template <class Allowed, class Block = every_tile_mixed>
 mask_function_rule<std::decay_t<Allowed>, std::decay_t<Block>> mask_mod(Allowed&& allowed, Block&& block = {}) {
-    static_assert(std::is_invocable_r_v<bool, const std::decay_t<Allowed>&, index, index, index, index>,
+    static_assert(std::is_invocable_r_v<bool, const std::decay_t<Allowed>&, mod_index, mod_index, mod_index, mod_index>,
                   "attend: mask_mod takes a function (batch, head, query, key) -> bool, true = may attend");
     static_assert(std::is_invocable_r_v<tile_class, const std::decay_t<Block>&, const tile&>,
                   "attend: a mask_mod block rule is a function (const attend::tile&) -> attend::tile_class");

@@ -80,7 +80,7 @@ auto merge_partials(const OutA& out_a, const LseA& lse_a, const OutB& out_b, con
                                          detail::format_shape(lse_b.dimensions()),
                                          " (lse is out's shape without the value_dim axis)"));
     for (const Acc* lse : {lse_a.data(), lse_b.data()})
-        for (index n = 0; n < lse_a.size(); ++n) {
+        for (index_t n = 0; n < lse_a.size(); ++n) {
             const Acc x = lse[n];
             if (std::isnan(x) || x == std::numeric_limits<Acc>::infinity())
                 throw value_error("attend.value.lse",
@@ -90,9 +90,9 @@ auto merge_partials(const OutA& out_a, const LseA& lse_a, const OutB& out_b, con
     const char* hint = "The merged out and lse are as large as one part's; split the call over the batch";
     detail::resize_guarded(r.out, out_a.dimensions(), "out", hint);
     detail::resize_guarded(r.lse, lse_a.dimensions(), "lse", hint);
-    const index dim = out_a.dimension(Rank - 1);
+    const index_t dim = out_a.dimension(Rank - 1);
     if constexpr (std::is_same_v<T, Acc>) {
-        for (index row = 0; row < lse_a.size(); ++row)
+        for (index_t row = 0; row < lse_a.size(); ++row)
             r.lse.data()[row] = detail::merge_row(out_a.data() + row * dim, lse_a.data()[row], out_b.data() + row * dim,
                                                   lse_b.data()[row], r.out.data() + row * dim, dim);
     } else {  // 16-bit outs: each row widened to Acc, merged there, rounded back once
@@ -103,11 +103,11 @@ auto merge_partials(const OutA& out_a, const LseA& lse_a, const OutB& out_b, con
                 b.resize(static_cast<std::size_t>(dim));
             },
             [&] {
-                return detail::allocation_text("merge_partials' row buffers", std::array<index, 2>{2, dim},
+                return detail::allocation_text("merge_partials' row buffers", std::array<index_t, 2>{2, dim},
                                                sizeof(Acc));
             },
             "Split the call over the batch");
-        for (index row = 0; row < lse_a.size(); ++row) {
+        for (index_t row = 0; row < lse_a.size(); ++row) {
             detail::widen(out_a.data() + row * dim, dim, a.data());
             detail::widen(out_b.data() + row * dim, dim, b.data());
             r.lse.data()[row] =

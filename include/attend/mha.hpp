@@ -46,13 +46,13 @@ namespace attend {
 /// `mha_config{}.with_model_dim(16).with_heads(2).with_kv_heads(1).with_key_dim(12)`; the setters return a copy,
 /// so a config reads as one expression. Fields may also be assigned one by one (`c.kv_heads = 1`).
 struct mha_config {
-    index model_dim = 0;  ///< E: width of the query input and of the output (PyTorch's embed_dim)
-    index heads = 0;      ///< query heads; head_dim = model_dim / heads, for queries, keys and values alike
-    index kv_heads = 0;   ///< key/value heads, 0 = heads; heads % kv_heads == 0 (grouped-query; 1 = multi-query)
-    index key_dim = 0;    ///< width of the key input (PyTorch's kdim), 0 = model_dim
-    index value_dim = 0;  ///< width of the value input (PyTorch's vdim), 0 = model_dim
-    bool bias = true;     ///< in-projection and out-projection biases, as nn.MultiheadAttention(bias=...)
-    double dropout = 0;   ///< probability of dropping an attention weight, applied only with training = true
+    index_t model_dim = 0;  ///< E: width of the query input and of the output (PyTorch's embed_dim)
+    index_t heads = 0;      ///< query heads; head_dim = model_dim / heads, for queries, keys and values alike
+    index_t kv_heads = 0;   ///< key/value heads, 0 = heads; heads % kv_heads == 0 (grouped-query; 1 = multi-query)
+    index_t key_dim = 0;    ///< width of the key input (PyTorch's kdim), 0 = model_dim
+    index_t value_dim = 0;  ///< width of the value input (PyTorch's vdim), 0 = model_dim
+    bool bias = true;       ///< in-projection and out-projection biases, as nn.MultiheadAttention(bias=...)
+    double dropout = 0;     ///< probability of dropping an attention weight, applied only with training = true
     /// A learnable attention sink per query head (gpt-oss; sinks.hpp), `[heads]`, initialised to 0. Not part of
     /// nn.MultiheadAttention: from_torch leaves them 0 and to_torch omits them.
     bool sinks = false;
@@ -69,15 +69,15 @@ private:
 
 public:
     /// A copy with model_dim (PyTorch's embed_dim) set.
-    constexpr mha_config with_model_dim(index n) const { return with(&mha_config::model_dim, n); }
+    constexpr mha_config with_model_dim(index_t n) const { return with(&mha_config::model_dim, n); }
     /// A copy with heads (PyTorch's num_heads) set.
-    constexpr mha_config with_heads(index n) const { return with(&mha_config::heads, n); }
+    constexpr mha_config with_heads(index_t n) const { return with(&mha_config::heads, n); }
     /// A copy with kv_heads set (0 = heads; 1 = multi-query attention).
-    constexpr mha_config with_kv_heads(index n) const { return with(&mha_config::kv_heads, n); }
+    constexpr mha_config with_kv_heads(index_t n) const { return with(&mha_config::kv_heads, n); }
     /// A copy with key_dim (PyTorch's kdim) set.
-    constexpr mha_config with_key_dim(index n) const { return with(&mha_config::key_dim, n); }
+    constexpr mha_config with_key_dim(index_t n) const { return with(&mha_config::key_dim, n); }
     /// A copy with value_dim (PyTorch's vdim) set.
-    constexpr mha_config with_value_dim(index n) const { return with(&mha_config::value_dim, n); }
+    constexpr mha_config with_value_dim(index_t n) const { return with(&mha_config::value_dim, n); }
     /// A copy with the biases on or off.
     constexpr mha_config with_bias(bool on) const { return with(&mha_config::bias, on); }
     /// A copy with the dropout probability set.
@@ -111,9 +111,9 @@ public:
     /// No key padding.
     mha_key_padding() = default;
     /// Sequence b has lengths[b] real keys; the rest are padding.
-    mha_key_padding(std::vector<index> lengths) : kind_(kind::lengths), lengths_(std::move(lengths)) {}
+    mha_key_padding(std::vector<index_t> lengths) : kind_(kind::lengths), lengths_(std::move(lengths)) {}
     /// Sequence b has lengths[b] real keys; the rest are padding.
-    mha_key_padding(std::initializer_list<index> lengths) : kind_(kind::lengths), lengths_(lengths) {}
+    mha_key_padding(std::initializer_list<index_t> lengths) : kind_(kind::lengths), lengths_(lengths) {}
     /// The rule key_padding(lengths).
     mha_key_padding(key_padding_rule rule) : kind_(kind::lengths), lengths_(std::move(rule.lengths)) {}
     /// PyTorch's key_padding_mask `[batch, key_len]` (forbidden_mask::key_padding(t)): true = ignore this key.
@@ -141,12 +141,12 @@ public:
 
     kind which() const { return kind_; }                                 ///< what the padding holds
     bool empty() const { return kind_ == kind::none; }                   ///< no key padding
-    const std::vector<index>& lengths() const { return lengths_; }       ///< with kind::lengths
+    const std::vector<index_t>& lengths() const { return lengths_; }     ///< with kind::lengths
     const std::optional<forbidden_mask>& mask() const { return mask_; }  ///< with kind::forbidden
 
 private:
     kind kind_ = kind::none;
-    std::vector<index> lengths_;
+    std::vector<index_t> lengths_;
     std::optional<forbidden_mask> mask_;
 };
 
@@ -162,8 +162,8 @@ struct mha_options {
     bool training = false;               ///< dropout (config.dropout) only when true; never in eval
     std::uint64_t dropout_seed = 0;      ///< with (batch, head, query, key) it fixes which weights drop
     std::optional<rotary_embedding> rotary;  ///< rotates each head of the projected Q and K
-    index position_offset = 0;  ///< global position of query 0 and key 0 for rotary; forward_cached adds the
-                                ///< cache length (new token i sits at position_offset + cache.length() + i)
+    index_t position_offset = 0;  ///< global position of query 0 and key 0 for rotary; forward_cached adds the
+                                  ///< cache length (new token i sits at position_offset + cache.length() + i)
     attend::empty_rows empty_rows = attend::empty_rows::error;  ///< a query with no allowed key: throw or zero
     std::optional<double> scale;    ///< default 1 / sqrt(head_dim), as nn.MultiheadAttention
     std::optional<double> softcap;  ///< logit soft-capping of the scaled scores, as sdpa_options::softcap
@@ -241,7 +241,7 @@ template <class T>
 struct parameter_span {
     const char* name;  ///< q_weight, k_weight, v_weight, out_weight, q_bias, k_bias, v_bias, out_bias
     T* data;           ///< the tensor's elements, row-major
-    index size;        ///< how many
+    index_t size;      ///< how many
 };
 
 /// nn.MultiheadAttention's parameters under their PyTorch names: defined in interop/torch.hpp, which this header
@@ -261,13 +261,13 @@ inline double uniform(std::uint64_t seed, std::uint64_t stream, std::uint64_t co
 template <class T>
 void fill_uniform(tensor<T, 2>& w, double bound, std::uint64_t seed, std::uint64_t stream,
                   std::uint64_t first_counter = 0) {
-    for (index k = 0; k < w.size(); ++k)
+    for (index_t k = 0; k < w.size(); ++k)
         w.data()[k] =
             static_cast<T>(bound * (2.0 * uniform(seed, stream, first_counter + static_cast<std::uint64_t>(k)) - 1.0));
 }
 
 /// torch.nn.init.xavier_uniform_ (gain 1) for a weight `[fan_out, fan_in]`.
-inline double xavier_bound(index fan_out, index fan_in) {
+inline double xavier_bound(index_t fan_out, index_t fan_in) {
     return std::sqrt(6.0 / static_cast<double>(fan_in + fan_out));
 }
 
@@ -292,7 +292,7 @@ constexpr void require_mha_input() {
 }
 
 template <class X>
-std::array<index, 3> dims3(const X& x) {
+std::array<index_t, 3> dims3(const X& x) {
     return {x.dimension(0), x.dimension(1), x.dimension(2)};
 }
 
@@ -306,13 +306,13 @@ auto combine_masks(const A& a, const B& b) {
 /// A `[batch, key_len]` forbidden mask (forbidden_mask::key_padding) as the allowed set it means for the scores.
 /// Throws mask_error `attend.mask.key_padding_shape` unless it was built as key padding and is exactly
 /// `[batch, key_len]`.
-inline allowed_mask key_padding_allowed(const forbidden_mask& m, index batch, index key_len) {
+inline allowed_mask key_padding_allowed(const forbidden_mask& m, index_t batch, index_t key_len) {
     const auto& d = m.dims();
     if (!m.is_key_padding() || d[0] != batch || d[1] != key_len)
         throw mask_error("attend.mask.key_padding_shape",
                          concat("key_padding mask ", format_shape(d),
                                 m.is_key_padding() ? "" : " (not built by forbidden_mask::key_padding)",
-                                " must be [batch, key_len] = ", format_shape(std::array<index, 2>{batch, key_len}),
+                                " must be [batch, key_len] = ", format_shape(std::array<index_t, 2>{batch, key_len}),
                                 " (nn.MultiheadAttention's key_padding_mask, true = ignore this key, built by "
                                 "forbidden_mask::key_padding(t))"));
     return to_allowed(m);
@@ -335,7 +335,7 @@ decltype(auto) mha_allowed(const Mask& mask) {
 
 /// Calls f with the user mask (see require_mha_mask) combined with the key padding of the options.
 template <class Mask, class F>
-void with_key_padding(const Mask& user_mask, const mha_key_padding& padding, index batch, index key_len, F&& f) {
+void with_key_padding(const Mask& user_mask, const mha_key_padding& padding, index_t batch, index_t key_len, F&& f) {
     const auto& mask = mha_allowed(user_mask);
     switch (padding.which()) {
         case mha_key_padding::kind::none: f(mask); return;
@@ -349,7 +349,7 @@ void with_key_padding(const Mask& user_mask, const mha_key_padding& padding, ind
 /// An uninitialised buffer of multi-head attention whose allocation failure is resource_error
 /// attend.resource.allocation naming `what`, never a std::bad_alloc from inside.
 template <class T, int R>
-tensor<T, R> mha_buffer(const std::array<index, static_cast<std::size_t>(R)>& dims, const char* what) {
+tensor<T, R> mha_buffer(const std::array<index_t, static_cast<std::size_t>(R)>& dims, const char* what) {
     tensor<T, R> t;
     resize_guarded(t, dims, what,
                    "Use a smaller batch or shorter sequences; need_weights materializes [batch, heads, query_len, "
@@ -361,8 +361,8 @@ tensor<T, R> mha_buffer(const std::array<index, static_cast<std::size_t>(R)>& di
 /// PyTorch's CPU linear does: x is widened once, w in blocks of rows (never a float copy of the whole weight),
 /// the bias is added in float and each output is rounded to T once.
 template <class T>
-void project(const T* x, index rows, const tensor<T, 2>& w, const tensor<T, 1>& b, T* y) {
-    const index out = w.dimension(0), in = w.dimension(1);
+void project(const T* x, index_t rows, const tensor<T, 2>& w, const tensor<T, 1>& b, T* y) {
+    const index_t out = w.dimension(0), in = w.dimension(1);
     if constexpr (std::is_same_v<accumulator_t<T>, T>) {
         using matrix = row_matrix<T>;
         Eigen::Map<const matrix> xm(x, rows, in);
@@ -372,8 +372,8 @@ void project(const T* x, index rows, const tensor<T, 2>& w, const tensor<T, 1>& 
         if (b.size() != 0) ym.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(b.data(), out);
     } else {
         using matrix = row_matrix<float>;
-        constexpr index block = 256;  // weight rows widened at a time
-        const index width = std::min(block, out);
+        constexpr index_t block = 256;  // weight rows widened at a time
+        const index_t width = std::min(block, out);
         auto xf = mha_buffer<float, 2>({rows, in}, "input widened to float [rows, in_features]");
         auto wf = mha_buffer<float, 2>({width, in}, "weight rows widened to float [256, in_features]");
         auto yf = mha_buffer<float, 2>({rows, width}, "projection block in float [rows, 256]");
@@ -381,31 +381,31 @@ void project(const T* x, index rows, const tensor<T, 2>& w, const tensor<T, 1>& 
         widen(x, rows * in, xf.data());
         widen(b.data(), b.size(), bf.data());
         Eigen::Map<const matrix> xm(xf.data(), rows, in);
-        for (index o0 = 0; o0 < out; o0 += block) {
-            const index n = std::min(block, out - o0);
+        for (index_t o0 = 0; o0 < out; o0 += block) {
+            const index_t n = std::min(block, out - o0);
             widen(w.data() + o0 * in, n * in, wf.data());
             Eigen::Map<matrix> ym(yf.data(), rows, n);
             ym.noalias() = xm * Eigen::Map<const matrix>(wf.data(), n, in).transpose();
             if (b.size() != 0) ym.rowwise() += Eigen::Map<const Eigen::RowVectorXf>(bf.data() + o0, n);
-            for (index r = 0; r < rows; ++r)
-                for (index c = 0; c < n; ++c) y[r * out + o0 + c] = static_cast<T>(ym(r, c));
+            for (index_t r = 0; r < rows; ++r)
+                for (index_t c = 0; c < n; ++c) y[r * out + o0 + c] = static_cast<T>(ym(r, c));
         }
     }
 }
 
-inline void check_width(const char* name, const std::array<index, 3>& d, index expected, const char* dim_name,
+inline void check_width(const char* name, const std::array<index_t, 3>& d, index_t expected, const char* dim_name,
                         const char* meaning) {
     if (d[2] != expected)
         throw shape_error("attend.shape.model_dim",
                           concat(name, " last dim ", d[2], " != ", dim_name, ' ', expected, " (", name, ' ',
                                  format_shape(d), ", expected ",
-                                 format_shape(std::array<index, 3>{d[0], d[1], expected}), " = ", meaning, ')'));
+                                 format_shape(std::array<index_t, 3>{d[0], d[1], expected}), " = ", meaning, ')'));
 }
 
 /// The shapes of query `[batch, query_len, model_dim]`, key `[batch, key_len, key_dim]` and value
 /// `[batch, key_len, value_dim]` against the module and each other.
-inline void check_mha_inputs(const mha_config& c, const std::array<index, 3>& qd, const std::array<index, 3>& kd,
-                             const std::array<index, 3>& vd) {
+inline void check_mha_inputs(const mha_config& c, const std::array<index_t, 3>& qd, const std::array<index_t, 3>& kd,
+                             const std::array<index_t, 3>& vd) {
     check_width("query", qd, c.model_dim, "model_dim", "[batch, query_len, model_dim]");
     check_width("key", kd, c.key_dim, "key_dim", "[batch, key_len, key_dim]");
     check_width("value", vd, c.value_dim, "value_dim", "[batch, key_len, value_dim]");
@@ -419,7 +419,7 @@ inline void check_mha_inputs(const mha_config& c, const std::array<index, 3>& qd
 }
 
 /// position_offset >= 0, and the rotary embedding fits head_dim at the first position it rotates.
-inline void check_positions(const mha_config& c, const mha_options& options, index first_position) {
+inline void check_positions(const mha_config& c, const mha_options& options, index_t first_position) {
     if (options.position_offset < 0)
         throw position_error("attend.position.negative_offset",
                              concat("position_offset must be >= 0, got ", options.position_offset));
@@ -427,13 +427,13 @@ inline void check_positions(const mha_config& c, const mha_options& options, ind
 }
 
 template <class T>
-void check_finite_input(const T* data, const std::array<index, 3>& d, const char* name) {
-    const index n = d[0] * d[1] * d[2];
-    for (index k = 0; k < n; ++k)
+void check_finite_input(const T* data, const std::array<index_t, 3>& d, const char* name) {
+    const index_t n = d[0] * d[1] * d[2];
+    for (index_t k = 0; k < n; ++k)
         if (!std::isfinite(static_cast<accumulator_t<T>>(data[k]))) {
-            const index b = k / (d[1] * d[2]), i = (k / d[2]) % d[1], e = k % d[2];
+            const index_t b = k / (d[1] * d[2]), i = (k / d[2]) % d[1], e = k % d[2];
             throw value_error("attend.value.non_finite", concat(name, ' ', format_shape(d), " holds ", data[k], " at ",
-                                                                format_shape(std::array<index, 3>{b, i, e}),
+                                                                format_shape(std::array<index_t, 3>{b, i, e}),
                                                                 " (turn check_finite off to skip this scan)"));
         }
 }
@@ -526,7 +526,7 @@ public:
     /// (heads % kv_heads != 0), value_error `attend.value.dropout` (dropout outside [0, 1)).
     explicit multi_head_attention(const mha_config& config, std::uint64_t seed = 0) : config_(validated(config)) {
         allocate();
-        const index E = config_.model_dim;
+        const index_t E = config_.model_dim;
         if (packed()) {
             // One xavier draw over the packed [3E, E]: fan_in E, fan_out 3E, rows q, k, v.
             const double bound = detail::mha_init::xavier_bound(3 * E, E);
@@ -574,14 +574,14 @@ public:
     /// The configuration with every 0 default resolved.
     const mha_config& config() const { return config_; }
     /// model_dim / heads: the width of one query, key and value head.
-    index head_dim() const { return config_.model_dim / config_.heads; }
+    index_t head_dim() const { return config_.model_dim / config_.heads; }
     /// True when nn.MultiheadAttention would hold one packed in_proj_weight (_qkv_same_embed_dim, no GQA).
     bool packed() const {
         return config_.key_dim == config_.model_dim && config_.value_dim == config_.model_dim &&
                config_.kv_heads == config_.heads;
     }
     /// Number of learned scalars, PyTorch's sum(p.numel() for p in module.parameters()).
-    index parameter_count() const {
+    index_t parameter_count() const {
         return wq_.size() + wk_.size() + wv_.size() + wo_.size() + bq_.size() + bk_.size() + bv_.size() + bo_.size() +
                sinks_.size();
     }
@@ -617,7 +617,7 @@ public:
     /// module's type or, for a float module, in Eigen::half or Eigen::bfloat16 (`make_cache<Eigen::half>(...)`:
     /// half the bytes; forward_cached rounds the new keys and values into it once).
     template <class Storage = T>
-    kv_cache<Storage> make_cache(index batch, index capacity) const {
+    kv_cache<Storage> make_cache(index_t batch, index_t capacity) const {
         detail::require_cache_storage<T, Storage>();
         return kv_cache<Storage>(batch, config_.kv_heads, capacity, head_dim(), head_dim());
     }
@@ -625,13 +625,13 @@ public:
     /// An empty int8 (q8_0) cache sized for this module, for forward_cached: a float, fp16 or bf16 module (its
     /// queries read the cache, widened to float), and head_dim a multiple of 32 (value_error
     /// `attend.value.quantized_dim` otherwise).
-    q8_kv_cache make_q8_cache(index batch, index capacity) const {
+    q8_kv_cache make_q8_cache(index_t batch, index_t capacity) const {
         detail::require_quantized_cache<T>();
         return q8_kv_cache(batch, config_.kv_heads, capacity, head_dim(), head_dim());
     }
 
     /// An empty int4 (q4_0) cache sized for this module, as make_q8_cache (q8_cache.hpp: its coarser bound).
-    q4_kv_cache make_q4_cache(index batch, index capacity) const {
+    q4_kv_cache make_q4_cache(index_t batch, index_t capacity) const {
         detail::require_quantized_cache<T>();
         return q4_kv_cache(batch, config_.kv_heads, capacity, head_dim(), head_dim());
     }
@@ -726,8 +726,8 @@ public:
     /// (paged_kv_cache<q8_0_block>) or int4 pool (q4_0_block), its keys and values quantized as they are stored
     /// (value_error `attend.value.quantized_range` for one beyond what a block holds, before anything changes).
     template <class X, class Storage>
-    mha_result<T> forward_cached(const X& x, paged_kv_cache<Storage>& cache, const std::vector<index>& sequences,
-                                 const std::vector<index>& new_tokens, const mha_options& options = {}) const {
+    mha_result<T> forward_cached(const X& x, paged_kv_cache<Storage>& cache, const std::vector<index_t>& sequences,
+                                 const std::vector<index_t>& new_tokens, const mha_options& options = {}) const {
         detail::require_mha_input<X, T>();
         if constexpr (detail::is_quantized_block_v<Storage>) detail::require_quantized_cache<T>();
         else detail::require_cache_storage<T, Storage>();
@@ -738,12 +738,12 @@ public:
 
 private:
     template <class X, class Storage>
-    mha_result<T> forward_paged(const X& x, paged_kv_cache<Storage>& cache, const std::vector<index>& sequences,
-                                const std::vector<index>& new_tokens, const mha_options& options) const {
+    mha_result<T> forward_paged(const X& x, paged_kv_cache<Storage>& cache, const std::vector<index_t>& sequences,
+                                const std::vector<index_t>& new_tokens, const mha_options& options) const {
         const auto xd = detail::dims3(x);
         detail::check_width("x", xd, config_.model_dim, "model_dim", "[batch, new tokens, model_dim]");
-        const index B = xd[0], L = xd[1], E = config_.model_dim, H = config_.heads, G = config_.kv_heads,
-                    D = head_dim();
+        const index_t B = xd[0], L = xd[1], E = config_.model_dim, H = config_.heads, G = config_.kv_heads,
+                      D = head_dim();
         check_self_attention();
         if (cache.kv_heads() != G || cache.head_dim() != D || cache.value_dim() != D)
             throw shape_error("attend.shape.cache",
@@ -751,7 +751,7 @@ private:
                                              cache.head_dim(), ", value_dim ", cache.value_dim(),
                                              "] does not fit the module: expected [kv_heads ", G, ", head_dim ", D,
                                              ", value_dim ", D, "]"));
-        if (static_cast<index>(sequences.size()) != B || static_cast<index>(new_tokens.size()) != B)
+        if (static_cast<index_t>(sequences.size()) != B || static_cast<index_t>(new_tokens.size()) != B)
             throw shape_error("attend.shape.sequences",
                               detail::concat("x ", detail::format_shape(xd), " has ", B, " batch rows but ",
                                              sequences.size(), " sequences and ", new_tokens.size(),
@@ -759,9 +759,9 @@ private:
         if (options.need_weights)
             throw value_error("attend.value.need_weights",
                               "need_weights is not available over a paged cache: key_len differs per sequence");
-        std::vector<index> first(sequences.size());
+        std::vector<index_t> first(sequences.size());
         for (std::size_t n = 0; n < sequences.size(); ++n) {
-            const index t = new_tokens[n];
+            const index_t t = new_tokens[n];
             if (t < 0 || t > L)
                 throw shape_error("attend.shape.sequences",
                                   detail::concat("sequence ", sequences[n], " (batch row ", n, ") has ", t,
@@ -780,8 +780,8 @@ private:
         p.reserve(sequences.size());
         keys.reserve(sequences.size());
         values.reserve(sequences.size());
-        for (index n = 0; n < B; ++n) {
-            const index t = new_tokens[static_cast<std::size_t>(n)];
+        for (index_t n = 0; n < B; ++n) {
+            const index_t t = new_tokens[static_cast<std::size_t>(n)];
             const T* rows = x.data() + n * L * E;
             p.push_back(project_heads(rows, rows, rows, 1, t, t, options, first[static_cast<std::size_t>(n)]));
             if (options.check_finite)
@@ -801,8 +801,8 @@ private:
         append.commit();  // cannot fail; `append` takes it back out if anything below throws
         // Checked and run sequence by sequence: the result is local until it is returned, and a throw takes the
         // append back out.
-        for (index n = 0; n < B; ++n) {
-            const index id = sequences[static_cast<std::size_t>(n)], t = new_tokens[static_cast<std::size_t>(n)];
+        for (index_t n = 0; n < B; ++n) {
+            const index_t id = sequences[static_cast<std::size_t>(n)], t = new_tokens[static_cast<std::size_t>(n)];
             const auto qv = split_heads(static_cast<const T*>(p[static_cast<std::size_t>(n)].q.data()), 1, t, H, D);
             const auto kv = cache.key_blocks(id), vv = cache.value_blocks(id);
             const attention_shape s = shape_of(t, kv.dims[2]);
@@ -830,7 +830,7 @@ private:
     }
 
     /// The shape of one sequence's call over a cache: t new queries over its key_len positions.
-    attention_shape shape_of(index t, index key_len) const {
+    attention_shape shape_of(index_t t, index_t key_len) const {
         return detail::sequence_shape(config_.heads, config_.kv_heads, t, key_len, head_dim(), head_dim());
     }
 
@@ -864,8 +864,8 @@ private:
     }
 
     void allocate() {
-        const index E = config_.model_dim, D = head_dim();
-        const index q_rows = config_.heads * D, kv_rows = config_.kv_heads * D;
+        const index_t E = config_.model_dim, D = head_dim();
+        const index_t q_rows = config_.heads * D, kv_rows = config_.kv_heads * D;
         wq_ = tensor<T, 2>(q_rows, E);
         wk_ = tensor<T, 2>(kv_rows, config_.key_dim);
         wv_ = tensor<T, 2>(kv_rows, config_.value_dim);
@@ -892,9 +892,9 @@ private:
     struct projected_heads {
         tensor<T, 3> q, k, v;
     };
-    projected_heads project_heads(const T* query, const T* key, const T* value, index B, index L, index S,
-                                  const mha_options& options, index first_position) const {
-        const index H = config_.heads, G = config_.kv_heads, D = head_dim();
+    projected_heads project_heads(const T* query, const T* key, const T* value, index_t B, index_t L, index_t S,
+                                  const mha_options& options, index_t first_position) const {
+        const index_t H = config_.heads, G = config_.kv_heads, D = head_dim();
         projected_heads p{
             detail::mha_buffer<T, 3>({B, L, H * D}, "projected query [batch, query_len, heads * head_dim]"),
             detail::mha_buffer<T, 3>({B, S, G * D}, "projected key [batch, key_len, kv_heads * head_dim]"),
@@ -924,8 +924,8 @@ private:
             detail::check_finite_input(key.data(), kd, "key");
             detail::check_finite_input(value.data(), vd, "value");
         }
-        const index B = qd[0], L = qd[1], S = kd[1];
-        const index H = config_.heads, G = config_.kv_heads, D = head_dim();
+        const index_t B = qd[0], L = qd[1], S = kd[1];
+        const index_t H = config_.heads, G = config_.kv_heads, D = head_dim();
         projected_heads p =
             project_heads(query.data(), key.data(), value.data(), B, L, S, options, options.position_offset);
         const auto qv = split_heads(static_cast<const T*>(p.q.data()), B, L, H, D);
@@ -957,9 +957,9 @@ private:
     /// once into `rounded`, where with check_finite a value that rounds to +-inf (beyond fp16's 65504) throws
     /// value_error attend.value.non_finite.
     template <class Stored>
-    strided_view<const Stored> stored_heads(const tensor<T, 3>& projected, tensor<Stored, 3>& rounded, index B, index L,
-                                            bool check_finite, const char* what) const {
-        const index G = config_.kv_heads, D = head_dim();
+    strided_view<const Stored> stored_heads(const tensor<T, 3>& projected, tensor<Stored, 3>& rounded, index_t B,
+                                            index_t L, bool check_finite, const char* what) const {
+        const index_t G = config_.kv_heads, D = head_dim();
         if constexpr (std::is_same_v<Stored, T>) {
             return split_heads(static_cast<const T*>(projected.data()), B, L, G, D);
         } else {
@@ -981,7 +981,7 @@ private:
         const auto xd = detail::dims3(x);
         detail::check_width("x", xd, config_.model_dim, "model_dim", "[batch, new tokens, model_dim]");
         check_self_attention();
-        const index B = xd[0], L = xd[1], H = config_.heads, G = config_.kv_heads, D = head_dim();
+        const index_t B = xd[0], L = xd[1], H = config_.heads, G = config_.kv_heads, D = head_dim();
         if (cache.batch() != B || cache.kv_heads() != G || cache.head_dim() != D || cache.value_dim() != D)
             throw shape_error("attend.shape.cache",
                               detail::concat("cache [batch ", cache.batch(), ", kv_heads ", cache.kv_heads(),
@@ -991,8 +991,8 @@ private:
                                              B, ", kv_heads ", G, ", head_dim ", D, ", value_dim ", D,
                                              "] (see make_cache)"));
         cache.check_fits(L);
-        const index past = cache.length(), S = past + L;
-        const index first_position =
+        const index_t past = cache.length(), S = past + L;
+        const index_t first_position =
             detail::checked_position_sum(options.position_offset, past, "position_offset + cache length");
         detail::checked_position_sum(first_position, L, "the position after the last new token");
         detail::check_positions(config_, options, first_position);
@@ -1041,7 +1041,7 @@ private:
         const strided_view<const T>& q, const KV& k, const KV& v, const attention_shape& s, const Call& call,
         const mha_options& options, tensor<T, 3>& o, accumulator_t<T>* lse, mha_result<T>& r,
         BeforeRun before_run = [] {}) const {
-        const index B = s.batch, L = s.query_len, S = s.key_len, H = s.heads, D = head_dim();
+        const index_t B = s.batch, L = s.query_len, S = s.key_len, H = s.heads, D = head_dim();
         auto w = detail::mha_buffer<T, 4>({options.need_weights ? B : 0, H, L, S},
                                           "per-head weights [batch, heads, query_len, key_len]");
         auto out = detail::mha_buffer<T, 3>({B, L, config_.model_dim}, "out [batch, query_len, model_dim]");
@@ -1055,8 +1055,8 @@ private:
         if (B * L > 0) detail::run_checked(q, k, v, s, call, outputs);  // nothing to attend for zero queries
         r.out = std::move(out);
         detail::project(o.data(), B * L, wo_, bo_, r.out.data());
-        for (index b = 0; b < B; ++b)
-            for (index i = 0; i < L; ++i)
+        for (index_t b = 0; b < B; ++b)
+            for (index_t i = 0; i < L; ++i)
                 if (call.mask.query_padded(b, i)) {
                     T* row = r.out.data() + (b * L + i) * config_.model_dim;
                     std::fill(row, row + config_.model_dim, T(0));
@@ -1071,11 +1071,11 @@ private:
         r.weights = std::move(averaged);
         // torch's mean over heads, summed in the accumulation type and rounded once
         using Acc = accumulator_t<T>;
-        for (index b = 0; b < B; ++b)
-            for (index i = 0; i < L; ++i)
-                for (index j = 0; j < S; ++j) {
+        for (index_t b = 0; b < B; ++b)
+            for (index_t i = 0; i < L; ++i)
+                for (index_t j = 0; j < S; ++j) {
                     Acc sum = 0;
-                    for (index h = 0; h < H; ++h) sum += static_cast<Acc>(w.data()[((b * H + h) * L + i) * S + j]);
+                    for (index_t h = 0; h < H; ++h) sum += static_cast<Acc>(w.data()[((b * H + h) * L + i) * S + j]);
                     r.weights.data()[(b * L + i) * S + j] = static_cast<T>(sum / static_cast<Acc>(H));
                 }
     }

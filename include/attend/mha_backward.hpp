@@ -72,10 +72,10 @@ namespace detail {
 /// For y `[rows, out]` = x `[rows, in]` w^T + b: dw = dy^T x, db = colsum(dy) (when db is not empty) and, when dx is
 /// not null, dx = dy w. Three Eigen GEMMs over all rows at once.
 template <class T>
-void linear_backward(const T* x, const T* dy, index rows, const tensor<T, 2>& w, tensor<T, 2>& dw, tensor<T, 1>& db,
+void linear_backward(const T* x, const T* dy, index_t rows, const tensor<T, 2>& w, tensor<T, 2>& dw, tensor<T, 1>& db,
                      T* dx) {
     using matrix = row_matrix<T>;
-    const index out = w.dimension(0), in = w.dimension(1);
+    const index_t out = w.dimension(0), in = w.dimension(1);
     Eigen::Map<const matrix> xm(x, rows, in), dym(dy, rows, out), wm(w.data(), out, in);
     dw = tensor<T, 2>(out, in);
     Eigen::Map<matrix>(dw.data(), out, in).noalias() = dym.transpose() * xm;
@@ -85,7 +85,7 @@ void linear_backward(const T* x, const T* dy, index rows, const tensor<T, 2>& w,
 
 /// `saved.<name>` has the expected dims, else shape_error attend.shape.mha_saved.
 template <class T>
-void check_saved(const tensor<T, 3>& t, const std::array<index, 3>& expected, const char* name, const char* meaning) {
+void check_saved(const tensor<T, 3>& t, const std::array<index_t, 3>& expected, const char* name, const char* meaning) {
     if (t.dimensions() != expected)
         throw shape_error("attend.shape.mha_saved",
                           concat("saved.", name, ' ', format_shape(t.dimensions()), " != expected ",
@@ -105,10 +105,10 @@ void check_saved(const tensor<T, 3>& t, const std::array<index, 3>& expected, co
 /// `attend.shape.mha_d_out` for d_out not `[batch, query_len, model_dim]`, `attend.shape.mha_saved` for a saved
 /// state of other shapes (from other inputs or another module); value_error `attend.value.non_finite` for NaN /
 /// Inf in d_out (with check_finite).
-template <class T, class Q, class K, class V, class DOut, class Mask>
+template <class T, class Q, class K, class V, class Mask, class DOut>
 mha_gradients<T> multi_head_attention_backward(const multi_head_attention<T>& module, const Q& query, const K& key,
-                                               const V& value, const mha_saved<T>& saved, const DOut& d_out,
-                                               const Mask& mask, const mha_options& options = {}) {
+                                               const V& value, const Mask& mask, const mha_saved<T>& saved,
+                                               const DOut& d_out, const mha_options& options = {}) {
     static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                   "attend: multi_head_attention_backward trains float or double modules; train a float copy of a "
                   "16-bit module (scaled_dot_product_attention_backward takes 16-bit q, k, v)");
@@ -121,12 +121,12 @@ mha_gradients<T> multi_head_attention_backward(const multi_head_attention<T>& mo
     const auto qd = detail::dims3(query), kd = detail::dims3(key), vd = detail::dims3(value);
     const auto od = detail::dims3(d_out);
     detail::check_mha_inputs(c, qd, kd, vd);
-    const index B = qd[0], L = qd[1], S = kd[1], E = c.model_dim;
-    const index H = c.heads, G = c.kv_heads, D = module.head_dim();
-    if (od != std::array<index, 3>{B, L, E})
+    const index_t B = qd[0], L = qd[1], S = kd[1], E = c.model_dim;
+    const index_t H = c.heads, G = c.kv_heads, D = module.head_dim();
+    if (od != std::array<index_t, 3>{B, L, E})
         throw shape_error("attend.shape.mha_d_out",
                           detail::concat("d_out ", detail::format_shape(od), " != expected ",
-                                         detail::format_shape(std::array<index, 3>{B, L, E}),
+                                         detail::format_shape(std::array<index_t, 3>{B, L, E}),
                                          " = [batch, query_len, model_dim], the shape of forward's out (query ",
                                          detail::format_shape(qd), ')'));
     detail::check_saved(saved.q, {B, L, H * D}, "q", "[batch, query_len, heads * head_dim]");
@@ -156,14 +156,14 @@ mha_gradients<T> multi_head_attention_backward(const multi_head_attention<T>& mo
     in.lse = saved.lse.data();
     in.lse_dims = {B, H, L};
     detail::gradient_outputs<T> grads;
-    grads.dq = split_heads(dq.data(), B, L, H, D);
-    grads.dk = split_heads(dk.data(), B, S, G, D);
-    grads.dv = split_heads(dv.data(), B, S, G, D);
+    grads.d_query = split_heads(dq.data(), B, L, H, D);
+    grads.d_key = split_heads(dk.data(), B, S, G, D);
+    grads.d_value = split_heads(dv.data(), B, S, G, D);
 
     mha_gradients<T> g;
     g.d_sinks = tensor<T, 1>(module.sinks().size());
     g.d_sinks.setZero();  // stays 0 when no query reads a key
-    if (g.d_sinks.size() != 0) grads.sink_gradient = g.d_sinks.data();
+    if (g.d_sinks.size() != 0) grads.d_sinks = g.d_sinks.data();
     detail::with_key_padding(mask, options.key_padding, B, S, [&](const auto& full_mask) {
         const auto checked =
             detail::check_backward(in, &grads, full_mask, detail::sdpa_options_for(c, options, module.sinks()));
@@ -171,8 +171,8 @@ mha_gradients<T> multi_head_attention_backward(const multi_head_attention<T>& mo
         // A padded query's output row is the constant 0, so its d_out row reaches nothing.
         auto d_y = detail::mha_buffer<T, 3>({B, L, E}, "d out [batch, query_len, model_dim]");
         std::copy(d_out.data(), d_out.data() + d_y.size(), d_y.data());
-        for (index b = 0; b < B; ++b)
-            for (index i = 0; i < L; ++i)
+        for (index_t b = 0; b < B; ++b)
+            for (index_t i = 0; i < L; ++i)
                 if (checked.call.mask.query_padded(b, i)) {
                     T* row = d_y.data() + (b * L + i) * E;
                     std::fill(row, row + E, T(0));
@@ -210,7 +210,7 @@ template <class T, class Q, class K, class V, class DOut>
 mha_gradients<T> multi_head_attention_backward(const multi_head_attention<T>& module, const Q& query, const K& key,
                                                const V& value, const mha_saved<T>& saved, const DOut& d_out,
                                                const mha_options& options = {}) {
-    return multi_head_attention_backward(module, query, key, value, saved, d_out, no_mask{}, options);
+    return multi_head_attention_backward(module, query, key, value, no_mask{}, saved, d_out, options);
 }
 
 }  // namespace attend

@@ -20,15 +20,15 @@ namespace detail {
 /// The rule of a query over its own sequence in a cache: causal, aligned at the bottom right (query i of
 /// query_len sits at position key_len - query_len + i), and with a rolling window only the last `window`
 /// positions. Without a window the band is unbounded, which classifies and masks exactly as causal alone.
-inline auto cached_rule(index window, index key_len) {
-    const index left = window > 0 ? window - 1 : std::max<index>(key_len, 1);
+inline auto cached_rule(index_t window, index_t key_len) {
+    const index_t left = window > 0 ? window - 1 : std::max<index_t>(key_len, 1);
     return causal(alignment::bottom_right) && sliding_window(left, 0, alignment::bottom_right);
 }
 
 /// The shape of one sequence's call over a cache: `queries` new queries of `heads` heads over its key_len
 /// positions of `kv_heads` heads (batch 1).
-inline attention_shape sequence_shape(index heads, index kv_heads, index queries, index key_len, index head_dim,
-                                      index value_dim) {
+inline attention_shape sequence_shape(index_t heads, index_t kv_heads, index_t queries, index_t key_len,
+                                      index_t head_dim, index_t value_dim) {
     attention_shape s;
     s.batch = 1;
     s.heads = heads;
@@ -43,10 +43,10 @@ inline attention_shape sequence_shape(index heads, index kv_heads, index queries
 /// Throws what a paged_attention call with these arguments throws for its shapes and sequences.
 template <class Q, class T>
 void check_paged_call(const strided_view<const Q>& q, const paged_kv_cache<T>& cache,
-                      const std::vector<index>& sequences, const std::vector<index>& query_counts) {
+                      const std::vector<index_t>& sequences, const std::vector<index_t>& query_counts) {
     check_view_sizes(q, "query");
-    const index B = q.dims[0], H = q.dims[1], L = q.dims[2];
-    if (static_cast<index>(sequences.size()) != B || static_cast<index>(query_counts.size()) != B)
+    const index_t B = q.dims[0], H = q.dims[1], L = q.dims[2];
+    if (static_cast<index_t>(sequences.size()) != B || static_cast<index_t>(query_counts.size()) != B)
         throw shape_error("attend.shape.sequences",
                           concat("query ", spell_view(q), " has ", B, " batch rows but ", sequences.size(),
                                  " sequences and ", query_counts.size(), " query counts are given (one each)"));
@@ -58,7 +58,7 @@ void check_paged_call(const strided_view<const Q>& q, const paged_kv_cache<T>& c
                           concat("heads ", H, " is not a positive multiple of the cache's kv_heads ", cache.kv_heads(),
                                  " (query ", spell_view(q), ')'));
     for (std::size_t n = 0; n < sequences.size(); ++n) {
-        const index id = sequences[n], count = query_counts[n], length = cache.length(id);
+        const index_t id = sequences[n], count = query_counts[n], length = cache.length(id);
         if (count < 0 || count > L || count > length)
             throw shape_error("attend.shape.sequences",
                               concat("sequence ", id, " (batch row ", n, ") has ", count,
@@ -71,15 +71,15 @@ void check_paged_call(const strided_view<const Q>& q, const paged_kv_cache<T>& c
 /// paged_attention on a checked view of q (of T, or float over a 16-bit or int8 cache), inside its allocation guard.
 template <class Q, class T>
 attention_result<Q, 4> paged_attention_views(const strided_view<const Q>& qv, const paged_kv_cache<T>& cache,
-                                             const std::vector<index>& sequences,
-                                             const std::vector<index>& query_counts, const sdpa_options& options) {
+                                             const std::vector<index_t>& sequences,
+                                             const std::vector<index_t>& query_counts, const sdpa_options& options) {
     using Acc = accumulator_t<Q>;
     check_paged_call(qv, cache, sequences, query_counts);
     if (options.need_weights)
         throw value_error("attend.value.need_weights",
                           "need_weights is not available over a paged cache: key_len differs per sequence; use "
                           "scaled_dot_product_attention over one sequence's keys for them");
-    const index B = qv.dims[0], H = qv.dims[1], L = qv.dims[2], Dv = cache.value_dim();
+    const index_t B = qv.dims[0], H = qv.dims[1], L = qv.dims[2], Dv = cache.value_dim();
     using call_type = decltype(check_call(qv, cache.key_blocks(0), cache.value_blocks(0), attention_shape{},
                                           cached_rule(0, 1), options));
     std::vector<call_type> calls;
@@ -93,8 +93,8 @@ attention_result<Q, 4> paged_attention_views(const strided_view<const Q>& qv, co
     // check_finite's scan of each sequence's keys and values is left to its kernel run (defer_kv_scan), which notes
     // them in its decode pass: a later sequence's error is thrown after earlier ones wrote into r, but r is this
     // call's own and never returned then, so the call still gives all or nothing.
-    for (index n = 0; n < B; ++n) {
-        const index id = sequences[static_cast<std::size_t>(n)];
+    for (index_t n = 0; n < B; ++n) {
+        const index_t id = sequences[static_cast<std::size_t>(n)];
         const auto k = cache.key_blocks(id), v = cache.value_blocks(id);
         const attention_shape s = sequence_shape(H, cache.kv_heads(), query_counts[static_cast<std::size_t>(n)],
                                                  k.dims[2], cache.head_dim(), Dv);
@@ -104,24 +104,24 @@ attention_result<Q, 4> paged_attention_views(const strided_view<const Q>& qv, co
     }
     attention_result<Q, 4> r;
     const char* hint = "split the batch";
-    resize_guarded(r.out, std::array<index, 4>{B, H, L, Dv}, "out", hint);
-    if (options.need_lse) resize_guarded(r.lse, std::array<index, 3>{B, H, L}, "lse", hint);
+    resize_guarded(r.out, std::array<index_t, 4>{B, H, L, Dv}, "out", hint);
+    if (options.need_lse) resize_guarded(r.lse, std::array<index_t, 3>{B, H, L}, "lse", hint);
     tensor<Acc, 1> lse_rows;  // one sequence's lse [1, heads, queries], contiguous as the kernel writes it
-    if (options.need_lse) resize_guarded(lse_rows, std::array<index, 1>{H * L}, "lse scratch", hint);
+    if (options.need_lse) resize_guarded(lse_rows, std::array<index_t, 1>{H * L}, "lse scratch", hint);
     r.out.setConstant(Q(0));
     if (options.need_lse) r.lse.setConstant(-std::numeric_limits<Acc>::infinity());
     const auto out = as_mutable_view(r.out);
-    for (index n = 0; n < B; ++n) {
+    for (index_t n = 0; n < B; ++n) {
         const attention_shape& s = shapes[static_cast<std::size_t>(n)];
         if (s.query_len == 0) continue;
-        const index id = sequences[static_cast<std::size_t>(n)];
+        const index_t id = sequences[static_cast<std::size_t>(n)];
         attention_outputs<Q> o;
         o.out = batch_rows(out, n, s.query_len);
         o.lse = options.need_lse ? lse_rows.data() : nullptr;
         run_checked(batch_rows(qv, n, s.query_len), cache.key_blocks(id), cache.value_blocks(id), s,
                     calls[static_cast<std::size_t>(n)], o);
         if (options.need_lse)
-            for (index h = 0; h < H; ++h)
+            for (index_t h = 0; h < H; ++h)
                 std::copy(lse_rows.data() + h * s.query_len, lse_rows.data() + (h + 1) * s.query_len,
                           r.lse.data() + (n * H + h) * L);
     }
@@ -146,8 +146,8 @@ attention_result<Q, 4> paged_attention_views(const strided_view<const Q>& qv, co
 /// `attend.value.need_weights` (weights are not available over a cache), and what scaled_dot_product_attention
 /// throws for the options and values; all before anything is written.
 template <class Q, class T>
-auto paged_attention(const Q& q, const paged_kv_cache<T>& cache, const std::vector<index>& sequences,
-                     const std::vector<index>& query_counts, const sdpa_options& options = {}) {
+auto paged_attention(const Q& q, const paged_kv_cache<T>& cache, const std::vector<index_t>& sequences,
+                     const std::vector<index_t>& query_counts, const sdpa_options& options = {}) {
     static_assert(
         detail::storage_pair_v<detail::scalar_of<Q>, T> && detail::rank_of<Q>() == 4,
         "attend: paged_attention takes a rank-4 query [batch, heads, query_len, head_dim] of the cache's "

@@ -59,17 +59,17 @@ inline void advise_huge_pages(const void* data, std::size_t bytes) {
 
 /// Sizes of a paged_kv_cache, fixed at construction.
 struct paged_cache_config {
-    index kv_heads = 1;       ///< key/value heads
-    index head_dim = 0;       ///< width of a cached key
-    index value_dim = 0;      ///< width of a cached value; 0: head_dim
-    index block_size = 16;    ///< positions per block; multiples of 64 let decoding read every key in place
-    index blocks = 0;         ///< blocks in the pool: 2 x blocks x kv_heads x block_size x dim scalars, all allocated
-                              ///< at construction
-    index max_sequences = 1;  ///< sequence slots: ids 0 .. max_sequences - 1
+    index_t kv_heads = 1;       ///< key/value heads
+    index_t head_dim = 0;       ///< width of a cached key
+    index_t value_dim = 0;      ///< width of a cached value; 0: head_dim
+    index_t block_size = 16;    ///< positions per block; multiples of 64 let decoding read every key in place
+    index_t blocks = 0;         ///< blocks in the pool: 2 x blocks x kv_heads x block_size x dim scalars, all allocated
+                                ///< at construction
+    index_t max_sequences = 1;  ///< sequence slots: ids 0 .. max_sequences - 1
     /// > 0: a rolling window (Mistral, Gemma local layers): a query at position p sees positions p - window + 1 to
     /// p, attention adds sliding_window(window - 1, 0), and each append hands back the blocks that only hold
     /// positions no later query can see. 0: every position is kept.
-    index window = 0;
+    index_t window = 0;
 };
 
 template <class T>
@@ -111,7 +111,7 @@ public:
     /// head_dim or value_dim is not a multiple of 32, shape_error `attend.shape.overflow` if the pool's size
     /// overflows Eigen::Index, resource_error `attend.resource.allocation` if it cannot be allocated.
     explicit paged_kv_cache(const paged_cache_config& config) : c_(resolved(config)) {
-        const index positions = c_.blocks + 1;  // + the zero block
+        const index_t positions = c_.blocks + 1;  // + the zero block
         const auto key_size = static_cast<std::size_t>(positions * c_.kv_heads * c_.block_size * key_units());
         const auto value_size = static_cast<std::size_t>(positions * c_.kv_heads * c_.block_size * value_units());
         detail::allocating(
@@ -125,51 +125,51 @@ public:
                 values_.assign(value_size, detail::zero_value<T>());
                 refs_.assign(static_cast<std::size_t>(c_.blocks), 0);
                 free_.resize(static_cast<std::size_t>(c_.blocks));
-                for (index b = 0; b < c_.blocks; ++b) free_[static_cast<std::size_t>(b)] = c_.blocks - 1 - b;
+                for (index_t b = 0; b < c_.blocks; ++b) free_[static_cast<std::size_t>(b)] = c_.blocks - 1 - b;
                 free_count_ = c_.blocks;  // block 0 is handed out first
                 sequences_.resize(static_cast<std::size_t>(c_.max_sequences));
             },
             [&] {
                 return detail::allocation_text(
                     "paged_kv_cache pool (keys and values x blocks x kv_heads x block_size x dim)",
-                    std::array<index, 5>{2, positions, c_.kv_heads, c_.block_size,
-                                         std::max(key_units(), value_units())},
+                    std::array<index_t, 5>{2, positions, c_.kv_heads, c_.block_size,
+                                           std::max(key_units(), value_units())},
                     sizeof(T));
             },
             "Choose fewer or smaller blocks");
     }
 
     const paged_cache_config& config() const { return c_; }  ///< with value_dim resolved
-    index kv_heads() const { return c_.kv_heads; }           ///< key/value heads
-    index head_dim() const { return c_.head_dim; }           ///< width of a cached key
-    index value_dim() const { return c_.value_dim; }         ///< width of a cached value
-    index block_size() const { return c_.block_size; }       ///< positions per block
-    index blocks() const { return c_.blocks; }               ///< blocks in the pool
-    index window() const { return c_.window; }               ///< rolling window, 0: none
-    index free_blocks() const { return free_count_; }        ///< blocks no sequence holds
+    index_t kv_heads() const { return c_.kv_heads; }         ///< key/value heads
+    index_t head_dim() const { return c_.head_dim; }         ///< width of a cached key
+    index_t value_dim() const { return c_.value_dim; }       ///< width of a cached value
+    index_t block_size() const { return c_.block_size; }     ///< positions per block
+    index_t blocks() const { return c_.blocks; }             ///< blocks in the pool
+    index_t window() const { return c_.window; }             ///< rolling window, 0: none
+    index_t free_blocks() const { return free_count_; }      ///< blocks no sequence holds
     /// The block every dropped position maps to (rolling window): all zeros, never written, held by no one.
-    index zero_block() const { return c_.blocks; }
+    index_t zero_block() const { return c_.blocks; }
     /// Bytes of key and value storage the pool holds (allocated once, at construction, the zero block included).
     std::size_t storage_bytes() const { return (keys_.capacity() + values_.capacity()) * sizeof(T); }
 
     /// Ids of the sequences in the cache, ascending.
-    std::vector<index> sequences() const {
-        std::vector<index> ids;
-        for (index id = 0; id < c_.max_sequences; ++id)
+    std::vector<index_t> sequences() const {
+        std::vector<index_t> ids;
+        for (index_t id = 0; id < c_.max_sequences; ++id)
             if (slot(id).active) ids.push_back(id);
         return ids;
     }
     /// True when `id` is a sequence in the cache.
-    bool contains(index id) const { return id >= 0 && id < c_.max_sequences && slot(id).active; }
+    bool contains(index_t id) const { return id >= 0 && id < c_.max_sequences && slot(id).active; }
     /// Positions appended to sequence `id`: its next token has position length(id). Throws value_error
     /// `attend.value.sequence` unless contains(id).
-    index length(index id) const { return checked(id).length; }
+    index_t length(index_t id) const { return checked(id).length; }
     /// Positions below this were dropped by the rolling window (0 without one): they read as zeros.
-    index dropped(index id) const { return checked(id).dropped_blocks * c_.block_size; }
+    index_t dropped(index_t id) const { return checked(id).dropped_blocks * c_.block_size; }
     /// The blocks of sequence `id`, position i in entry i / block_size; dropped positions show zero_block().
-    const std::vector<index>& block_table(index id) const { return checked(id).table; }
+    const std::vector<index_t>& block_table(index_t id) const { return checked(id).table; }
     /// How many sequences hold `block` (0: free).
-    index references(index block) const {
+    index_t references(index_t block) const {
         if (block < 0 || block >= c_.blocks)
             throw value_error("attend.value.block",
                               detail::concat("block ", block, " is not in the pool of ", c_.blocks, " blocks"));
@@ -179,18 +179,18 @@ public:
     /// Key `[head_dim]` (quantized: `[head_dim / 32]` blocks) of (sequence, kv head, position) in the pool (a dropped
     /// position gives the zero block's row). Throws value_error `attend.value.sequence` or position_error
     /// `attend.position.range`.
-    const T* key_row(index id, index head, index position) const {
+    const T* key_row(index_t id, index_t head, index_t position) const {
         return row_of(keys_.data(), key_units(), id, head, position);
     }
     /// Value `[value_dim]` (quantized: `[value_dim / 32]` blocks) of (sequence, kv head, position), like key_row.
-    const T* value_row(index id, index head, index position) const {
+    const T* value_row(index_t id, index_t head, index_t position) const {
         return row_of(values_.data(), value_units(), id, head, position);
     }
 
     /// Adds an empty sequence and returns its id (the lowest free slot). Throws position_error
     /// `attend.position.sequence_slots` when all max_sequences slots are taken.
-    index add_sequence() {
-        const index id = free_slot();
+    index_t add_sequence() {
+        const index_t id = free_slot();
         sequence& s = slot(id);
         s = sequence{};
         s.active = true;
@@ -199,9 +199,9 @@ public:
 
     /// Removes sequence `id`, handing back the blocks no other sequence holds. Throws value_error
     /// `attend.value.sequence` unless contains(id).
-    void remove_sequence(index id) {
+    void remove_sequence(index_t id) {
         sequence& s = checked_mut(id);
-        for (index b : s.table) release(b);
+        for (index_t b : s.table) release(b);
         s.table.clear();
         s.active = false;
     }
@@ -210,7 +210,7 @@ public:
     /// numbers are copied and reference counts raised, no key or value is. The first append into a shared,
     /// partly filled block copies that one block (copy on write). Returns the new id. Throws value_error
     /// `attend.value.sequence`, position_error `attend.position.sequence_slots`.
-    index fork(index from) {
+    index_t fork(index_t from) {
         return detail::allocating([&] { return fork_unguarded(from); },
                                   [] { return std::string("paged_kv_cache::fork's block table"); },
                                   "Free sequences first");
@@ -221,15 +221,15 @@ public:
     /// 0 <= length <= length(id), position_error `attend.position.window` when the rolling window already
     /// dropped positions a query at `length` would see (a truncation back to the length before the last append is
     /// always possible).
-    void truncate(index id, index length) {
+    void truncate(index_t id, index_t length) {
         sequence& s = checked_mut(id);
         if (length < 0 || length > s.length)
             throw position_error("attend.position.truncate",
                                  detail::concat("cannot truncate sequence ", id, " of length ", s.length, " to length ",
                                                 length, " (a truncation keeps 0 .. length positions)"));
         check_window(id, length);
-        const index keep = blocks_for(length);
-        while (static_cast<index>(s.table.size()) > keep) {
+        const index_t keep = blocks_for(length);
+        while (static_cast<index_t>(s.table.size()) > keep) {
             release(s.table.back());
             s.table.pop_back();
         }
@@ -241,26 +241,26 @@ public:
     /// be any sequences of the cache), by block numbers and reference counts. Throws value_error
     /// `attend.value.sequence` (an id not in the cache, or listed twice in ids), shape_error
     /// `attend.shape.sequences` if the two lists differ in size.
-    void reorder(const std::vector<index>& ids, const std::vector<index>& sources) {
+    void reorder(const std::vector<index_t>& ids, const std::vector<index_t>& sources) {
         if (ids.size() != sources.size())
             throw shape_error("attend.shape.sequences",
                               detail::concat("reorder takes one source per id, got ", ids.size(), " ids and ",
                                              sources.size(), " sources"));
         check_distinct(ids);
-        for (index id : sources) checked(id);
+        for (index_t id : sources) checked(id);
         std::vector<sequence> next = detail::allocating(
             [&] {
                 std::vector<sequence> n;
                 n.reserve(ids.size());
-                for (index id : sources) n.push_back(slot(id));
+                for (index_t id : sources) n.push_back(slot(id));
                 return n;
             },
             [] { return std::string("the block tables of a reorder"); }, "Free sequences first");
         for (const sequence& s : next)
-            for (index b : s.table) hold(b);
+            for (index_t b : s.table) hold(b);
         for (std::size_t n = 0; n < ids.size(); ++n) {
             sequence& s = slot(ids[n]);
-            for (index b : s.table) release(b);
+            for (index_t b : s.table) release(b);
             s = std::move(next[n]);
         }
     }
@@ -277,7 +277,8 @@ public:
     /// inside the pool), position_error `attend.position.cache_full` (not enough free blocks), resource_error
     /// `attend.resource.allocation`; nothing is appended then.
     template <class K, class V>
-    void append(const std::vector<index>& ids, const K& k_new, const V& v_new, const std::vector<index>& new_tokens) {
+    void append(const std::vector<index_t>& ids, const K& k_new, const V& v_new,
+                const std::vector<index_t>& new_tokens) {
         using In = detail::scalar_of<K>;
         static_assert(std::is_same_v<detail::scalar_of<V>, In> &&
                           (std::is_same_v<In, T> || (quantized && is_storage_type_v<In>)),
@@ -293,27 +294,27 @@ public:
     /// Appends every row of k_new `[1, kv_heads, L, head_dim]` and v_new `[1, kv_heads, L, value_dim]` to sequence
     /// `id`; throws what the ragged append throws.
     template <class K, class V>
-    void append(index id, const K& k_new, const V& v_new) {
-        append(std::vector<index>{id}, k_new, v_new, std::vector<index>{detail::as_view(k_new).dims[2]});
+    void append(index_t id, const K& k_new, const V& v_new) {
+        append(std::vector<index_t>{id}, k_new, v_new, std::vector<index_t>{detail::as_view(k_new).dims[2]});
     }
 
     /// Keys of sequence `id` as the kernels read them: `[1, kv_heads, length(id), head_dim]` through its block
     /// table. Valid until the sequence's table changes (append, truncate, reorder, remove).
-    detail::paged_view<T> key_blocks(index id) const { return view(keys_.data(), c_.head_dim, checked(id)); }
+    detail::paged_view<T> key_blocks(index_t id) const { return view(keys_.data(), c_.head_dim, checked(id)); }
     /// Values of sequence `id` `[1, kv_heads, length(id), value_dim]`, like key_blocks.
-    detail::paged_view<T> value_blocks(index id) const { return view(values_.data(), c_.value_dim, checked(id)); }
+    detail::paged_view<T> value_blocks(index_t id) const { return view(values_.data(), c_.value_dim, checked(id)); }
 
     /// Throws position_error `attend.position.window` when the rolling window already dropped positions that a
     /// query at position `position` of sequence `id` would see.
-    void check_window(index id, index position) const {
+    void check_window(index_t id, index_t position) const {
         const sequence& s = checked(id);
         if (c_.window == 0 || s.dropped_blocks == 0) return;
-        const index first_needed = position - c_.window + 1;
+        const index_t first_needed = position - c_.window + 1;
         if (first_needed < s.dropped_blocks * c_.block_size)
             throw position_error(
                 "attend.position.window",
                 detail::concat("a query at position ", position, " of sequence ", id, " sees positions from ",
-                               std::max<index>(0, first_needed), " (window ", c_.window,
+                               std::max<index_t>(0, first_needed), " (window ", c_.window,
                                "), but the rolling window has already dropped positions below ",
                                s.dropped_blocks * c_.block_size,
                                "; only the tokens of the last append can be rolled back or attended again"));
@@ -324,14 +325,14 @@ private:
     friend class detail::paged_append;
 
     /// Elements of T in a key row and in a value row of the pool.
-    index key_units() const { return detail::row_units<T>(c_.head_dim); }
-    index value_units() const { return detail::row_units<T>(c_.value_dim); }
+    index_t key_units() const { return detail::row_units<T>(c_.head_dim); }
+    index_t value_units() const { return detail::row_units<T>(c_.value_dim); }
 
-    index fork_unguarded(index from) {
+    index_t fork_unguarded(index_t from) {
         const sequence& source = checked(from);
-        const index id = free_slot();
-        std::vector<index> table = source.table;
-        for (index b : table) hold(b);
+        const index_t id = free_slot();
+        std::vector<index_t> table = source.table;
+        for (index_t b : table) hold(b);
         sequence& s = slot(id);
         s.active = true;
         s.length = source.length;
@@ -342,11 +343,11 @@ private:
 
     /// append on views, inside its allocation guard.
     template <class In>
-    void append_views(const std::vector<index>& ids, const strided_view<const In>& k, const strided_view<const In>& v,
-                      const std::vector<index>& new_tokens) {
+    void append_views(const std::vector<index_t>& ids, const strided_view<const In>& k, const strided_view<const In>& v,
+                      const std::vector<index_t>& new_tokens) {
         detail::check_view_sizes(k, "new keys");
         detail::check_view_sizes(v, "new values");
-        if (ids.size() != new_tokens.size() || k.dims[0] != static_cast<index>(ids.size()) || k.dims[0] != v.dims[0])
+        if (ids.size() != new_tokens.size() || k.dims[0] != static_cast<index_t>(ids.size()) || k.dims[0] != v.dims[0])
             throw shape_error("attend.shape.sequences",
                               detail::concat("append takes one new-token count and one batch row of k_new and v_new "
                                              "per sequence, got ",
@@ -360,13 +361,13 @@ private:
             },
             [&] { return std::string("the append's list of sequences"); }, "Append to fewer sequences at once");
         for (std::size_t n = 0; n < ids.size(); ++n) {
-            const index t = new_tokens[n];
+            const index_t t = new_tokens[n];
             if (t < 0 || t > k.dims[2])
                 throw shape_error("attend.shape.sequences",
                                   detail::concat("sequence ", ids[n], " appends ", t, " new tokens, outside [0, ",
                                                  k.dims[2], "] (the rows of k_new)"));
-            keys.push_back(detail::batch_rows(k, static_cast<index>(n), t));
-            values.push_back(detail::batch_rows(v, static_cast<index>(n), t));
+            keys.push_back(detail::batch_rows(k, static_cast<index_t>(n), t));
+            values.push_back(detail::batch_rows(v, static_cast<index_t>(n), t));
         }
         detail::paged_append<T, In> append(*this, ids, keys, values);
         append.commit();
@@ -375,9 +376,9 @@ private:
 
     struct sequence {
         bool active = false;
-        index length = 0;
-        index dropped_blocks = 0;  ///< leading table entries that map to the zero block
-        std::vector<index> table;
+        index_t length = 0;
+        index_t dropped_blocks = 0;  ///< leading table entries that map to the zero block
+        std::vector<index_t> table;
     };
 
     static paged_cache_config resolved(paged_cache_config c) {
@@ -402,22 +403,22 @@ private:
         return c;
     }
 
-    index blocks_for(index positions) const { return (positions + c_.block_size - 1) / c_.block_size; }
-    sequence& slot(index id) { return sequences_[static_cast<std::size_t>(id)]; }
-    const sequence& slot(index id) const { return sequences_[static_cast<std::size_t>(id)]; }
+    index_t blocks_for(index_t positions) const { return (positions + c_.block_size - 1) / c_.block_size; }
+    sequence& slot(index_t id) { return sequences_[static_cast<std::size_t>(id)]; }
+    const sequence& slot(index_t id) const { return sequences_[static_cast<std::size_t>(id)]; }
 
-    const sequence& checked(index id) const {
+    const sequence& checked(index_t id) const {
         if (!contains(id))
             throw value_error("attend.value.sequence",
                               detail::concat("sequence ", id, " is not in the cache (ids 0 .. ", c_.max_sequences - 1,
                                              "; add_sequence or fork make one)"));
         return slot(id);
     }
-    sequence& checked_mut(index id) {
+    sequence& checked_mut(index_t id) {
         checked(id);
         return slot(id);
     }
-    void check_distinct(const std::vector<index>& ids) const {
+    void check_distinct(const std::vector<index_t>& ids) const {
         for (std::size_t n = 0; n < ids.size(); ++n) {
             checked(ids[n]);
             for (std::size_t m = 0; m < n; ++m)
@@ -427,8 +428,8 @@ private:
                                                      ")"));
         }
     }
-    index free_slot() const {
-        for (index id = 0; id < c_.max_sequences; ++id)
+    index_t free_slot() const {
+        for (index_t id = 0; id < c_.max_sequences; ++id)
             if (!slot(id).active) return id;
         throw position_error("attend.position.sequence_slots",
                              detail::concat("all ", c_.max_sequences,
@@ -436,36 +437,36 @@ private:
                                             "more max_sequences"));
     }
 
-    void hold(index block) noexcept {
+    void hold(index_t block) noexcept {
         if (block != zero_block()) ++refs_[static_cast<std::size_t>(block)];
     }
-    void release(index block) noexcept {
+    void release(index_t block) noexcept {
         if (block == zero_block()) return;
         if (--refs_[static_cast<std::size_t>(block)] == 0) push_free(block);
     }
-    index take() noexcept {
-        const index b = free_[static_cast<std::size_t>(--free_count_)];
+    index_t take() noexcept {
+        const index_t b = free_[static_cast<std::size_t>(--free_count_)];
         refs_[static_cast<std::size_t>(b)] = 1;
         return b;
     }
     /// The free list is a stack in a vector sized for every block, so handing a block back never allocates.
-    void push_free(index block) noexcept { free_[static_cast<std::size_t>(free_count_++)] = block; }
+    void push_free(index_t block) noexcept { free_[static_cast<std::size_t>(free_count_++)] = block; }
 
     /// The pool is `[kv_heads, blocks + 1, block_size, units]` (detail/paged_view.hpp says why head-major), units
     /// the T of a row.
-    T* block_row(std::vector<T>& pool, index units, index block, index head, index row) {
+    T* block_row(std::vector<T>& pool, index_t units, index_t block, index_t head, index_t row) {
         return pool.data() + ((head * (c_.blocks + 1) + block) * c_.block_size + row) * units;
     }
-    const T* row_of(const T* pool, index units, index id, index head, index position) const {
+    const T* row_of(const T* pool, index_t units, index_t id, index_t head, index_t position) const {
         const sequence& s = checked(id);
         if (head < 0 || head >= c_.kv_heads || position < 0 || position >= s.length)
             throw position_error("attend.position.range",
                                  detail::concat("(kv head ", head, ", position ", position, ") is outside sequence ",
                                                 id, " (kv_heads ", c_.kv_heads, ", length ", s.length, ")"));
-        const index block = s.table[static_cast<std::size_t>(position / c_.block_size)];
+        const index_t block = s.table[static_cast<std::size_t>(position / c_.block_size)];
         return pool + ((head * (c_.blocks + 1) + block) * c_.block_size + position % c_.block_size) * units;
     }
-    detail::paged_view<T> view(const T* pool, index dim, const sequence& s) const {
+    detail::paged_view<T> view(const T* pool, index_t dim, const sequence& s) const {
         detail::paged_view<T> v;
         v.pool = pool;
         v.table = s.table.data();
@@ -477,9 +478,9 @@ private:
 
     paged_cache_config c_;
     std::vector<T> keys_, values_;  ///< `[kv_heads, blocks + 1, block_size, units]`; block `blocks` is the zero block
-    std::vector<index> refs_;       ///< `[blocks]` sequences holding each block
-    std::vector<index> free_;       ///< `[blocks]`: free blocks in [0, free_count_), a stack
-    index free_count_ = 0;
+    std::vector<index_t> refs_;     ///< `[blocks]` sequences holding each block
+    std::vector<index_t> free_;     ///< `[blocks]`: free blocks in [0, free_count_), a stack
+    index_t free_count_ = 0;
     std::vector<sequence> sequences_;
 };
 
@@ -495,7 +496,7 @@ class paged_append {
 public:
     /// keys[n] `[1, kv_heads, new tokens, head_dim]` and values[n] `[1, kv_heads, new tokens, value_dim]` go to
     /// sequence ids[n] (the lists as long as ids).
-    paged_append(paged_kv_cache<T>& cache, const std::vector<index>& ids,
+    paged_append(paged_kv_cache<T>& cache, const std::vector<index_t>& ids,
                  const std::vector<strided_view<const In>>& keys, const std::vector<strided_view<const In>>& values)
         : c_(cache), ids_(ids), k_(keys), v_(values) {
         check();
@@ -504,7 +505,7 @@ public:
                 journal_.resize(ids.size());
                 for (std::size_t n = 0; n < ids.size(); ++n) {
                     const auto& s = c_.slot(ids[n]);
-                    const index grow = c_.blocks_for(s.length + tokens(n)) - static_cast<index>(s.table.size());
+                    const index_t grow = c_.blocks_for(s.length + tokens(n)) - static_cast<index_t>(s.table.size());
                     c_.slot(ids[n]).table.reserve(s.table.size() + static_cast<std::size_t>(grow));
                     journal_[n].released.reserve(static_cast<std::size_t>(droppable(s.length, s.dropped_blocks)));
                 }
@@ -543,13 +544,13 @@ public:
         for (std::size_t n = ids_.size(); n-- > 0;) {
             auto& s = c_.slot(ids_[n]);
             entry& e = journal_[n];
-            while (static_cast<index>(s.table.size()) > e.table_size) {
+            while (static_cast<index_t>(s.table.size()) > e.table_size) {
                 c_.refs_[static_cast<std::size_t>(s.table.back())] = 0;
                 c_.push_free(s.table.back());
                 s.table.pop_back();
             }
             if (e.copied >= 0) {
-                const index at = e.table_size - 1;
+                const index_t at = e.table_size - 1;
                 c_.refs_[static_cast<std::size_t>(s.table[static_cast<std::size_t>(at)])] = 0;
                 c_.push_free(s.table[static_cast<std::size_t>(at)]);
                 s.table[static_cast<std::size_t>(at)] = e.copied;
@@ -562,25 +563,25 @@ public:
 
 private:
     struct released_block {
-        index at, block;
+        index_t at, block;
         bool freed;
     };
     struct entry {
-        index length = 0, table_size = 0, dropped_blocks = 0;
-        index copied = -1;  ///< the shared block replaced by a private copy, or -1
+        index_t length = 0, table_size = 0, dropped_blocks = 0;
+        index_t copied = -1;  ///< the shared block replaced by a private copy, or -1
         std::vector<released_block> released;
     };
 
-    index tokens(std::size_t n) const { return k_[n].dims[2]; }
+    index_t tokens(std::size_t n) const { return k_[n].dims[2]; }
 
     void check() {
         c_.check_distinct(ids_);
-        index needed = 0;
+        index_t needed = 0;
         for (std::size_t n = 0; n < ids_.size(); ++n) {
             const auto &k = k_[n], &v = v_[n];
-            const index t = k.dims[2];
-            const std::array<index, 4> k_expected{1, c_.kv_heads(), t, c_.head_dim()};
-            const std::array<index, 4> v_expected{1, c_.kv_heads(), t, c_.value_dim()};
+            const index_t t = k.dims[2];
+            const std::array<index_t, 4> k_expected{1, c_.kv_heads(), t, c_.head_dim()};
+            const std::array<index_t, 4> v_expected{1, c_.kv_heads(), t, c_.value_dim()};
             if (k.rank != 4 || k.dims != k_expected || v.rank != 4 || v.dims != v_expected)
                 throw shape_error("attend.shape.cache",
                                   concat("new keys ", spell_view(k), " and values ", spell_view(v), " of sequence ",
@@ -588,7 +589,7 @@ private:
                                          format_shape(v_expected),
                                          " = [1, kv_heads, new tokens, head_dim / value_dim] per sequence"));
             const auto& s = c_.slot(ids_[n]);
-            needed += c_.blocks_for(s.length + t) - static_cast<index>(s.table.size());
+            needed += c_.blocks_for(s.length + t) - static_cast<index_t>(s.table.size());
             if (t > 0 && s.length % c_.block_size() != 0 && c_.refs_[static_cast<std::size_t>(s.table.back())] > 1)
                 ++needed;  // copy on write
             check_values(k, "new keys");
@@ -600,8 +601,8 @@ private:
                                         " positions and this append needs ", needed,
                                         " (nothing was appended; remove or truncate sequences, or make a larger "
                                         "pool)"));
-        const std::array<index, 4> pool_k{c_.kv_heads(), c_.blocks() + 1, c_.block_size(), c_.key_units()};
-        const std::array<index, 4> pool_v{c_.kv_heads(), c_.blocks() + 1, c_.block_size(), c_.value_units()};
+        const std::array<index_t, 4> pool_k{c_.kv_heads(), c_.blocks() + 1, c_.block_size(), c_.key_units()};
+        const std::array<index_t, 4> pool_v{c_.kv_heads(), c_.blocks() + 1, c_.block_size(), c_.value_units()};
         for (std::size_t n = 0; n < ids_.size(); ++n)
             check_no_aliasing({named("new keys", k_[n]), named("new values", v_[n])},
                               {named("cache keys", c_.keys_.data(), pool_k),
@@ -616,30 +617,30 @@ private:
     }
 
     /// Stores a new row of `dim` values: copied, or quantized into a quantized pool.
-    static void store_row(const In* row, index dim, T* to) {
+    static void store_row(const In* row, index_t dim, T* to) {
         if constexpr (is_quantized_block_v<T>) quantize_row(row, dim, to);
         else std::copy(row, row + dim, to);
     }
 
     /// Leading blocks, of a sequence of this length with this many blocks dropped, that hold only positions a
     /// token appended next cannot see.
-    index droppable(index length, index dropped_blocks) const {
+    index_t droppable(index_t length, index_t dropped_blocks) const {
         if (c_.window() == 0) return 0;
-        const index first_needed = length - c_.window() + 1;
+        const index_t first_needed = length - c_.window() + 1;
         return first_needed <= 0 ? 0 : first_needed / c_.block_size() - dropped_blocks;
     }
 
     void append_one(std::size_t n) noexcept {
-        const index id = ids_[n], t = tokens(n), bs = c_.block_size();
+        const index_t id = ids_[n], t = tokens(n), bs = c_.block_size();
         auto& s = c_.slot(id);
         entry& e = journal_[n];
         e.length = s.length;
-        e.table_size = static_cast<index>(s.table.size());
+        e.table_size = static_cast<index_t>(s.table.size());
         e.dropped_blocks = s.dropped_blocks;
         if (t == 0) return;
         if (s.length % bs != 0 && c_.refs_[static_cast<std::size_t>(s.table.back())] > 1) {
-            const index shared = s.table.back(), copy = c_.take();
-            for (index h = 0; h < c_.kv_heads(); ++h) {
+            const index_t shared = s.table.back(), copy = c_.take();
+            for (index_t h = 0; h < c_.kv_heads(); ++h) {
                 std::copy(c_.block_row(c_.keys_, c_.key_units(), shared, h, 0),
                           c_.block_row(c_.keys_, c_.key_units(), shared, h, s.length % bs),
                           c_.block_row(c_.keys_, c_.key_units(), copy, h, 0));
@@ -651,11 +652,11 @@ private:
             s.table.back() = copy;
             e.copied = shared;
         }
-        for (index i = 0; i < t; ++i) {
-            const index p = s.length + i;
+        for (index_t i = 0; i < t; ++i) {
+            const index_t p = s.length + i;
             if (p % bs == 0) s.table.push_back(c_.take());  // capacity reserved: cannot throw
-            const index block = s.table[static_cast<std::size_t>(p / bs)];
-            for (index h = 0; h < c_.kv_heads(); ++h) {
+            const index_t block = s.table[static_cast<std::size_t>(p / bs)];
+            for (index_t h = 0; h < c_.kv_heads(); ++h) {
                 store_row(k_[n].row(0, h, i), c_.head_dim(), c_.block_row(c_.keys_, c_.key_units(), block, h, p % bs));
                 store_row(v_[n].row(0, h, i), c_.value_dim(),
                           c_.block_row(c_.values_, c_.value_units(), block, h, p % bs));
@@ -667,9 +668,9 @@ private:
     void drop_out_of_window(std::size_t n) noexcept {
         auto& s = c_.slot(ids_[n]);
         entry& e = journal_[n];
-        const index drop = droppable(e.length, e.dropped_blocks);
-        for (index at = s.dropped_blocks; at < s.dropped_blocks + drop; ++at) {
-            const index block = s.table[static_cast<std::size_t>(at)];
+        const index_t drop = droppable(e.length, e.dropped_blocks);
+        for (index_t at = s.dropped_blocks; at < s.dropped_blocks + drop; ++at) {
+            const index_t block = s.table[static_cast<std::size_t>(at)];
             const bool freed = c_.refs_[static_cast<std::size_t>(block)] == 1;
             c_.release(block);
             s.table[static_cast<std::size_t>(at)] = c_.zero_block();
@@ -678,7 +679,7 @@ private:
         s.dropped_blocks += drop;
     }
     paged_kv_cache<T>& c_;
-    const std::vector<index>& ids_;
+    const std::vector<index_t>& ids_;
     const std::vector<strided_view<const In>>& k_;
     const std::vector<strided_view<const In>>& v_;
     std::vector<entry> journal_;

@@ -51,7 +51,7 @@ public:
     /// `attend.value.quantized_dim` if head_dim or value_dim is not a multiple of 32 (the block size), shape_error
     /// `attend.shape.overflow` if the storage size overflows Eigen::Index and resource_error
     /// `attend.resource.allocation` if it cannot be allocated.
-    quantized_kv_cache(index batch, index kv_heads, index capacity, index head_dim, index value_dim)
+    quantized_kv_cache(index_t batch, index_t kv_heads, index_t capacity, index_t head_dim, index_t value_dim)
         : batch_(batch), kv_heads_(kv_heads), capacity_(capacity), head_dim_(head_dim), value_dim_(value_dim) {
         detail::check_cache_sizes({batch, kv_heads, capacity, head_dim, value_dim});
         if (head_dim % Block::size != 0 || value_dim % Block::size != 0)
@@ -72,19 +72,19 @@ public:
             [&] {
                 return detail::allocation_text(
                     "quantized_kv_cache storage (keys and values x batch x kv_heads x capacity x blocks)",
-                    std::array<index, 5>{2, batch, kv_heads, capacity, std::max(head_dim, value_dim) / 32},
+                    std::array<index_t, 5>{2, batch, kv_heads, capacity, std::max(head_dim, value_dim) / 32},
                     sizeof(Block));
             },
             "Choose a smaller capacity");
     }
 
-    index batch() const { return batch_; }                   ///< sequences
-    index kv_heads() const { return kv_heads_; }             ///< key/value heads
-    index head_dim() const { return head_dim_; }             ///< width of a cached key
-    index value_dim() const { return value_dim_; }           ///< width of a cached value
-    index capacity() const { return capacity_; }             ///< positions the cache can hold; fixed
-    index length() const { return length_; }                 ///< positions held now
-    index remaining() const { return capacity_ - length_; }  ///< capacity() - length()
+    index_t batch() const { return batch_; }                   ///< sequences
+    index_t kv_heads() const { return kv_heads_; }             ///< key/value heads
+    index_t head_dim() const { return head_dim_; }             ///< width of a cached key
+    index_t value_dim() const { return value_dim_; }           ///< width of a cached value
+    index_t capacity() const { return capacity_; }             ///< positions the cache can hold; fixed
+    index_t length() const { return length_; }                 ///< positions held now
+    index_t remaining() const { return capacity_ - length_; }  ///< capacity() - length()
 
     /// Quantizes and appends L positions: k_new `[batch, kv_heads, L, head_dim]`, v_new `[batch, kv_heads, L,
     /// value_dim]` of float, double, Eigen::half or Eigen::bfloat16 (tensors, TensorMaps or strided views).
@@ -96,10 +96,10 @@ public:
         check_append(k_new, v_new);
         const auto k = detail::as_view(k_new);
         const auto v = detail::as_view(v_new);
-        const index L = k.dims[2];
-        for (index b = 0; b < batch_; ++b)
-            for (index h = 0; h < kv_heads_; ++h)
-                for (index i = 0; i < L; ++i) {
+        const index_t L = k.dims[2];
+        for (index_t b = 0; b < batch_; ++b)
+            for (index_t h = 0; h < kv_heads_; ++h)
+                for (index_t i = 0; i < L; ++i) {
                     detail::quantize_row(k.row(b, h, i), head_dim_, key_row(b, h, length_ + i));
                     detail::quantize_row(v.row(b, h, i), value_dim_, value_row(b, h, length_ + i));
                 }
@@ -122,7 +122,7 @@ public:
 
     /// Throws position_error `attend.position.cache_full` if `new_tokens` more positions do not fit, shape_error
     /// `attend.shape.negative` if new_tokens < 0.
-    void check_fits(index new_tokens) const { detail::check_cache_fits(new_tokens, length_, capacity_); }
+    void check_fits(index_t new_tokens) const { detail::check_cache_fits(new_tokens, length_, capacity_); }
 
     /// Keys `[batch, kv_heads, length(), head_dim]` over the cache's own blocks; valid across later appends.
     detail::quantized_view<Block> keys() const { return view(keys_.data(), head_dim_); }
@@ -143,29 +143,29 @@ public:
 
     /// Keeps the first `length` positions (rolling back rejected tokens). Throws position_error
     /// `attend.position.truncate` unless 0 <= length <= length(); the cache is unchanged then.
-    void truncate(index length) {
+    void truncate(index_t length) {
         detail::check_truncate(length, length_);
         length_ = length;
     }
 
 private:
-    detail::quantized_view<Block> view(const Block* data, index dim) const {
+    detail::quantized_view<Block> view(const Block* data, index_t dim) const {
         detail::quantized_view<Block> v;
         v.data = data;
         v.dims = {batch_, kv_heads_, length_, dim};
-        const index blocks = dim / Block::size;
+        const index_t blocks = dim / Block::size;
         v.strides = {kv_heads_ * capacity_ * blocks, capacity_ * blocks, blocks};
         return v;
     }
-    Block* key_row(index b, index h, index i) {
+    Block* key_row(index_t b, index_t h, index_t i) {
         return keys_.data() + ((b * kv_heads_ + h) * capacity_ + i) * (head_dim_ / Block::size);
     }
-    Block* value_row(index b, index h, index i) {
+    Block* value_row(index_t b, index_t h, index_t i) {
         return values_.data() + ((b * kv_heads_ + h) * capacity_ + i) * (value_dim_ / Block::size);
     }
 
-    index batch_, kv_heads_, capacity_, head_dim_, value_dim_;
-    index length_ = 0;
+    index_t batch_, kv_heads_, capacity_, head_dim_, value_dim_;
+    index_t length_ = 0;
     std::vector<Block> keys_;
     std::vector<Block> values_;
 };

@@ -61,7 +61,7 @@ public:
         // small tensors, which would break users who build with -Werror.
         const auto& from = table.table();
         auto& to = converted->table();
-        for (index n = 0; n < from.size(); ++n) to.data()[n] = static_cast<double>(from.data()[n]);
+        for (index_t n = 0; n < from.size(); ++n) to.data()[n] = static_cast<double>(from.data()[n]);
         return relative(std::shared_ptr<const relative_position_bias<double>>(std::move(converted)), align);
     }
 
@@ -87,11 +87,11 @@ public:
     /// value_error `attend.value.alibi_slopes` / `attend.value.score_bias_table` if a slope times the largest
     /// distance, or a table value, is beyond the range of T (the scores' scalar type).
     template <class T = double>
-    void validate(index heads, index query_len, index key_len) const {
+    void validate(index_t heads, index_t query_len, index_t key_len) const {
         const auto shape = [&] {
             return detail::concat(" (scores [batch,", heads, ',', query_len, ',', key_len, "])");
         };
-        if (kind_ == kind::alibi && static_cast<index>(slopes_.size()) != heads)
+        if (kind_ == kind::alibi && static_cast<index_t>(slopes_.size()) != heads)
             throw shape_error("attend.shape.score_bias_heads",
                               detail::concat("ALiBi has ", slopes_.size(), " slopes but attention has ", heads,
                                              " heads", shape()));
@@ -115,7 +115,7 @@ public:
         }
         if (kind_ == kind::relative) {
             const auto& t = table_->table();
-            for (index n = 0; n < t.size(); ++n)
+            for (index_t n = 0; n < t.size(); ++n)
                 if (std::abs(t.data()[n]) > largest)
                     throw value_error("attend.value.score_bias_table",
                                       detail::concat("relative position bias table holds ", t.data()[n],
@@ -127,13 +127,13 @@ public:
     /// The bias of query i, key j of head `head` for scores with query_len queries and key_len keys, in T.
     /// add_tile adds exactly this value. Call validate first; head must be in [0, heads).
     template <class T>
-    T value(index head, index i, index j, index query_len, index key_len) const {
+    T value(index_t head, index_t i, index_t j, index_t query_len, index_t key_len) const {
         require_scalar<T>();
         if (kind_ == kind::none) return T(0);
         ATTEND_ASSERT(head >= 0);
-        ATTEND_ASSERT(kind_ != kind::alibi || head < static_cast<index>(slopes_.size()));
+        ATTEND_ASSERT(kind_ != kind::alibi || head < static_cast<index_t>(slopes_.size()));
         ATTEND_ASSERT(kind_ != kind::relative || head < table_->heads());
-        const index distance = j - (i + shift(query_len, key_len));  // key - query, as T5 defines it
+        const index_t distance = j - (i + shift(query_len, key_len));  // key - query, as T5 defines it
         if (kind_ == kind::alibi) return alibi_value<T>(head, distance);
         return relative_value<T>(head, distance);
     }
@@ -144,15 +144,15 @@ public:
     /// (rows + cols - 1 values; ALiBi splits at the diagonal, no abs per element) and every row adds a
     /// contiguous slice of it: the inner loop is a plain vectorizable add.
     template <class T>
-    void add_tile(index head, index query_begin, index key_begin, index rows, index cols, index query_len,
-                  index key_len, T* scores, index ld) const {
+    void add_tile(index_t head, index_t query_begin, index_t key_begin, index_t rows, index_t cols, index_t query_len,
+                  index_t key_len, T* scores, index_t ld) const {
         require_scalar<T>();
         if (kind_ == kind::none || rows <= 0 || cols <= 0) return;
         ATTEND_ASSERT(head >= 0);
         ATTEND_ASSERT(ld >= cols);
-        const index diagonals = rows + cols - 1;
+        const index_t diagonals = rows + cols - 1;
         // Covers the kernels' largest tile (128 queries x 512 keys -> 639 diagonals) without a heap allocation.
-        constexpr index stack_size = 1024;
+        constexpr index_t stack_size = 1024;
         T stack[stack_size];
         std::vector<T> heap;
         T* bias = stack;
@@ -161,21 +161,21 @@ public:
             bias = heap.data();
         }
         // bias[rows - 1 - r + c] belongs to distance j - i' = first + (rows - 1 - r + c).
-        const index first = key_begin - (query_begin + rows - 1 + shift(query_len, key_len));
+        const index_t first = key_begin - (query_begin + rows - 1 + shift(query_len, key_len));
         if (kind_ == kind::alibi) {
-            ATTEND_ASSERT(head < static_cast<index>(slopes_.size()));
+            ATTEND_ASSERT(head < static_cast<index_t>(slopes_.size()));
             const T slope = static_cast<T>(slopes_[static_cast<std::size_t>(head)]);
-            const index split = std::clamp<index>(-first, 0, diagonals);  // first diagonal with j >= i'
-            for (index d = 0; d < split; ++d) bias[d] = -(slope * static_cast<T>(-(first + d)));
-            for (index d = split; d < diagonals; ++d) bias[d] = -(slope * static_cast<T>(first + d));
+            const index_t split = std::clamp<index_t>(-first, 0, diagonals);  // first diagonal with j >= i'
+            for (index_t d = 0; d < split; ++d) bias[d] = -(slope * static_cast<T>(-(first + d)));
+            for (index_t d = split; d < diagonals; ++d) bias[d] = -(slope * static_cast<T>(first + d));
         } else {
             ATTEND_ASSERT(head < table_->heads());
-            for (index d = 0; d < diagonals; ++d) bias[d] = relative_value<T>(head, first + d);
+            for (index_t d = 0; d < diagonals; ++d) bias[d] = relative_value<T>(head, first + d);
         }
-        for (index r = 0; r < rows; ++r) {
+        for (index_t r = 0; r < rows; ++r) {
             T* row = scores + r * ld;
             const T* b = bias + (rows - 1 - r);
-            for (index c = 0; c < cols; ++c) row[c] += b[c];
+            for (index_t c = 0; c < cols; ++c) row[c] += b[c];
         }
     }
 
@@ -188,19 +188,19 @@ private:
                       "attend: score_bias adds to float or double scores");
     }
 
-    index shift(index query_len, index key_len) const {
+    index_t shift(index_t query_len, index_t key_len) const {
         return align_ == alignment::bottom_right ? key_len - query_len : 0;
     }
 
     template <class T>
-    T alibi_value(index head, index distance) const {
+    T alibi_value(index_t head, index_t distance) const {
         const T slope = static_cast<T>(slopes_[static_cast<std::size_t>(head)]);
         return -(slope * static_cast<T>(distance < 0 ? -distance : distance));
     }
 
     template <class T>
-    T relative_value(index head, index distance) const {
-        const index bucket =
+    T relative_value(index_t head, index_t distance) const {
+        const index_t bucket =
             relative_position_bucket(distance, table_->bidirectional(), table_->num_buckets(), table_->max_distance());
         return static_cast<T>(table_->table()(bucket, head));
     }

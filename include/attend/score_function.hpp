@@ -21,13 +21,6 @@
 
 namespace attend {
 
-/// The type of the batch, head, query and key a score_mod function receives: 32 bits, as FlexAttention's int32
-/// indices, so that a function converting positions to float scores (`s - slope * std::abs(i - j)`) compiles to
-/// vector code; 64-bit integers have no vector conversion to float before AVX-512, and the function runs on
-/// every score. Calls whose batch, heads, query_len or key_len exceed its range throw shape_error
-/// attend.shape.score_mod_positions.
-using score_index = std::int32_t;
-
 namespace detail {
 
 /// The kernels' view of a score modifier: f on a tile of scores `[rows, cols]` (row stride ld) of tile t, in place,
@@ -35,8 +28,8 @@ namespace detail {
 class score_tiles {
 public:
     virtual ~score_tiles() = default;
-    virtual void apply(const tile& t, float* scores, index ld, float* slope) const = 0;
-    virtual void apply(const tile& t, double* scores, index ld, double* slope) const = 0;
+    virtual void apply(const tile& t, float* scores, index_t ld, float* slope) const = 0;
+    virtual void apply(const tile& t, double* scores, index_t ld, double* slope) const = 0;
     virtual bool has_derivative() const = 0;
 };
 
@@ -47,25 +40,25 @@ template <class F, class DF>
 class score_function_tiles final : public score_tiles {
 public:
     score_function_tiles(F f, DF df) : f_(std::move(f)), df_(std::move(df)) {}
-    void apply(const tile& t, float* scores, index ld, float* slope) const override { run(t, scores, ld, slope); }
-    void apply(const tile& t, double* scores, index ld, double* slope) const override { run(t, scores, ld, slope); }
+    void apply(const tile& t, float* scores, index_t ld, float* slope) const override { run(t, scores, ld, slope); }
+    void apply(const tile& t, double* scores, index_t ld, double* slope) const override { run(t, scores, ld, slope); }
     bool has_derivative() const override { return !std::is_same_v<DF, no_score_derivative>; }
 
 private:
     template <class T>
-    void run(const tile& t, T* scores, index ld, T* slope) const {
-        const auto rows = static_cast<score_index>(t.query_end - t.query_begin);
-        const auto cols = static_cast<score_index>(t.key_end - t.key_begin);
-        const auto b = static_cast<score_index>(t.batch), h = static_cast<score_index>(t.head);
-        const auto j0 = static_cast<score_index>(t.key_begin);
-        for (score_index r = 0; r < rows; ++r) {
+    void run(const tile& t, T* scores, index_t ld, T* slope) const {
+        const auto rows = static_cast<mod_index>(t.query_end - t.query_begin);
+        const auto cols = static_cast<mod_index>(t.key_end - t.key_begin);
+        const auto b = static_cast<mod_index>(t.batch), h = static_cast<mod_index>(t.head);
+        const auto j0 = static_cast<mod_index>(t.key_begin);
+        for (mod_index r = 0; r < rows; ++r) {
             T* s = scores + r * ld;
-            const auto i = static_cast<score_index>(t.query_begin + r);
+            const auto i = static_cast<mod_index>(t.query_begin + r);
             if constexpr (!std::is_same_v<DF, no_score_derivative>)
                 if (slope)
-                    for (score_index c = 0; c < cols; ++c)
+                    for (mod_index c = 0; c < cols; ++c)
                         slope[r * ld + c] *= static_cast<T>(df_(s[c], b, h, i, j0 + c));
-            for (score_index c = 0; c < cols; ++c) s[c] = static_cast<T>(f_(s[c], b, h, i, j0 + c));
+            for (mod_index c = 0; c < cols; ++c) s[c] = static_cast<T>(f_(s[c], b, h, i, j0 + c));
         }
     }
 
@@ -75,8 +68,7 @@ private:
 
 /// F is callable as f(score, batch, head, query, key) with a result convertible to the score's type T.
 template <class F, class T>
-constexpr bool is_score_function_v =
-    std::is_invocable_r_v<T, const F&, T, score_index, score_index, score_index, score_index>;
+constexpr bool is_score_function_v = std::is_invocable_r_v<T, const F&, T, mod_index, mod_index, mod_index, mod_index>;
 
 }  // namespace detail
 
@@ -93,16 +85,10 @@ public:
     bool has_derivative() const { return tiles_ && tiles_->has_derivative(); }  ///< the backward can use it
     const detail::score_tiles* tiles() const { return tiles_.get(); }           ///< what the kernels call
 
-    /// A call of shape s can pass its positions as score_index. Throws shape_error
-    /// attend.shape.score_mod_positions for a batch, heads, query_len or key_len beyond its range.
+    /// A call of shape s can pass its positions as mod_index. Throws shape_error attend.shape.mod_positions for a
+    /// batch, heads, query_len or key_len beyond its range.
     void validate(const attention_shape& s) const {
-        constexpr index most = std::numeric_limits<score_index>::max();
-        if (empty() || (s.batch <= most && s.heads <= most && s.query_len <= most && s.key_len <= most)) return;
-        throw shape_error("attend.shape.score_mod_positions",
-                          detail::concat("score_mod receives batch, head, query and key as 32-bit integers, but the "
-                                         "call has batch ",
-                                         s.batch, ", heads ", s.heads, ", query_len ", s.query_len, " and key_len ",
-                                         s.key_len, " (each must be <= ", most, ')'));
+        if (!empty()) detail::check_mod_positions(s, "score_mod");
     }
 
 private:
@@ -116,7 +102,7 @@ template <class F, class DF>
 score_function make_score_function(F f, DF df) {
     static_assert(is_score_function_v<F, float> && is_score_function_v<F, double>,
                   "attend: score_mod takes a function (score, batch, head, query, key) -> score for float and double "
-                  "scores, e.g. [](auto s, auto b, auto h, auto i, auto j), the indices being attend::score_index");
+                  "scores, e.g. [](auto s, auto b, auto h, auto i, auto j), the indices being attend::mod_index");
     return score_function(std::make_shared<score_function_tiles<F, DF>>(std::move(f), std::move(df)));
 }
 
@@ -124,7 +110,7 @@ score_function make_score_function(F f, DF df) {
 
 /// A forward-only score modifier `f(score, batch, head, query, key) -> score`, for float and double scores (a
 /// generic lambda, `[](auto s, auto b, auto h, auto i, auto j) { ... }`, serves both); the indices are
-/// score_index (int32). It must be pure: the kernels call it from several threads, on some scores more than once.
+/// mod_index (int32). It must be pure: the kernels call it from several threads, on some scores more than once.
 template <class F>
 score_function score_mod(F f) {
     return detail::make_score_function(std::move(f), detail::no_score_derivative{});

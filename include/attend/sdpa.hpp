@@ -51,8 +51,8 @@ struct dropout_options {
     /// Where this call's queries and keys sit in a longer sequence (>= 0): the decisions are those of query
     /// i + query_offset and key j + key_offset, so attention computed block by block (ring attention over shards)
     /// drops exactly what one call over the whole sequence drops. 0 for an ordinary call.
-    index query_offset = 0;
-    index key_offset = 0;  ///< see query_offset
+    index_t query_offset = 0;
+    index_t key_offset = 0;  ///< see query_offset
 };
 
 /// Options of scaled_dot_product_attention.
@@ -151,7 +151,7 @@ kernel_params<accumulator_t<T>> checked_params(const attention_shape& s, const s
     o.score_mod.validate(s);
     p.score_mod = o.score_mod.tiles();
     o.sinks.template validate<Acc>(s.heads);
-    for (index h = 0; h < o.sinks.size(); ++h) p.sinks.push_back(static_cast<Acc>(o.sinks[h]));
+    for (index_t h = 0; h < o.sinks.size(); ++h) p.sinks.push_back(static_cast<Acc>(o.sinks[h]));
     return p;
 }
 
@@ -199,13 +199,13 @@ tensor<Acc, 4> gathered(const Rows& x, const char* what) {
     auto copy = allocating([&] { return tensor<Acc, 4>(x.dims[0], x.dims[1], x.dims[2], x.dims[3]); },
                            [&] { return allocation_text(what, x.dims, sizeof(Acc)); },
                            "kernel::tiled reads the inputs in place");
-    for (index b = 0; b < x.dims[0]; ++b)
-        for (index h = 0; h < x.dims[1]; ++h) {
+    for (index_t b = 0; b < x.dims[0]; ++b)
+        for (index_t h = 0; h < x.dims[1]; ++h) {
             Acc* dst = copy.data() + (b * x.dims[1] + h) * x.dims[2] * x.dims[3];
             if constexpr (quantized_rows_v<Rows>) {
                 widen_rows(x, b, h, 0, x.dims[2], dst);
             } else {
-                for (index i = 0; i < x.dims[2]; ++i)
+                for (index_t i = 0; i < x.dims[2]; ++i)
                     std::transform(x.row(b, h, i), x.row(b, h, i) + x.dims[3], dst + i * x.dims[3],
                                    [](auto value) { return static_cast<Acc>(value); });
             }
@@ -241,20 +241,20 @@ void run_checked(const strided_view<const T>& q, const Rows& k, const Rows& v, c
         } else {
             const auto queries = gathered<Acc>(q, "the reference kernel's copy of the queries");
             tensor<Acc, 4> wide_out;
-            resize_guarded(wide_out, std::array<index, 4>{s.batch, s.heads, s.query_len, s.value_dim},
+            resize_guarded(wide_out, std::array<index_t, 4>{s.batch, s.heads, s.query_len, s.value_dim},
                            "the reference kernel's output", "kernel::tiled writes the outputs in place");
             tensor<Acc, 1> wide_weights;
             if (out.weights)
-                resize_guarded(wide_weights, std::array<index, 1>{s.batch * s.heads * s.query_len * s.key_len},
+                resize_guarded(wide_weights, std::array<index_t, 1>{s.batch * s.heads * s.query_len * s.key_len},
                                "the reference kernel's weights", "leave need_weights off");
             attention_outputs<Acc> o;
             o.out = as_mutable_view(wide_out);
             o.weights = out.weights ? wide_weights.data() : nullptr;
             o.lse = out.lse;
             reference_attention(as_view(queries), as_view(keys), as_view(values), s, call.mask, call.params, o);
-            for (index b = 0; b < s.batch; ++b)
-                for (index h = 0; h < s.heads; ++h)
-                    for (index i = 0; i < s.query_len; ++i)
+            for (index_t b = 0; b < s.batch; ++b)
+                for (index_t h = 0; h < s.heads; ++h)
+                    for (index_t i = 0; i < s.query_len; ++i)
                         narrow(o.out.row(b, h, i), s.value_dim, out.out.row(b, h, i));
             if (out.weights) narrow(wide_weights.data(), wide_weights.size(), out.weights);
         }
@@ -284,22 +284,24 @@ auto checked_inputs(const Q& q, const K& k, const V& v) {
 
 /// Shape of a caller-owned output, checked against what the call produces.
 template <class Out, std::size_t N>
-void check_output_dims(const Out& out, const std::array<index, N>& expected, const char* id, const char* what) {
-    std::array<index, N> got{};
-    for (std::size_t a = 0; a < N; ++a)
-        got[a] = out.dimensions()[a];  // dimensions(): Tensor and TensorMap index it alike
+void check_output_dims(const Out& out, const std::array<index_t, N>& expected, const char* id, const char* what) {
+    std::array<index_t, N> got{};
+    for (std::size_t a = 0; a < N; ++a) {
+        if constexpr (is_strided_view_v<Out>) got[a] = out.dims[a];
+        else got[a] = out.dimensions()[a];  // dimensions(): Tensor and TensorMap index it alike
+    }
     if (got != expected)
         throw shape_error(id, concat(what, ' ', format_shape(got), " != expected ", format_shape(expected)));
 }
 
 template <int Rank>
-std::array<index, Rank> rank_dims(const attention_shape& s, index last) {
+std::array<index_t, Rank> rank_dims(const attention_shape& s, index_t last) {
     if constexpr (Rank == 4) return {s.batch, s.heads, s.query_len, last};
     else return {s.batch, s.query_len, last};
 }
 
 template <int Rank>
-std::array<index, Rank - 1> lse_dims(const attention_shape& s) {
+std::array<index_t, Rank - 1> lse_dims(const attention_shape& s) {
     if constexpr (Rank == 4) return {s.batch, s.heads, s.query_len};
     else return {s.batch, s.query_len};
 }
@@ -340,17 +342,19 @@ auto scaled_dot_product_attention(const Q& q, const K& k, const V& v, const sdpa
     return scaled_dot_product_attention(q, k, v, no_mask{}, options);
 }
 
-/// Writes attention into caller-owned tensors (attend::tensor or TensorMap of the inputs' rank):
+/// Writes attention into caller-owned tensors (attend::tensor or TensorMap of the inputs' rank; out may also be a
+/// strided_view, such as split_heads over a `[batch, query_len, heads * value_dim]` buffer, whose elements must
+/// have distinct addresses: shape_error attend.shape.output_strides):
 /// out `[batch, heads, query_len, value_dim]`, and unless nullptr weights `[batch, heads, query_len, key_len]`
 /// and lse `[batch, heads, query_len]`. On any error nothing is written (shape_error attend.shape.output,
 /// attend.shape.weights_output, attend.shape.lse_output besides those of scaled_dot_product_attention).
 /// Outputs must not overlap q, k, v or each other in memory (measured conservatively, from each tensor's lowest
 /// to its highest element address): the kernels read inputs while they write outputs, tile by tile, so an
 /// overlap is shape_error attend.shape.aliasing naming both tensors. Adjacent buffers are fine.
-template <class Q, class K, class V, class Mask, class Out, class Weights = std::nullptr_t, class Lse = std::nullptr_t,
-          std::enable_if_t<!std::is_same_v<std::decay_t<Out>, sdpa_options>, int> = 0>
-void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const Mask& mask, Out&& out,
-                                       const sdpa_options& options = {}, Weights&& weights = nullptr,
+/// The arguments come in the order of every attend call: inputs, the mask, the options, then the outputs.
+template <class Q, class K, class V, class Mask, class Out, class Weights = std::nullptr_t, class Lse = std::nullptr_t>
+void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const Mask& mask,
+                                       const sdpa_options& options, Out&& out, Weights&& weights = nullptr,
                                        Lse&& lse = nullptr) {
     if constexpr (detail::require_mask<Mask>()) {
         using T = detail::scalar_of<Q>;
@@ -361,6 +365,7 @@ void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const
         detail::check_output_dims(out, detail::rank_dims<rank>(s, s.value_dim), "attend.shape.output", "out");
         detail::attention_outputs<T> o;
         o.out = detail::as_mutable_view(out);
+        if constexpr (detail::is_strided_view_v<Out>) detail::check_output_strides(o.out, "out");
         if constexpr (!std::is_same_v<std::decay_t<Weights>, std::nullptr_t>) {
             static_assert(std::is_same_v<T, detail::scalar_of<Weights>> && detail::rank_of<Weights>() == rank &&
                               detail::tensor_traits<std::decay_t<Weights>>::row_major,
@@ -390,13 +395,25 @@ void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const
     }
 }
 
+/// The _into form with default options: out only.
+template <class Q, class K, class V, class Mask, class Out,
+          std::enable_if_t<!std::is_same_v<std::decay_t<Mask>, sdpa_options>, int> = 0>
+void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const Mask& mask, Out&& out) {
+    scaled_dot_product_attention_into(q, k, v, mask, sdpa_options{}, std::forward<Out>(out));
+}
+
 /// The _into form without a mask: every query attends every key. Outputs and errors as the masked form.
-template <class Q, class K, class V, class Out, class Weights = std::nullptr_t, class Lse = std::nullptr_t,
-          std::enable_if_t<!detail::is_mask_like_v<std::decay_t<Out>>, int> = 0>
-void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, Out&& out, const sdpa_options& options = {},
+template <class Q, class K, class V, class Out, class Weights = std::nullptr_t, class Lse = std::nullptr_t>
+void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const sdpa_options& options, Out&& out,
                                        Weights&& weights = nullptr, Lse&& lse = nullptr) {
-    scaled_dot_product_attention_into(q, k, v, no_mask{}, std::forward<Out>(out), options,
+    scaled_dot_product_attention_into(q, k, v, no_mask{}, options, std::forward<Out>(out),
                                       std::forward<Weights>(weights), std::forward<Lse>(lse));
+}
+
+/// The _into form without a mask and with default options: out only.
+template <class Q, class K, class V, class Out>
+void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, Out&& out) {
+    scaled_dot_product_attention_into(q, k, v, no_mask{}, sdpa_options{}, std::forward<Out>(out));
 }
 
 }  // namespace attend

@@ -3,7 +3,9 @@
 /// Shape rules of attention: q `[batch, heads, query_len, head_dim]`, k `[batch, kv_heads, key_len, head_dim]`,
 /// v `[batch, kv_heads, key_len, value_dim]` (rank 3 drops the heads axis). Every rule has its own error id.
 
+#include <algorithm>
 #include <array>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
@@ -17,20 +19,42 @@ namespace attend {
 /// The sizes of one attention call, checked. `rank` is the rank of the inputs (3 or 4); masks broadcast
 /// against the score shape of that rank, as NumPy and PyTorch do.
 struct attention_shape {
-    index batch = 0;      ///< sequences
-    index heads = 0;      ///< query heads
-    index kv_heads = 0;   ///< key/value heads; heads % kv_heads == 0
-    index query_len = 0;  ///< queries per sequence
-    index key_len = 0;    ///< keys per sequence
-    index head_dim = 0;   ///< width of a query and key head
-    index value_dim = 0;  ///< width of a value head
-    int rank = 4;         ///< rank of the inputs, 3 or 4
+    index_t batch = 0;      ///< sequences
+    index_t heads = 0;      ///< query heads
+    index_t kv_heads = 0;   ///< key/value heads; heads % kv_heads == 0
+    index_t query_len = 0;  ///< queries per sequence
+    index_t key_len = 0;    ///< keys per sequence
+    index_t head_dim = 0;   ///< width of a query and key head
+    index_t value_dim = 0;  ///< width of a value head
+    int rank = 4;           ///< rank of the inputs, 3 or 4
 
     /// Query heads that share one kv head (grouped-query attention); 1 for plain multi-head attention.
-    index group_size() const { return heads / kv_heads; }
+    index_t group_size() const { return heads / kv_heads; }
     /// The kv head that query head `h` reads.
-    index kv_head(index h) const { return h / group_size(); }
+    index_t kv_head(index_t h) const { return h / group_size(); }
 };
+
+/// The type of the batch, head, query and key a mask_mod or score_mod function receives: 32 bits, as
+/// FlexAttention's int32 indices, so that a function converting positions to float scores
+/// (`s - slope * std::abs(i - j)`) compiles to vector code; 64-bit integers have no vector conversion to float
+/// before AVX-512, and the function runs on every score. Calls whose batch, heads, query_len or key_len exceed its
+/// range throw shape_error attend.shape.mod_positions.
+using mod_index = std::int32_t;
+
+namespace detail {
+
+/// Throws shape_error attend.shape.mod_positions when a call of shape s cannot pass its positions to `what`
+/// (mask_mod or score_mod) as mod_index.
+inline void check_mod_positions(const attention_shape& s, const char* what) {
+    constexpr index_t most = std::numeric_limits<mod_index>::max();
+    if (s.batch <= most && s.heads <= most && s.query_len <= most && s.key_len <= most) return;
+    throw shape_error("attend.shape.mod_positions",
+                      concat(what, " receives batch, head, query and key as 32-bit integers, but the call has batch ",
+                             s.batch, ", heads ", s.heads, ", query_len ", s.query_len, " and key_len ", s.key_len,
+                             " (each must be <= ", most, ')'));
+}
+
+}  // namespace detail
 
 namespace detail {
 
@@ -38,12 +62,12 @@ namespace detail {
 /// spelled only when a message is written: spelling every call's shapes up front had been most of the time of a
 /// small call (a one-key decode).
 struct shape_words {
-    std::array<index, 4> dims{};
+    std::array<index_t, 4> dims{};
     std::size_t rank = 0;
     const char* note = "";
     std::string text() const {
-        return concat(format_shape(std::vector<index>(dims.begin(), dims.begin() + static_cast<std::ptrdiff_t>(rank))),
-                      note);
+        return concat(
+            format_shape(std::vector<index_t>(dims.begin(), dims.begin() + static_cast<std::ptrdiff_t>(rank))), note);
     }
 };
 
@@ -65,6 +89,27 @@ void check_view_sizes(const strided_view<T>& x, const char* name) {
     if (any_negative(x.dims))
         throw shape_error("attend.shape.negative",
                           concat(name, ' ', spell_view(x), " has a negative size; sizes must be >= 0"));
+}
+
+/// Throws shape_error attend.shape.output_strides when two elements of an output view would share an address
+/// (a stride of 0 or below on an axis of more than one element, or axes whose rows overlap): the kernels write the
+/// tiles of one output from several threads, each element once. Sufficient test: taken by increasing stride, each
+/// axis must step past everything the smaller ones span.
+template <class T>
+void check_output_strides(const strided_view<T>& x, const char* name) {
+    std::array<int, 4> axes{0, 1, 2, 3};
+    std::sort(axes.begin(), axes.end(), [&](int a, int b) { return x.strides[a] < x.strides[b]; });
+    index_t span = 1;  // one past the largest offset the smaller axes reach
+    for (const int a : axes) {
+        if (x.dims[a] <= 1) continue;
+        if (x.strides[a] < span || product_overflows(x.strides[a], x.dims[a] - 1) ||
+            sum_overflows(span, x.strides[a] * (x.dims[a] - 1)))
+            throw shape_error("attend.shape.output_strides",
+                              concat(name, ' ', spell_view(x), " with strides ", format_shape(x.strides),
+                                     " has elements that share memory; an output needs one address per element "
+                                     "(split_heads over a buffer of its size, or a tensor)"));
+        span += x.strides[a] * (x.dims[a] - 1);
+    }
 }
 
 /// q strided, k and v strided or an int8 cache's q8_view (one kind for both).

@@ -38,21 +38,21 @@ public:
     attention_sinks(const X& logits)  // NOLINT: a conversion, as from a vector
         : values_(logits.data(), logits.data() + logits.size()) {}
 
-    bool empty() const { return values_.empty(); }                     ///< no sinks
-    index size() const { return static_cast<index>(values_.size()); }  ///< how many logits (heads)
+    bool empty() const { return values_.empty(); }                         ///< no sinks
+    index_t size() const { return static_cast<index_t>(values_.size()); }  ///< how many logits (heads)
     /// The logit of query head h.
-    double operator[](index h) const { return values_[static_cast<std::size_t>(h)]; }
+    double operator[](index_t h) const { return values_[static_cast<std::size_t>(h)]; }
 
     /// One logit per query head, finite also in T (the inputs' scalar type). Throws shape_error
     /// `attend.shape.sinks` for another count and value_error `attend.value.sinks` for NaN, +-inf or a value
     /// beyond T's range.
     template <class T>
-    void validate(index heads) const {
+    void validate(index_t heads) const {
         if (empty()) return;
         if (size() != heads)
             throw shape_error("attend.shape.sinks",
                               detail::concat("sinks [", size(), "] must have one logit per query head: [", heads, ']'));
-        for (index h = 0; h < heads; ++h) {
+        for (index_t h = 0; h < heads; ++h) {
             const double z = (*this)[h];
             if (!std::isfinite(z) || std::abs(z) > static_cast<double>(std::numeric_limits<T>::max()))
                 throw value_error("attend.value.sinks",

@@ -12,7 +12,7 @@
 namespace attend {
 
 /// Sizes, positions and indices: Eigen's, signed.
-using index = Eigen::Index;
+using index_t = Eigen::Index;
 
 /// The storage types attend reads and writes: `float`, `double`, and the 16-bit `Eigen::half` (IEEE fp16) and
 /// `Eigen::bfloat16`, in which inference stacks keep activations and KV caches.
@@ -58,21 +58,21 @@ using tensor_view = Eigen::TensorMap<Eigen::Tensor<T, Rank, Eigen::RowMajor>>;
 /// through these strides, with no transpose copy.
 template <class T>
 struct strided_view {
-    T* data = nullptr;               ///< element [0, 0, 0, 0]
-    std::array<index, 4> dims{};     ///< batch, heads, len, dim
-    std::array<index, 4> strides{};  ///< elements; strides[3] == 1
-    int rank = 4;                    ///< rank of the tensor the user passed (3 or 4), kept for messages
+    T* data = nullptr;                 ///< element [0, 0, 0, 0]
+    std::array<index_t, 4> dims{};     ///< batch, heads, len, dim
+    std::array<index_t, 4> strides{};  ///< elements; strides[3] == 1
+    int rank = 4;                      ///< rank of the tensor the user passed (3 or 4), kept for messages
 
     /// The first element of row (b, h, i).
-    T* row(index b, index h, index i) const { return data + b * strides[0] + h * strides[1] + i * strides[2]; }
+    T* row(index_t b, index_t h, index_t i) const { return data + b * strides[0] + h * strides[1] + i * strides[2]; }
     /// Elements the view spans.
-    index size() const { return dims[0] * dims[1] * dims[2] * dims[3]; }
+    index_t size() const { return dims[0] * dims[1] * dims[2] * dims[3]; }
 };
 
 /// Splits a projected `[batch, len, heads * head_dim]` buffer into heads without copying:
 /// head h of token i is the slice `[h * head_dim, (h + 1) * head_dim)` of row i.
 template <class T>
-strided_view<T> split_heads(T* data, index batch, index len, index heads, index head_dim) {
+strided_view<T> split_heads(T* data, index_t batch, index_t len, index_t heads, index_t head_dim) {
     strided_view<T> v;
     v.data = data;
     v.dims = {batch, heads, len, head_dim};
@@ -134,6 +134,14 @@ struct tensor_traits<strided_view<T>> {
 template <class X>
 using scalar_of = typename tensor_traits<std::decay_t<X>>::scalar;
 
+template <class X>
+struct is_strided_view : std::false_type {};
+template <class T>
+struct is_strided_view<strided_view<T>> : std::true_type {};
+/// True for a strided_view (what split_heads returns), false for a tensor or TensorMap.
+template <class X>
+inline constexpr bool is_strided_view_v = is_strided_view<std::decay_t<X>>::value;
+
 /// Checks at compile time that X is a tensor attend can read without copying.
 template <class X>
 constexpr void require_row_major_tensor() {
@@ -166,9 +174,9 @@ strided_view<T> dense_view(T* data, const X& x) {
     } else {
         v.dims = {x.dimension(0), 1, x.dimension(1), x.dimension(2)};
     }
-    const auto u = [](index n) { return static_cast<std::uint64_t>(n); };
-    v.strides = {static_cast<index>(u(v.dims[1]) * u(v.dims[2]) * u(v.dims[3])),
-                 static_cast<index>(u(v.dims[2]) * u(v.dims[3])), v.dims[3], 1};
+    const auto u = [](index_t n) { return static_cast<std::uint64_t>(n); };
+    v.strides = {static_cast<index_t>(u(v.dims[1]) * u(v.dims[2]) * u(v.dims[3])),
+                 static_cast<index_t>(u(v.dims[2]) * u(v.dims[3])), v.dims[3], 1};
     return v;
 }
 

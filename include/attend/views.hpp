@@ -14,7 +14,7 @@ namespace attend {
 /// to `begin` (rules such as causal(alignment::bottom_right) or a key_padding of the range's own lengths say what
 /// the range means). Throws shape_error attend.shape.range unless 0 <= begin <= end <= len.
 template <class X>
-strided_view<const detail::scalar_of<X>> key_range(const X& x, index begin, index end) {
+strided_view<const detail::scalar_of<X>> key_range(const X& x, index_t begin, index_t end) {
     auto v = detail::as_view(x);
     if (begin < 0 || end < begin || end > v.dims[2])
         throw shape_error("attend.shape.range",

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 // Twin of backward_gradient_types_ok.cpp: with 16-bit inputs the gradients are all of the inputs' type or all
-// float; a float dq beside bf16 dk and dv is refused at compile time, not half-written in two precisions.
-// expect-error: dq, dk and dv must have the query's scalar type (with 16-bit inputs: all of it, or all float)
+// float; a float d_query beside bf16 d_key and d_value is refused at compile time, not half-written in two precisions.
+// expect-error: d_query, d_key and d_value must have the query's scalar type (with 16-bit inputs: all of it, or all float)
 #include <attend/backward.hpp>
 
 void attend_backward_gradients_of_two_types() {
@@ -10,5 +10,5 @@ void attend_backward_gradients_of_two_types() {
     attend::tensor<float, 3> lse(1, 2, 3);
     attend::tensor<float, 4> dq(q.dimensions());
     attend::tensor<bf16, 4> dk(k.dimensions()), dv(v.dimensions());
-    attend::scaled_dot_product_attention_backward_into(q, k, v, out, lse, d_out, attend::no_mask{}, dq, dk, dv);
+    attend::scaled_dot_product_attention_backward_into(q, k, v, attend::no_mask{}, out, lse, d_out, dq, dk, dv);
 }

@@ -7,5 +7,5 @@
 void attend_into() {
     attend::tensor<float, 4> q(1, 2, 3, 4), k(1, 2, 5, 4), v(1, 2, 5, 4), out(1, 2, 3, 4), weights(1, 2, 3, 5);
     attend::tensor<float, 4> lse(1, 2, 3, 1);
-    attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, out, {}, weights, lse);
+    attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, {}, out, weights, lse);
 }

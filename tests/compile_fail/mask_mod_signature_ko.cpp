@@ -5,5 +5,5 @@
 #include <attend/mask_function.hpp>
 
 auto even_keys() {
-    return attend::mask_mod([](attend::index, attend::index j) { return j % 2 == 0; });
+    return attend::mask_mod([](attend::index_t, attend::index_t j) { return j % 2 == 0; });
 }

@@ -9,5 +9,5 @@ auto attend_backward_of_a_bf16_module() {
     attend::tensor<Eigen::bfloat16, 3> x(1, 3, 8);
     attend::mha_saved<Eigen::bfloat16> saved;
     (void)m.forward(x, x, x, attend::no_mask{}, {}, saved);
-    return attend::multi_head_attention_backward(m, x, x, x, saved, x, attend::no_mask{});
+    return attend::multi_head_attention_backward(m, x, x, x, attend::no_mask{}, saved, x);
 }

@@ -7,5 +7,5 @@ auto attend_backward_of_a_float_module() {
     attend::tensor<float, 3> x(1, 3, 8);
     attend::mha_saved<float> saved;
     (void)m.forward(x, x, x, attend::no_mask{}, {}, saved);
-    return attend::multi_head_attention_backward(m, x, x, x, saved, x, attend::no_mask{});
+    return attend::multi_head_attention_backward(m, x, x, x, attend::no_mask{}, saved, x);
 }

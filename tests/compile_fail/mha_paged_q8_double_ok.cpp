@@ -9,7 +9,7 @@ auto attend_float_module_over_an_int8_pool() {
     c.head_dim = 32;
     c.blocks = 4;
     attend::paged_kv_cache<attend::q8_0_block> cache(c);
-    const attend::index id = cache.add_sequence();
+    const attend::index_t id = cache.add_sequence();
     attend::tensor<float, 3> x(1, 1, 64);
     return m.forward_cached(x, cache, {id}, {1});
 }

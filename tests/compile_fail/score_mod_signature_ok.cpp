@@ -4,5 +4,6 @@
 #include <attend/score_function.hpp>
 
 attend::score_function halve() {
-    return attend::score_mod([](auto s, attend::index, attend::index, attend::index, attend::index) { return s / 2; });
+    return attend::score_mod(
+        [](auto s, attend::index_t, attend::index_t, attend::index_t, attend::index_t) { return s / 2; });
 }

@@ -20,14 +20,14 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 namespace ad = attend::distributed;
 using attend_test::mpi_rank;
 using attend_test::mpi_size;
 
 using tensor4 = attend::tensor<double, 4>;
 
-tensor4 filled(index b, index h, index len, index dim, std::uint64_t seed) {
+tensor4 filled(index_t b, index_t h, index_t len, index_t dim, std::uint64_t seed) {
     tensor4 t(b, h, len, dim);
     attend_test::fill_uniform(t, seed + static_cast<std::uint64_t>(mpi_rank()));
     return t;
@@ -40,11 +40,11 @@ void expect_same_error_everywhere(F&& f, const std::string& id) {
     const std::string message = attend_test::expect_error<E>(f, id);
     EXPECT_TRUE(attend_test::same_on_every_rank(message)) << "rank " << mpi_rank() << ": " << message;
 
-    const index total = 5 * mpi_size();
+    const index_t total = 5 * mpi_size();
     attend::tensor<double, 4> q(1, 2, total, 4);
     attend_test::fill_uniform(q, 99);
     const ad::shard_layout layout(ad::sharding::contiguous,
-                                  std::vector<index>(static_cast<std::size_t>(mpi_size()), 5));
+                                  std::vector<index_t>(static_cast<std::size_t>(mpi_size()), 5));
     const auto qs = ad::take_shard(q, layout, mpi_rank());
     const auto causal = attend::causal(attend::alignment::top_left);
     const auto ring = ad::ring_attention(qs, qs, qs, causal, MPI_COMM_WORLD);
@@ -55,32 +55,32 @@ void expect_same_error_everywhere(F&& f, const std::string& id) {
 }
 
 TEST(RingErrors, DifferentHeadDimsOnDifferentRanksAreRingHeadDimOnEveryRank) {
-    const index dim = mpi_rank() == 1 ? 6 : 8;
+    const index_t dim = mpi_rank() == 1 ? 6 : 8;
     const auto q = filled(1, 2, 4, dim, 1), k = filled(1, 2, 4, dim, 2), v = filled(1, 2, 4, 8, 3);
     expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
                                                       "attend.shape.ring_head_dim");
 }
 
 TEST(RingErrors, DifferentValueDimsOnDifferentRanksAreRingHeadDimOnEveryRank) {
-    const index value_dim = mpi_rank() == mpi_size() - 1 ? 5 : 8;
+    const index_t value_dim = mpi_rank() == mpi_size() - 1 ? 5 : 8;
     const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, value_dim, 3);
     expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
                                                       "attend.shape.ring_head_dim");
 }
 
 TEST(RingErrors, DifferentHeadsOrBatchOnDifferentRanksAreRingHeadsOnEveryRank) {
-    const index heads = mpi_rank() == 1 ? 4 : 2;
+    const index_t heads = mpi_rank() == 1 ? 4 : 2;
     const auto q = filled(1, heads, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, 4, 8, 3);
     expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
                                                       "attend.shape.ring_heads");
-    const index batch = mpi_rank() == 0 ? 2 : 1;
+    const index_t batch = mpi_rank() == 0 ? 2 : 1;
     const auto qb = filled(batch, 2, 4, 8, 1), kb = filled(batch, 2, 4, 8, 2), vb = filled(batch, 2, 4, 8, 3);
     expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(qb, kb, vb, MPI_COMM_WORLD); },
                                                       "attend.shape.ring_heads");
 }
 
 TEST(RingErrors, QueryAndKeyShardsOfDifferentTotalsAreRingTotalOnEveryRank) {
-    const index key_len = mpi_rank() == 0 ? 5 : 4;
+    const index_t key_len = mpi_rank() == 0 ? 5 : 4;
     const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, key_len, 8, 2), v = filled(1, 2, key_len, 8, 3);
     expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
                                                       "attend.shape.ring_total");
@@ -101,7 +101,7 @@ TEST(RingErrors, OptionsThatDifferBetweenRanksAreRingOptionsOnEveryRank) {
 }
 
 TEST(RingErrors, AShapeErrorOnOneRankIsThrownOnEveryRank) {
-    const index value_len = mpi_rank() == 1 ? 3 : 4;
+    const index_t value_len = mpi_rank() == 1 ? 3 : 4;
     const auto q = filled(1, 2, 4, 8, 1), k = filled(1, 2, 4, 8, 2), v = filled(1, 2, value_len, 8, 3);
     const auto message = [&] {
         expect_same_error_everywhere<attend::shape_error>([&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD); },
@@ -146,9 +146,9 @@ TEST(RingErrors, ShardsOrQueriesOfAnotherStorageTypeOnOneRankAreRingStorageOnEve
     expect_same_error_everywhere<attend::value_error>(
         [&] {
             if (mpi_rank() == 0)
-                ad::ring_attention_backward(as(q, float()), as(k, float()), as(v, float()), as(out, float()), lse_f,
-                                            as(out, float()), attend::no_mask{}, MPI_COMM_WORLD);
-            else ad::ring_attention_backward(q, k, v, out, lse, out, attend::no_mask{}, MPI_COMM_WORLD);
+                ad::ring_attention_backward(as(q, float()), as(k, float()), as(v, float()), attend::no_mask{},
+                                            as(out, float()), lse_f, as(out, float()), MPI_COMM_WORLD);
+            else ad::ring_attention_backward(q, k, v, attend::no_mask{}, out, lse, out, MPI_COMM_WORLD);
         },
         "attend.value.ring_storage");
 }
@@ -180,7 +180,7 @@ TEST(RingErrors, AMaskThatDoesNotFitTheWholeSequenceIsThrownOnEveryRankBeforeAny
 }
 
 TEST(RingErrors, AQueryWithNoKeyInTheWholeSequenceIsTheSingleProcessEmptyRowErrorOnEveryRank) {
-    const index ranks = mpi_size(), total = 4 * ranks;
+    const index_t ranks = mpi_size(), total = 4 * ranks;
     attend::tensor<double, 4> q(2, 2, total, 8);
     attend_test::fill_uniform(q, 7);
     const auto mask = attend::key_padding({total, 0});  // sequence 1 has no key
@@ -204,13 +204,13 @@ TEST(RingErrors, BackwardInputsOfTheWrongShapeOnOneRankAreThrownOnEveryRank) {
     attend::tensor<double, 3> bad_lse(1, 2, mpi_rank() == 0 ? 5 : 4);
     bad_lse.setZero();
     expect_same_error_everywhere<attend::shape_error>(
-        [&] { ad::ring_attention_backward(q, k, v, bad, fwd.lse, d_out, attend::no_mask{}, MPI_COMM_WORLD); },
+        [&] { ad::ring_attention_backward(q, k, v, attend::no_mask{}, bad, fwd.lse, d_out, MPI_COMM_WORLD); },
         "attend.shape.backward_out");
     expect_same_error_everywhere<attend::shape_error>(
-        [&] { ad::ring_attention_backward(q, k, v, fwd.out, fwd.lse, bad, attend::no_mask{}, MPI_COMM_WORLD); },
+        [&] { ad::ring_attention_backward(q, k, v, attend::no_mask{}, fwd.out, fwd.lse, bad, MPI_COMM_WORLD); },
         "attend.shape.backward_d_out");
     expect_same_error_everywhere<attend::shape_error>(
-        [&] { ad::ring_attention_backward(q, k, v, fwd.out, bad_lse, d_out, attend::no_mask{}, MPI_COMM_WORLD); },
+        [&] { ad::ring_attention_backward(q, k, v, attend::no_mask{}, fwd.out, bad_lse, d_out, MPI_COMM_WORLD); },
         "attend.shape.backward_lse");
 }
 
@@ -220,7 +220,7 @@ TEST(RingErrors, ANonFiniteGradientInputOnOneRankIsThrownOnEveryRank) {
     auto d_out = filled(1, 2, 4, 8, 4);
     if (mpi_rank() == 0) d_out(0, 0, 1, 1) = std::numeric_limits<double>::infinity();
     expect_same_error_everywhere<attend::value_error>(
-        [&] { ad::ring_attention_backward(q, k, v, fwd.out, fwd.lse, d_out, attend::no_mask{}, MPI_COMM_WORLD); },
+        [&] { ad::ring_attention_backward(q, k, v, attend::no_mask{}, fwd.out, fwd.lse, d_out, MPI_COMM_WORLD); },
         "attend.value.non_finite");
 }
 

@@ -30,7 +30,7 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 namespace ad = attend::distributed;
 using attend_test::mpi_rank;
 using attend_test::mpi_size;
@@ -59,20 +59,20 @@ struct problem_config {
     bool dropout;
 };
 
-std::string describe(const problem_config& c, const std::vector<index>& lengths) {
+std::string describe(const problem_config& c, const std::vector<index_t>& lengths) {
     std::string text = std::string("mask ") + name_of(c.mask) + ", layout " +
                        (c.layout == ad::sharding::zigzag ? "zigzag" : "contiguous") + ", dropout " +
                        (c.dropout ? "on" : "off") + ", seed " + std::to_string(c.seed) + ", shard lengths";
-    for (index n : lengths) text += ' ' + std::to_string(n);
+    for (index_t n : lengths) text += ' ' + std::to_string(n);
     return text;
 }
 
 /// Runs one configuration: single-process forward and backward on every rank, the ring on the shards, and the
 /// comparison of this rank's rows.
 template <class T, class Mask>
-void expect_ring_equals_single_process(const problem_config& c, const Mask& mask, index total, index batch, index heads,
-                                       index kv_heads, index head_dim, index value_dim,
-                                       const std::vector<index>& lengths, double tolerance) {
+void expect_ring_equals_single_process(const problem_config& c, const Mask& mask, index_t total, index_t batch,
+                                       index_t heads, index_t kv_heads, index_t head_dim, index_t value_dim,
+                                       const std::vector<index_t>& lengths, double tolerance) {
     attend_test::rng g(c.seed);
     attend::tensor<T, 4> q(batch, heads, total, head_dim), k(batch, kv_heads, total, head_dim),
         v(batch, kv_heads, total, value_dim), d_out(batch, heads, total, value_dim);
@@ -92,7 +92,7 @@ void expect_ring_equals_single_process(const problem_config& c, const Mask& mask
     so.threads = 1;
     const auto whole = attend::scaled_dot_product_attention(q, k, v, mask, so);
     const auto whole_grad =
-        attend::scaled_dot_product_attention_backward(q, k, v, whole.out, whole.lse, d_out, mask, so);
+        attend::scaled_dot_product_attention_backward(q, k, v, mask, whole.out, whole.lse, d_out, so);
 
     const ad::shard_layout layout(c.layout, lengths);
     const int rank = mpi_rank();
@@ -102,10 +102,10 @@ void expect_ring_equals_single_process(const problem_config& c, const Mask& mask
     const std::string where = describe(c, lengths) + ", rank " + std::to_string(rank);
     EXPECT_LE(relative_error(ring.out, shard(whole.out)), tolerance) << "out, " << where;
     EXPECT_LE(relative_error(ring.lse, shard(whole.lse)), tolerance) << "lse, " << where;
-    const auto grads = ad::ring_attention_backward(qs, ks, vs, ring.out, ring.lse, ds, mask, MPI_COMM_WORLD, ro);
-    EXPECT_LE(relative_error(grads.dq, shard(whole_grad.dq)), tolerance) << "dq, " << where;
-    EXPECT_LE(relative_error(grads.dk, shard(whole_grad.dk)), tolerance) << "dk, " << where;
-    EXPECT_LE(relative_error(grads.dv, shard(whole_grad.dv)), tolerance) << "dv, " << where;
+    const auto grads = ad::ring_attention_backward(qs, ks, vs, mask, ring.out, ring.lse, ds, MPI_COMM_WORLD, ro);
+    EXPECT_LE(relative_error(grads.d_query, shard(whole_grad.d_query)), tolerance) << "dq, " << where;
+    EXPECT_LE(relative_error(grads.d_key, shard(whole_grad.d_key)), tolerance) << "dk, " << where;
+    EXPECT_LE(relative_error(grads.d_value, shard(whole_grad.d_value)), tolerance) << "dv, " << where;
 }
 
 template <class T>
@@ -123,16 +123,16 @@ void run_all_mask_kinds(double tolerance) {
                         continue;
                     const problem_config c{++seed, m, layout, ragged, dropout};
                     attend_test::rng g(c.seed);  // same draws on every rank
-                    const index batch = 2, heads = 4, kv_heads = g.bernoulli(0.5) ? 2 : 4;
-                    const index head_dim = g.uniform_int(3, 8), value_dim = g.uniform_int(2, 7);
-                    std::vector<index> lengths;
+                    const index_t batch = 2, heads = 4, kv_heads = g.bernoulli(0.5) ? 2 : 4;
+                    const index_t head_dim = g.uniform_int(3, 8), value_dim = g.uniform_int(2, 7);
+                    std::vector<index_t> lengths;
                     for (int r = 0; r < ranks; ++r) lengths.push_back(ragged ? g.uniform_int(0, 13) : 9);
                     if (ragged) lengths[static_cast<std::size_t>(g.uniform_int(0, ranks - 1))] += 1;  // total >= 1
-                    index total = 0;
-                    for (index n : lengths) total += n;
+                    index_t total = 0;
+                    for (index_t n : lengths) total += n;
                     const auto top_left = attend::alignment::top_left;
-                    const index window = g.uniform_int(0, 8), right = g.uniform_int(0, 5);
-                    const std::vector<index> padding{g.uniform_int(0, total), g.uniform_int(1, total)};
+                    const index_t window = g.uniform_int(0, 8), right = g.uniform_int(0, 5);
+                    const std::vector<index_t> padding{g.uniform_int(0, total), g.uniform_int(1, total)};
                     switch (m) {
                         case mask_kind::none:
                             expect_ring_equals_single_process<T>(c, attend::no_mask{}, total, batch, heads, kv_heads,
@@ -163,7 +163,7 @@ void run_all_mask_kinds(double tolerance) {
                             break;
                         case mask_kind::dense: {
                             attend::tensor<bool, 4> allowed(batch, 1, total, total);
-                            for (index e = 0; e < allowed.size(); ++e) allowed.data()[e] = g.bernoulli(0.7);
+                            for (index_t e = 0; e < allowed.size(); ++e) allowed.data()[e] = g.bernoulli(0.7);
                             expect_ring_equals_single_process<T>(c, attend::allowed_mask::true_means_allowed(allowed),
                                                                  total, batch, heads, kv_heads, head_dim, value_dim,
                                                                  lengths, tolerance);
@@ -186,7 +186,7 @@ TEST(RingAttention, ShardsLargeEnoughToComputeWhileTransfersProgressEqualSingleP
     // at which the ring computes on a worker thread while the calling thread polls MPI (the small problems above
     // compute inline).
     const int rank = mpi_rank(), ranks = mpi_size();
-    const index total = 256 * ranks;
+    const index_t total = 256 * ranks;
     attend::tensor<double, 4> q(1, 2, total, 16), k(1, 2, total, 16), v(1, 2, total, 16), d_out(1, 2, total, 16);
     attend_test::fill_uniform(q, 61);
     attend_test::fill_uniform(k, 62);
@@ -202,23 +202,23 @@ TEST(RingAttention, ShardsLargeEnoughToComputeWhileTransfersProgressEqualSingleP
     so.dropout = ro.dropout;
     const auto whole = attend::scaled_dot_product_attention(q, k, v, mask, so);
     const auto whole_grad =
-        attend::scaled_dot_product_attention_backward(q, k, v, whole.out, whole.lse, d_out, mask, so);
+        attend::scaled_dot_product_attention_backward(q, k, v, mask, whole.out, whole.lse, d_out, so);
     const ad::shard_layout layout(ad::sharding::zigzag,
                                   ad::shard_layout::balanced_lengths(ad::sharding::zigzag, total, ranks));
     const auto shard = [&](const auto& x) { return ad::take_shard(x, layout, rank); };
     const auto ring = ad::ring_attention(shard(q), shard(k), shard(v), mask, MPI_COMM_WORLD, ro);
-    const auto grads = ad::ring_attention_backward(shard(q), shard(k), shard(v), ring.out, ring.lse, shard(d_out), mask,
+    const auto grads = ad::ring_attention_backward(shard(q), shard(k), shard(v), mask, ring.out, ring.lse, shard(d_out),
                                                    MPI_COMM_WORLD, ro);
     EXPECT_LE(relative_error(ring.out, shard(whole.out)), 1e-12);
     EXPECT_LE(relative_error(ring.lse, shard(whole.lse)), 1e-12);
-    EXPECT_LE(relative_error(grads.dq, shard(whole_grad.dq)), 1e-12);
-    EXPECT_LE(relative_error(grads.dk, shard(whole_grad.dk)), 1e-12);
-    EXPECT_LE(relative_error(grads.dv, shard(whole_grad.dv)), 1e-12);
+    EXPECT_LE(relative_error(grads.d_query, shard(whole_grad.d_query)), 1e-12);
+    EXPECT_LE(relative_error(grads.d_key, shard(whole_grad.d_key)), 1e-12);
+    EXPECT_LE(relative_error(grads.d_value, shard(whole_grad.d_value)), 1e-12);
 }
 
 TEST(RingAttention, ResultsAreBitIdenticalWhateverTheTimingOfTheRanks) {
     const int rank = mpi_rank();
-    const index total = 12 * mpi_size();
+    const index_t total = 12 * mpi_size();
     attend::tensor<double, 4> q(1, 2, total, 8), k(1, 2, total, 8), v(1, 2, total, 8);
     attend_test::fill_uniform(q, 41);
     attend_test::fill_uniform(k, 42);
@@ -242,18 +242,18 @@ TEST(RingAttention, ResultsAreBitIdenticalWhateverTheTimingOfTheRanks) {
 
 TEST(RingAttention, AShardTheMaskHidesFromEveryLaterRankIsNeitherSentNorComputed) {
     const int rank = mpi_rank(), ranks = mpi_size();
-    const index shard_len = 10, total = shard_len * ranks;
+    const index_t shard_len = 10, total = shard_len * ranks;
     attend::tensor<float, 4> q(1, 1, total, 4);
     attend_test::fill_uniform(q, 51);
     const ad::shard_layout layout(ad::sharding::contiguous,
-                                  std::vector<index>(static_cast<std::size_t>(ranks), shard_len));
+                                  std::vector<index_t>(static_cast<std::size_t>(ranks), shard_len));
     const auto qs = ad::take_shard(q, layout, rank);
     // A window of 3 keys back: rank r needs only its own shard and the end of rank r - 1's.
     const auto windowed =
         ad::ring_attention(qs, qs, qs, attend::sliding_window(3, 0, attend::alignment::top_left), MPI_COMM_WORLD);
     EXPECT_EQ(windowed.statistics.shards_sent, rank + 1 < ranks ? 1 : 0);
     EXPECT_EQ(windowed.statistics.blocks_computed, rank > 0 ? 2 : 1);
-    EXPECT_EQ(windowed.statistics.bytes_sent, rank + 1 < ranks ? 2 * shard_len * 4 * index(sizeof(float)) : 0);
+    EXPECT_EQ(windowed.statistics.bytes_sent, rank + 1 < ranks ? 2 * shard_len * 4 * index_t(sizeof(float)) : 0);
     // Causal: shard s goes only to ranks s + 1 .. N - 1, so rank r < N - 1 passes on shards 0 .. r and the last
     // rank sends nothing (without the mask every rank would send N - 1 shards).
     const auto causal = ad::ring_attention(qs, qs, qs, attend::causal(attend::alignment::top_left), MPI_COMM_WORLD);
@@ -272,12 +272,12 @@ template <class T>
 void expect_16bit_ring_is_the_float_ring_rounded_once(std::uint64_t seed, bool dense) {
     const int rank = mpi_rank(), ranks = mpi_size();
     attend_test::rng g(seed);  // same draws on every rank
-    std::vector<index> lengths;
+    std::vector<index_t> lengths;
     for (int r = 0; r < ranks; ++r) lengths.push_back(dense ? g.uniform_int(0, 11) : 8);
     lengths[0] += 1;
-    index total = 0;
-    for (index n : lengths) total += n;
-    const index batch = 2, heads = 4, kv_heads = dense ? 4 : 2, head_dim = 6, value_dim = 5;
+    index_t total = 0;
+    for (index_t n : lengths) total += n;
+    const index_t batch = 2, heads = 4, kv_heads = dense ? 4 : 2, head_dim = 6, value_dim = 5;
     const auto q = attend_test::random16<T>(g.next(), batch, heads, total, head_dim);
     const auto k = attend_test::random16<T>(g.next(), batch, kv_heads, total, head_dim);
     const auto v = attend_test::random16<T>(g.next(), batch, kv_heads, total, value_dim);
@@ -318,16 +318,17 @@ void expect_16bit_ring_is_the_float_ring_rounded_once(std::uint64_t seed, bool d
                   half_unit + 1e-5)
             << "out against one process, rank " << rank;
 
-        const auto grads = ad::ring_attention_backward(shard(q), shard(k), shard(v), ring.out, ring.lse, shard(d_out),
-                                                       mask, MPI_COMM_WORLD, ro);
-        const auto grads_float = ad::ring_attention_backward<float>(shard(q), shard(k), shard(v), ring.out, ring.lse,
-                                                                    shard(d_out), mask, MPI_COMM_WORLD, ro);
+        const auto grads = ad::ring_attention_backward(shard(q), shard(k), shard(v), mask, ring.out, ring.lse,
+                                                       shard(d_out), MPI_COMM_WORLD, ro);
+        const auto grads_float = ad::ring_attention_backward<float>(shard(q), shard(k), shard(v), mask, ring.out,
+                                                                    ring.lse, shard(d_out), MPI_COMM_WORLD, ro);
         const attend::tensor<float, 4> out_f = ring.out.template cast<float>();
-        const auto grads_f = ad::ring_attention_backward(widened(q), widened(k), widened(v), out_f, ring.lse,
-                                                         widened(d_out), mask, MPI_COMM_WORLD, ro);
-        for (const auto& [got, got_float, want, name] : {std::tuple{&grads.dq, &grads_float.dq, &grads_f.dq, "dq"},
-                                                         std::tuple{&grads.dk, &grads_float.dk, &grads_f.dk, "dk"},
-                                                         std::tuple{&grads.dv, &grads_float.dv, &grads_f.dv, "dv"}}) {
+        const auto grads_f = ad::ring_attention_backward(widened(q), widened(k), widened(v), mask, out_f, ring.lse,
+                                                         widened(d_out), MPI_COMM_WORLD, ro);
+        for (const auto& [got, got_float, want, name] :
+             {std::tuple{&grads.d_query, &grads_float.d_query, &grads_f.d_query, "dq"},
+              std::tuple{&grads.d_key, &grads_float.d_key, &grads_f.d_key, "dk"},
+              std::tuple{&grads.d_value, &grads_float.d_value, &grads_f.d_value, "dv"}}) {
             const attend::tensor<T, 4> want_rounded = want->template cast<T>();
             EXPECT_TRUE(attend_test::bit_equal(*got, want_rounded)) << name << ", rank " << rank;
             EXPECT_TRUE(attend_test::bit_equal(*got_float, *want)) << name << " in float, rank " << rank;
@@ -335,7 +336,7 @@ void expect_16bit_ring_is_the_float_ring_rounded_once(std::uint64_t seed, bool d
     };
     if (dense) {
         attend::tensor<bool, 4> allowed(batch, 1, total, total);
-        for (index e = 0; e < allowed.size(); ++e) allowed.data()[e] = g.bernoulli(0.7);
+        for (index_t e = 0; e < allowed.size(); ++e) allowed.data()[e] = g.bernoulli(0.7);
         check(attend::allowed_mask::true_means_allowed(allowed));
     } else {
         check(attend::causal(attend::alignment::top_left) && attend::key_padding({total - 3, total}));

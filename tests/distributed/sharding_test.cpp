@@ -16,12 +16,12 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend::distributed::shard_layout;
 using attend::distributed::sharding;
 
-std::vector<index> random_lengths(attend_test::rng& g, int ranks) {
-    std::vector<index> lengths;
+std::vector<index_t> random_lengths(attend_test::rng& g, int ranks) {
+    std::vector<index_t> lengths;
     for (int r = 0; r < ranks; ++r) lengths.push_back(g.uniform_int(0, 9));
     return lengths;
 }
@@ -36,7 +36,7 @@ TEST(ShardLayout, EveryPositionOfTheSequenceBelongsToExactlyOneRowOfOneShard) {
             for (int r = 0; r < ranks; ++r) {
                 std::vector<int> local(static_cast<std::size_t>(layout.shard_length(r)), 0);
                 for (const auto& s : layout.segments(r))
-                    for (index i = 0; i < s.length; ++i) {
+                    for (index_t i = 0; i < s.length; ++i) {
                         ++owners[static_cast<std::size_t>(s.global_begin + i)];
                         ++local[static_cast<std::size_t>(s.local_begin + i)];
                     }
@@ -83,13 +83,13 @@ TEST(ShardLayout, JoiningTheShardsOfATensorGivesTheTensorBack) {
 std::int64_t causal_pairs(const shard_layout& layout, int rank) {
     std::int64_t pairs = 0;
     for (const auto& s : layout.segments(rank))
-        for (index i = 0; i < s.length; ++i) pairs += s.global_begin + i + 1;
+        for (index_t i = 0; i < s.length; ++i) pairs += s.global_begin + i + 1;
     return pairs;
 }
 
 TEST(ShardLayout, BalancedZigzagKeepsCausalWorkOfEveryRankWithinTwoPercentOfTheMeanAndContiguousDoesNot) {
     for (int ranks : {2, 4, 8})
-        for (index total : {index(4096), index(32768), index(100003)}) {
+        for (index_t total : {index_t(4096), index_t(32768), index_t(100003)}) {
             for (sharding kind : {sharding::zigzag, sharding::contiguous}) {
                 const shard_layout layout(kind, shard_layout::balanced_lengths(kind, total, ranks));
                 std::vector<std::int64_t> work;
@@ -107,9 +107,9 @@ TEST(ShardLayout, BalancedZigzagKeepsCausalWorkOfEveryRankWithinTwoPercentOfTheM
 TEST(ShardLayout, BalancedLengthsDifferByAtMostOneChunkAndSumToTheTotal) {
     for (sharding kind : {sharding::contiguous, sharding::zigzag})
         for (int ranks = 1; ranks <= 7; ++ranks)
-            for (index total = 0; total < 40; ++total) {
+            for (index_t total = 0; total < 40; ++total) {
                 const auto lengths = shard_layout::balanced_lengths(kind, total, ranks);
-                EXPECT_EQ(std::accumulate(lengths.begin(), lengths.end(), index(0)), total);
+                EXPECT_EQ(std::accumulate(lengths.begin(), lengths.end(), index_t(0)), total);
                 const auto [lo, hi] = std::minmax_element(lengths.begin(), lengths.end());
                 EXPECT_LE(*hi - *lo, kind == sharding::zigzag ? 2 : 1);
             }

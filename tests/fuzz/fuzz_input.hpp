@@ -13,7 +13,7 @@
 
 namespace attend_fuzz {
 
-using attend::index;
+using attend::index_t;
 
 class fuzz_input {
 public:
@@ -29,11 +29,11 @@ public:
     }
 
     /// An integer in [lo, hi]; hi - lo < 65536.
-    index in_range(index lo, index hi) {
+    index_t in_range(index_t lo, index_t hi) {
         const auto span = static_cast<std::uint32_t>(hi - lo + 1);
         std::uint32_t raw = byte();
         if (span > 256) raw = raw << 8 | byte();
-        return lo + static_cast<index>(raw % span);
+        return lo + static_cast<index_t>(raw % span);
     }
 
     /// True with probability about numerator / 256.

@@ -58,11 +58,11 @@ public:
 
     tile_class classify(const tile& t) const { return tiles_->classify(t); }
     template <class T>
-    void apply(const tile& t, T* scores, index ld) const {
+    void apply(const tile& t, T* scores, index_t ld) const {
         tiles_->apply(t, scores, ld);
     }
-    bool allowed(index b, index h, index i, index j) const { return tiles_->allowed(b, h, i, j); }
-    bool query_padded(index b, index i) const { return tiles_->query_padded(b, i); }
+    bool allowed(index_t b, index_t h, index_t i, index_t j) const { return tiles_->allowed(b, h, i, j); }
+    bool query_padded(index_t b, index_t i) const { return tiles_->query_padded(b, i); }
 
 private:
     std::shared_ptr<const void> owner_;
@@ -72,16 +72,16 @@ private:
 /// What a mask means for one call shape: the value added to score (b, h, i, j), -inf where forbidden (0 at
 /// allowed positions of Boolean terms), and whether query i of batch b is padding.
 struct meaning {
-    std::function<long double(index, index, index, index)> added;
-    std::function<bool(index, index)> padded;
+    std::function<long double(index_t, index_t, index_t, index_t)> added;
+    std::function<bool(index_t, index_t)> padded;
     /// The largest finite magnitude among the additive terms summed into added(b, h, i, j) and their partial sums;
     /// null for a single term (then |added|). The library adds the terms to the score one by one, each sum
     /// saturating at the scalar's range (mask_nodes.hpp), so terms near that range make the exact sum the wrong
     /// model.
-    std::function<long double(index, index, index, index)> largest_term;
+    std::function<long double(index_t, index_t, index_t, index_t)> largest_term;
 
-    bool allowed(index b, index h, index i, index j) const { return added(b, h, i, j) != minus_inf(); }
-    long double largest(index b, index h, index i, index j) const {
+    bool allowed(index_t b, index_t h, index_t i, index_t j) const { return added(b, h, i, j) != minus_inf(); }
+    long double largest(index_t b, index_t h, index_t i, index_t j) const {
         if (largest_term) return largest_term(b, h, i, j);
         const long double a = added(b, h, i, j);
         return a == minus_inf() ? 0.0L : std::abs(a);
@@ -136,23 +136,25 @@ Mask combined(const Combined& expr, std::function<meaning(const attention_shape&
 }
 
 inline meaning boolean_meaning(
-    std::function<bool(index, index, index, index)> allowed,
-    std::function<bool(index, index)> padded = [](index, index) { return false; }) {
-    return {[allowed](index b, index h, index i, index j) { return allowed(b, h, i, j) ? 0.0L : meaning::minus_inf(); },
+    std::function<bool(index_t, index_t, index_t, index_t)> allowed,
+    std::function<bool(index_t, index_t)> padded = [](index_t, index_t) { return false; }) {
+    return {[allowed](index_t b, index_t h, index_t i, index_t j) {
+                return allowed(b, h, i, j) ? 0.0L : meaning::minus_inf();
+            },
             std::move(padded), nullptr};
 }
 
 /// i' of the rules: the query's position on the key axis (bottom_right puts the last query at the last key).
-inline long double aligned(attend::alignment a, const attention_shape& s, index i) {
+inline long double aligned(attend::alignment a, const attention_shape& s, index_t i) {
     return static_cast<long double>(i) + (a == attend::alignment::bottom_right ? s.key_len - s.query_len : 0);
 }
 
 /// The flat position in a dense mask of dims `dims` (aligned from the right against the call's score axes, size-1
 /// axes broadcast) that score (b, h, i, j) reads.
-inline std::size_t dense_position(const std::vector<index>& dims, const attention_shape& s, index b, index h, index i,
-                                  index j) {
-    const std::array<index, 4> coordinate = s.rank == 4 ? std::array<index, 4>{b, h, i, j}
-                                                        : std::array<index, 4>{b, i, j, 0};
+inline std::size_t dense_position(const std::vector<index_t>& dims, const attention_shape& s, index_t b, index_t h,
+                                  index_t i, index_t j) {
+    const std::array<index_t, 4> coordinate = s.rank == 4 ? std::array<index_t, 4>{b, h, i, j}
+                                                          : std::array<index_t, 4>{b, i, j, 0};
     const std::size_t skip = static_cast<std::size_t>(s.rank) - dims.size();
     std::size_t flat = 0;
     for (std::size_t a = 0; a < dims.size(); ++a)
@@ -208,7 +210,7 @@ public:
     }
 
 private:
-    static bool everything(index, index, index, index) { return true; }
+    static bool everything(index_t, index_t, index_t, index_t) { return true; }
 
     attend::alignment alignment() {
         return in_.chance(128) ? attend::alignment::top_left : attend::alignment::bottom_right;
@@ -218,21 +220,21 @@ private:
     }
 
     /// A size near [0, limit]: mostly inside, sometimes just past either end or far beyond.
-    index size_near(index limit) {
+    index_t size_near(index_t limit) {
         switch (in_.choose(16)) {
             case 0: return -1;
             case 1: return limit + 1;
-            case 2: return index{1} << in_.in_range(20, 62);
-            default: return in_.in_range(0, std::min<index>(limit, 60000));
+            case 2: return index_t{1} << in_.in_range(20, 62);
+            default: return in_.in_range(0, std::min<index_t>(limit, 60000));
         }
     }
 
     /// One length per batch entry in [0, limit] (sometimes one too many or too few, or out of range).
-    std::vector<index> lengths(index limit) {
-        index count = s_.batch;
+    std::vector<index_t> lengths(index_t limit) {
+        index_t count = s_.batch;
         if (in_.chance(8)) count = count + (in_.chance(128) || count == 0 ? 1 : -1);
-        std::vector<index> out;
-        for (index b = 0; b < count; ++b) out.push_back(in_.chance(16) ? size_near(limit) : in_.in_range(0, limit));
+        std::vector<index_t> out;
+        for (index_t b = 0; b < count; ++b) out.push_back(in_.chance(16) ? size_near(limit) : in_.in_range(0, limit));
         return out;
     }
 
@@ -241,19 +243,20 @@ private:
         return leaf<runtime_allowed>(
             attend::causal(a),
             [a](const attention_shape& s) {
-                return boolean_meaning([a, s](index, index, index i, index j) { return j <= aligned(a, s, i); });
+                return boolean_meaning(
+                    [a, s](index_t, index_t, index_t i, index_t j) { return j <= aligned(a, s, i); });
             },
             std::string("causal(") + spell(a) + ")");
     }
 
     runtime_allowed window_leaf() {
-        const index left = size_near(s_.query_len + s_.key_len), right = size_near(s_.query_len + s_.key_len);
+        const index_t left = size_near(s_.query_len + s_.key_len), right = size_near(s_.query_len + s_.key_len);
         const attend::alignment a = alignment();
         const auto rule = attend::sliding_window(left, right, a);  // throws attend.mask.window for negative sizes
         return leaf<runtime_allowed>(
             rule,
             [=](const attention_shape& s) {
-                return boolean_meaning([=](index, index, index i, index j) {
+                return boolean_meaning([=](index_t, index_t, index_t i, index_t j) {
                     const long double at = aligned(a, s, i), key = static_cast<long double>(j);
                     return at - static_cast<long double>(left) <= key && key <= at + static_cast<long double>(right);
                 });
@@ -264,8 +267,10 @@ private:
     /// mask_mod: a top-left band with its exact block rule, or a modular pattern with no block rule.
     runtime_allowed mask_function_leaf() {
         if (in_.chance(128)) {
-            const index left = in_.in_range(0, 40), right = in_.in_range(0, 40);
-            const auto band = [left, right](index, index, index i, index j) { return j >= i - left && j <= i + right; };
+            const index_t left = in_.in_range(0, 40), right = in_.in_range(0, 40);
+            const auto band = [left, right](index_t, index_t, index_t i, index_t j) {
+                return j >= i - left && j <= i + right;
+            };
             const auto blocks = [left, right](const attend::tile& t) {
                 // Row i sees [i - left, i + right]: the first row has the lowest bounds, the last the highest.
                 if (t.key_begin > t.query_end - 1 + right || t.key_end - 1 < t.query_begin - left)
@@ -277,7 +282,7 @@ private:
             return leaf<runtime_allowed>(
                 attend::mask_mod(band, blocks),
                 [=](const attention_shape&) {
-                    return boolean_meaning([=](index, index, index i, index j) {
+                    return boolean_meaning([=](index_t, index_t, index_t i, index_t j) {
                         const long double key = static_cast<long double>(j), at = static_cast<long double>(i);
                         return at - static_cast<long double>(left) <= key &&
                                key <= at + static_cast<long double>(right);
@@ -285,23 +290,24 @@ private:
                 },
                 "mask_mod(band " + std::to_string(left) + ", " + std::to_string(right) + ", exact blocks)");
         }
-        const index a = in_.in_range(0, 3), m = in_.in_range(2, 5);
+        const index_t a = in_.in_range(0, 3), m = in_.in_range(2, 5);
         return leaf<runtime_allowed>(
-            attend::mask_mod([a, m](index, index h, index i, index j) { return (a * i + j + h) % m != 0; }),
+            attend::mask_mod([a, m](index_t, index_t h, index_t i, index_t j) { return (a * i + j + h) % m != 0; }),
             [=](const attention_shape&) {
-                return boolean_meaning([=](index, index h, index i, index j) { return (a * i + j + h) % m != 0; });
+                return boolean_meaning(
+                    [=](index_t, index_t h, index_t i, index_t j) { return (a * i + j + h) % m != 0; });
             },
             "mask_mod((" + std::to_string(a) + " i + j + h) % " + std::to_string(m) + " != 0)");
     }
 
     runtime_allowed prefix_leaf() {
-        const index prefix = size_near(s_.key_len);
+        const index_t prefix = size_near(s_.key_len);
         const attend::alignment a = alignment();
         const auto rule = attend::prefix_lm(prefix, a);
         return leaf<runtime_allowed>(
             rule,
             [=](const attention_shape& s) {
-                return boolean_meaning([=](index, index, index i, index j) {
+                return boolean_meaning([=](index_t, index_t, index_t i, index_t j) {
                     return j < prefix || static_cast<long double>(j) <= aligned(a, s, i);
                 });
             },
@@ -309,50 +315,50 @@ private:
     }
 
     runtime_allowed key_padding_leaf() {
-        const std::vector<index> n = lengths(s_.key_len);
+        const std::vector<index_t> n = lengths(s_.key_len);
         return leaf<runtime_allowed>(
             attend::key_padding(n),
             [n](const attention_shape&) {
                 return boolean_meaning(
-                    [n](index b, index, index, index j) { return j < n[static_cast<std::size_t>(b)]; });
+                    [n](index_t b, index_t, index_t, index_t j) { return j < n[static_cast<std::size_t>(b)]; });
             },
             "key_padding");
     }
 
     runtime_allowed query_padding_leaf() {
-        const std::vector<index> n = lengths(s_.query_len);
-        const auto padded = [n](index b, index i) { return i >= n[static_cast<std::size_t>(b)]; };
+        const std::vector<index_t> n = lengths(s_.query_len);
+        const auto padded = [n](index_t b, index_t i) { return i >= n[static_cast<std::size_t>(b)]; };
         return leaf<runtime_allowed>(
             attend::query_padding(n),
             [=](const attention_shape&) {
-                return boolean_meaning([=](index b, index, index i, index) { return !padded(b, i); }, padded);
+                return boolean_meaning([=](index_t b, index_t, index_t i, index_t) { return !padded(b, i); }, padded);
             },
             "query_padding", true);
     }
 
     runtime_allowed block_diagonal_leaf() {
-        std::vector<index> sequences;
-        index total = 0;
-        const index target = s_.query_len;
+        std::vector<index_t> sequences;
+        index_t total = 0;
+        const index_t target = s_.query_len;
         while (total < target && sequences.size() < 64) {
-            const index n = in_.chance(24) ? 0 : in_.in_range(1, target - total);
+            const index_t n = in_.chance(24) ? 0 : in_.in_range(1, target - total);
             sequences.push_back(n);
             total += n;
         }
         if (in_.chance(16)) sequences.push_back(in_.chance(128) ? 0 : (in_.chance(128) ? 1 : -1));
-        std::vector<index> starts{0};
-        for (index n : sequences) starts.push_back(starts.back() + n);
+        std::vector<index_t> starts{0};
+        for (index_t n : sequences) starts.push_back(starts.back() + n);
         // The sequence of position p: the one whose [start, start + n) holds p (empty sequences hold nothing).
-        const auto sequence_of = [starts](index p) {
+        const auto sequence_of = [starts](index_t p) {
             for (std::size_t n = 0; n + 1 < starts.size(); ++n)
-                if (starts[n] <= p && p < starts[n + 1]) return static_cast<index>(n);
-            return index{-1};
+                if (starts[n] <= p && p < starts[n + 1]) return static_cast<index_t>(n);
+            return index_t{-1};
         };
         return leaf<runtime_allowed>(
             attend::block_diagonal(sequences),
             [sequence_of](const attention_shape&) {
                 return boolean_meaning(
-                    [sequence_of](index, index, index i, index j) { return sequence_of(i) == sequence_of(j); });
+                    [sequence_of](index_t, index_t, index_t i, index_t j) { return sequence_of(i) == sequence_of(j); });
             },
             "block_diagonal");
     }
@@ -360,11 +366,11 @@ private:
     /// Slots along both axes with real lengths (sometimes past a slot, sometimes offsets that decrease or overrun
     /// the axis), no band, causal or a window aligned in either corner of each segment.
     runtime_allowed packed_segments_leaf() {
-        const index segments = in_.in_range(1, 6);
-        std::vector<index> qo{0}, ko{0}, ql, kl;
-        for (index n = 0; n < segments; ++n) {
-            const index q_slot = in_.in_range(0, std::max<index>(1, s_.query_len / segments));
-            const index k_slot = in_.in_range(0, std::max<index>(1, s_.key_len / segments));
+        const index_t segments = in_.in_range(1, 6);
+        std::vector<index_t> qo{0}, ko{0}, ql, kl;
+        for (index_t n = 0; n < segments; ++n) {
+            const index_t q_slot = in_.in_range(0, std::max<index_t>(1, s_.query_len / segments));
+            const index_t k_slot = in_.in_range(0, std::max<index_t>(1, s_.key_len / segments));
             qo.push_back(qo.back() + q_slot);
             ko.push_back(ko.back() + k_slot);
             ql.push_back(in_.chance(16) ? q_slot + 1 : in_.in_range(0, q_slot));
@@ -374,29 +380,29 @@ private:
         if (in_.chance(16) && qo.size() > 2) std::swap(qo[1], qo[2]);
         const int band = in_.choose(4);  // none, causal, window, window with the right side open
         const attend::alignment a = in_.chance(128) ? attend::alignment::top_left : attend::alignment::bottom_right;
-        const index left = in_.in_range(0, 4), right = in_.in_range(0, 3);
+        const index_t left = in_.in_range(0, 4), right = in_.in_range(0, 3);
         auto rule = attend::packed_segments(qo, ko).with_lengths(ql, kl);
         if (band == 1) rule = rule.causal(a);
         if (band >= 2) rule = rule.window(left, right, a);
         // Query i's segment n: qo[n] <= i < qo[n] + ql[n]; it sees keys ko[n] + j' with j' < kl[n] in its band.
-        const auto segment_of = [=](index i) {
+        const auto segment_of = [=](index_t i) {
             for (std::size_t n = 0; n < ql.size(); ++n)
-                if (qo[n] <= i && i < qo[n] + ql[n]) return static_cast<index>(n);
-            return index{-1};
+                if (qo[n] <= i && i < qo[n] + ql[n]) return static_cast<index_t>(n);
+            return index_t{-1};
         };
-        const auto padded = [=](index, index i) { return segment_of(i) < 0; };
+        const auto padded = [=](index_t, index_t i) { return segment_of(i) < 0; };
         return leaf<runtime_allowed>(
             rule,
             [=](const attention_shape&) {
                 return boolean_meaning(
-                    [=](index, index, index i, index j) {
-                        const index n = segment_of(i);
+                    [=](index_t, index_t, index_t i, index_t j) {
+                        const index_t n = segment_of(i);
                         if (n < 0) return false;
                         const auto u = static_cast<std::size_t>(n);
-                        const index jj = j - ko[u];
+                        const index_t jj = j - ko[u];
                         if (jj < 0 || jj >= kl[u]) return false;
                         if (band == 0) return true;
-                        const index d = (i - qo[u]) + (a == attend::alignment::bottom_right ? kl[u] - ql[u] : 0);
+                        const index_t d = (i - qo[u]) + (a == attend::alignment::bottom_right ? kl[u] - ql[u] : 0);
                         return band == 1 ? jj <= d : jj >= d - left && jj <= d + right;
                     },
                     padded);
@@ -407,14 +413,14 @@ private:
     }
 
     /// Dims of a dense mask: rank 2 to 4, each axis the score axis it aligns with, 1 (broadcast), or rarely wrong.
-    std::vector<index> dense_dims() {
-        const std::array<index, 4> score{s_.batch, s_.heads, s_.query_len, s_.key_len};
+    std::vector<index_t> dense_dims() {
+        const std::array<index_t, 4> score{s_.batch, s_.heads, s_.query_len, s_.key_len};
         const std::vector<int> axes = s_.rank == 4 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 2, 3};
-        const int rank = in_.chance(16) ? 4 : static_cast<int>(in_.in_range(2, static_cast<index>(axes.size())));
-        std::vector<index> dims;
+        const int rank = in_.chance(16) ? 4 : static_cast<int>(in_.in_range(2, static_cast<index_t>(axes.size())));
+        std::vector<index_t> dims;
         for (int a = 0; a < rank; ++a) {
             const int from_right = rank - a;
-            const index n =
+            const index_t n =
                 from_right <= static_cast<int>(axes.size())
                     ? score[static_cast<std::size_t>(axes[axes.size() - static_cast<std::size_t>(from_right)])]
                     : 1;
@@ -425,8 +431,8 @@ private:
     }
 
     template <class V, int Rank>
-    static attend::tensor<V, Rank> tensor_of(const std::vector<index>& dims, const std::vector<V>& flat) {
-        std::array<index, Rank> d{};
+    static attend::tensor<V, Rank> tensor_of(const std::vector<index_t>& dims, const std::vector<V>& flat) {
+        std::array<index_t, Rank> d{};
         for (int a = 0; a < Rank; ++a) d[static_cast<std::size_t>(a)] = dims[static_cast<std::size_t>(a)];
         attend::tensor<V, Rank> t(d);
         for (std::size_t n = 0; n < flat.size(); ++n) t.data()[n] = flat[n];
@@ -435,20 +441,20 @@ private:
 
     /// Calls make(tensor) with the values as a tensor of the dims' rank.
     template <class V, class Make>
-    static auto with_tensor(const std::vector<index>& dims, const std::vector<V>& flat, Make make) {
+    static auto with_tensor(const std::vector<index_t>& dims, const std::vector<V>& flat, Make make) {
         if (dims.size() == 2) return make(tensor_of<V, 2>(dims, flat));
         if (dims.size() == 3) return make(tensor_of<V, 3>(dims, flat));
         return make(tensor_of<V, 4>(dims, flat));
     }
 
-    static std::size_t count(const std::vector<index>& dims) {
+    static std::size_t count(const std::vector<index_t>& dims) {
         std::size_t n = 1;
-        for (index d : dims) n *= static_cast<std::size_t>(d);
+        for (index_t d : dims) n *= static_cast<std::size_t>(d);
         return n;
     }
 
     runtime_allowed dense_boolean_leaf() {
-        const std::vector<index> dims = dense_dims();
+        const std::vector<index_t> dims = dense_dims();
         const double density = static_cast<double>(in_.byte()) / 255.0;
         std::vector<bool> stored(count(dims));
         for (std::size_t n = 0; n < stored.size(); ++n) stored[n] = values_.bernoulli(density);
@@ -461,7 +467,7 @@ private:
         return leaf<runtime_allowed>(
             mask,
             [=](const attention_shape& s) {
-                return boolean_meaning([=](index b, index h, index i, index j) {
+                return boolean_meaning([=](index_t b, index_t h, index_t i, index_t j) {
                     return stored[dense_position(dims, s, b, h, i, j)] != blocked_convention;
                 });
             },
@@ -492,7 +498,7 @@ private:
 
     template <class V>
     runtime_additive dense_additive_leaf() {
-        const std::vector<index> dims = dense_dims();
+        const std::vector<index_t> dims = dense_dims();
         std::vector<V> flat(count(dims));
         const bool plain = in_.chance(128);  // half the masks hold only ordinary values and -inf
         for (V& x : flat) {
@@ -505,10 +511,10 @@ private:
         return leaf<runtime_additive>(
             mask,
             [=](const attention_shape& s) {
-                return meaning{[=](index b, index h, index i, index j) {
+                return meaning{[=](index_t b, index_t h, index_t i, index_t j) {
                                    return static_cast<long double>(flat[dense_position(dims, s, b, h, i, j)]);
                                },
-                               [](index, index) { return false; }, nullptr};
+                               [](index_t, index_t) { return false; }, nullptr};
             },
             sizeof(V) == 4 ? "additive_mask<float>" : "additive_mask<double>");
     }
@@ -518,9 +524,9 @@ private:
             a && b,
             [a, b](const attention_shape& s) {
                 const meaning x = a.node->mean(s), y = b.node->mean(s);
-                return boolean_meaning([x, y](index bb, index h, index i,
-                                              index j) { return x.allowed(bb, h, i, j) && y.allowed(bb, h, i, j); },
-                                       [x, y](index bb, index i) { return x.padded(bb, i) || y.padded(bb, i); });
+                return boolean_meaning([x, y](index_t bb, index_t h, index_t i,
+                                              index_t j) { return x.allowed(bb, h, i, j) && y.allowed(bb, h, i, j); },
+                                       [x, y](index_t bb, index_t i) { return x.padded(bb, i) || y.padded(bb, i); });
             },
             "(" + a.node->text + " && " + b.node->text + ")", a.node->query_padding || b.node->query_padding);
     }
@@ -530,9 +536,9 @@ private:
             a || b,
             [a, b](const attention_shape& s) {
                 const meaning x = a.node->mean(s), y = b.node->mean(s);
-                return boolean_meaning([x, y](index bb, index h, index i,
-                                              index j) { return x.allowed(bb, h, i, j) || y.allowed(bb, h, i, j); },
-                                       [x, y](index bb, index i) { return x.padded(bb, i) && y.padded(bb, i); });
+                return boolean_meaning([x, y](index_t bb, index_t h, index_t i,
+                                              index_t j) { return x.allowed(bb, h, i, j) || y.allowed(bb, h, i, j); },
+                                       [x, y](index_t bb, index_t i) { return x.padded(bb, i) && y.padded(bb, i); });
             },
             "(" + a.node->text + " || " + b.node->text + ")", a.node->query_padding && b.node->query_padding);
     }
@@ -542,7 +548,8 @@ private:
             !a,
             [a](const attention_shape& s) {
                 const meaning x = a.node->mean(s);
-                return boolean_meaning([x](index b, index h, index i, index j) { return !x.allowed(b, h, i, j); });
+                return boolean_meaning(
+                    [x](index_t b, index_t h, index_t i, index_t j) { return !x.allowed(b, h, i, j); });
             },
             "!" + a.node->text, false);
     }
@@ -553,11 +560,11 @@ private:
             a + b,
             [a, b](const attention_shape& s) {
                 const meaning x = a.node->mean(s), y = b.node->mean(s);
-                return meaning{[x, y](index bb, index h, index i, index j) {
+                return meaning{[x, y](index_t bb, index_t h, index_t i, index_t j) {
                                    return x.added(bb, h, i, j) + y.added(bb, h, i, j);
                                },
-                               [x, y](index bb, index i) { return x.padded(bb, i) || y.padded(bb, i); },
-                               [x, y](index bb, index h, index i, index j) {
+                               [x, y](index_t bb, index_t i) { return x.padded(bb, i) || y.padded(bb, i); },
+                               [x, y](index_t bb, index_t h, index_t i, index_t j) {
                                    const long double total = x.added(bb, h, i, j) + y.added(bb, h, i, j);
                                    return std::max({x.largest(bb, h, i, j), y.largest(bb, h, i, j),
                                                     total == meaning::minus_inf() ? 0.0L : std::abs(total)});

@@ -28,7 +28,7 @@
 namespace attend_fuzz {
 namespace {
 
-std::string at(const char* what, index b, index h, index i, index j) {
+std::string at(const char* what, index_t b, index_t h, index_t i, index_t j) {
     std::ostringstream s;
     s << what << " at (" << b << ", " << h << ", " << i << ", " << j << ')';
     return s.str();
@@ -37,17 +37,17 @@ std::string at(const char* what, index b, index h, index i, index j) {
 /// to_string's documented drawing, built from the meaning.
 std::string expected_drawing(const meaning& m, const attention_shape& s) {
     std::ostringstream out;
-    for (index b = 0; b < s.batch; ++b)
-        for (index h = 0; h < s.heads; ++h) {
+    for (index_t b = 0; b < s.batch; ++b)
+        for (index_t h = 0; h < s.heads; ++h) {
             if (s.batch * s.heads > 1) out << "batch " << b << ", head " << h << ":\n";
-            for (index i = 0; i < s.query_len; ++i) {
+            for (index_t i = 0; i < s.query_len; ++i) {
                 out << 'q' << i << ':';
                 if (m.padded(b, i)) {
                     out << " (padded)\n";
                     continue;
                 }
                 bool any = false;
-                for (index j = 0; j < s.key_len; ++j)
+                for (index_t j = 0; j < s.key_len; ++j)
                     if (m.allowed(b, h, i, j)) {
                         out << " k" << j;
                         any = true;
@@ -63,13 +63,13 @@ std::string spell(tile_class c) { return c == tile_class::empty ? "empty" : c ==
 /// Applies the mask to a tile of scores in [-1, 1) and checks what it wrote, and what its class promised.
 template <class T>
 void check_tile(const any_bound& bound, const meaning& m, const tile& t, tile_class c, value_stream& g) {
-    const index rows = t.query_end - t.query_begin, cols = t.key_end - t.key_begin, ld = cols + 3;
+    const index_t rows = t.query_end - t.query_begin, cols = t.key_end - t.key_begin, ld = cols + 3;
     std::vector<T> scores(static_cast<std::size_t>(rows * ld)), before;
     for (T& x : scores) x = static_cast<T>(g.uniform(-1.0, 1.0));
     before = scores;
     bound.apply(t, scores.data(), ld);
-    for (index i = t.query_begin; i < t.query_end; ++i)
-        for (index j = t.key_begin; j < t.key_end; ++j) {
+    for (index_t i = t.query_begin; i < t.query_end; ++i)
+        for (index_t j = t.key_begin; j < t.key_end; ++j) {
             const std::size_t n = static_cast<std::size_t>((i - t.query_begin) * ld + (j - t.key_begin));
             const bool allowed = m.allowed(t.batch, t.head, i, j);
             if (c == tile_class::empty)
@@ -86,8 +86,8 @@ void check_tile(const any_bound& bound, const meaning& m, const tile& t, tile_cl
                 require(scores[n] == -std::numeric_limits<T>::infinity(),
                         at("apply leaves a forbidden score other than -inf", t.batch, t.head, i, j));
         }
-    for (index i = 0; i < rows; ++i)  // columns past the tile (the leading dimension's slack) are not written
-        for (index j = cols; j < ld; ++j)
+    for (index_t i = 0; i < rows; ++i)  // columns past the tile (the leading dimension's slack) are not written
+        for (index_t j = cols; j < ld; ++j)
             require(scores[static_cast<std::size_t>(i * ld + j)] == before[static_cast<std::size_t>(i * ld + j)],
                     "apply writes past the tile's columns");
 }
@@ -114,12 +114,12 @@ void check_expression(fuzz_input& in, const Mask& mask, const attention_shape& s
     const any_bound bound = mask.bind(s);
     const meaning m = e.mean(s);
 
-    for (index b = 0; b < s.batch; ++b)
-        for (index i = 0; i < s.query_len; ++i) {
+    for (index_t b = 0; b < s.batch; ++b)
+        for (index_t i = 0; i < s.query_len; ++i) {
             require(bound.query_padded(b, i) == m.padded(b, i),
                     at("query_padded disagrees with the meaning", b, 0, i, 0));
-            for (index h = 0; h < s.heads; ++h)
-                for (index j = 0; j < s.key_len; ++j) {
+            for (index_t h = 0; h < s.heads; ++h)
+                for (index_t j = 0; j < s.key_len; ++j) {
                     require(bound.allowed(b, h, i, j) == m.allowed(b, h, i, j),
                             at("allowed disagrees with the meaning", b, h, i, j));
                     if (m.padded(b, i))
@@ -128,10 +128,10 @@ void check_expression(fuzz_input& in, const Mask& mask, const attention_shape& s
         }
     if (s.rank == 4) {
         const attend::allowed_mask dense = attend::materialize(mask, shape);
-        for (index b = 0; b < s.batch; ++b)
-            for (index h = 0; h < s.heads; ++h)
-                for (index i = 0; i < s.query_len; ++i)
-                    for (index j = 0; j < s.key_len; ++j)
+        for (index_t b = 0; b < s.batch; ++b)
+            for (index_t h = 0; h < s.heads; ++h)
+                for (index_t i = 0; i < s.query_len; ++i)
+                    for (index_t j = 0; j < s.key_len; ++j)
                         require(dense(b, h, i, j) == m.allowed(b, h, i, j),
                                 at("materialize disagrees with the meaning", b, h, i, j));
         require(attend::to_string(mask, shape) == expected_drawing(m, s),
@@ -142,14 +142,14 @@ void check_expression(fuzz_input& in, const Mask& mask, const attention_shape& s
     // The empty-row search the checks of every attention call run, against a brute-force scan (attention calls
     // have key_len >= 1: check_views rejects 0 before the search).
     const attend::detail::erased_mask<any_bound> erased(bound);
-    std::optional<std::array<index, 3>> first;
-    for (index b = 0; b < s.batch && !first; ++b)
-        for (index h = 0; h < s.heads && !first; ++h)
-            for (index i = 0; i < s.query_len && !first; ++i) {
+    std::optional<std::array<index_t, 3>> first;
+    for (index_t b = 0; b < s.batch && !first; ++b)
+        for (index_t h = 0; h < s.heads && !first; ++h)
+            for (index_t i = 0; i < s.query_len && !first; ++i) {
                 if (m.padded(b, i)) continue;
                 bool any = false;
-                for (index j = 0; j < s.key_len && !any; ++j) any = m.allowed(b, h, i, j);
-                if (!any) first = std::array<index, 3>{b, h, i};
+                for (index_t j = 0; j < s.key_len && !any; ++j) any = m.allowed(b, h, i, j);
+                if (!any) first = std::array<index_t, 3>{b, h, i};
             }
     require(attend::detail::first_empty_row<attend::detail::mask_tiles>(erased, s) == first,
             "first_empty_row differs from a brute-force scan");

@@ -21,7 +21,7 @@ namespace {
 
 struct input_choice {
     fuzz_input* in;
-    index operator()(index lo, index hi) const { return in->in_range(lo, hi); }
+    index_t operator()(index_t lo, index_t hi) const { return in->in_range(lo, hi); }
 };
 
 struct abort_failure {
@@ -33,7 +33,7 @@ void run_session(fuzz_input& in) {
     using session_type = attend_test::paged_session<T, input_choice, abort_failure, Stored>;
     constexpr bool quantized = attend::detail::is_quantized_block_v<Stored>;
     typename session_type::sizes z;
-    static constexpr index head_layouts[][2] = {{1, 1}, {2, 1}, {4, 2}, {3, 3}};
+    static constexpr index_t head_layouts[][2] = {{1, 1}, {2, 1}, {4, 2}, {3, 3}};
     const auto& heads = head_layouts[in.choose(4)];
     z.heads = heads[0];
     z.kv_heads = heads[1];

@@ -29,7 +29,7 @@
 namespace attend_fuzz {
 namespace {
 
-using attend::index;
+using attend::index_t;
 
 std::uint64_t u64_le(const std::uint8_t* b) {
     std::uint64_t n = 0;
@@ -43,7 +43,7 @@ std::uint64_t readable_size(const std::string& dtype) {
 }
 
 /// The value the file holds for element n of an F16 / BF16 / F32 / F64 entry, from its bytes.
-double file_value(const std::vector<std::uint8_t>& bytes, std::uint64_t at, const std::string& dtype, index n) {
+double file_value(const std::vector<std::uint8_t>& bytes, std::uint64_t at, const std::string& dtype, index_t n) {
     const std::uint64_t size = readable_size(dtype);
     std::uint64_t bits = 0;
     for (std::uint64_t k = size; k-- > 0;) bits = (bits << 8) | bytes[at + static_cast<std::uint64_t>(n) * size + k];
@@ -82,7 +82,7 @@ void check_read(const attend::safetensors_file& file, const attend::safetensors_
         require(t.dimensions()[a] == e.shape[a], "read of " + e.name + ": wrong shape");
     require(static_cast<std::uint64_t>(t.size()) * readable_size(e.dtype) == e.end - e.begin,
             "entry " + e.name + ": its range is not its shape times its dtype's size");
-    for (index n = 0; n < t.size(); ++n) {
+    for (index_t n = 0; n < t.size(); ++n) {
         const double expected = file_value(bytes, data_start + e.begin, e.dtype, n);
         const double got = static_cast<double>(t.data()[n]);
         const double want = static_cast<double>(static_cast<T>(expected));

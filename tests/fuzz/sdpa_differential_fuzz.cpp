@@ -58,20 +58,20 @@ using ld = long double;
 /// Sizes of q `[batch, heads, query_len, head_dim]`, k `[batch, kv_heads, key_len, head_dim]` and v
 /// `[batch, kv_heads, key_len, value_dim]` as decoded; the three may disagree on purpose.
 struct case_sizes {
-    std::array<index, 4> q{}, k{}, v{};
+    std::array<index_t, 4> q{}, k{}, v{};
 };
 
 case_sizes decode_sizes(fuzz_input& in, int rank) {
     // Mostly small; sometimes long enough for several default tiles (one head, small dims, to stay fast), or
     // with head_dim past 128, where the default key tile halves.
     const bool large = in.chance(16);
-    const index batch = in.chance(12) ? 0 : in.in_range(1, large ? 1 : 3);
-    const index kv_heads = rank == 4 && !large ? in.in_range(1, 3) : 1;
-    const index heads = rank == 4 ? kv_heads * in.in_range(1, large ? 2 : 3) : 1;
-    const index query_len = in.chance(12) ? 0 : in.in_range(1, large ? 160 : 24);
-    const index key_len = in.in_range(1, large ? 600 : 24);
-    const index head_dim = !large && in.chance(8) ? in.in_range(1, 130) : in.in_range(1, 8);
-    const index value_dim = in.in_range(1, 8);
+    const index_t batch = in.chance(12) ? 0 : in.in_range(1, large ? 1 : 3);
+    const index_t kv_heads = rank == 4 && !large ? in.in_range(1, 3) : 1;
+    const index_t heads = rank == 4 ? kv_heads * in.in_range(1, large ? 2 : 3) : 1;
+    const index_t query_len = in.chance(12) ? 0 : in.in_range(1, large ? 160 : 24);
+    const index_t key_len = in.in_range(1, large ? 600 : 24);
+    const index_t head_dim = !large && in.chance(8) ? in.in_range(1, 130) : in.in_range(1, 8);
+    const index_t value_dim = in.in_range(1, 8);
     case_sizes c{{batch, heads, query_len, head_dim},
                  {batch, kv_heads, key_len, head_dim},
                  {batch, kv_heads, key_len, value_dim}};
@@ -100,7 +100,7 @@ T to_scalar(double x) {
 
 /// Tensor values: a magnitude class for the whole tensor, then a few special values at random positions.
 template <class T>
-std::vector<T> decode_values(fuzz_input& in, index count) {
+std::vector<T> decode_values(fuzz_input& in, index_t count) {
     value_stream g(in.word());
     const int kind = in.choose(8);
     const double magnitude = kind == 1 ? std::pow(10.0, static_cast<double>(in.in_range(-45, 40))) : 1.0;
@@ -122,7 +122,7 @@ std::vector<T> decode_values(fuzz_input& in, index count) {
 }
 
 template <class T, int Rank>
-attend::tensor<T, Rank> make_tensor(const std::array<index, 4>& dims4, const std::vector<T>& values) {
+attend::tensor<T, Rank> make_tensor(const std::array<index_t, 4>& dims4, const std::vector<T>& values) {
     attend::tensor<T, Rank> t;
     if constexpr (Rank == 4) t.resize(dims4[0], dims4[1], dims4[2], dims4[3]);
     else t.resize(dims4[0], dims4[2], dims4[3]);
@@ -130,7 +130,7 @@ attend::tensor<T, Rank> make_tensor(const std::array<index, 4>& dims4, const std
     return t;
 }
 
-index product(const std::array<index, 4>& d) { return d[0] * d[1] * d[2] * d[3]; }
+index_t product(const std::array<index_t, 4>& d) { return d[0] * d[1] * d[2] * d[3]; }
 
 /// The score_mod a call drew, for the oracle: score -> alpha score + beta (j - i), derivative alpha.
 struct drawn_score_mod {
@@ -140,14 +140,14 @@ struct drawn_score_mod {
 
 /// A positive option (scale, softcap): mostly a power of two in [2^lo, 2^hi], sometimes a value the checks must
 /// reject (0, -1, inf, NaN, 1e300, 1e-300) or an edge (1e-3, `usual`).
-double drawn_positive(fuzz_input& in, double usual, index lo, index hi) {
+double drawn_positive(fuzz_input& in, double usual, index_t lo, index_t hi) {
     const double choices[] = {
         0.0,  -1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN(), 1e300, 1e-300,
         1e-3, usual};
     return in.chance(128) ? choices[in.choose(8)] : std::pow(2.0, static_cast<double>(in.in_range(lo, hi)));
 }
 
-attend::sdpa_options decode_options(fuzz_input& in, index heads, std::string& text, drawn_score_mod& mod) {
+attend::sdpa_options decode_options(fuzz_input& in, index_t heads, std::string& text, drawn_score_mod& mod) {
     attend::sdpa_options o;
     std::ostringstream s;
     if (in.chance(64)) {
@@ -167,7 +167,7 @@ attend::sdpa_options decode_options(fuzz_input& in, index heads, std::string& te
         s << " dropout " << o.dropout.probability << (o.dropout.training ? " training" : " eval");
     }
     if (in.chance(64)) {
-        std::vector<double> slopes = attend::alibi_slopes(std::max<index>(heads, 1));
+        std::vector<double> slopes = attend::alibi_slopes(std::max<index_t>(heads, 1));
         if (in.chance(64)) slopes.resize(static_cast<std::size_t>(in.in_range(0, heads + 1)), 0.5);
         if (in.chance(32))
             for (double& x : slopes)
@@ -185,7 +185,7 @@ attend::sdpa_options decode_options(fuzz_input& in, index heads, std::string& te
                                    1e4,
                                    0.0,
                                    40.0};
-        const index n = in.chance(16) ? in.in_range(0, heads + 1) : std::max<index>(heads, 1);
+        const index_t n = in.chance(16) ? in.in_range(0, heads + 1) : std::max<index_t>(heads, 1);
         std::vector<double> logits(static_cast<std::size_t>(n));
         for (double& z : logits)
             z = in.chance(16) ? specials[in.choose(8)] : static_cast<double>(in.in_range(-64, 64)) / 8;
@@ -196,11 +196,11 @@ attend::sdpa_options decode_options(fuzz_input& in, index heads, std::string& te
         mod = {true, in.chance(128) ? 0.5 : 1.0, static_cast<double>(in.in_range(-4, 4)) / 8};
         const double alpha = mod.alpha, beta = mod.beta;
         o.score_mod = attend::score_mod(
-            [alpha, beta](auto x, index, index, index i, index j) {
+            [alpha, beta](auto x, index_t, index_t, index_t i, index_t j) {
                 using S = decltype(x);
                 return static_cast<S>(alpha) * x + static_cast<S>(beta * static_cast<double>(j - i));
             },
-            [alpha](auto x, index, index, index, index) { return static_cast<decltype(x)>(alpha); });
+            [alpha](auto x, index_t, index_t, index_t, index_t) { return static_cast<decltype(x)>(alpha); });
         s << " score_mod(" << alpha << " s + " << beta << " (j - i))";
     }
     o.need_weights = in.chance(128);
@@ -261,7 +261,7 @@ struct call_case {
 };
 
 template <class T>
-const T* row_of(const std::vector<T>& x, index heads, index len, index dim, index b, index h, index i) {
+const T* row_of(const std::vector<T>& x, index_t heads, index_t len, index_t dim, index_t b, index_t h, index_t i) {
     return x.data() + ((b * heads + h) * len + i) * dim;
 }
 
@@ -274,16 +274,16 @@ bool breaks_score_range(const call_case<T>& c) {
     const ld limit = static_cast<ld>(std::numeric_limits<T>::max()) / 2;
     const ld scale = static_cast<ld>(
         static_cast<T>(c.options.scale ? *c.options.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim))));
-    for (index b = 0; b < s.batch; ++b)
-        for (index h = 0; h < s.heads; ++h)
-            for (index i = 0; i < s.query_len; ++i) {
+    for (index_t b = 0; b < s.batch; ++b)
+        for (index_t h = 0; h < s.heads; ++h)
+            for (index_t i = 0; i < s.query_len; ++i) {
                 const T* q = row_of(c.q, s.heads, s.query_len, s.head_dim, b, h, i);
-                for (index d = 0; d < s.head_dim; ++d)
+                for (index_t d = 0; d < s.head_dim; ++d)
                     if (scale * std::abs(static_cast<ld>(q[d])) > limit) return true;
-                for (index j = 0; j < s.key_len; ++j) {
+                for (index_t j = 0; j < s.key_len; ++j) {
                     const T* k = row_of(c.k, s.kv_heads, s.key_len, s.head_dim, b, s.kv_head(h), j);
                     ld sum = 0;
-                    for (index d = 0; d < s.head_dim; ++d)
+                    for (index_t d = 0; d < s.head_dim; ++d)
                         sum += std::abs(static_cast<ld>(q[d]) * static_cast<ld>(k[d]));
                     if (std::max<ld>(1, scale) * sum > limit) return true;
                 }
@@ -292,7 +292,7 @@ bool breaks_score_range(const call_case<T>& c) {
 }
 
 template <class T>
-row_oracle evaluate_row(const call_case<T>& c, index b, index h, index i) {
+row_oracle evaluate_row(const call_case<T>& c, index_t b, index_t h, index_t i) {
     const attention_shape& s = c.s;
     constexpr ld eps = std::numeric_limits<T>::epsilon();
     constexpr ld big = static_cast<ld>(std::numeric_limits<T>::max()) / 16;
@@ -300,22 +300,22 @@ row_oracle evaluate_row(const call_case<T>& c, index b, index h, index i) {
         static_cast<ld>(c.options.scale ? *c.options.scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim)));
     row_oracle r;
     r.padded = c.mask.padded(b, i);
-    const index S = s.key_len, kvh = s.kv_head(h);
+    const index_t S = s.key_len, kvh = s.kv_head(h);
     const T* q = row_of(c.q, s.heads, s.query_len, s.head_dim, b, h, i);
     std::vector<ld> t(static_cast<std::size_t>(S), meaning::minus_inf()), rounding(static_cast<std::size_t>(S), 0);
     ld q_max = 0;
-    for (index d = 0; d < s.head_dim; ++d) q_max = std::max(q_max, std::abs(static_cast<ld>(q[d])));
+    for (index_t d = 0; d < s.head_dim; ++d) q_max = std::max(q_max, std::abs(static_cast<ld>(q[d])));
     // The kernels may scale q before the product (the tiled one does): a scaled query element beyond the range
     // is outside the score-range rule, which only check_finite enforces; with it off the caller promised it.
     r.fits = c.v_max * c.keep_scale * static_cast<ld>(S) < big && scale * q_max < big;
     bool any = false;
-    for (index j = 0; j < S; ++j) {
+    for (index_t j = 0; j < S; ++j) {
         const ld added = c.mask.added(b, h, i, j);
         if (r.padded || added == meaning::minus_inf()) continue;
         if (c.mask.largest(b, h, i, j) > big) r.saturating = true;
         const T* k = row_of(c.k, s.kv_heads, S, s.head_dim, b, kvh, j);
         ld dot = 0, magnitude = 0, k_max = 0;
-        for (index d = 0; d < s.head_dim; ++d) {
+        for (index_t d = 0; d < s.head_dim; ++d) {
             dot += static_cast<ld>(q[d]) * static_cast<ld>(k[d]);
             magnitude += std::abs(static_cast<ld>(q[d]) * static_cast<ld>(k[d]));
             k_max = std::max(k_max, std::abs(static_cast<ld>(k[d])));
@@ -358,7 +358,7 @@ row_oracle evaluate_row(const call_case<T>& c, index b, index h, index i) {
     }
     const ld m = std::max(z, *std::max_element(t.begin(), t.end()));
     ld sum = sink ? std::exp(z - m) : 0, worst = 0;
-    for (index j = 0; j < S; ++j) {
+    for (index_t j = 0; j < S; ++j) {
         const ld x = t[static_cast<std::size_t>(j)];
         if (x == meaning::minus_inf()) continue;
         sum += std::exp(x - m);
@@ -370,14 +370,14 @@ row_oracle evaluate_row(const call_case<T>& c, index b, index h, index i) {
     r.conditioned = r.fits && r.error < 1e-3L && !r.saturating;
     const attend::detail::dropout_rule drop{c.options.dropout.seed, c.options.dropout.probability, 1};
     const bool dropping = c.options.dropout.training && c.options.dropout.probability > 0;
-    for (index j = 0; j < S; ++j) {
+    for (index_t j = 0; j < S; ++j) {
         const ld x = t[static_cast<std::size_t>(j)];
         if (x == meaning::minus_inf()) continue;
         const ld p = std::exp(x - m) / sum;
         r.weights[static_cast<std::size_t>(j)] = p;
         if (dropping && !drop.keep(b, h, i, j)) continue;
         const T* v = row_of(c.v, s.kv_heads, S, s.value_dim, b, kvh, j);
-        for (index d = 0; d < s.value_dim; ++d)
+        for (index_t d = 0; d < s.value_dim; ++d)
             r.out[static_cast<std::size_t>(d)] += p * c.keep_scale * static_cast<ld>(v[d]);
     }
     return r;
@@ -398,7 +398,7 @@ outputs<T> flatten(const attend::attention_result<T, Rank>& r) {
     return o;
 }
 
-std::string where(const char* what, const char* path, index b, index h, index i) {
+std::string where(const char* what, const char* path, index_t b, index_t h, index_t i) {
     std::ostringstream s;
     s << what << " of " << path << " at batch " << b << ", head " << h << ", query " << i;
     return s.str();
@@ -413,16 +413,16 @@ void check_against_oracle(const call_case<T>& c, const std::vector<row_oracle>& 
     const ld tiny = 64 * static_cast<ld>(std::numeric_limits<T>::min());
     const bool dropping = c.options.dropout.training && c.options.dropout.probability > 0;
     const attend::detail::dropout_rule drop{c.options.dropout.seed, c.options.dropout.probability, 1};
-    for (index b = 0; b < s.batch; ++b)
-        for (index h = 0; h < s.heads; ++h)
-            for (index i = 0; i < s.query_len; ++i) {
-                const index n = (b * s.heads + h) * s.query_len + i;
+    for (index_t b = 0; b < s.batch; ++b)
+        for (index_t h = 0; h < s.heads; ++h)
+            for (index_t i = 0; i < s.query_len; ++i) {
+                const index_t n = (b * s.heads + h) * s.query_len + i;
                 const row_oracle& r = rows[static_cast<std::size_t>(n)];
                 if (!r.fits) continue;
                 const T* out = o.out.data() + n * s.value_dim;
                 const T* w = o.weights.empty() ? nullptr : o.weights.data() + n * s.key_len;
                 const bool zero_row = r.padded || r.empty;
-                for (index d = 0; d < s.value_dim; ++d) {
+                for (index_t d = 0; d < s.value_dim; ++d) {
                     require(std::isfinite(out[d]), where("non-finite out", path, b, h, i));
                     if (zero_row)
                         require(out[d] == T(0), where("non-zero out of a padded or empty row", path, b, h, i));
@@ -437,7 +437,7 @@ void check_against_oracle(const call_case<T>& c, const std::vector<row_oracle>& 
                     else require(!std::isnan(lse), where("NaN lse", path, b, h, i));
                 }
                 if (w)
-                    for (index j = 0; j < s.key_len; ++j) {
+                    for (index_t j = 0; j < s.key_len; ++j) {
                         const bool forbidden = zero_row || !c.mask.allowed(b, h, i, j);
                         const bool dropped = c.options.weights_after_dropout && dropping && !drop.keep(b, h, i, j);
                         if (forbidden || dropped)
@@ -450,7 +450,7 @@ void check_against_oracle(const call_case<T>& c, const std::vector<row_oracle>& 
                 if (!r.conditioned) continue;
                 const ld weight_tol = 32 * (r.error + eps * static_cast<ld>(s.key_len + 4)) + tiny;
                 const ld out_tol = weight_tol * c.keep_scale * c.v_max * 2 + tiny;
-                for (index d = 0; d < s.value_dim; ++d)
+                for (index_t d = 0; d < s.value_dim; ++d)
                     require(std::abs(static_cast<ld>(out[d]) - r.out[static_cast<std::size_t>(d)]) <= out_tol,
                             where("out differs from the long double oracle", path, b, h, i));
                 if (!o.lse.empty() && !zero_row)
@@ -458,7 +458,7 @@ void check_against_oracle(const call_case<T>& c, const std::vector<row_oracle>& 
                                 weight_tol + 4 * eps * std::abs(r.lse),
                             where("lse differs from the long double oracle", path, b, h, i));
                 if (w)
-                    for (index j = 0; j < s.key_len; ++j) {
+                    for (index_t j = 0; j < s.key_len; ++j) {
                         ld expected = r.weights[static_cast<std::size_t>(j)];
                         if (c.options.weights_after_dropout && dropping)
                             expected = drop.keep(b, h, i, j) ? expected * c.keep_scale : 0;
@@ -496,7 +496,7 @@ outputs<T> tiled_with(const attend::strided_view<const T>& q, const Rows& k, con
     const auto call = attend::detail::check_call(q, k, v, s, mask, options, true);
     const attend::detail::erased_mask<decltype(call.mask)> erased(call.mask);
     outputs<T> o;
-    const index rows = s.batch * s.heads * s.query_len;
+    const index_t rows = s.batch * s.heads * s.query_len;
     o.out.assign(static_cast<std::size_t>(rows * s.value_dim), std::numeric_limits<T>::quiet_NaN());
     if (options.need_weights)
         o.weights.assign(static_cast<std::size_t>(rows * s.key_len), std::numeric_limits<T>::quiet_NaN());
@@ -530,7 +530,7 @@ void check_backward(fuzz_input& in, const call_case<T>& c, const attend::tensor<
     const attention_shape& s = c.s;
     attend::tensor<T, Rank> d_out = forward.out;
     value_stream g(in.word());
-    for (index n = 0; n < d_out.size(); ++n) d_out.data()[n] = static_cast<T>(g.uniform(-1.0, 1.0));
+    for (index_t n = 0; n < d_out.size(); ++n) d_out.data()[n] = static_cast<T>(g.uniform(-1.0, 1.0));
     attend::sdpa_options reference = c.options, tiled = c.options;
     reference.kernel = attend::kernel::reference;
     tiled.kernel = attend::kernel::tiled;
@@ -538,10 +538,10 @@ void check_backward(fuzz_input& in, const call_case<T>& c, const attend::tensor<
     std::optional<attend::attention_gradients<T, Rank>> a, b;
     const auto id_a = error_id_of([&] {
         a.emplace(
-            attend::scaled_dot_product_attention_backward(q, k, v, forward.out, forward.lse, d_out, mask, reference));
+            attend::scaled_dot_product_attention_backward(q, k, v, mask, forward.out, forward.lse, d_out, reference));
     });
     const auto id_b = error_id_of([&] {
-        b.emplace(attend::scaled_dot_product_attention_backward(q, k, v, forward.out, forward.lse, d_out, mask, tiled));
+        b.emplace(attend::scaled_dot_product_attention_backward(q, k, v, mask, forward.out, forward.lse, d_out, tiled));
     });
     require(id_a == id_b, "backward: reference throws " + spell(id_a) + ", tiled " + spell(id_b));
     if (id_a) return;
@@ -558,30 +558,31 @@ void check_backward(fuzz_input& in, const call_case<T>& c, const attend::tensor<
     for (T x : c.k) k_max = std::max(k_max, std::abs(static_cast<ld>(x)));
     // |dP| <= keep * value_dim * max|d_out| * max|v|; a row of dS = P (dP - D) sums to at most 2 max|dP|; a key
     // collects from every query of its group (and dv from P' directly).
-    const ld queries = static_cast<ld>(s.query_len * s.group_size() * std::max<index>(1, s.batch));
+    const ld queries = static_cast<ld>(s.query_len * s.group_size() * std::max<index_t>(1, s.batch));
     const ld dp = c.keep_scale * static_cast<ld>(s.value_dim) * c.v_max;
     const ld rel = 64 * (error + eps * static_cast<ld>(s.key_len + s.query_len + s.head_dim + s.value_dim + 8));
     // Subnormal operands (scale folded into a subnormal q or k, a subnormal probability) lose up to min() each,
     // absolutely: `flow` bounds what multiplies them.
     const ld subnormal = 8 * static_cast<ld>(std::numeric_limits<T>::min()) * (1 + scale);
-    const auto compare = [&](const char* name, const T* x, const T* y, index n, ld bound, ld flow) {
+    const auto compare = [&](const char* name, const T* x, const T* y, index_t n, ld bound, ld flow) {
         // Gradients that may overflow T (huge values with small scores) are not comparable.
         if (!(bound * std::max<ld>(1, scale) < static_cast<ld>(std::numeric_limits<T>::max()) / 64)) return;
-        for (index e = 0; e < n; ++e) {
+        for (index_t e = 0; e < n; ++e) {
             require(std::isfinite(x[e]) && std::isfinite(y[e]), std::string("backward: non-finite ") + name);
             require(std::abs(static_cast<ld>(x[e]) - static_cast<ld>(y[e])) <= rel * bound + subnormal * (1 + flow),
                     std::string("backward: ") + name + " of reference and tiled differ at flat index " +
                         std::to_string(e) + ": " + attend::detail::concat(x[e], " vs ", y[e], ", bound ", bound));
         }
     };
-    compare("dq", a->dq.data(), b->dq.data(), a->dq.size(), scale * 2 * dp * k_max, 2 * dp);
-    compare("dk", a->dk.data(), b->dk.data(), a->dk.size(), scale * 2 * dp * q_max * queries, 2 * dp * queries);
-    compare("dv", a->dv.data(), b->dv.data(), a->dv.size(), c.keep_scale * queries, c.keep_scale * queries);
-    compare("score_bias_gradient", a->score_bias_gradient.data(), b->score_bias_gradient.data(),
-            a->score_bias_gradient.size(), 2 * dp * queries, 2 * dp * queries);
+    compare("dq", a->d_query.data(), b->d_query.data(), a->d_query.size(), scale * 2 * dp * k_max, 2 * dp);
+    compare("dk", a->d_key.data(), b->d_key.data(), a->d_key.size(), scale * 2 * dp * q_max * queries,
+            2 * dp * queries);
+    compare("dv", a->d_value.data(), b->d_value.data(), a->d_value.size(), c.keep_scale * queries,
+            c.keep_scale * queries);
+    compare("d_score_bias", a->d_score_bias.data(), b->d_score_bias.data(), a->d_score_bias.size(), 2 * dp * queries,
+            2 * dp * queries);
     // d sink = -sum over a head's rows of p_sink * rowsum(d_out * out), |rowsum| <= value_dim * keep * max|v|.
-    compare("sink_gradient", a->sink_gradient.data(), b->sink_gradient.data(), a->sink_gradient.size(), dp * queries,
-            dp * queries);
+    compare("d_sinks", a->d_sinks.data(), b->d_sinks.data(), a->d_sinks.size(), dp * queries, dp * queries);
 }
 
 /// A tensor's elements, flat.
@@ -647,21 +648,20 @@ void check_storage16(const attend::tensor<float, Rank>& q, const attend::tensor<
                 std::optional<attend::attention_gradients<float, Rank>> gw;
                 const auto id_g16 = error_id_of([&] {
                     g16.emplace(
-                        attend::scaled_dot_product_attention_backward(q16, k16, v16, got->out, got->lse, d16, mask, o));
+                        attend::scaled_dot_product_attention_backward(q16, k16, v16, mask, got->out, got->lse, d16, o));
                 });
                 const auto id_gw = error_id_of([&] {
                     gw.emplace(
-                        attend::scaled_dot_product_attention_backward(qw, kw, vw, out_w, got->lse, out_w, mask, o));
+                        attend::scaled_dot_product_attention_backward(qw, kw, vw, mask, out_w, got->lse, out_w, o));
                 });
                 require(id_g16 == id_gw,
                         "16-bit backward throws " + spell(id_g16) + ", float on its values " + spell(id_gw));
                 if (!id_g16)
-                    require(same_bits16(flat(g16->dq), rounded_to<S>(flat(gw->dq))) &&
-                                same_bits16(flat(g16->dk), rounded_to<S>(flat(gw->dk))) &&
-                                same_bits16(flat(g16->dv), rounded_to<S>(flat(gw->dv))) &&
-                                same_bits16(flat(g16->score_bias_gradient),
-                                            rounded_to<S>(flat(gw->score_bias_gradient))) &&
-                                same_bits16(flat(g16->sink_gradient), rounded_to<S>(flat(gw->sink_gradient))),
+                    require(same_bits16(flat(g16->d_query), rounded_to<S>(flat(gw->d_query))) &&
+                                same_bits16(flat(g16->d_key), rounded_to<S>(flat(gw->d_key))) &&
+                                same_bits16(flat(g16->d_value), rounded_to<S>(flat(gw->d_value))) &&
+                                same_bits16(flat(g16->d_score_bias), rounded_to<S>(flat(gw->d_score_bias))) &&
+                                same_bits16(flat(g16->d_sinks), rounded_to<S>(flat(gw->d_sinks))),
                             "the 16-bit backward is not the float backward on its values rounded once");
             }
         }
@@ -683,10 +683,10 @@ void check_storage16(const attend::tensor<float, Rank>& q, const attend::tensor<
 void require_within_bound(const attend::q8_0_block& block, const float* x, const float* w) {
     const float d = static_cast<float>(block.scale);
     float amax = 0;
-    for (index j = 0; j < 32; ++j) amax = std::max(amax, std::abs(x[j]));
+    for (index_t j = 0; j < 32; ++j) amax = std::max(amax, std::abs(x[j]));
     require((d == 0) == (static_cast<float>(Eigen::half(amax / 127.0f)) == 0),
             attend::detail::concat("a q8_0 block of largest magnitude ", amax, " has scale ", d));
-    for (index j = 0; j < 32; ++j) {
+    for (index_t j = 0; j < 32; ++j) {
         const double error = std::abs(static_cast<double>(x[j]) - static_cast<double>(w[j]));
         require(error <= static_cast<double>(d) * (0.5 + std::ldexp(1.0, -16)) || (d == 0 && w[j] == 0),
                 attend::detail::concat("q8_kv_cache holds ", w[j], " for ", x[j], " (scale ", d,
@@ -700,11 +700,11 @@ void require_within_bound(const attend::q8_0_block& block, const float* x, const
 void require_within_bound(const attend::q4_0_block& block, const float* x, const float* w) {
     const float d = static_cast<float>(block.scale);
     float m = 0;
-    for (index j = 0; j < 32; ++j)
+    for (index_t j = 0; j < 32; ++j)
         if (std::abs(x[j]) > std::abs(m)) m = x[j];
     require((d == 0) == (static_cast<float>(Eigen::half(m / -8.0f)) == 0),
             attend::detail::concat("a q4_0 block of extreme ", m, " has scale ", d));
-    for (index j = 0; j < 32; ++j) {
+    for (index_t j = 0; j < 32; ++j) {
         const double error = std::abs(static_cast<double>(x[j]) - static_cast<double>(w[j]));
         const double steps = d != 0 && static_cast<double>(x[j]) / d > 7.5 ? 1.5 : 0.5 + std::ldexp(1.0, -19);
         require(error <= std::abs(static_cast<double>(d)) * steps || (d == 0 && w[j] == 0),
@@ -728,14 +728,14 @@ void check_quantized_cache(const attend::tensor<float, 4>& q, const attend::tens
     using cache_type = attend::quantized_kv_cache<Block>;
     const std::string name = attend::detail::block_format<Block>::name;
     if (error_id_of([&] { (void)attend::detail::check_views(as_view(q), as_view(k), as_view(v)); })) return;
-    for (const index size : {k.dimension(0), k.dimension(1), k.dimension(2), k.dimension(3), v.dimension(3)})
+    for (const index_t size : {k.dimension(0), k.dimension(1), k.dimension(2), k.dimension(3), v.dimension(3)})
         if (size < 1) return;  // the cache's own size errors are q8_cache_test's
     const auto padded = [](const attend::tensor<float, 4>& x) {
-        const index dim = x.dimension(3);
+        const index_t dim = x.dimension(3);
         attend::tensor<float, 4> p(x.dimension(0), x.dimension(1), x.dimension(2),
                                    (dim + Block::size - 1) / Block::size * Block::size);
         p.setZero();
-        for (index row = 0; row < x.size() / std::max<index>(dim, 1); ++row)
+        for (index_t row = 0; row < x.size() / std::max<index_t>(dim, 1); ++row)
             std::copy(x.data() + row * dim, x.data() + (row + 1) * dim, p.data() + row * p.dimension(3));
         return p;
     };
@@ -761,9 +761,9 @@ void check_quantized_cache(const attend::tensor<float, 4>& q, const attend::tens
     // What the cache holds, scale x integer per value: rows in the order of the tensors (its capacity is key_len).
     const auto held = [](const std::vector<Block>& blocks, const attend::tensor<float, 4>& x) {
         attend::tensor<float, 4> w(x.dimensions());
-        for (index first = 0; first < x.size(); first += Block::size) {
+        for (index_t first = 0; first < x.size(); first += Block::size) {
             const Block& block = blocks[static_cast<std::size_t>(first / Block::size)];
-            for (index j = 0; j < Block::size; ++j) w.data()[first + j] = attend_test::widened_by_hand(block, j);
+            for (index_t j = 0; j < Block::size; ++j) w.data()[first + j] = attend_test::widened_by_hand(block, j);
             require_within_bound(block, x.data() + first, w.data() + first);
         }
         return w;
@@ -832,32 +832,32 @@ void check_split_merge(fuzz_input& in, const call_case<T>& c, const std::vector<
     const attention_shape& s = c.s;
     if (s.key_len < 2 || !c.options.score_bias.empty() || !c.options.score_mod.empty() || !c.options.sinks.empty())
         return;
-    for (index b = 0; b < s.batch; ++b)
-        for (index h = 0; h < s.heads; ++h)
-            for (index i = 0; i < s.query_len; ++i)
-                for (index j = 0; j < s.key_len; ++j) {
+    for (index_t b = 0; b < s.batch; ++b)
+        for (index_t h = 0; h < s.heads; ++h)
+            for (index_t i = 0; i < s.query_len; ++i)
+                for (index_t j = 0; j < s.key_len; ++j) {
                     const ld a = c.mask.added(b, h, i, j);
                     if (a != meaning::minus_inf() &&
                         !(std::abs(a) <= static_cast<ld>(std::numeric_limits<T>::max()) / 4))
                         return;
                 }
-    const index split = 1 + static_cast<index>(in.choose(static_cast<int>(std::min<index>(s.key_len - 1, 64))));
+    const index_t split = 1 + static_cast<index_t>(in.choose(static_cast<int>(std::min<index_t>(s.key_len - 1, 64))));
     const auto q = make_tensor<T, Rank>({s.batch, s.heads, s.query_len, s.head_dim}, c.q);
-    const auto part = [&](index begin, index end) {
-        const index n = end - begin;
+    const auto part = [&](index_t begin, index_t end) {
+        const index_t n = end - begin;
         std::vector<T> k, v, added;
-        for (index b = 0; b < s.batch; ++b)
-            for (index g = 0; g < s.kv_heads; ++g)
-                for (index j = begin; j < end; ++j) {
+        for (index_t b = 0; b < s.batch; ++b)
+            for (index_t g = 0; g < s.kv_heads; ++g)
+                for (index_t j = begin; j < end; ++j) {
                     const T* kr = row_of(c.k, s.kv_heads, s.key_len, s.head_dim, b, g, j);
                     const T* vr = row_of(c.v, s.kv_heads, s.key_len, s.value_dim, b, g, j);
                     k.insert(k.end(), kr, kr + s.head_dim);
                     v.insert(v.end(), vr, vr + s.value_dim);
                 }
-        for (index b = 0; b < s.batch; ++b)
-            for (index h = 0; h < s.heads; ++h)
-                for (index i = 0; i < s.query_len; ++i)
-                    for (index j = begin; j < end; ++j) {
+        for (index_t b = 0; b < s.batch; ++b)
+            for (index_t h = 0; h < s.heads; ++h)
+                for (index_t i = 0; i < s.query_len; ++i)
+                    for (index_t j = begin; j < end; ++j) {
                         const ld a = c.mask.added(b, h, i, j);
                         added.push_back(a == meaning::minus_inf() ? -std::numeric_limits<T>::infinity()
                                                                   : static_cast<T>(a));
@@ -916,12 +916,12 @@ void run_call(fuzz_input& in, call_case<T>& c, const attend::tensor<T, Rank>& q,
         if (*id_ref == "attend.mask.empty_row") {
             // The mask's meaning must have a row without allowed keys.
             bool empty = false;
-            for (index b = 0; b < c.s.batch && !empty; ++b)
-                for (index i = 0; i < c.s.query_len && !empty; ++i)
-                    for (index h = 0; h < c.s.heads && !empty; ++h) {
+            for (index_t b = 0; b < c.s.batch && !empty; ++b)
+                for (index_t i = 0; i < c.s.query_len && !empty; ++i)
+                    for (index_t h = 0; h < c.s.heads && !empty; ++h) {
                         if (c.mask.padded(b, i)) continue;
                         bool any = false;
-                        for (index j = 0; j < c.s.key_len && !any; ++j) any = c.mask.allowed(b, h, i, j);
+                        for (index_t j = 0; j < c.s.key_len && !any; ++j) any = c.mask.allowed(b, h, i, j);
                         empty = !any;
                     }
             require(empty, "attend.mask.empty_row thrown, but every row has an allowed key");
@@ -940,9 +940,9 @@ void run_call(fuzz_input& in, call_case<T>& c, const attend::tensor<T, Rank>& q,
     if (!c.finite_inputs) return;  // check_finite off and non-finite values: no crash and the same errors suffice
 
     std::vector<row_oracle> rows;
-    for (index b = 0; b < c.s.batch; ++b)
-        for (index h = 0; h < c.s.heads; ++h)
-            for (index i = 0; i < c.s.query_len; ++i) {
+    for (index_t b = 0; b < c.s.batch; ++b)
+        for (index_t h = 0; h < c.s.heads; ++h)
+            for (index_t i = 0; i < c.s.query_len; ++i) {
                 rows.push_back(evaluate_row(c, b, h, i));
                 require(!(rows.back().empty && c.options.empty_rows == attend::empty_rows::error),
                         where("no error although the mask leaves a row empty", "", b, h, i));
@@ -976,7 +976,7 @@ void run_case(fuzz_input& in) {
     // The shape the call will have if the sizes are consistent: masks are generated for it.
     c.s.batch = sizes.q[0];
     c.s.heads = sizes.q[1];
-    c.s.kv_heads = std::max<index>(1, sizes.k[1]);
+    c.s.kv_heads = std::max<index_t>(1, sizes.k[1]);
     c.s.query_len = sizes.q[2];
     c.s.key_len = sizes.k[2];
     c.s.head_dim = sizes.q[3];
@@ -995,7 +995,7 @@ void run_case(fuzz_input& in) {
     const int form = in.choose(4);
     case_description() = description + " mask ...";
     if (form == 0) {
-        c.mask = boolean_meaning([](index, index, index, index) { return true; });
+        c.mask = boolean_meaning([](index_t, index_t, index_t, index_t) { return true; });
         case_description() = description + " no mask";
         run_call<T, Rank>(in, c, q, k, v, attend::no_mask{});
         return;

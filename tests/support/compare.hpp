@@ -27,7 +27,7 @@ namespace attend_test {
 template <class T, int R>
 double max_abs(const attend::tensor<T, R>& t) {
     double m = 0;
-    for (attend::index n = 0; n < t.size(); ++n) m = std::max(m, std::abs(static_cast<double>(t.data()[n])));
+    for (attend::index_t n = 0; n < t.size(); ++n) m = std::max(m, std::abs(static_cast<double>(t.data()[n])));
     return m;
 }
 
@@ -43,7 +43,7 @@ double max_abs_diff(const A& a, const B& b, std::string* where = nullptr) {
         return std::numeric_limits<double>::infinity();
     }
     double m = 0;
-    for (attend::index n = 0; n < a.size(); ++n) {
+    for (attend::index_t n = 0; n < a.size(); ++n) {
         const double x = static_cast<double>(a.data()[n]), y = static_cast<double>(b.data()[n]);
         if (x == y) continue;
         const double d = std::isnan(x - y) ? std::numeric_limits<double>::infinity() : std::abs(x - y);
@@ -67,7 +67,7 @@ double max_rel_diff(const A& a, const B& b, double floor) {
     const double diff = max_abs_diff(a, b);
     if (diff == 0) return 0;
     double scale = floor;
-    for (attend::index n = 0; n < b.size(); ++n) {
+    for (attend::index_t n = 0; n < b.size(); ++n) {
         const double y = std::abs(static_cast<double>(b.data()[n]));
         if (std::isfinite(y)) scale = std::max(scale, y);
     }
@@ -76,7 +76,7 @@ double max_rel_diff(const A& a, const B& b, double floor) {
 
 template <class T, int R>
 bool all_finite(const attend::tensor<T, R>& t) {
-    for (attend::index n = 0; n < t.size(); ++n)
+    for (attend::index_t n = 0; n < t.size(); ++n)
         if (!std::isfinite(t.data()[n])) return false;
     return true;
 }
@@ -96,7 +96,7 @@ template <class T, int R>
         if (a.dimension(d) != b.dimension(d))
             return ::testing::AssertionFailure()
                    << "dimension " << d << " differs: " << a.dimension(d) << " vs " << b.dimension(d);
-    for (attend::index n = 0; n < a.size(); ++n) {
+    for (attend::index_t n = 0; n < a.size(); ++n) {
         const double x = static_cast<double>(a.data()[n]), y = static_cast<double>(b.data()[n]);
         if (!(x == y || std::abs(x - y) <= tolerance))
             return ::testing::AssertionFailure() << "flat index " << n << ": " << x << " vs " << y << " (|diff| "

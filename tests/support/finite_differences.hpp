@@ -24,9 +24,9 @@ constexpr double fd_relative = 1e-6;
 constexpr double fd_floor = 1e-4;
 
 /// d loss / d x[n] for the `size` values at x, each by the stencil; x is restored after each.
-inline std::vector<double> fd_gradient(double* x, attend::index size, const std::function<double()>& loss) {
+inline std::vector<double> fd_gradient(double* x, attend::index_t size, const std::function<double()>& loss) {
     std::vector<double> g(static_cast<std::size_t>(size));
-    for (attend::index n = 0; n < size; ++n) {
+    for (attend::index_t n = 0; n < size; ++n) {
         const double saved = x[n];
         const auto at = [&](double delta) {
             x[n] = saved + delta;
@@ -48,10 +48,11 @@ attend::tensor<double, Rank> fd_gradient(attend::tensor<double, Rank>& x, const 
 }
 
 /// Every analytic[n] within the acceptance rule of fd[n]; reports the first five violations.
-inline void expect_close_to_fd(const double* analytic, const double* fd, attend::index size, const std::string& what) {
+inline void expect_close_to_fd(const double* analytic, const double* fd, attend::index_t size,
+                               const std::string& what) {
     int reported = 0;
     double worst = 0;
-    for (attend::index n = 0; n < size; ++n) {
+    for (attend::index_t n = 0; n < size; ++n) {
         const double a = analytic[n], f = fd[n];
         const double err = std::abs(a - f), allowed = fd_relative * std::max(std::abs(f), fd_floor);
         worst = std::max(worst, err / allowed);
@@ -74,7 +75,7 @@ void expect_close_to_fd(const attend::tensor<double, Rank>& analytic, const atte
 template <int Rank>
 double linear_loss(const attend::tensor<double, Rank>& out, const attend::tensor<double, Rank>& w) {
     double sum = 0;
-    for (attend::index n = 0; n < out.size(); ++n) sum += out.data()[n] * w.data()[n];
+    for (attend::index_t n = 0; n < out.size(); ++n) sum += out.data()[n] * w.data()[n];
     return sum;
 }
 

@@ -31,7 +31,7 @@ kernel_runs run_every_kernel(const attend::tensor<double, 4>& q, const attend::t
         o.kernel = kernel;
         o.threads = r.forward.size() == 2 ? 2 : 1;
         r.forward.push_back(attend::scaled_dot_product_attention(q, k, v, mask, o));
-        r.backward.push_back(attend::scaled_dot_product_attention_backward(q, k, v, r.forward.back(), d_out, mask, o));
+        r.backward.push_back(attend::scaled_dot_product_attention_backward(q, k, v, mask, r.forward.back(), d_out, o));
     }
     return r;
 }
@@ -42,7 +42,7 @@ inline void expect_kernels_agree(const kernel_runs& r) {
     const auto close = [](const auto& a, const auto& b, const char* what) {
         ASSERT_EQ(a.dimensions(), b.dimensions()) << what;
         double largest = 1, worst = 0;  // over finite entries; a -inf lse (a padded query) must match exactly
-        for (attend::index n = 0; n < b.size(); ++n) {
+        for (attend::index_t n = 0; n < b.size(); ++n) {
             const double x = a.data()[n], y = b.data()[n];
             if (std::isfinite(y)) largest = std::max(largest, std::abs(y));
             worst = std::max(worst, x == y ? 0.0 : std::abs(x - y));
@@ -54,15 +54,15 @@ inline void expect_kernels_agree(const kernel_runs& r) {
     close(f[1].out, f[0].out, "out");
     close(f[1].lse, f[0].lse, "lse");
     close(f[1].weights, f[0].weights, "weights");
-    close(g[1].dq, g[0].dq, "dq");
-    close(g[1].dk, g[0].dk, "dk");
-    close(g[1].dv, g[0].dv, "dv");
-    close(g[1].score_bias_gradient, g[0].score_bias_gradient, "score_bias_gradient");
-    close(g[1].sink_gradient, g[0].sink_gradient, "sink_gradient");
+    close(g[1].d_query, g[0].d_query, "dq");
+    close(g[1].d_key, g[0].d_key, "dk");
+    close(g[1].d_value, g[0].d_value, "dv");
+    close(g[1].d_score_bias, g[0].d_score_bias, "d_score_bias");
+    close(g[1].d_sinks, g[0].d_sinks, "d_sinks");
     EXPECT_TRUE(bit_equal(f[1].out, f[2].out));
-    EXPECT_TRUE(bit_equal(g[1].dq, g[2].dq));
-    EXPECT_TRUE(bit_equal(g[1].dk, g[2].dk));
-    EXPECT_TRUE(bit_equal(g[1].sink_gradient, g[2].sink_gradient));
+    EXPECT_TRUE(bit_equal(g[1].d_query, g[2].d_query));
+    EXPECT_TRUE(bit_equal(g[1].d_key, g[2].d_key));
+    EXPECT_TRUE(bit_equal(g[1].d_sinks, g[2].d_sinks));
 }
 
 }  // namespace attend_test

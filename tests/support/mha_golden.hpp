@@ -40,10 +40,10 @@ attend::torch_mha_parameters<T> golden_parameters(const json& c) {
 inline attend::mha_config golden_config(const json& c) {
     const json& cfg = member(c, "config");
     attend::mha_config config;
-    config.model_dim = cfg.at("embed_dim").get<attend::index>();
-    config.heads = cfg.at("num_heads").get<attend::index>();
-    config.key_dim = cfg.at("kdim").get<attend::index>();
-    config.value_dim = cfg.at("vdim").get<attend::index>();
+    config.model_dim = cfg.at("embed_dim").get<attend::index_t>();
+    config.heads = cfg.at("num_heads").get<attend::index_t>();
+    config.key_dim = cfg.at("kdim").get<attend::index_t>();
+    config.value_dim = cfg.at("vdim").get<attend::index_t>();
     config.bias = cfg.at("bias").get<bool>();
     config.dropout = cfg.at("dropout").get<double>();
     return config;

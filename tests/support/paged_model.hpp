@@ -35,9 +35,9 @@ std::string describe(const Parts&... parts) {
 }
 
 /// A paged cache's sizes in one line (value_dim = head_dim).
-inline attend::paged_cache_config paged_config(attend::index kv_heads, attend::index head_dim, attend::index block_size,
-                                               attend::index blocks, attend::index max_sequences = 1,
-                                               attend::index window = 0) {
+inline attend::paged_cache_config paged_config(attend::index_t kv_heads, attend::index_t head_dim,
+                                               attend::index_t block_size, attend::index_t blocks,
+                                               attend::index_t max_sequences = 1, attend::index_t window = 0) {
     attend::paged_cache_config c;
     c.kv_heads = kv_heads;
     c.head_dim = head_dim;
@@ -52,11 +52,11 @@ inline attend::paged_cache_config paged_config(attend::index kv_heads, attend::i
 /// dropped positions, block table and the bytes of the keys and values it holds.
 template <class T>
 struct paged_state {
-    attend::index free = 0;
-    std::vector<attend::index> references;
+    attend::index_t free = 0;
+    std::vector<attend::index_t> references;
     struct sequence {
-        attend::index id, length, dropped;
-        std::vector<attend::index> table;
+        attend::index_t id, length, dropped;
+        std::vector<attend::index_t> table;
         std::vector<unsigned char> rows;
         bool operator==(const sequence& o) const {
             return id == o.id && length == o.length && dropped == o.dropped && table == o.table && rows == o.rows;
@@ -72,16 +72,16 @@ template <class T>
 paged_state<T> state_of(const attend::paged_kv_cache<T>& c) {
     paged_state<T> s;
     s.free = c.free_blocks();
-    for (attend::index b = 0; b < c.blocks(); ++b) s.references.push_back(c.references(b));
-    for (attend::index id : c.sequences()) {
+    for (attend::index_t b = 0; b < c.blocks(); ++b) s.references.push_back(c.references(b));
+    for (attend::index_t id : c.sequences()) {
         typename paged_state<T>::sequence q{id, c.length(id), c.dropped(id), c.block_table(id), {}};
-        const auto bytes = [&](const T* row, attend::index dim) {
+        const auto bytes = [&](const T* row, attend::index_t dim) {
             const auto* first = reinterpret_cast<const unsigned char*>(row);
             q.rows.insert(q.rows.end(), first,
                           first + static_cast<std::size_t>(attend::detail::row_units<T>(dim)) * sizeof(T));
         };
-        for (attend::index h = 0; h < c.kv_heads(); ++h)
-            for (attend::index p = 0; p < q.length; ++p) {
+        for (attend::index_t h = 0; h < c.kv_heads(); ++h)
+            for (attend::index_t p = 0; p < q.length; ++p) {
                 bytes(c.key_row(id, h, p), c.head_dim());
                 bytes(c.value_row(id, h, p), c.value_dim());
             }
@@ -94,20 +94,20 @@ paged_state<T> state_of(const attend::paged_kv_cache<T>& c) {
 /// positions map to the zero block. Returns the first problem, or an empty string.
 template <class T>
 std::string consistency_problem(const attend::paged_kv_cache<T>& c) {
-    std::vector<attend::index> named(static_cast<std::size_t>(c.blocks()), 0);
-    for (attend::index id : c.sequences()) {
+    std::vector<attend::index_t> named(static_cast<std::size_t>(c.blocks()), 0);
+    for (attend::index_t id : c.sequences()) {
         const auto& table = c.block_table(id);
-        if (static_cast<attend::index>(table.size()) != (c.length(id) + c.block_size() - 1) / c.block_size())
+        if (static_cast<attend::index_t>(table.size()) != (c.length(id) + c.block_size() - 1) / c.block_size())
             return describe("sequence ", id, " of length ", c.length(id), " has ", table.size(), " blocks");
         for (std::size_t at = 0; at < table.size(); ++at) {
-            const bool dropped = static_cast<attend::index>(at) * c.block_size() < c.dropped(id);
+            const bool dropped = static_cast<attend::index_t>(at) * c.block_size() < c.dropped(id);
             if (dropped != (table[at] == c.zero_block()) || table[at] < 0 || table[at] > c.blocks())
                 return describe("sequence ", id, " maps entry ", at, " to block ", table[at]);
             if (!dropped) ++named[static_cast<std::size_t>(table[at])];
         }
     }
-    attend::index held = 0;
-    for (attend::index b = 0; b < c.blocks(); ++b) {
+    attend::index_t held = 0;
+    for (attend::index_t b = 0; b < c.blocks(); ++b) {
         if (c.references(b) != named[static_cast<std::size_t>(b)])
             return describe("block ", b, " has ", c.references(b), " references, tables name it ",
                             named[static_cast<std::size_t>(b)], " times");
@@ -134,17 +134,17 @@ using plain_cache_t = typename plain_cache_of<Stored>::type;
 /// Each sequence of a paged cache as it would be alone: a plain cache of batch 1 with its whole history.
 template <class Stored>
 struct plain_caches {
-    attend::index kv_heads, head_dim, capacity;
-    std::map<attend::index, plain_cache_t<Stored>> of;
+    attend::index_t kv_heads, head_dim, capacity;
+    std::map<attend::index_t, plain_cache_t<Stored>> of;
 
-    plain_cache_t<Stored>& add(attend::index id) {
+    plain_cache_t<Stored>& add(attend::index_t id) {
         return of.insert_or_assign(id, plain_cache_t<Stored>(1, kv_heads, capacity, head_dim, head_dim)).first->second;
     }
 };
 
 /// Whether two rows of `dim` values stored as Stored hold the same bytes.
 template <class Stored>
-bool same_row(const Stored* a, const Stored* b, attend::index dim) {
+bool same_row(const Stored* a, const Stored* b, attend::index_t dim) {
     return std::memcmp(a, b, static_cast<std::size_t>(attend::detail::row_units<Stored>(dim)) * sizeof(Stored)) == 0;
 }
 
@@ -160,9 +160,9 @@ template <class T, class Choose, class Fail, class Stored = T>
 class paged_session {
 public:
     struct sizes {
-        attend::index heads = 4, kv_heads = 2, head_dim = 8, block_size = 4, blocks = 96, max_sequences = 5;
-        attend::index window = 0, max_new = 6, prefill = 80;
-        attend::index history = 1024;  ///< positions a sequence may reach (its plain cache's capacity)
+        attend::index_t heads = 4, kv_heads = 2, head_dim = 8, block_size = 4, blocks = 96, max_sequences = 5;
+        attend::index_t window = 0, max_new = 6, prefill = 80;
+        attend::index_t history = 1024;  ///< positions a sequence may reach (its plain cache's capacity)
     };
 
     /// Decisions come from `choose`, tensor values from an rng seeded with `values`.
@@ -177,8 +177,8 @@ public:
 
     /// What a session did, so a test can show it reached the cases it is about.
     struct tally {
-        attend::index attended_rows = 0, forks = 0, copies_on_write = 0, truncations = 0, reorders = 0, refusals = 0,
-                      longest = 0, dropped_blocks = 0;
+        attend::index_t attended_rows = 0, forks = 0, copies_on_write = 0, truncations = 0, reorders = 0, refusals = 0,
+                        longest = 0, dropped_blocks = 0;
     };
     const attend::paged_kv_cache<Stored>& cache() const { return cache_; }
     const tally& done() const { return done_; }
@@ -208,8 +208,8 @@ public:
                            cache_.dropped(id) == dropped_.at(id),
                        [&, id = id] { return describe("sequence ", id, ": its length or dropped positions differ"); }))
                 return;
-            for (attend::index h = 0; h < z_.kv_heads; ++h)
-                for (attend::index p = dropped_.at(id); p < plain.length(); ++p)
+            for (attend::index_t h = 0; h < z_.kv_heads; ++h)
+                for (attend::index_t p = dropped_.at(id); p < plain.length(); ++p)
                     if (!check(same_row(cache_.key_row(id, h, p), plain.keys().row(0, h, p), z_.head_dim) &&
                                    same_row(cache_.value_row(id, h, p), plain.values().row(0, h, p), z_.head_dim),
                                [&, id = id] { return describe("sequence ", id, " position ", p, " differs"); }))
@@ -232,8 +232,8 @@ private:
     static attend::paged_cache_config config_of(const sizes& z) {
         return paged_config(z.kv_heads, z.head_dim, z.block_size, z.blocks, z.max_sequences, z.window);
     }
-    attend::index pick(const std::vector<attend::index>& ids) {
-        return ids[static_cast<std::size_t>(choose_(0, static_cast<attend::index>(ids.size()) - 1))];
+    attend::index_t pick(const std::vector<attend::index_t>& ids) {
+        return ids[static_cast<std::size_t>(choose_(0, static_cast<attend::index_t>(ids.size()) - 1))];
     }
 
     /// Runs an operation that the model says must fail with `id`: it must, as an E, and change nothing.
@@ -252,10 +252,10 @@ private:
     }
 
     void add() {
-        if (static_cast<attend::index>(plain_.of.size()) == z_.max_sequences)
+        if (static_cast<attend::index_t>(plain_.of.size()) == z_.max_sequences)
             return expect_refused<attend::position_error>([&] { cache_.add_sequence(); },
                                                           "attend.position.sequence_slots");
-        const attend::index id = cache_.add_sequence();
+        const attend::index_t id = cache_.add_sequence();
         if (!check(plain_.of.count(id) == 0, [&] { return describe("add_sequence returned live id ", id); })) return;
         plain_.add(id);
         dropped_[id] = 0;
@@ -265,7 +265,7 @@ private:
     void remove() {
         const auto ids = cache_.sequences();
         if (ids.empty()) return;
-        const attend::index id = pick(ids);
+        const attend::index_t id = pick(ids);
         cache_.remove_sequence(id);
         plain_.of.erase(id);
         dropped_.erase(id);
@@ -275,11 +275,11 @@ private:
     void fork() {
         const auto ids = cache_.sequences();
         if (ids.empty()) return;
-        const attend::index from = pick(ids);
-        if (static_cast<attend::index>(ids.size()) == z_.max_sequences)
+        const attend::index_t from = pick(ids);
+        if (static_cast<attend::index_t>(ids.size()) == z_.max_sequences)
             return expect_refused<attend::position_error>([&] { cache_.fork(from); }, "attend.position.sequence_slots");
-        const attend::index free_before = cache_.free_blocks();
-        const attend::index id = cache_.fork(from);
+        const attend::index_t free_before = cache_.free_blocks();
+        const attend::index_t id = cache_.fork(from);
         // A fork copies block numbers: no block is taken, and both read the same memory.
         const bool shares = cache_.length(from) == dropped_[from] ||
                             cache_.key_row(id, 0, dropped_[from]) == cache_.key_row(from, 0, dropped_[from]);
@@ -294,30 +294,30 @@ private:
     void truncate() {
         const auto ids = cache_.sequences();
         if (ids.empty()) return;
-        const attend::index id = pick(ids), length = cache_.length(id);
+        const attend::index_t id = pick(ids), length = cache_.length(id);
         // Mostly a rollback of the last append (always possible); sometimes further back.
-        const attend::index back = choose_(0, 3) == 0 ? choose_(0, length) : choose_(0, last_append_[id]);
-        const attend::index target = length - back;
+        const attend::index_t back = choose_(0, 3) == 0 ? choose_(0, length) : choose_(0, last_append_[id]);
+        const attend::index_t target = length - back;
         if (z_.window > 0 && dropped_[id] > 0 && target - z_.window + 1 < dropped_[id])
             return expect_refused<attend::position_error>([&] { cache_.truncate(id, target); },
                                                           "attend.position.window");
         cache_.truncate(id, target);
         ++done_.truncations;
         plain_.of.at(id).truncate(target);
-        last_append_[id] = std::max<attend::index>(0, last_append_[id] - back);
+        last_append_[id] = std::max<attend::index_t>(0, last_append_[id] - back);
     }
 
     void reorder() {
         auto ids = cache_.sequences();
         if (ids.empty()) return;
-        const auto n = static_cast<std::size_t>(choose_(1, static_cast<attend::index>(ids.size())));
+        const auto n = static_cast<std::size_t>(choose_(1, static_cast<attend::index_t>(ids.size())));
         ids.resize(n);
-        std::vector<attend::index> sources;
+        std::vector<attend::index_t> sources;
         for (std::size_t k = 0; k < n; ++k) sources.push_back(pick(cache_.sequences()));
         cache_.reorder(ids, sources);
         ++done_.reorders;
-        std::map<attend::index, plain_cache_t<Stored>> copies;
-        std::map<attend::index, attend::index> dropped, last;
+        std::map<attend::index_t, plain_cache_t<Stored>> copies;
+        std::map<attend::index_t, attend::index_t> dropped, last;
         for (std::size_t k = 0; k < n; ++k) {
             copies.insert_or_assign(ids[k], plain_.of.at(sources[k]));
             dropped[ids[k]] = dropped_[sources[k]];
@@ -331,9 +331,9 @@ private:
     }
 
     /// Blocks an append of `t` tokens to `id` takes: new blocks, plus one when it writes into a shared block.
-    attend::index blocks_needed(attend::index id, attend::index t) const {
-        const attend::index bs = z_.block_size, length = cache_.length(id);
-        attend::index needed = (length + t + bs - 1) / bs - (length + bs - 1) / bs;
+    attend::index_t blocks_needed(attend::index_t id, attend::index_t t) const {
+        const attend::index_t bs = z_.block_size, length = cache_.length(id);
+        attend::index_t needed = (length + t + bs - 1) / bs - (length + bs - 1) / bs;
         const auto& table = cache_.block_table(id);
         if (t > 0 && length % bs != 0 && cache_.references(table.back()) > 1) ++needed;
         return needed;
@@ -342,75 +342,76 @@ private:
     void append_and_attend() {
         auto active = cache_.sequences();
         if (active.empty()) return add();
-        const auto n =
-            static_cast<std::size_t>(choose_(1, std::min<attend::index>(4, static_cast<attend::index>(active.size()))));
-        std::vector<attend::index> ids, counts;
+        const auto n = static_cast<std::size_t>(
+            choose_(1, std::min<attend::index_t>(4, static_cast<attend::index_t>(active.size()))));
+        std::vector<attend::index_t> ids, counts;
         for (std::size_t k = 0; k < n; ++k) {
-            const auto at = static_cast<std::size_t>(choose_(0, static_cast<attend::index>(active.size()) - 1));
+            const auto at = static_cast<std::size_t>(choose_(0, static_cast<attend::index_t>(active.size()) - 1));
             ids.push_back(active[at]);
             active.erase(active.begin() + static_cast<std::ptrdiff_t>(at));
-            const attend::index t = choose_(0, 7) == 0 ? choose_(0, z_.prefill) : choose_(0, z_.max_new);
+            const attend::index_t t = choose_(0, 7) == 0 ? choose_(0, z_.prefill) : choose_(0, z_.max_new);
             counts.push_back(std::min(t, z_.history - cache_.length(ids.back())));
         }
-        const attend::index L = *std::max_element(counts.begin(), counts.end());
-        const auto B = static_cast<attend::index>(n), G = z_.kv_heads, D = z_.head_dim;
+        const attend::index_t L = *std::max_element(counts.begin(), counts.end());
+        const auto B = static_cast<attend::index_t>(n), G = z_.kv_heads, D = z_.head_dim;
         attend::tensor<T, 4> k(B, G, L, D), v(B, G, L, D), q(B, z_.heads, L, D);
         for (auto* x : {&k, &v, &q})
-            for (attend::index e = 0; e < x->size(); ++e) x->data()[e] = static_cast<T>(choose_(-1000, 1000)) / T(500);
-        attend::index needed = 0;
+            for (attend::index_t e = 0; e < x->size(); ++e)
+                x->data()[e] = static_cast<T>(choose_(-1000, 1000)) / T(500);
+        attend::index_t needed = 0;
         for (std::size_t m = 0; m < n; ++m) needed += blocks_needed(ids[m], counts[m]);
         if (needed > cache_.free_blocks())
             return expect_refused<attend::position_error>([&] { cache_.append(ids, k, v, counts); },
                                                           "attend.position.cache_full");
-        attend::index fresh = 0;
+        attend::index_t fresh = 0;
         for (std::size_t m = 0; m < n; ++m)
             fresh += (cache_.length(ids[m]) + counts[m] + z_.block_size - 1) / z_.block_size -
                      (cache_.length(ids[m]) + z_.block_size - 1) / z_.block_size;
-        const attend::index free_before = cache_.free_blocks();
+        const attend::index_t free_before = cache_.free_blocks();
         cache_.append(ids, k, v, counts);
         // Blocks taken beyond the new ones are copies of shared blocks; blocks handed back are the window's.
         done_.copies_on_write += needed - fresh;
         done_.dropped_blocks += cache_.free_blocks() - (free_before - needed);
         for (std::size_t m = 0; m < n; ++m) {
-            const attend::index id = ids[m], t = counts[m];
+            const attend::index_t id = ids[m], t = counts[m];
             auto& plain = plain_.of.at(id);
             if (z_.window > 0) {
-                const attend::index first_needed = plain.length() - z_.window + 1;
+                const attend::index_t first_needed = plain.length() - z_.window + 1;
                 if (first_needed > 0)
                     dropped_[id] = std::max(dropped_[id], first_needed / z_.block_size * z_.block_size);
             }
             plain.append(
-                attend::tensor<T, 4>(k.slice(std::array<attend::index, 4>{static_cast<attend::index>(m), 0, 0, 0},
-                                             std::array<attend::index, 4>{1, G, t, D})),
-                attend::tensor<T, 4>(v.slice(std::array<attend::index, 4>{static_cast<attend::index>(m), 0, 0, 0},
-                                             std::array<attend::index, 4>{1, G, t, D})));
+                attend::tensor<T, 4>(k.slice(std::array<attend::index_t, 4>{static_cast<attend::index_t>(m), 0, 0, 0},
+                                             std::array<attend::index_t, 4>{1, G, t, D})),
+                attend::tensor<T, 4>(v.slice(std::array<attend::index_t, 4>{static_cast<attend::index_t>(m), 0, 0, 0},
+                                             std::array<attend::index_t, 4>{1, G, t, D})));
             last_append_[id] = t;
             done_.longest = std::max(done_.longest, plain.length());
         }
         const auto r = attend::paged_attention(q, cache_, ids, counts, attention_);
-        for (std::size_t m = 0; m < n; ++m) expect_alone(r, q, static_cast<attend::index>(m), ids[m], counts[m]);
+        for (std::size_t m = 0; m < n; ++m) expect_alone(r, q, static_cast<attend::index_t>(m), ids[m], counts[m]);
     }
 
     /// Batch row m of a paged_attention result against scaled_dot_product_attention over the sequence's plain
     /// cache alone: the same bits, and zeros with lse -inf in the padding rows.
-    void expect_alone(const attend::attention_result<T, 4>& r, const attend::tensor<T, 4>& q, attend::index m,
-                      attend::index id, attend::index t) {
+    void expect_alone(const attend::attention_result<T, 4>& r, const attend::tensor<T, 4>& q, attend::index_t m,
+                      attend::index_t id, attend::index_t t) {
         const auto& plain = plain_.of.at(id);
-        const attend::index H = z_.heads, L = q.dimension(2), D = z_.head_dim;
+        const attend::index_t H = z_.heads, L = q.dimension(2), D = z_.head_dim;
         if (t == 0) {  // nothing to attend alone (an empty sequence has no keys): all padding
-            for (attend::index e = 0; e < H * L * D; ++e)
+            for (attend::index_t e = 0; e < H * L * D; ++e)
                 if (!check(r.out.data()[m * H * L * D + e] == T(0), [&] { return "a padding row is not zero"; }))
                     return;
-            for (attend::index e = 0; e < H * L; ++e)
+            for (attend::index_t e = 0; e < H * L; ++e)
                 if (!check(r.lse.data()[m * H * L + e] == -std::numeric_limits<Lse>::infinity(),
                            [&] { return "a padding row's lse is not -inf"; }))
                     return;
             return;
         }
         attend::tensor<T, 4> qm(1, H, t, D);
-        for (attend::index h = 0; h < H; ++h)
-            for (attend::index i = 0; i < t; ++i)
-                for (attend::index d = 0; d < D; ++d) qm(0, h, i, d) = q(m, h, i, d);
+        for (attend::index_t h = 0; h < H; ++h)
+            for (attend::index_t i = 0; i < t; ++i)
+                for (attend::index_t d = 0; d < D; ++d) qm(0, h, i, d) = q(m, h, i, d);
         const auto rule = z_.window > 0 ? z_.window - 1 : plain.length();
         const auto alone =
             z_.window > 0
@@ -421,9 +422,9 @@ private:
                                                        attention_)
                 : attend::scaled_dot_product_attention(qm, plain.keys(), plain.values(),
                                                        attend::causal(attend::alignment::bottom_right), attention_);
-        for (attend::index h = 0; h < H; ++h)
-            for (attend::index i = 0; i < L; ++i) {
-                for (attend::index d = 0; d < D; ++d) {
+        for (attend::index_t h = 0; h < H; ++h)
+            for (attend::index_t i = 0; i < L; ++i) {
+                for (attend::index_t d = 0; d < D; ++d) {
                     const T want = i < t ? alone.out(0, h, i, d) : T(0);
                     if (!check(same_bits(r.out(m, h, i, d), want), [&] {
                             return describe("sequence ", id, " head ", h, " query ", i, " of ", t, ": paged ",
@@ -454,7 +455,7 @@ private:
     bool failed_ = false;
     attend::paged_kv_cache<Stored> cache_;
     plain_caches<Stored> plain_;
-    std::map<attend::index, attend::index> dropped_, last_append_;
+    std::map<attend::index_t, attend::index_t> dropped_, last_append_;
     tally done_;
 };
 

@@ -17,8 +17,8 @@ namespace attend_test {
 /// of row r is the tie (n + 1/2) / 16 for n = lowest + (r + j) % count, or the float just below or above it, in
 /// turn; each block's first value is `first` in even rows and `-first` in odd ones (it sets the step's size).
 inline void ties_and_neighbours(attend::tensor<float, 4>& k, int lowest, int count, float first) {
-    for (attend::index r = 0; r < 256; ++r)
-        for (attend::index j = 0; j < k.dimension(3); ++j) {
+    for (attend::index_t r = 0; r < 256; ++r)
+        for (attend::index_t j = 0; j < k.dimension(3); ++j) {
             const float tie = (static_cast<float>(lowest + static_cast<int>((r + j) % count)) + 0.5f) / 16.0f;
             const int side = static_cast<int>((r / 64 + j) % 3);  // tie, below, above
             k(0, 0, r, j) = side == 0 ? tie : std::nextafter(tie, side == 1 ? -1e9f : 1e9f);
@@ -31,9 +31,10 @@ inline void ties_and_neighbours(attend::tensor<float, 4>& k, int lowest, int cou
 /// values for the bf16 cache). Returns how many values of the first `tie_rows` rows are exact ties x * 16 = n + 1/2,
 /// so that a test can show its ties were there to round.
 template <class Block, class ByHand>
-attend::index quantized_as_by_hand(const attend::tensor<float, 4>& k, attend::index tie_rows, const ByHand& by_hand) {
-    using attend::index;
-    const index rows = k.dimension(2), dim = k.dimension(3);
+attend::index_t quantized_as_by_hand(const attend::tensor<float, 4>& k, attend::index_t tie_rows,
+                                     const ByHand& by_hand) {
+    using attend::index_t;
+    const index_t rows = k.dimension(2), dim = k.dimension(3);
     attend::quantized_kv_cache<Block> from_float(1, 1, rows, dim, dim), from_double(1, 1, rows, dim, dim),
         from_bf16(1, 1, rows, dim, dim);
     from_float.append(k, k);
@@ -41,9 +42,9 @@ attend::index quantized_as_by_hand(const attend::tensor<float, 4>& k, attend::in
     const attend::tensor<Eigen::bfloat16, 4> k16 = k.cast<Eigen::bfloat16>();
     from_bf16.append(k16, k16);
     const attend::tensor<float, 4> k16_values = k16.cast<float>();
-    index ties = 0;
-    for (index r = 0; r < rows; ++r)
-        for (index b = 0; b < dim / 32; ++b) {
+    index_t ties = 0;
+    for (index_t r = 0; r < rows; ++r)
+        for (index_t b = 0; b < dim / 32; ++b) {
             const auto at = static_cast<std::size_t>(r * (dim / 32) + b);
             const Block want = by_hand(&k(0, 0, r, b * 32)), want16 = by_hand(&k16_values(0, 0, r, b * 32));
             for (const auto* got :
@@ -51,7 +52,7 @@ attend::index quantized_as_by_hand(const attend::tensor<float, 4>& k, attend::in
                 EXPECT_EQ(std::memcmp(got, &want, sizeof want), 0) << "row " << r << " block " << b;
             EXPECT_EQ(std::memcmp(&from_bf16.key_blocks()[at], &want16, sizeof want16), 0) << "row " << r;
             if (::testing::Test::HasFailure()) return ties;  // the first block that differs, not thousands
-            for (index j = 0; j < 32; ++j) {
+            for (index_t j = 0; j < 32; ++j) {
                 const float y = k(0, 0, r, b * 32 + j) * 16.0f;
                 ties += r < tie_rows && y - std::trunc(y) == (y > 0 ? 0.5f : -0.5f) ? 1 : 0;
             }

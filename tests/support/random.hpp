@@ -47,9 +47,9 @@ public:
     double uniform(double lo, double hi) { return lo + (hi - lo) * uniform(); }
 
     /// Uniform integer in [lo, hi] (inclusive).
-    attend::index uniform_int(attend::index lo, attend::index hi) {
+    attend::index_t uniform_int(attend::index_t lo, attend::index_t hi) {
         const auto span = static_cast<std::uint64_t>(hi - lo) + 1;
-        return lo + static_cast<attend::index>(next() % span);
+        return lo + static_cast<attend::index_t>(next() % span);
     }
 
     /// Standard normal (Box-Muller).
@@ -70,20 +70,20 @@ private:
 template <class T, int Rank>
 void fill_uniform(attend::tensor<T, Rank>& t, std::uint64_t seed, double lo = -1.0, double hi = 1.0) {
     rng g(seed);
-    for (attend::index k = 0; k < t.size(); ++k) t.data()[k] = static_cast<T>(g.uniform(lo, hi));
+    for (attend::index_t k = 0; k < t.size(); ++k) t.data()[k] = static_cast<T>(g.uniform(lo, hi));
 }
 
 /// Fills t with standard normal values from `seed`.
 template <class T, int Rank>
 void fill_normal(attend::tensor<T, Rank>& t, std::uint64_t seed) {
     rng g(seed);
-    for (attend::index k = 0; k < t.size(); ++k) t.data()[k] = static_cast<T>(g.normal());
+    for (attend::index_t k = 0; k < t.size(); ++k) t.data()[k] = static_cast<T>(g.normal());
 }
 
 /// A tensor of the given dimensions filled uniformly in [-1, 1) from `seed`.
 template <class T, class... Dims>
 attend::tensor<T, static_cast<int>(sizeof...(Dims))> random_tensor(std::uint64_t seed, Dims... dims) {
-    attend::tensor<T, static_cast<int>(sizeof...(Dims))> t(static_cast<attend::index>(dims)...);
+    attend::tensor<T, static_cast<int>(sizeof...(Dims))> t(static_cast<attend::index_t>(dims)...);
     fill_uniform(t, seed);
     return t;
 }

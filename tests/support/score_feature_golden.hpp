@@ -37,14 +37,14 @@ void expect_score_feature_golden(const std::string& name, const Mask& mask, atte
     for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
         options.kernel = kernel;
         const auto f = attend::scaled_dot_product_attention(q, k, v, mask, options);
-        const auto g = attend::scaled_dot_product_attention_backward(q, k, v, f, d_out, mask, options);
+        const auto g = attend::scaled_dot_product_attention_backward(q, k, v, mask, f, d_out, options);
         close(f.out, "out");
         close(f.lse, "lse");
-        close(g.dq, "dq");
-        close(g.dk, "dk");
-        close(g.dv, "dv");
+        close(g.d_query, "dq");
+        close(g.d_key, "dk");
+        close(g.d_value, "dv");
         if (options.need_weights) close(f.weights, "weights");
-        if (sinks) close(g.sink_gradient, "d_sinks");
+        if (sinks) close(g.d_sinks, "d_sinks");
     }
 }
 

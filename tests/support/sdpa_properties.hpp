@@ -38,16 +38,16 @@
 
 namespace attend_test::sdpa_properties {
 
-using attend::index;
+using attend::index_t;
 template <class T, int Rank>
 using tensor = attend::tensor<T, Rank>;
 
 /// 0 where a key is allowed without bias, -inf where it is forbidden, a finite value for an additive bias.
-using bias_fn = std::function<double(index, index, index, index)>;
+using bias_fn = std::function<double(index_t, index_t, index_t, index_t)>;
 
 inline constexpr double minus_inf = -std::numeric_limits<double>::infinity();
 
-inline std::size_t at(index i) { return static_cast<std::size_t>(i); }
+inline std::size_t at(index_t i) { return static_cast<std::size_t>(i); }
 
 template <class T>
 double eps() {
@@ -62,7 +62,7 @@ double tol_same() {
     return std::is_same_v<T, float> ? 1e-6 : 1e-13;
 }
 template <class T>
-double tol_row_sum(index key_len) {
+double tol_row_sum(index_t key_len) {
     return static_cast<double>(key_len + 4) * eps<T>();
 }
 
@@ -71,12 +71,12 @@ double tol_row_sum(index key_len) {
 // ---------------------------------------------------------------------------------------------------------------
 
 struct config {
-    index batch = 1, heads = 1, kv_heads = 1, query_len = 1, key_len = 1, head_dim = 1, value_dim = 1;
+    index_t batch = 1, heads = 1, kv_heads = 1, query_len = 1, key_len = 1, head_dim = 1, value_dim = 1;
     bool rank3 = false;
     attend::kernel kernel = attend::kernel::automatic;
     std::uint64_t seed = 0;
 
-    index kv_head(index h) const { return h / (heads / kv_heads); }
+    index_t kv_head(index_t h) const { return h / (heads / kv_heads); }
 };
 
 inline const char* name_of(attend::kernel k) {
@@ -188,23 +188,23 @@ inline attend::sdpa_options zero_rows() {
 // ---------------------------------------------------------------------------------------------------------------
 
 struct oracle_result {
-    index batch = 0, heads = 0, query_len = 0, key_len = 0, value_dim = 0;
+    index_t batch = 0, heads = 0, query_len = 0, key_len = 0, value_dim = 0;
     std::vector<double> out, weights, lse;
 
-    double o(index b, index h, index i, index d) const {
+    double o(index_t b, index_t h, index_t i, index_t d) const {
         return out[at(((b * heads + h) * query_len + i) * value_dim + d)];
     }
-    double w(index b, index h, index i, index j) const {
+    double w(index_t b, index_t h, index_t i, index_t j) const {
         return weights[at(((b * heads + h) * query_len + i) * key_len + j)];
     }
-    double l(index b, index h, index i) const { return lse[at((b * heads + h) * query_len + i)]; }
+    double l(index_t b, index_t h, index_t i) const { return lse[at((b * heads + h) * query_len + i)]; }
 };
 
 /// softmax(scale * q.k + bias) along the key axis, in double; rows without an allowed key (or padded rows) give
 /// zero output, zero weights and lse = -inf.
 template <class T>
 oracle_result oracle(const config& c, const inputs<T>& x, double scale, const bias_fn& bias,
-                     const std::function<bool(index, index)>& padded = nullptr) {
+                     const std::function<bool(index_t, index_t)>& padded = nullptr) {
     oracle_result r;
     r.batch = c.batch;
     r.heads = c.heads;
@@ -215,15 +215,15 @@ oracle_result oracle(const config& c, const inputs<T>& x, double scale, const bi
     r.weights.assign(at(c.batch * c.heads * c.query_len * c.key_len), 0.0);
     r.lse.assign(at(c.batch * c.heads * c.query_len), minus_inf);
     std::vector<double> s(at(c.key_len));
-    for (index b = 0; b < c.batch; ++b)
-        for (index h = 0; h < c.heads; ++h)
-            for (index i = 0; i < c.query_len; ++i) {
+    for (index_t b = 0; b < c.batch; ++b)
+        for (index_t h = 0; h < c.heads; ++h)
+            for (index_t i = 0; i < c.query_len; ++i) {
                 if (padded && padded(b, i)) continue;
-                const index g = c.kv_head(h);
+                const index_t g = c.kv_head(h);
                 double max = minus_inf;
-                for (index j = 0; j < c.key_len; ++j) {
+                for (index_t j = 0; j < c.key_len; ++j) {
                     double dot = 0;
-                    for (index d = 0; d < c.head_dim; ++d)
+                    for (index_t d = 0; d < c.head_dim; ++d)
                         dot += static_cast<double>(x.q(b, h, i, d)) * static_cast<double>(x.k(b, g, j, d));
                     const double bj = bias(b, h, i, j);
                     s[at(j)] = bj == minus_inf ? minus_inf : scale * dot + bj;
@@ -231,12 +231,12 @@ oracle_result oracle(const config& c, const inputs<T>& x, double scale, const bi
                 }
                 if (max == minus_inf) continue;
                 double sum = 0;
-                for (index j = 0; j < c.key_len; ++j) sum += std::exp(s[at(j)] - max);
+                for (index_t j = 0; j < c.key_len; ++j) sum += std::exp(s[at(j)] - max);
                 r.lse[at((b * c.heads + h) * c.query_len + i)] = max + std::log(sum);
-                for (index j = 0; j < c.key_len; ++j) {
+                for (index_t j = 0; j < c.key_len; ++j) {
                     const double w = std::exp(s[at(j)] - max) / sum;
                     r.weights[at(((b * c.heads + h) * c.query_len + i) * c.key_len + j)] = w;
-                    for (index d = 0; d < c.value_dim; ++d)
+                    for (index_t d = 0; d < c.value_dim; ++d)
                         r.out[at(((b * c.heads + h) * c.query_len + i) * c.value_dim + d)] +=
                             w * static_cast<double>(x.v(b, g, j, d));
                 }
@@ -250,22 +250,22 @@ inline double default_scale(const config& c) { return 1.0 / std::sqrt(static_cas
 template <class T>
 ::testing::AssertionResult matches_oracle(const outputs<T>& r, const oracle_result& e, const bias_fn& bias,
                                           double tol) {
-    for (index b = 0; b < e.batch; ++b)
-        for (index h = 0; h < e.heads; ++h)
-            for (index i = 0; i < e.query_len; ++i) {
+    for (index_t b = 0; b < e.batch; ++b)
+        for (index_t h = 0; h < e.heads; ++h)
+            for (index_t i = 0; i < e.query_len; ++i) {
                 const double lse = static_cast<double>(r.lse(b, h, i));
                 if (std::isnan(lse) ||
                     (e.l(b, h, i) == minus_inf ? lse != minus_inf : !(std::abs(lse - e.l(b, h, i)) <= tol)))
                     return ::testing::AssertionFailure()
                            << "lse(" << b << ',' << h << ',' << i << ") = " << lse << ", oracle " << e.l(b, h, i);
-                for (index j = 0; j < e.key_len; ++j) {
+                for (index_t j = 0; j < e.key_len; ++j) {
                     const double w = static_cast<double>(r.weights(b, h, i, j));
                     if (bias(b, h, i, j) == minus_inf ? w != 0.0 : !(std::abs(w - e.w(b, h, i, j)) <= tol))
                         return ::testing::AssertionFailure()
                                << "weight(" << b << ',' << h << ',' << i << ',' << j << ") = " << w << ", oracle "
                                << e.w(b, h, i, j) << (bias(b, h, i, j) == minus_inf ? " (forbidden: must be 0)" : "");
                 }
-                for (index d = 0; d < e.value_dim; ++d) {
+                for (index_t d = 0; d < e.value_dim; ++d) {
                     const double o = static_cast<double>(r.out(b, h, i, d));
                     if (!(std::abs(o - e.o(b, h, i, d)) <= tol))
                         return ::testing::AssertionFailure() << "out(" << b << ',' << h << ',' << i << ',' << d
@@ -283,31 +283,31 @@ template <class T>
 /// ([batch, heads, query_len, key_len] for rank 4, [batch, query_len, key_len] for rank 3). Values: for Boolean
 /// grids 1 = allowed, 0 = forbidden; for additive grids the bias (-inf forbids).
 struct dense_grid {
-    std::vector<index> dims;
+    std::vector<index_t> dims;
     std::vector<double> values;
     bool rank3_call = false;
 
-    std::size_t flat(index b, index h, index i, index j) const {
-        const std::array<index, 4> four{b, h, i, j};
-        const std::array<index, 3> three{b, i, j};
-        const index* coords = rank3_call ? three.data() : four.data();
+    std::size_t flat(index_t b, index_t h, index_t i, index_t j) const {
+        const std::array<index_t, 4> four{b, h, i, j};
+        const std::array<index_t, 3> three{b, i, j};
+        const index_t* coords = rank3_call ? three.data() : four.data();
         const std::size_t n = rank3_call ? 3 : 4;
         std::size_t f = 0;
         for (std::size_t a = 0; a < dims.size(); ++a) {
-            const index c = coords[n - dims.size() + a];
+            const index_t c = coords[n - dims.size() + a];
             f = f * at(dims[a]) + (dims[a] == 1 ? 0 : at(c));
         }
         return f;
     }
-    double value(index b, index h, index i, index j) const { return values[flat(b, h, i, j)]; }
+    double value(index_t b, index_t h, index_t i, index_t j) const { return values[flat(b, h, i, j)]; }
 };
 
 template <class V, int R>
 tensor<V, R> grid_tensor(const dense_grid& m, const std::function<V(double)>& convert) {
-    std::array<index, R> d{};
+    std::array<index_t, R> d{};
     for (std::size_t a = 0; a < at(R); ++a) d[a] = m.dims[a];
     tensor<V, R> t(d);
-    for (index n = 0; n < t.size(); ++n) t.data()[n] = convert(m.values[at(n)]);
+    for (index_t n = 0; n < t.size(); ++n) t.data()[n] = convert(m.values[at(n)]);
     return t;
 }
 
@@ -342,8 +342,8 @@ attend::additive_mask<T> as_additive(const dense_grid& m) {
 }
 
 /// Shapes that broadcast to the scores: full, per head, per batch, key padding style [B,1,1,S], plain [L,S].
-inline std::vector<index> random_grid_dims(rng& g, const config& c) {
-    const index B = c.batch, H = c.heads, L = c.query_len, S = c.key_len;
+inline std::vector<index_t> random_grid_dims(rng& g, const config& c) {
+    const index_t B = c.batch, H = c.heads, L = c.query_len, S = c.key_len;
     if (c.rank3) {
         switch (g.uniform_int(0, 3)) {
             case 0: return {L, S};
@@ -368,7 +368,7 @@ inline dense_grid random_bool_grid(rng& g, const config& c, double p_allowed, bo
     m.rank3_call = c.rank3;
     m.dims = random_grid_dims(g, c);
     std::size_t n = 1;
-    for (index d : m.dims) n *= at(d);
+    for (index_t d : m.dims) n *= at(d);
     m.values.resize(n);
     for (double& x : m.values) x = g.bernoulli(p_allowed) ? 1.0 : 0.0;
     if (ensure_rows) {
@@ -387,13 +387,15 @@ inline dense_grid random_additive_grid(rng& g, const config& c, double p_allowed
 }
 
 inline bias_fn grid_bias(const dense_grid& m) {
-    return [m](index b, index h, index i, index j) { return m.values[m.flat(b, h, i, j)]; };
+    return [m](index_t b, index_t h, index_t i, index_t j) { return m.values[m.flat(b, h, i, j)]; };
 }
 inline bias_fn boolean_grid_bias(const dense_grid& m) {
-    return [m](index b, index h, index i, index j) { return m.values[m.flat(b, h, i, j)] != 0.0 ? 0.0 : minus_inf; };
+    return [m](index_t b, index_t h, index_t i, index_t j) {
+        return m.values[m.flat(b, h, i, j)] != 0.0 ? 0.0 : minus_inf;
+    };
 }
-inline bias_fn allowed_if(std::function<bool(index, index, index, index)> allowed) {
-    return [allowed](index b, index h, index i, index j) { return allowed(b, h, i, j) ? 0.0 : minus_inf; };
+inline bias_fn allowed_if(std::function<bool(index_t, index_t, index_t, index_t)> allowed) {
+    return [allowed](index_t b, index_t h, index_t i, index_t j) { return allowed(b, h, i, j) ? 0.0 : minus_inf; };
 }
 
 inline const char* name_of(attend::alignment a) {
@@ -401,7 +403,7 @@ inline const char* name_of(attend::alignment a) {
 }
 
 /// The shift of the causal diagonal, written out from the definitions in alignment.hpp.
-inline index diagonal_shift(attend::alignment a, const config& c) {
+inline index_t diagonal_shift(attend::alignment a, const config& c) {
     return a == attend::alignment::bottom_right ? c.key_len - c.query_len : 0;
 }
 
@@ -410,9 +412,9 @@ inline index diagonal_shift(attend::alignment a, const config& c) {
 /// callers pass empty_rows::zero.
 template <class T, class F>
 void with_random_mask(rng& g, const config& c, F&& f) {
-    const index S = c.key_len;
+    const index_t S = c.key_len;
     const auto align = g.bernoulli(0.5) ? attend::alignment::top_left : attend::alignment::bottom_right;
-    const index shift = diagonal_shift(align, c);
+    const index_t shift = diagonal_shift(align, c);
     switch (g.uniform_int(0, 11)) {
         case 0: {
             const auto m = random_bool_grid(g, c, g.uniform(0.2, 0.9), g.bernoulli(0.7));
@@ -427,46 +429,49 @@ void with_random_mask(rng& g, const config& c, F&& f) {
         }
         case 2:
             f(attend::causal(align), std::string("causal ") + name_of(align),
-              allowed_if([shift](index, index, index i, index j) { return j <= i + shift; }));
+              allowed_if([shift](index_t, index_t, index_t i, index_t j) { return j <= i + shift; }));
             return;
         case 3: {
-            std::vector<index> lengths;
-            for (index b = 0; b < c.batch; ++b) lengths.push_back(g.uniform_int(0, S));
+            std::vector<index_t> lengths;
+            for (index_t b = 0; b < c.batch; ++b) lengths.push_back(g.uniform_int(0, S));
             f(attend::key_padding(lengths), std::string("key_padding"),
-              allowed_if([lengths](index b, index, index, index j) { return j < lengths[at(b)]; }));
+              allowed_if([lengths](index_t b, index_t, index_t, index_t j) { return j < lengths[at(b)]; }));
             return;
         }
         case 4: {
-            const index left = g.uniform_int(0, S), right = g.uniform_int(0, S);
+            const index_t left = g.uniform_int(0, S), right = g.uniform_int(0, S);
             f(attend::sliding_window(left, right, align), std::string("sliding_window ") + name_of(align),
-              allowed_if(
-                  [=](index, index, index i, index j) { return i + shift - left <= j && j <= i + shift + right; }));
+              allowed_if([=](index_t, index_t, index_t i, index_t j) {
+                  return i + shift - left <= j && j <= i + shift + right;
+              }));
             return;
         }
         case 5: {
-            const index prefix = g.uniform_int(0, S);
+            const index_t prefix = g.uniform_int(0, S);
             f(attend::prefix_lm(prefix, align), std::string("prefix_lm ") + name_of(align),
-              allowed_if([=](index, index, index i, index j) { return j < prefix || j <= i + shift; }));
+              allowed_if([=](index_t, index_t, index_t i, index_t j) { return j < prefix || j <= i + shift; }));
             return;
         }
         case 6: {
-            std::vector<index> lengths;
-            for (index b = 0; b < c.batch; ++b) lengths.push_back(g.uniform_int(0, S));
+            std::vector<index_t> lengths;
+            for (index_t b = 0; b < c.batch; ++b) lengths.push_back(g.uniform_int(0, S));
             f(attend::causal(align) && attend::key_padding(lengths), std::string("causal && key_padding"),
-              allowed_if([=](index b, index, index i, index j) { return j <= i + shift && j < lengths[at(b)]; }));
+              allowed_if(
+                  [=](index_t b, index_t, index_t i, index_t j) { return j <= i + shift && j < lengths[at(b)]; }));
             return;
         }
         case 7: {
             const auto m = random_bool_grid(g, c, 0.3, false);
             f(as_allowed(m) || attend::causal(align), std::string("dense || causal"),
-              allowed_if(
-                  [=](index b, index h, index i, index j) { return m.value(b, h, i, j) != 0.0 || j <= i + shift; }));
+              allowed_if([=](index_t b, index_t h, index_t i, index_t j) {
+                  return m.value(b, h, i, j) != 0.0 || j <= i + shift;
+              }));
             return;
         }
         case 8: {
             const auto m = random_bool_grid(g, c, 0.6, false);
             f(!as_allowed(m), std::string("!dense"),
-              allowed_if([=](index b, index h, index i, index j) { return m.value(b, h, i, j) == 0.0; }));
+              allowed_if([=](index_t b, index_t h, index_t i, index_t j) { return m.value(b, h, i, j) == 0.0; }));
             return;
         }
         case 9: {
@@ -477,10 +482,14 @@ void with_random_mask(rng& g, const config& c, F&& f) {
         case 10: {
             const auto m = random_additive_grid(g, c, 0.8, false);
             f(as_additive<T>(m) + attend::causal(align), std::string("additive + causal"),
-              [=](index b, index h, index i, index j) { return j <= i + shift ? m.value(b, h, i, j) : minus_inf; });
+              [=](index_t b, index_t h, index_t i, index_t j) {
+                  return j <= i + shift ? m.value(b, h, i, j) : minus_inf;
+              });
             return;
         }
-        default: f(attend::no_mask{}, std::string("no mask"), [](index, index, index, index) { return 0.0; }); return;
+        default:
+            f(attend::no_mask{}, std::string("no mask"), [](index_t, index_t, index_t, index_t) { return 0.0; });
+            return;
     }
 }
 

@@ -22,7 +22,7 @@ namespace attend_test {
 
 template <class T>
 void expect_soft_cap_within_four_epsilons() {
-    using attend::index;
+    using attend::index_t;
     using ld = long double;
     // Four epsilons: the float rational is within 3.7 without FMA and 2.5 with it (the rounding of its folded
     // coefficients, of s^2 and of the product included).
@@ -30,7 +30,7 @@ void expect_soft_cap_within_four_epsilons() {
     attend_test::rng g(11);
     for (const double cap : {1e-30, 0x1p-20, 0.01, 2.5, 30.0, 50.0, 0x1p20, 3e6, 1e30}) {
         SCOPED_TRACE(cap);
-        for (index n = 0; n <= 70; ++n) {
+        for (index_t n = 0; n <= 70; ++n) {
             std::vector<T> x(static_cast<std::size_t>(n)), original;
             for (auto& e : x) {
                 const double magnitude = std::pow(10.0, g.uniform(-8, 3));  // |s / c| from 1e-8 to 1000
@@ -39,7 +39,7 @@ void expect_soft_cap_within_four_epsilons() {
             if (n > 3) x[1] = T(0);
             original = x;
             attend::detail::soft_cap(x.data(), n, static_cast<T>(cap));
-            for (index j = 0; j < n; ++j) {
+            for (index_t j = 0; j < n; ++j) {
                 const auto u = static_cast<std::size_t>(j);
                 const ld c = static_cast<T>(cap), want = c * std::tanh(static_cast<ld>(original[u]) / c);
                 ASSERT_LE(std::abs(static_cast<ld>(x[u]) - want),
@@ -50,13 +50,13 @@ void expect_soft_cap_within_four_epsilons() {
     }
     std::vector<T> special(40, T(1));
     const T inf = std::numeric_limits<T>::infinity();
-    for (const index j : {index(0), index(17), index(39)}) {  // in a packet pair, a single packet, the tail
+    for (const index_t j : {index_t(0), index_t(17), index_t(39)}) {  // in a packet pair, a single packet, the tail
         special[static_cast<std::size_t>(j)] = inf;
         special[static_cast<std::size_t>(j + 1 < 40 ? j + 1 : 38)] = -inf;
         special[static_cast<std::size_t>(j > 0 ? j - 1 : 2)] = std::numeric_limits<T>::quiet_NaN();
     }
     const auto before = special;
-    attend::detail::soft_cap(special.data(), index(40), T(30));
+    attend::detail::soft_cap(special.data(), index_t(40), T(30));
     for (std::size_t j = 0; j < special.size(); ++j) {
         if (std::isnan(before[j])) {
             EXPECT_TRUE(std::isnan(special[j])) << j;

@@ -19,8 +19,8 @@ namespace attend_test {
 
 /// A tensor `[b, h, len, dim]` of uniform values in [lo, hi), rounded to T.
 template <class T>
-attend::tensor<T, 4> random16(std::uint64_t seed, attend::index b, attend::index h, attend::index len,
-                              attend::index dim, double lo = -1, double hi = 1) {
+attend::tensor<T, 4> random16(std::uint64_t seed, attend::index_t b, attend::index_t h, attend::index_t len,
+                              attend::index_t dim, double lo = -1, double hi = 1) {
     attend::tensor<float, 4> t(b, h, len, dim);
     fill_uniform(t, seed, lo, hi);
     return t.cast<T>();
@@ -38,11 +38,11 @@ struct storage16_names {
 /// Largest |got - want| over a row of the last axis, relative to the row's largest |want|, over all rows.
 template <class T, int R>
 double worst_row_error(const attend::tensor<T, R>& got, const attend::tensor<double, R>& want) {
-    const attend::index dim = want.dimension(R - 1), rows = want.size() / dim;
+    const attend::index_t dim = want.dimension(R - 1), rows = want.size() / dim;
     double worst = 0;
-    for (attend::index r = 0; r < rows; ++r) {
+    for (attend::index_t r = 0; r < rows; ++r) {
         double norm = 0, err = 0;
-        for (attend::index d = 0; d < dim; ++d) {
+        for (attend::index_t d = 0; d < dim; ++d) {
             const double w = want.data()[r * dim + d];
             norm = std::max(norm, std::abs(w));
             err = std::max(err, std::abs(static_cast<double>(static_cast<float>(got.data()[r * dim + d])) - w));

@@ -22,23 +22,23 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using map4 = Eigen::TensorMap<attend::tensor<float, 4>>;
 using map3 = Eigen::TensorMap<attend::tensor<float, 3>>;
 
 constexpr float sentinel = -7777.25f;
-constexpr index B = 1, H = 2, L = 3, S = 5, D = 4;
-constexpr index q_size = B * H * L * D, kv_size = B * H * S * D, out_size = q_size, weights_size = B * H * L * S,
-                lse_size = B * H * L;
+constexpr index_t B = 1, H = 2, L = 3, S = 5, D = 4;
+constexpr index_t q_size = B * H * L * D, kv_size = B * H * S * D, out_size = q_size, weights_size = B * H * L * S,
+                  lse_size = B * H * L;
 
 /// One block of memory for all tensors of a call: random where inputs go, the sentinel elsewhere.
 struct pool {
     std::vector<float> memory;
-    explicit pool(index size) : memory(static_cast<std::size_t>(size), sentinel) {}
-    float* at(index offset) { return memory.data() + offset; }
-    void randomize(index offset, index size, std::uint64_t seed) {
+    explicit pool(index_t size) : memory(static_cast<std::size_t>(size), sentinel) {}
+    float* at(index_t offset) { return memory.data() + offset; }
+    void randomize(index_t offset, index_t size, std::uint64_t seed) {
         attend_test::rng g(seed);
-        for (index n = 0; n < size; ++n)
+        for (index_t n = 0; n < size; ++n)
             memory[static_cast<std::size_t>(offset + n)] = static_cast<float>(g.uniform(-1, 1));
     }
 };
@@ -46,13 +46,13 @@ struct pool {
 /// The pool's elements from `got` on equal the tensor's, bit for bit.
 template <class Tensor>
 void expect_same_bits(const float* got, const Tensor& want) {
-    for (index n = 0; n < want.size(); ++n) ASSERT_EQ(got[n], want.data()[n]) << "element " << n;
+    for (index_t n = 0; n < want.size(); ++n) ASSERT_EQ(got[n], want.data()[n]) << "element " << n;
 }
 
 /// Offsets of the forward's tensors in a pool; the defaults place them back to back, touching but disjoint.
 struct forward_layout {
-    index q = 0, k = q_size, v = q_size + kv_size, out = q_size + 2 * kv_size, weights = out + out_size,
-          lse = weights + weights_size, end = lse + lse_size;
+    index_t q = 0, k = q_size, v = q_size + kv_size, out = q_size + 2 * kv_size, weights = out + out_size,
+            lse = weights + weights_size, end = lse + lse_size;
 };
 
 /// Runs scaled_dot_product_attention_into on tensors placed by `at` in a fresh pool.
@@ -70,7 +70,7 @@ struct forward_case {
             k(memory.at(at.k), B, H, S, D), v(memory.at(at.v), B, H, S, D);
         map4 out(memory.at(at.out), B, H, L, D), weights(memory.at(at.weights), B, H, L, S);
         map3 lse(memory.at(at.lse), B, H, L);
-        attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, out, {}, weights, lse);
+        attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, {}, out, weights, lse);
     }
 };
 
@@ -90,9 +90,9 @@ void expect_aliasing(const Layout& at, const std::string& output, const std::str
 /// One overlap: the output at `moved` is placed at `onto` + shift, which the message must name as `other`.
 template <class Layout>
 struct overlap {
-    index Layout::*moved;
-    index Layout::*onto;
-    index shift;
+    index_t Layout::*moved;
+    index_t Layout::*onto;
+    index_t shift;
     const char* output;
     const char* other;
 };
@@ -137,10 +137,10 @@ TEST(ForwardAliasing, AdjacentBuffersAreAcceptedAndMatchSeparateTensors) {
 
 // ---- backward -------------------------------------------------------------------------------------------------
 
-/// Offsets of the backward's tensors: inputs q, k, v, out, d_out, lse, then outputs dq, dk, dv.
+/// Offsets of the backward's tensors: inputs q, k, v, out, d_out, lse, then outputs d_query, d_key, d_value.
 struct backward_layout {
-    index q = 0, k = q_size, v = k + kv_size, out = v + kv_size, d_out = out + out_size, lse = d_out + out_size,
-          dq = lse + lse_size, dk = dq + q_size, dv = dk + kv_size, end = dv + kv_size;
+    index_t q = 0, k = q_size, v = k + kv_size, out = v + kv_size, d_out = out + out_size, lse = d_out + out_size,
+            d_query = lse + lse_size, d_key = d_query + q_size, d_value = d_key + kv_size, end = d_value + kv_size;
 };
 
 struct backward_case {
@@ -159,7 +159,7 @@ struct backward_case {
         std::copy(r.out.data(), r.out.data() + out_size, memory.at(at.out));
         std::copy(r.lse.data(), r.lse.data() + lse_size, memory.at(at.lse));
     }
-    attend::tensor<float, 4> tensor(index offset, index len) {
+    attend::tensor<float, 4> tensor(index_t offset, index_t len) {
         return Eigen::TensorMap<attend::tensor<float, 4>>(memory.at(offset), B, H, len, D);
     }
     void run() {
@@ -167,18 +167,19 @@ struct backward_case {
         const cmap4 q(memory.at(at.q), B, H, L, D), k(memory.at(at.k), B, H, S, D), v(memory.at(at.v), B, H, S, D),
             out(memory.at(at.out), B, H, L, D), d_out(memory.at(at.d_out), B, H, L, D);
         const Eigen::TensorMap<const attend::tensor<float, 3>> lse(memory.at(at.lse), B, H, L);
-        map4 dq(memory.at(at.dq), B, H, L, D), dk(memory.at(at.dk), B, H, S, D), dv(memory.at(at.dv), B, H, S, D);
-        attend::scaled_dot_product_attention_backward_into(q, k, v, out, lse, d_out, attend::no_mask{}, dq, dk, dv);
+        map4 dq(memory.at(at.d_query), B, H, L, D), dk(memory.at(at.d_key), B, H, S, D),
+            dv(memory.at(at.d_value), B, H, S, D);
+        attend::scaled_dot_product_attention_backward_into(q, k, v, attend::no_mask{}, out, lse, d_out, dq, dk, dv);
     }
 };
 
 TEST(BackwardAliasing, AGradientOverlappingAnInputOrAnotherGradientIsRejectedBeforeAnyWrite) {
     using at = backward_layout;
     expect_every_overlap_rejected<backward_case, at>({
-        {&at::dq, &at::d_out, 0, "dq", "input d_out"},
-        {&at::dk, &at::q, 1, "dk", "input query"},
-        {&at::dv, &at::lse, 0, "dv", "input lse"},
-        {&at::dv, &at::dk, kv_size - 1, "dv", "output dk"},
+        {&at::d_query, &at::d_out, 0, "d_query", "input d_out"},
+        {&at::d_key, &at::q, 1, "d_key", "input query"},
+        {&at::d_value, &at::lse, 0, "d_value", "input lse"},
+        {&at::d_value, &at::d_key, kv_size - 1, "d_value", "output d_key"},
     });
 }
 
@@ -190,9 +191,9 @@ TEST(BackwardAliasing, AdjacentBuffersAreAcceptedAndMatchTheAllocatingForm) {
         c.tensor(at.q, L), c.tensor(at.k, S), c.tensor(at.v, S), c.tensor(at.out, L),
         attend::tensor<float, 3>(Eigen::TensorMap<attend::tensor<float, 3>>(c.memory.at(at.lse), B, H, L)),
         c.tensor(at.d_out, L));
-    expect_same_bits(c.memory.at(at.dq), g.dq);
-    expect_same_bits(c.memory.at(at.dk), g.dk);
-    expect_same_bits(c.memory.at(at.dv), g.dv);
+    expect_same_bits(c.memory.at(at.d_query), g.d_query);
+    expect_same_bits(c.memory.at(at.d_key), g.d_key);
+    expect_same_bits(c.memory.at(at.d_value), g.d_value);
     EXPECT_EQ(c.memory.at(at.end)[0], sentinel) << "wrote past the last output";
 }
 
@@ -201,7 +202,7 @@ TEST(BackwardAliasing, InterleavedHeadsOfOneBufferCountAsOverlappingBecauseTheCh
     // address ranges interleave; the documented, conservative rule rejects them.
     backward_case c{backward_layout{}};
     std::vector<float> projected(static_cast<std::size_t>(2 * q_size), sentinel);
-    const auto head_group = [&](index first_head) {  // heads [first_head, first_head + H) of [B, L, 2 H D]
+    const auto head_group = [&](index_t first_head) {  // heads [first_head, first_head + H) of [B, L, 2 H D]
         attend::strided_view<float> x;
         x.data = projected.data() + first_head * D;
         x.dims = {B, H, L, D};
@@ -218,10 +219,10 @@ TEST(BackwardAliasing, InterleavedHeadsOfOneBufferCountAsOverlappingBecauseTheCh
     dv.setConstant(sentinel);
     const std::string message = attend_test::expect_error<attend::shape_error>(
         [&] {
-            attend::scaled_dot_product_attention_backward_into(q, q, q, out, lse, d_out, attend::no_mask{}, dq, dk, dv);
+            attend::scaled_dot_product_attention_backward_into(q, q, q, attend::no_mask{}, out, lse, d_out, dq, dk, dv);
         },
         "attend.shape.aliasing");
-    EXPECT_NE(message.find("output dk [1,2,3,4] overlaps output dq [1,2,3,4]"), std::string::npos) << message;
+    EXPECT_NE(message.find("output d_key [1,2,3,4] overlaps output d_query [1,2,3,4]"), std::string::npos) << message;
     for (float x : projected) EXPECT_EQ(x, sentinel);
 }
 
@@ -237,9 +238,9 @@ TEST(KvCacheAliasing, AppendingTheCachesOwnKeysIsRejectedAndAppendsNothing) {
     EXPECT_NE(message.find("output cache keys [1,2,8,4] overlaps input new keys [1,2,3,4]"), std::string::npos)
         << message;
     EXPECT_EQ(cache.length(), 3);
-    for (index h = 0; h < 2; ++h)
-        for (index i = 0; i < 3; ++i)
-            for (index d = 0; d < 4; ++d) EXPECT_EQ(cache.keys().row(0, h, i)[d], k(0, h, i, d));
+    for (index_t h = 0; h < 2; ++h)
+        for (index_t i = 0; i < 3; ++i)
+            for (index_t d = 0; d < 4; ++d) EXPECT_EQ(cache.keys().row(0, h, i)[d], k(0, h, i, d));
 }
 
 TEST(KvCacheAliasing, AppendingFromAnotherCacheIsAccepted) {
@@ -249,9 +250,9 @@ TEST(KvCacheAliasing, AppendingFromAnotherCacheIsAccepted) {
     a.append(k, v);
     b.append(a.keys(), a.values());
     EXPECT_EQ(b.length(), 3);
-    for (index h = 0; h < 2; ++h)
-        for (index i = 0; i < 3; ++i)
-            for (index d = 0; d < 4; ++d) EXPECT_EQ(b.values().row(0, h, i)[d], v(0, h, i, d));
+    for (index_t h = 0; h < 2; ++h)
+        for (index_t i = 0; i < 3; ++i)
+            for (index_t d = 0; d < 4; ++d) EXPECT_EQ(b.values().row(0, h, i)[d], v(0, h, i, d));
 }
 
 }  // namespace

@@ -22,10 +22,10 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 
 constexpr float sentinel = -7777.25f;
-constexpr index huge_len = index(1) << 20;
+constexpr index_t huge_len = index_t(1) << 20;
 
 bool allocator_always_succeeds() {
     std::ifstream policy("/proc/sys/vm/overcommit_memory");
@@ -49,7 +49,7 @@ struct huge_call {
         out.setConstant(sentinel);
     }
     bool out_untouched() const {
-        for (index n = 0; n < out.size(); ++n)
+        for (index_t n = 0; n < out.size(); ++n)
             if (!(out.data()[n] == sentinel)) return false;
         return true;
     }
@@ -62,7 +62,7 @@ TEST(AllocationFailure, ReferenceKernelScoresOfTwoToTheFortyElementsAreAResource
     o.kernel = attend::kernel::reference;
     o.threads = 1;
     const std::string message = attend_test::expect_error<attend::resource_error>(
-        [&] { attend::scaled_dot_product_attention_into(c.q, c.k, c.v, attend::no_mask{}, c.out, o); },
+        [&] { attend::scaled_dot_product_attention_into(c.q, c.k, c.v, attend::no_mask{}, o, c.out); },
         "attend.resource.allocation");
     EXPECT_NE(message.find("the reference kernel's scores [1048576,1048576] = 4398046511104 bytes"), std::string::npos)
         << message;
@@ -115,7 +115,7 @@ TEST(AllocationFailure, TheSameShapeWithoutWeightsRunsInTiles) {
     o.kernel = attend::kernel::tiled;
     o.threads = 1;
     const auto r = attend::scaled_dot_product_attention(q, c.k, c.v, o);
-    for (index n = 0; n < r.out.size(); ++n) EXPECT_FLOAT_EQ(r.out.data()[n], 1.0f);
+    for (index_t n = 0; n < r.out.size(); ++n) EXPECT_FLOAT_EQ(r.out.data()[n], 1.0f);
 }
 
 TEST(AllocationFailure, ReferenceBackwardScoresAreAResourceErrorBeforeAnyWrite) {
@@ -129,15 +129,15 @@ TEST(AllocationFailure, ReferenceBackwardScoresAreAResourceErrorBeforeAnyWrite) 
     o.threads = 1;
     const std::string message = attend_test::expect_error<attend::resource_error>(
         [&] {
-            attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, c.v, lse, d_out, attend::no_mask{}, dq,
-                                                               dk, dv, o);
+            attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, attend::no_mask{}, c.v, lse, d_out, o, dq,
+                                                               dk, dv);
         },
         "attend.resource.allocation");
     EXPECT_NE(message.find("the reference backward's score matrices (3 x query_len x key_len) [3,1048576,1048576]"),
               std::string::npos)
         << message;
     for (const auto* g : {&dq, &dk, &dv})
-        for (index n = 0; n < g->size(); ++n) ASSERT_EQ(g->data()[n], sentinel);
+        for (index_t n = 0; n < g->size(); ++n) ASSERT_EQ(g->data()[n], sentinel);
 }
 
 TEST(AllocationFailure, ReferenceBackwardOfSixteenBitInputsIsAResourceErrorBeforeAnyWrite) {
@@ -157,21 +157,21 @@ TEST(AllocationFailure, ReferenceBackwardOfSixteenBitInputsIsAResourceErrorBefor
     o.threads = 1;
     const std::string message = attend_test::expect_error<attend::resource_error>(
         [&] {
-            attend::scaled_dot_product_attention_backward_into(q, k, v, v, lse, v, attend::no_mask{}, dq, dk, dv, o);
+            attend::scaled_dot_product_attention_backward_into(q, k, v, attend::no_mask{}, v, lse, v, o, dq, dk, dv);
         },
         "attend.resource.allocation");
     EXPECT_NE(message.find("the reference backward's score matrices (3 x query_len x key_len) [3,1048576,1048576]"),
               std::string::npos)
         << message;
     for (const auto* g : {&dq, &dk, &dv})
-        for (index n = 0; n < g->size(); ++n) ASSERT_TRUE(g->data()[n] == marker);
+        for (index_t n = 0; n < g->size(); ++n) ASSERT_TRUE(g->data()[n] == marker);
 }
 
 TEST(AllocationFailure, AKvCacheLargerThanAVectorCanHoldIsAResourceError) {
     // 2^62 positions of one float: within Eigen::Index, past std::vector's max_size, so the standard library
     // throws std::length_error before asking the allocator (this holds under every sanitizer and kernel policy).
     const std::string message = attend_test::expect_error<attend::resource_error>(
-        [] { attend::kv_cache<float> cache(1, 1, index(1) << 62, 1, 1); }, "attend.resource.allocation");
+        [] { attend::kv_cache<float> cache(1, 1, index_t(1) << 62, 1, 1); }, "attend.resource.allocation");
     EXPECT_NE(
         message.find(
             "kv_cache storage (keys and values x batch x kv_heads x capacity x dim) [2,1,1,4611686018427387904,1]"),

@@ -27,7 +27,7 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend_test::bit_equal;
 using attend_test::random16;
 using attend_test::worst_row_error;
@@ -40,7 +40,7 @@ struct case16 {
     attend::tensor<T, 4> q, k, v, out, d_out;
     attend::tensor<float, 3> lse;
 
-    case16(index heads, index kv_heads, index L, index S, index dim, std::uint64_t seed,
+    case16(index_t heads, index_t kv_heads, index_t L, index_t S, index_t dim, std::uint64_t seed,
            const attend::sdpa_options& options)
         : q(random16<T>(seed, 2, heads, L, dim)),
           k(random16<T>(seed + 1, 2, kv_heads, S, dim)),
@@ -58,8 +58,8 @@ struct case16 {
                                             attend::tensor<G, 4>(v.dimensions()),
                                             attend::tensor<G, 2>(q.dimension(1), q.dimension(2) + k.dimension(2) - 1),
                                             attend::tensor<G, 1>(q.dimension(1))};
-        attend::scaled_dot_product_attention_backward_into(q, k, v, out, lse, d_out, mask(), g.dq, g.dk, g.dv, options,
-                                                           g.score_bias_gradient, g.sink_gradient);
+        attend::scaled_dot_product_attention_backward_into(q, k, v, mask(), out, lse, d_out, options, g.d_query,
+                                                           g.d_key, g.d_value, g.d_score_bias, g.d_sinks);
         return g;
     }
     template <class U>
@@ -70,11 +70,11 @@ struct case16 {
 
 /// Plain; sinks with soft-capping on the reference kernel at 2 threads; an ALiBi score bias with dropout and
 /// sinks on the tiled kernel at 3 threads.
-std::vector<attend::sdpa_options> option_sets(index heads) {
+std::vector<attend::sdpa_options> option_sets(index_t heads) {
     std::vector<attend::sdpa_options> sets(3);
     sets[1].softcap = 5.0;
     std::vector<double> sinks;
-    for (index h = 0; h < heads; ++h) sinks.push_back(0.25 * static_cast<double>(h));
+    for (index_t h = 0; h < heads; ++h) sinks.push_back(0.25 * static_cast<double>(h));
     sets[1].sinks = attend::attention_sinks(sinks);
     sets[1].kernel = attend::kernel::reference;
     sets[1].threads = 2;
@@ -89,7 +89,7 @@ std::vector<attend::sdpa_options> option_sets(index heads) {
 template <class X, class Y>
 bool same_values(const X& got, const Y& want) {
     if (got.size() != want.size()) return false;
-    for (index n = 0; n < got.size(); ++n)
+    for (index_t n = 0; n < got.size(); ++n)
         if (!(got.data()[n] == want.data()[n])) return false;
     return true;
 }
@@ -101,7 +101,7 @@ TYPED_TEST_SUITE(Backward16, attend_test::storage16_types, attend_test::storage1
 TYPED_TEST(Backward16, GradientsAreTheFloatBackwardOnTheSameValuesRoundedOnce) {
     using T = TypeParam;
     struct shape {
-        index heads, kv_heads, L, S, dim;
+        index_t heads, kv_heads, L, S, dim;
     };
     // The second shape splits each (batch, kv head)'s 300 keys over three chunks, whose dq partials are added in
     // chunk order before the one rounding.
@@ -109,36 +109,34 @@ TYPED_TEST(Backward16, GradientsAreTheFloatBackwardOnTheSameValuesRoundedOnce) {
         for (const auto& options : option_sets(sh.heads)) {
             const case16<T> c(sh.heads, sh.kv_heads, sh.L, sh.S, sh.dim, 5, options);
             const auto got =
-                attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, c.out, c.lse, c.d_out, c.mask(), options);
-            const auto want =
-                attend::scaled_dot_product_attention_backward(c.template as<float>(c.q), c.template as<float>(c.k),
-                                                              c.template as<float>(c.v), c.template as<float>(c.out),
-                                                              c.lse, c.template as<float>(c.d_out), c.mask(), options);
-            EXPECT_TRUE(bit_equal(got.dq, attend::tensor<T, 4>(want.dq.template cast<T>())));
-            EXPECT_TRUE(bit_equal(got.dk, attend::tensor<T, 4>(want.dk.template cast<T>())));
-            EXPECT_TRUE(bit_equal(got.dv, attend::tensor<T, 4>(want.dv.template cast<T>())));
-            EXPECT_TRUE(same_values(got.score_bias_gradient,
-                                    attend::tensor<T, 2>(want.score_bias_gradient.template cast<T>())));
-            EXPECT_TRUE(same_values(got.sink_gradient, attend::tensor<T, 1>(want.sink_gradient.template cast<T>())));
-            EXPECT_EQ(got.score_bias_gradient.size() != 0, !options.score_bias.empty());
-            EXPECT_EQ(got.sink_gradient.size() != 0, !options.sinks.empty());
+                attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, c.mask(), c.out, c.lse, c.d_out, options);
+            const auto want = attend::scaled_dot_product_attention_backward(
+                c.template as<float>(c.q), c.template as<float>(c.k), c.template as<float>(c.v), c.mask(),
+                c.template as<float>(c.out), c.lse, c.template as<float>(c.d_out), options);
+            EXPECT_TRUE(bit_equal(got.d_query, attend::tensor<T, 4>(want.d_query.template cast<T>())));
+            EXPECT_TRUE(bit_equal(got.d_key, attend::tensor<T, 4>(want.d_key.template cast<T>())));
+            EXPECT_TRUE(bit_equal(got.d_value, attend::tensor<T, 4>(want.d_value.template cast<T>())));
+            EXPECT_TRUE(same_values(got.d_score_bias, attend::tensor<T, 2>(want.d_score_bias.template cast<T>())));
+            EXPECT_TRUE(same_values(got.d_sinks, attend::tensor<T, 1>(want.d_sinks.template cast<T>())));
+            EXPECT_EQ(got.d_score_bias.size() != 0, !options.score_bias.empty());
+            EXPECT_EQ(got.d_sinks.size() != 0, !options.sinks.empty());
 
             // Float outputs on request: the float gradients themselves; 16-bit outputs: the allocating form's.
             const auto f = c.template gradients_into<float>(options);
-            EXPECT_TRUE(bit_equal(f.dq, want.dq));
-            EXPECT_TRUE(bit_equal(f.dk, want.dk));
-            EXPECT_TRUE(bit_equal(f.dv, want.dv));
+            EXPECT_TRUE(bit_equal(f.d_query, want.d_query));
+            EXPECT_TRUE(bit_equal(f.d_key, want.d_key));
+            EXPECT_TRUE(bit_equal(f.d_value, want.d_value));
             const auto h = c.template gradients_into<T>(options);
-            EXPECT_TRUE(bit_equal(h.dq, got.dq));
-            EXPECT_TRUE(bit_equal(h.dk, got.dk));
-            EXPECT_TRUE(bit_equal(h.dv, got.dv));
+            EXPECT_TRUE(bit_equal(h.d_query, got.d_query));
+            EXPECT_TRUE(bit_equal(h.d_key, got.d_key));
+            EXPECT_TRUE(bit_equal(h.d_value, got.d_value));
             if (!options.score_bias.empty()) {
-                EXPECT_TRUE(same_values(f.score_bias_gradient, want.score_bias_gradient));
-                EXPECT_TRUE(same_values(h.score_bias_gradient, got.score_bias_gradient));
+                EXPECT_TRUE(same_values(f.d_score_bias, want.d_score_bias));
+                EXPECT_TRUE(same_values(h.d_score_bias, got.d_score_bias));
             }
             if (!options.sinks.empty()) {
-                EXPECT_TRUE(same_values(f.sink_gradient, want.sink_gradient));
-                EXPECT_TRUE(same_values(h.sink_gradient, got.sink_gradient));
+                EXPECT_TRUE(same_values(f.d_sinks, want.d_sinks));
+                EXPECT_TRUE(same_values(h.d_sinks, got.d_sinks));
             }
         }
 }
@@ -149,15 +147,14 @@ TYPED_TEST(Backward16, MeetsItsAccuracyTargetAgainstDoubleOnTheSameInputs) {
     const attend::sdpa_options options;
     const case16<T> c(4, 2, 60, 130, 32, 9, options);
     const auto got =
-        attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, c.out, c.lse, c.d_out, c.mask(), options);
+        attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, c.mask(), c.out, c.lse, c.d_out, options);
     const attend::tensor<double, 3> lse = c.lse.template cast<double>();
-    const auto want =
-        attend::scaled_dot_product_attention_backward(c.template as<double>(c.q), c.template as<double>(c.k),
-                                                      c.template as<double>(c.v), c.template as<double>(c.out), lse,
-                                                      c.template as<double>(c.d_out), c.mask(), options);
-    for (const auto& [name, error] : {std::pair<const char*, double>{"dq", worst_row_error(got.dq, want.dq)},
-                                      {"dk", worst_row_error(got.dk, want.dk)},
-                                      {"dv", worst_row_error(got.dv, want.dv)}}) {
+    const auto want = attend::scaled_dot_product_attention_backward(
+        c.template as<double>(c.q), c.template as<double>(c.k), c.template as<double>(c.v), c.mask(),
+        c.template as<double>(c.out), lse, c.template as<double>(c.d_out), options);
+    for (const auto& [name, error] : {std::pair<const char*, double>{"dq", worst_row_error(got.d_query, want.d_query)},
+                                      {"dk", worst_row_error(got.d_key, want.d_key)},
+                                      {"dv", worst_row_error(got.d_value, want.d_value)}}) {
         EXPECT_LE(error, target) << name;
         EXPECT_GE(error, target / 16) << name << ": a float-sized error would mean nothing was rounded to 16 bits";
     }
@@ -175,28 +172,28 @@ TYPED_TEST(Backward16, BadInputIsRejectedAsInFloatBeforeAnyGradientIsWritten) {
         for (auto* g : {&dq, &dk, &dv}) g->setConstant(sentinel);
         const std::string message = attend_test::expect_error<attend::value_error>(
             [&] {
-                attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, c.out, c.lse, c.d_out, c.mask(), dq,
-                                                                   dk, dv, options);
+                attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, c.mask(), c.out, c.lse, c.d_out,
+                                                                   options, dq, dk, dv);
             },
             "attend.value.non_finite");
         EXPECT_NE(message.find(which == 0 ? "query" : which == 1 ? "value" : "d_out"), std::string::npos) << message;
         EXPECT_NE(message.find("[1,0,3,2]"), std::string::npos) << message;
         for (const auto* g : {&dq, &dk, &dv})
-            for (index n = 0; n < g->size(); ++n) ASSERT_TRUE(g->data()[n] == sentinel);
+            for (index_t n = 0; n < g->size(); ++n) ASSERT_TRUE(g->data()[n] == sentinel);
     }
     // A dq of the wrong shape is the float backward's shape error, and a dq over the query is aliasing.
     case16<T> c(2, 1, 5, 7, 8, 41, options);
     attend::tensor<T, 4> dq(2, 2, 5, 9), dk(c.k.dimensions()), dv(c.v.dimensions());
     attend_test::expect_error<attend::shape_error>(
         [&] {
-            attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, c.out, c.lse, c.d_out, c.mask(), dq, dk,
-                                                               dv, options);
+            attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, c.mask(), c.out, c.lse, c.d_out, options,
+                                                               dq, dk, dv);
         },
         "attend.shape.backward_dq");
     attend_test::expect_error<attend::shape_error>(
         [&] {
-            attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, c.out, c.lse, c.d_out, c.mask(), c.q, dk,
-                                                               dv, options);
+            attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, c.mask(), c.out, c.lse, c.d_out, options,
+                                                               c.q, dk, dv);
         },
         "attend.shape.aliasing");
 }

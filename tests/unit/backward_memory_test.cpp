@@ -91,13 +91,13 @@ void free(void* p) noexcept {
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend::tensor;
 
 constexpr double mib = 1024.0 * 1024.0;
 
 void fill(tensor<float, 4>& t, std::uint64_t seed) {
-    for (index n = 0; n < t.size(); ++n) {
+    for (index_t n = 0; n < t.size(); ++n) {
         seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
         t.data()[n] = static_cast<float>(static_cast<double>(seed >> 40) / static_cast<double>(1ULL << 24) * 2 - 1);
     }
@@ -118,7 +118,7 @@ TEST(BackwardMemory, CounterSeesEigenAndOperatorNew) {
 /// the values (only P = exp(s - lse) must stay finite, and s <= 64 / 8 here), and skipping the forward pass keeps
 /// the test to one backward call.
 TEST(BackwardMemory, NoQueryByKeyBuffer) {
-    const index L = 16384, S = 16384, D = 64;
+    const index_t L = 16384, S = 16384, D = 64;
     tensor<float, 4> q(1, 1, L, D), k(1, 1, S, D), v(1, 1, S, D), out(1, 1, L, D), d_out(1, 1, L, D);
     fill(q, 1);
     fill(k, 2);
@@ -132,21 +132,21 @@ TEST(BackwardMemory, NoQueryByKeyBuffer) {
     options.check_finite = false;
 
     const std::int64_t base = counter().reset();
-    const auto g = attend::scaled_dot_product_attention_backward(q, k, v, out, lse, d_out,
-                                                                 attend::causal(attend::alignment::top_left), options);
+    const auto g = attend::scaled_dot_product_attention_backward(q, k, v, attend::causal(attend::alignment::top_left),
+                                                                 out, lse, d_out, options);
     const double peak = static_cast<double>(counter().peak.load() - base) / mib;
-    const double outputs = static_cast<double>((g.dq.size() + g.dk.size() + g.dv.size()) * 4) / mib;
+    const double outputs = static_cast<double>((g.d_query.size() + g.d_key.size() + g.d_value.size()) * 4) / mib;
     std::cout << "[memory] backward L = S = 16384, D = 64, float: peak " << peak << " MiB allocated during the call, "
               << outputs << " MiB of it the returned gradients; a query x key float buffer would be "
               << static_cast<double>(L * S * 4) / mib << " MiB\n";
     EXPECT_LT(peak - outputs, 64.0);
-    EXPECT_TRUE(std::isfinite(g.dq(0, 0, L - 1, 0)) && std::isfinite(g.dk(0, 0, 0, 0)));
+    EXPECT_TRUE(std::isfinite(g.d_query(0, 0, L - 1, 0)) && std::isfinite(g.d_key(0, 0, 0, 0)));
 
     // The _into form allocates only scratch.
     tensor<float, 4> dq(q.dimensions()), dk(k.dimensions()), dv(v.dimensions());
     const std::int64_t base_into = counter().reset();
-    attend::scaled_dot_product_attention_backward_into(
-        q, k, v, out, lse, d_out, attend::causal(attend::alignment::bottom_right), dq, dk, dv, options);
+    attend::scaled_dot_product_attention_backward_into(q, k, v, attend::causal(attend::alignment::bottom_right), out,
+                                                       lse, d_out, options, dq, dk, dv);
     const double peak_into = static_cast<double>(counter().peak.load() - base_into) / mib;
     std::cout << "[memory] backward_into: peak " << peak_into << " MiB\n";
     EXPECT_LT(peak_into, 64.0);
@@ -157,7 +157,7 @@ TEST(BackwardMemory, NoQueryByKeyBuffer) {
 /// here (and float gradients 12 MiB more); with float gradients on request, only the scratch.
 TEST(BackwardMemory, SixteenBitInputsAreReadInPlaceNotCopiedToFloat) {
     using bf16 = Eigen::bfloat16;
-    const index H = 16, L = 1024, S = 1024, D = 64;  // 16 heads: one key chunk each, no dq partials
+    const index_t H = 16, L = 1024, S = 1024, D = 64;  // 16 heads: one key chunk each, no dq partials
     tensor<float, 4> source(1, H, L, D);
     tensor<bf16, 4> q(1, H, L, D), k(1, H, S, D), v(1, H, S, D), out(1, H, L, D), d_out(1, H, L, D);
     std::uint64_t seed = 11;
@@ -173,22 +173,22 @@ TEST(BackwardMemory, SixteenBitInputsAreReadInPlaceNotCopiedToFloat) {
     const double float_copy = static_cast<double>(q.size() * 4) / mib, scratch = 2.0;
 
     const std::int64_t base = counter().reset();
-    const auto g = attend::scaled_dot_product_attention_backward(q, k, v, out, lse, d_out, attend::no_mask{}, options);
+    const auto g = attend::scaled_dot_product_attention_backward(q, k, v, attend::no_mask{}, out, lse, d_out, options);
     const double peak = static_cast<double>(counter().peak.load() - base) / mib;
-    const double outputs = static_cast<double>((g.dq.size() + g.dk.size() + g.dv.size()) * 2) / mib;
+    const double outputs = static_cast<double>((g.d_query.size() + g.d_key.size() + g.d_value.size()) * 2) / mib;
     std::cout << "[memory] backward of bf16 inputs, 16 heads, L = S = 1024, D = 64: peak " << peak
               << " MiB allocated during the call, " << outputs << " MiB of it the returned gradients\n";
     EXPECT_LT(peak - outputs, float_copy + scratch);
 
     tensor<float, 4> dq(q.dimensions()), dk(k.dimensions()), dv(v.dimensions());
     const std::int64_t base_into = counter().reset();
-    attend::scaled_dot_product_attention_backward_into(q, k, v, out, lse, d_out, attend::no_mask{}, dq, dk, dv,
-                                                       options);
+    attend::scaled_dot_product_attention_backward_into(q, k, v, attend::no_mask{}, out, lse, d_out, options, dq, dk,
+                                                       dv);
     const double peak_into = static_cast<double>(counter().peak.load() - base_into) / mib;
     std::cout << "[memory] backward_into float gradients of bf16 inputs: peak " << peak_into << " MiB\n";
     EXPECT_LT(peak_into, scratch);
     EXPECT_TRUE(std::isfinite(dq(0, 3, 7, 1)) &&
-                static_cast<float>(g.dq(0, 3, 7, 1)) == static_cast<float>(bf16(dq(0, 3, 7, 1))));
+                static_cast<float>(g.d_query(0, 3, 7, 1)) == static_cast<float>(bf16(dq(0, 3, 7, 1))));
 }
 
 }  // namespace

@@ -36,7 +36,7 @@ using attend_test::max_abs;
 using attend_test::max_abs_diff;
 
 using attend::alignment;
-using attend::index;
+using attend::index_t;
 using attend::kernel;
 using attend::sdpa_options;
 using attend::tensor;
@@ -53,7 +53,7 @@ attend::attention_result<T, Rank> forward(const tensor<T, Rank>& q, const tensor
 template <int Rank>
 double dot(const tensor<double, Rank>& a, const tensor<double, Rank>& b) {
     double s = 0;
-    for (index n = 0; n < a.size(); ++n) s += a.data()[n] * b.data()[n];
+    for (index_t n = 0; n < a.size(); ++n) s += a.data()[n] * b.data()[n];
     return s;
 }
 
@@ -75,16 +75,16 @@ void check_by_finite_differences(const std::string& what, tensor<double, Rank> q
     for (const kernel kern : {kernel::reference, kernel::automatic}) {
         SCOPED_TRACE(kern == kernel::reference ? "reference kernel" : "tiled kernel");
         o.kernel = kern;
-        const auto g = attend::scaled_dot_product_attention_backward(q, k, v, f.out, f.lse, w, mask, o);
-        EXPECT_TRUE(all_finite(g.dq) && all_finite(g.dk) && all_finite(g.dv));
-        expect_close_to_fd(g.dq, fd_q, "dq");
-        expect_close_to_fd(g.dk, fd_k, "dk");
-        expect_close_to_fd(g.dv, fd_v, "dv");
+        const auto g = attend::scaled_dot_product_attention_backward(q, k, v, mask, f.out, f.lse, w, o);
+        EXPECT_TRUE(all_finite(g.d_query) && all_finite(g.d_key) && all_finite(g.d_value));
+        expect_close_to_fd(g.d_query, fd_q, "dq");
+        expect_close_to_fd(g.d_key, fd_k, "dk");
+        expect_close_to_fd(g.d_value, fd_v, "dv");
     }
 }
 
 struct dims {
-    index batch = 2, heads = 2, kv_heads = 2, query_len = 5, key_len = 7, head_dim = 3, value_dim = 2;
+    index_t batch = 2, heads = 2, kv_heads = 2, query_len = 5, key_len = 7, head_dim = 3, value_dim = 2;
 };
 
 struct qkv {
@@ -109,9 +109,9 @@ void check_fd(const std::string& what, const dims& d, const Mask& mask, const sd
 tensor<bool, 4> random_allowed(const dims& d, std::uint64_t seed) {
     attend_test::rng g(seed);
     tensor<bool, 4> m(d.batch, 1, d.query_len, d.key_len);
-    for (index b = 0; b < d.batch; ++b)
-        for (index i = 0; i < d.query_len; ++i)
-            for (index j = 0; j < d.key_len; ++j) m(b, 0, i, j) = j == i % d.key_len || g.bernoulli(0.6);
+    for (index_t b = 0; b < d.batch; ++b)
+        for (index_t i = 0; i < d.query_len; ++i)
+            for (index_t j = 0; j < d.key_len; ++j) m(b, 0, i, j) = j == i % d.key_len || g.bernoulli(0.6);
     return m;
 }
 
@@ -125,8 +125,8 @@ TEST(BackwardFiniteDifferences, NoMaskOverloadAndCustomScale) {
     const auto f = forward(x.q, x.k, x.v, attend::no_mask{}, o);
     const auto a = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, f.out, o);
     const auto b =
-        attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, f.out, attend::no_mask{}, o);
-    EXPECT_TRUE(bit_equal(a.dq, b.dq) && bit_equal(a.dk, b.dk) && bit_equal(a.dv, b.dv));
+        attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, attend::no_mask{}, f.out, f.lse, f.out, o);
+    EXPECT_TRUE(bit_equal(a.d_query, b.d_query) && bit_equal(a.d_key, b.d_key) && bit_equal(a.d_value, b.d_value));
 }
 
 TEST(BackwardFiniteDifferences, DenseAllowedMask) {
@@ -137,9 +137,9 @@ TEST(BackwardFiniteDifferences, DenseAllowedMask) {
 TEST(BackwardFiniteDifferences, ForbiddenMaskConverted) {
     const dims d;
     tensor<bool, 4> blocked = random_allowed(d, 6);
-    for (index n = 0; n < blocked.size(); ++n) blocked.data()[n] = !blocked.data()[n];
-    for (index b = 0; b < d.batch; ++b)
-        for (index i = 0; i < d.query_len; ++i) blocked(b, 0, i, 0) = false;  // key 0 open: no empty row
+    for (index_t n = 0; n < blocked.size(); ++n) blocked.data()[n] = !blocked.data()[n];
+    for (index_t b = 0; b < d.batch; ++b)
+        for (index_t i = 0; i < d.query_len; ++i) blocked(b, 0, i, 0) = false;  // key 0 open: no empty row
     check_fd("forbidden mask", d, attend::to_allowed(attend::forbidden_mask::from_torch_mha(blocked)));
 }
 
@@ -147,8 +147,8 @@ TEST(BackwardFiniteDifferences, AdditiveMask) {
     const dims d;
     attend_test::rng g(8);
     tensor<double, 2> m(d.query_len, d.key_len);
-    for (index i = 0; i < d.query_len; ++i)
-        for (index j = 0; j < d.key_len; ++j)
+    for (index_t i = 0; i < d.query_len; ++i)
+        for (index_t j = 0; j < d.key_len; ++j)
             m(i, j) = j != i && g.bernoulli(0.25) ? -std::numeric_limits<double>::infinity() : g.uniform(-2, 2);
     check_fd("additive mask", d, attend::additive_mask<double>::query_key_grid(m));
 }
@@ -222,7 +222,7 @@ TEST(BackwardFiniteDifferences, Dropout) {
 TEST(BackwardFiniteDifferences, EmptyRowsZeroHaveZeroGradient) {
     const dims d;
     tensor<bool, 4> m = random_allowed(d, 21);
-    for (index j = 0; j < d.key_len; ++j) m(1, 0, 2, j) = false;  // batch 1, query 2: no allowed key
+    for (index_t j = 0; j < d.key_len; ++j) m(1, 0, 2, j) = false;  // batch 1, query 2: no allowed key
     const auto mask = attend::allowed_mask::from_torch_sdpa(m);
     sdpa_options o;
     o.empty_rows = attend::empty_rows::zero;
@@ -232,10 +232,10 @@ TEST(BackwardFiniteDifferences, EmptyRowsZeroHaveZeroGradient) {
     tensor<double, 4> w = attend_test::random_tensor<double>(3, d.batch, d.heads, d.query_len, d.value_dim);
     for (const kernel kern : {kernel::reference, kernel::automatic}) {
         o.kernel = kern;
-        const auto g = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, w, mask, o);
-        EXPECT_TRUE(all_finite(g.dq) && all_finite(g.dk) && all_finite(g.dv));
-        for (index h = 0; h < d.heads; ++h)
-            for (index c = 0; c < d.head_dim; ++c) EXPECT_EQ(g.dq(1, h, 2, c), 0.0);
+        const auto g = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, mask, f.out, f.lse, w, o);
+        EXPECT_TRUE(all_finite(g.d_query) && all_finite(g.d_key) && all_finite(g.d_value));
+        for (index_t h = 0; h < d.heads; ++h)
+            for (index_t c = 0; c < d.head_dim; ++c) EXPECT_EQ(g.d_query(1, h, 2, c), 0.0);
     }
 }
 
@@ -246,10 +246,10 @@ TEST(BackwardFiniteDifferences, QueryPadding) {
     auto x = random_qkv(d, 1);
     const auto f = forward(x.q, x.k, x.v, mask, {});
     const auto w = attend_test::random_tensor<double>(3, d.batch, d.heads, d.query_len, d.value_dim);
-    const auto g = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, w, mask);
-    for (index h = 0; h < d.heads; ++h)
-        for (index i = 3; i < d.query_len; ++i)
-            for (index c = 0; c < d.head_dim; ++c) EXPECT_EQ(g.dq(1, h, i, c), 0.0);
+    const auto g = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, mask, f.out, f.lse, w);
+    for (index_t h = 0; h < d.heads; ++h)
+        for (index_t i = 3; i < d.query_len; ++i)
+            for (index_t c = 0; c < d.head_dim; ++c) EXPECT_EQ(g.d_query(1, h, i, c), 0.0);
 }
 
 TEST(BackwardFiniteDifferences, RelativeBiasInputsAndTable) {
@@ -276,9 +276,9 @@ TEST(BackwardFiniteDifferences, RelativeBiasInputsAndTable) {
         const auto fd = fd_gradient(table.table(), loss);
         for (const kernel kern : {kernel::reference, kernel::automatic}) {
             o.kernel = kern;
-            const auto g = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, w, mask, o);
-            ASSERT_EQ(g.score_bias_gradient.dimension(0), d.heads);
-            ASSERT_EQ(g.score_bias_gradient.dimension(1), d.query_len + d.key_len - 1);
+            const auto g = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, mask, f.out, f.lse, w, o);
+            ASSERT_EQ(g.d_score_bias.dimension(0), d.heads);
+            ASSERT_EQ(g.d_score_bias.dimension(1), d.query_len + d.key_len - 1);
             expect_close_to_fd(attend::relative_bias_gradient(table, g, o.score_bias), fd, "d table");
         }
         EXPECT_TRUE(bit_equal(entries, table.table()));
@@ -296,8 +296,8 @@ TEST(BackwardFiniteDifferences, RelativeBiasFloatTable) {
     const tensor<float, 2> dt = attend::relative_bias_gradient(table, g, o.score_bias);
     // Every key - query offset lands in exactly one bucket, so the table gradient sums to the offset gradient.
     double total = 0, by_offset = 0;
-    for (index n = 0; n < dt.size(); ++n) total += static_cast<double>(dt.data()[n]);
-    for (index n = 0; n < g.score_bias_gradient.size(); ++n) by_offset += g.score_bias_gradient.data()[n];
+    for (index_t n = 0; n < dt.size(); ++n) total += static_cast<double>(dt.data()[n]);
+    for (index_t n = 0; n < g.d_score_bias.size(); ++n) by_offset += g.d_score_bias.data()[n];
     EXPECT_NEAR(total, by_offset, 1e-5);
 }
 
@@ -319,9 +319,10 @@ TEST(BackwardGolden, MatchesPyTorchAutograd) {
         o.scale = attend_test::to_optional_number(c.at("scale"));
         for (const kernel kern : {kernel::reference, kernel::automatic}) {
             o.kernel = kern;
-            const auto g = attend::scaled_dot_product_attention_backward(q, k, v, out, lse, d_out,
-                                                                         attend::causal(alignment::bottom_right), o);
-            const double eq = max_abs_diff(g.dq, dq), ek = max_abs_diff(g.dk, dk), ev = max_abs_diff(g.dv, dv);
+            const auto g = attend::scaled_dot_product_attention_backward(
+                q, k, v, attend::causal(alignment::bottom_right), out, lse, d_out, o);
+            const double eq = max_abs_diff(g.d_query, dq), ek = max_abs_diff(g.d_key, dk),
+                         ev = max_abs_diff(g.d_value, dv);
             std::cout << "[golden] " << name << (kern == kernel::reference ? " reference" : " tiled")
                       << ": max abs error dq " << eq << ", dk " << ek << ", dv " << ev << '\n';
             EXPECT_LE(eq, 1e-10) << name;
@@ -364,34 +365,34 @@ void with_mask(const config& c, F&& f) {
     attend_test::rng g(c.mask_seed);
     const dims& d = c.d;
     const auto align = [&] { return g.bernoulli(0.5) ? alignment::top_left : alignment::bottom_right; };
-    const auto lengths = [&](index limit) {
-        std::vector<index> n;
-        for (index b = 0; b < d.batch; ++b) n.push_back(g.uniform_int(0, limit));
+    const auto lengths = [&](index_t limit) {
+        std::vector<index_t> n;
+        for (index_t b = 0; b < d.batch; ++b) n.push_back(g.uniform_int(0, limit));
         return n;
     };
     const auto dense_allowed = [&] {
         const bool per_batch = g.bernoulli(0.5);
         const double p = g.uniform(0.2, 0.95);
         tensor<bool, 4> m(per_batch ? d.batch : 1, 1, d.query_len, d.key_len);
-        for (index n = 0; n < m.size(); ++n) m.data()[n] = g.bernoulli(p);
+        for (index_t n = 0; n < m.size(); ++n) m.data()[n] = g.bernoulli(p);
         return attend::allowed_mask::from_torch_sdpa(m);
     };
     const auto additive = [&] {
         tensor<double, 4> m(d.batch, g.bernoulli(0.5) ? d.heads : 1, d.query_len, d.key_len);
-        for (index n = 0; n < m.size(); ++n)
+        for (index_t n = 0; n < m.size(); ++n)
             m.data()[n] = g.bernoulli(0.2) ? -std::numeric_limits<double>::infinity() : g.uniform(-3, 3);
         return attend::additive_mask<double>::from_values(m);
     };
     // An alignment, or one diagonal offset per batch row.
     const auto diagonal = [&]() -> attend::diagonal {
         if (g.bernoulli(0.5)) return align();
-        std::vector<index> offsets;
-        for (index b = 0; b < d.batch; ++b) offsets.push_back(g.uniform_int(-d.query_len, d.key_len));
+        std::vector<index_t> offsets;
+        for (index_t b = 0; b < d.batch; ++b) offsets.push_back(g.uniform_int(-d.query_len, d.key_len));
         return attend::diagonal_offsets(offsets);
     };
     const auto window = [&] {
-        const index left = g.bernoulli(0.2) ? attend::unbounded : g.uniform_int(0, d.key_len);
-        const index right = g.uniform_int(0, d.key_len);
+        const index_t left = g.bernoulli(0.2) ? attend::unbounded : g.uniform_int(0, d.key_len);
+        const index_t right = g.uniform_int(0, d.key_len);
         return attend::sliding_window(left, right, diagonal());
     };
     switch (c.mask_kind) {
@@ -407,9 +408,9 @@ void with_mask(const config& c, F&& f) {
         case 9: return f(attend::causal(alignment::top_left) && attend::key_padding(lengths(d.key_len)));
         case 10: return f(attend::prefix_lm(g.uniform_int(0, d.key_len), align()));
         case 11: {  // needs query_len == key_len; the generator makes them equal for this kind
-            std::vector<index> blocks;
-            for (index left = d.query_len; left > 0;) {
-                const index n = std::min(left, g.uniform_int(1, 40));
+            std::vector<index_t> blocks;
+            for (index_t left = d.query_len; left > 0;) {
+                const index_t n = std::min(left, g.uniform_int(1, 40));
                 blocks.push_back(n);
                 left -= n;
             }
@@ -446,7 +447,7 @@ config random_config(attend_test::rng& g) {
         case 1: o.score_bias = attend::score_bias::alibi(attend::alibi_slopes(c.d.heads), bias_align); break;
         case 2: {
             const bool bidirectional = g.bernoulli(0.5);
-            const index buckets = 2 * g.uniform_int(2, 8);
+            const index_t buckets = 2 * g.uniform_int(2, 8);
             attend::relative_position_bias<double> table(c.d.heads, bidirectional, buckets,
                                                          buckets + g.uniform_int(1, 40), g.next());
             o.score_bias = attend::score_bias::relative(table, bias_align);
@@ -470,16 +471,16 @@ attend::attention_gradients<T, 4> tiled_backward(const tensor<T, 4>& q, const te
                                                  const attend::detail::backward_tiling& tiling) {
     o.kernel = kernel::automatic;
     attend::attention_gradients<T, 4> g;
-    g.dq.resize(q.dimensions());
-    g.dk.resize(k.dimensions());
-    g.dv.resize(v.dimensions());
+    g.d_query.resize(q.dimensions());
+    g.d_key.resize(k.dimensions());
+    g.d_value.resize(v.dimensions());
     attend::detail::gradient_outputs<T> outputs;
-    outputs.dq = attend::detail::as_mutable_view(g.dq);
-    outputs.dk = attend::detail::as_mutable_view(g.dk);
-    outputs.dv = attend::detail::as_mutable_view(g.dv);
+    outputs.d_query = attend::detail::as_mutable_view(g.d_query);
+    outputs.d_key = attend::detail::as_mutable_view(g.d_key);
+    outputs.d_value = attend::detail::as_mutable_view(g.d_value);
     if (!o.score_bias.empty()) {
-        g.score_bias_gradient.resize(q.dimension(1), q.dimension(2) + k.dimension(2) - 1);
-        outputs.score_bias_gradient = g.score_bias_gradient.data();
+        g.d_score_bias.resize(q.dimension(1), q.dimension(2) + k.dimension(2) - 1);
+        outputs.d_score_bias = g.d_score_bias.data();
     }
     const auto in = attend::detail::backward_inputs_of<4>(q, k, v, out, lse, d_out);
     const auto checked = attend::detail::check_backward(in, &outputs, mask, o);
@@ -531,20 +532,20 @@ void run_differential(const config& c, differential_stats& stats) {
         sdpa_options reference_options = c.options;
         reference_options.kernel = kernel::reference;
         const auto r =
-            attend::scaled_dot_product_attention_backward(q, k, v, f.out, f.lse, d_out, mask, reference_options);
-        const auto t = c.default_tiling ? attend::scaled_dot_product_attention_backward(q, k, v, f.out, f.lse, d_out,
-                                                                                        mask, c.options)
+            attend::scaled_dot_product_attention_backward(q, k, v, mask, f.out, f.lse, d_out, reference_options);
+        const auto t = c.default_tiling ? attend::scaled_dot_product_attention_backward(q, k, v, mask, f.out, f.lse,
+                                                                                        d_out, c.options)
                                         : tiled_backward(q, k, v, f.out, f.lse, d_out, mask, c.options, c.tiling);
-        double magnitude = std::max({max_abs(r.dq), max_abs(r.dk), max_abs(r.dv)});
-        if (!c.options.score_bias.empty()) magnitude = std::max<double>(magnitude, max_abs(r.score_bias_gradient));
-        const double eq = relative_error(t.dq, r.dq, magnitude), ek = relative_error(t.dk, r.dk, magnitude),
-                     ev = relative_error(t.dv, r.dv, magnitude);
-        const double eb =
-            c.options.score_bias.empty() ? 0 : relative_error(t.score_bias_gradient, r.score_bias_gradient, magnitude);
+        double magnitude = std::max({max_abs(r.d_query), max_abs(r.d_key), max_abs(r.d_value)});
+        if (!c.options.score_bias.empty()) magnitude = std::max<double>(magnitude, max_abs(r.d_score_bias));
+        const double eq = relative_error(t.d_query, r.d_query, magnitude),
+                     ek = relative_error(t.d_key, r.d_key, magnitude),
+                     ev = relative_error(t.d_value, r.d_value, magnitude);
+        const double eb = c.options.score_bias.empty() ? 0 : relative_error(t.d_score_bias, r.d_score_bias, magnitude);
         const double worst = std::max({eq, ek, ev, eb});
         stats.worst = std::max(stats.worst, worst);
         ++stats.runs;
-        EXPECT_TRUE(all_finite(t.dq) && all_finite(t.dk) && all_finite(t.dv)) << c.describe();
+        EXPECT_TRUE(all_finite(t.d_query) && all_finite(t.d_key) && all_finite(t.d_value)) << c.describe();
         EXPECT_LE(worst, tolerance) << (sizeof(T) == 4 ? "float " : "double ") << c.describe() << ": dq " << eq
                                     << " dk " << ek << " dv " << ev << " bias " << eb;
     });
@@ -584,26 +585,26 @@ TEST(BackwardThreads, BitIdenticalForAnyThreadCount) {
         attend::relative_position_bias<double> table(d.heads, true, 16, 50, 3);
         o.score_bias = attend::score_bias::relative(table, alignment::bottom_right);
         const auto mask = attend::causal(alignment::bottom_right) &&
-                          attend::key_padding(std::vector<index>(static_cast<std::size_t>(d.batch), d.key_len - 3));
+                          attend::key_padding(std::vector<index_t>(static_cast<std::size_t>(d.batch), d.key_len - 3));
         const auto f = forward(x.q, x.k, x.v, mask, o);
         std::vector<attend::attention_gradients<double, 4>> results;
         for (const int threads : {1, 2, 7}) {
             o.threads = threads;
             results.push_back(sc.small_tiles ? tiled_backward(x.q, x.k, x.v, f.out, f.lse, w, mask, o, {13, 11})
-                                             : attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out,
-                                                                                             f.lse, w, mask, o));
+                                             : attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, mask, f.out,
+                                                                                             f.lse, w, o));
         }
         for (std::size_t n = 1; n < results.size(); ++n) {
-            EXPECT_TRUE(bit_equal(results[0].dq, results[n].dq)) << "dq, run " << n;
-            EXPECT_TRUE(bit_equal(results[0].dk, results[n].dk)) << "dk, run " << n;
-            EXPECT_TRUE(bit_equal(results[0].dv, results[n].dv)) << "dv, run " << n;
-            EXPECT_TRUE(bit_equal(results[0].score_bias_gradient, results[n].score_bias_gradient)) << "bias";
+            EXPECT_TRUE(bit_equal(results[0].d_query, results[n].d_query)) << "dq, run " << n;
+            EXPECT_TRUE(bit_equal(results[0].d_key, results[n].d_key)) << "dk, run " << n;
+            EXPECT_TRUE(bit_equal(results[0].d_value, results[n].d_value)) << "dv, run " << n;
+            EXPECT_TRUE(bit_equal(results[0].d_score_bias, results[n].d_score_bias)) << "bias";
         }
         o.kernel = kernel::reference;
-        const auto r = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, w, mask, o);
-        EXPECT_LE(relative_error(results[0].dq, r.dq), 1e-11);
-        EXPECT_LE(relative_error(results[0].dk, r.dk), 1e-11);
-        EXPECT_LE(relative_error(results[0].dv, r.dv), 1e-11);
+        const auto r = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, mask, f.out, f.lse, w, o);
+        EXPECT_LE(relative_error(results[0].d_query, r.d_query), 1e-11);
+        EXPECT_LE(relative_error(results[0].d_key, r.d_key), 1e-11);
+        EXPECT_LE(relative_error(results[0].d_value, r.d_value), 1e-11);
     }
 }
 
@@ -611,29 +612,29 @@ TEST(BackwardThreads, BitIdenticalForAnyThreadCount) {
 
 TEST(BackwardViews, StridedHeadsAsMultiHeadAttentionPassesThem) {
     // Projected buffers [batch, len, heads * dim], read and written through split_heads, as mha.hpp does.
-    const index B = 2, H = 4, Hkv = 2, L = 37, S = 45, D = 6, Dv = 5;
+    const index_t B = 2, H = 4, Hkv = 2, L = 37, S = 45, D = 6, Dv = 5;
     const auto pq = attend_test::random_tensor<double>(1, B, L, H * D),
                pk = attend_test::random_tensor<double>(2, B, S, Hkv * D),
                pv = attend_test::random_tensor<double>(3, B, S, Hkv * Dv),
                pd = attend_test::random_tensor<double>(4, B, L, H * Dv);
     // The same data as contiguous [batch, heads, len, dim] tensors.
-    const auto heads_first = [](const tensor<double, 3>& x, index heads) {
-        const index b = x.dimension(0), len = x.dimension(1), dim = x.dimension(2) / heads;
+    const auto heads_first = [](const tensor<double, 3>& x, index_t heads) {
+        const index_t b = x.dimension(0), len = x.dimension(1), dim = x.dimension(2) / heads;
         tensor<double, 4> t(b, heads, len, dim);
-        for (index n = 0; n < b; ++n)
-            for (index h = 0; h < heads; ++h)
-                for (index i = 0; i < len; ++i)
-                    for (index c = 0; c < dim; ++c) t(n, h, i, c) = x(n, i, h * dim + c);
+        for (index_t n = 0; n < b; ++n)
+            for (index_t h = 0; h < heads; ++h)
+                for (index_t i = 0; i < len; ++i)
+                    for (index_t c = 0; c < dim; ++c) t(n, h, i, c) = x(n, i, h * dim + c);
         return t;
     };
     const auto q = heads_first(pq, H), k = heads_first(pk, Hkv), v = heads_first(pv, Hkv), d_out = heads_first(pd, H);
     const auto mask = attend::causal(alignment::bottom_right);
     const auto f = forward(q, k, v, mask, {});
     tensor<double, 3> pout(B, L, H * Dv);  // out in the projected layout too
-    for (index n = 0; n < B; ++n)
-        for (index h = 0; h < H; ++h)
-            for (index i = 0; i < L; ++i)
-                for (index c = 0; c < Dv; ++c) pout(n, i, h * Dv + c) = f.out(n, h, i, c);
+    for (index_t n = 0; n < B; ++n)
+        for (index_t h = 0; h < H; ++h)
+            for (index_t i = 0; i < L; ++i)
+                for (index_t c = 0; c < Dv; ++c) pout(n, i, h * Dv + c) = f.out(n, h, i, c);
     tensor<double, 3> gq(B, L, H * D), gk(B, S, Hkv * D), gv(B, S, Hkv * Dv);
     for (const kernel kern : {kernel::reference, kernel::automatic}) {
         sdpa_options o;
@@ -648,17 +649,17 @@ TEST(BackwardViews, StridedHeadsAsMultiHeadAttentionPassesThem) {
         in.lse = f.lse.data();
         in.lse_dims = {B, H, L};
         attend::detail::gradient_outputs<double> out;
-        out.dq = attend::split_heads(gq.data(), B, L, H, D);
-        out.dk = attend::split_heads(gk.data(), B, S, Hkv, D);
-        out.dv = attend::split_heads(gv.data(), B, S, Hkv, Dv);
+        out.d_query = attend::split_heads(gq.data(), B, L, H, D);
+        out.d_key = attend::split_heads(gk.data(), B, S, Hkv, D);
+        out.d_value = attend::split_heads(gv.data(), B, S, Hkv, Dv);
         gq.setConstant(std::numeric_limits<double>::quiet_NaN());
         gk.setConstant(std::numeric_limits<double>::quiet_NaN());
         gv.setConstant(std::numeric_limits<double>::quiet_NaN());
         attend::detail::sdpa_backward_views(in, mask, o, out);
-        const auto g = attend::scaled_dot_product_attention_backward(q, k, v, f.out, f.lse, d_out, mask, o);
-        EXPECT_LE(max_abs_diff(heads_first(gq, H), g.dq), 1e-13);
-        EXPECT_LE(max_abs_diff(heads_first(gk, Hkv), g.dk), 1e-13);
-        EXPECT_LE(max_abs_diff(heads_first(gv, Hkv), g.dv), 1e-13);
+        const auto g = attend::scaled_dot_product_attention_backward(q, k, v, mask, f.out, f.lse, d_out, o);
+        EXPECT_LE(max_abs_diff(heads_first(gq, H), g.d_query), 1e-13);
+        EXPECT_LE(max_abs_diff(heads_first(gk, Hkv), g.d_key), 1e-13);
+        EXPECT_LE(max_abs_diff(heads_first(gv, Hkv), g.d_value), 1e-13);
     }
 }
 
@@ -669,16 +670,16 @@ TEST(BackwardViews, IntoFormWritesTheSameAsTheAllocatingForm) {
     o.score_bias = attend::score_bias::alibi({0.5, 0.25}, alignment::bottom_right);
     const auto mask = attend::causal(alignment::bottom_right);
     const auto f = forward(x.q, x.k, x.v, mask, o);
-    const auto g = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, f.out, mask, o);
+    const auto g = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, mask, f.out, f.lse, f.out, o);
     tensor<double, 4> dq(x.q.dimensions()), dk(x.k.dimensions()), dv(x.v.dimensions());
     tensor<double, 2> db(d.heads, d.query_len + d.key_len - 1);
-    attend::scaled_dot_product_attention_backward_into(x.q, x.k, x.v, f.out, f.lse, f.out, mask, dq, dk, dv, o, db);
-    EXPECT_TRUE(bit_equal(dq, g.dq) && bit_equal(dk, g.dk) && bit_equal(dv, g.dv));
-    EXPECT_TRUE(bit_equal(db, g.score_bias_gradient));
+    attend::scaled_dot_product_attention_backward_into(x.q, x.k, x.v, mask, f.out, f.lse, f.out, o, dq, dk, dv, db);
+    EXPECT_TRUE(bit_equal(dq, g.d_query) && bit_equal(dk, g.d_key) && bit_equal(dv, g.d_value));
+    EXPECT_TRUE(bit_equal(db, g.d_score_bias));
     // TensorMap outputs work too.
     attend::tensor_view<double, 4> dq_map(dq.data(), dq.dimensions());
-    attend::scaled_dot_product_attention_backward_into(x.q, x.k, x.v, f.out, f.lse, f.out, mask, dq_map, dk, dv, o);
-    EXPECT_TRUE(bit_equal(dq, g.dq));
+    attend::scaled_dot_product_attention_backward_into(x.q, x.k, x.v, mask, f.out, f.lse, f.out, o, dq_map, dk, dv);
+    EXPECT_TRUE(bit_equal(dq, g.d_query));
 }
 
 TEST(BackwardViews, ForwardResultWholeNeedsNoOptionToRemember) {
@@ -687,23 +688,23 @@ TEST(BackwardViews, ForwardResultWholeNeedsNoOptionToRemember) {
     const auto mask = attend::causal(alignment::top_left);
     // Default options: lse is there without asking.
     const auto f = attend::scaled_dot_product_attention(x.q, x.k, x.v, mask);
-    ASSERT_EQ(f.lse.dimensions(), (std::array<index, 3>{d.batch, d.heads, d.query_len}));
+    ASSERT_EQ(f.lse.dimensions(), (std::array<index_t, 3>{d.batch, d.heads, d.query_len}));
     const auto d_out = attend_test::random_tensor<double>(29, d.batch, d.heads, d.query_len, d.value_dim);
-    const auto from_parts = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, d_out, mask);
-    const auto from_result = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f, d_out, mask);
-    EXPECT_TRUE(bit_equal(from_result.dq, from_parts.dq) && bit_equal(from_result.dk, from_parts.dk) &&
-                bit_equal(from_result.dv, from_parts.dv));
+    const auto from_parts = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, mask, f.out, f.lse, d_out);
+    const auto from_result = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, mask, f, d_out);
+    EXPECT_TRUE(bit_equal(from_result.d_query, from_parts.d_query) && bit_equal(from_result.d_key, from_parts.d_key) &&
+                bit_equal(from_result.d_value, from_parts.d_value));
     const auto plain = attend::scaled_dot_product_attention(x.q, x.k, x.v);
     const auto g_plain = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, plain, d_out);
     const auto g_parts = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, plain.out, plain.lse, d_out);
-    EXPECT_TRUE(bit_equal(g_plain.dq, g_parts.dq));
+    EXPECT_TRUE(bit_equal(g_plain.d_query, g_parts.d_query));
     // Turning lse off and then handing the result to the backward says what to do instead of a bare shape.
     sdpa_options off;
     off.need_lse = false;
     const auto without = attend::scaled_dot_product_attention(x.q, x.k, x.v, mask, off);
     EXPECT_EQ(without.lse.size(), 0);
     const auto msg = expect_error<attend::shape_error>(
-        [&] { (void)attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, without, d_out, mask); },
+        [&] { (void)attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, mask, without, d_out); },
         "attend.shape.backward_lse");
     EXPECT_NE(msg.find("need_lse = true"), std::string::npos) << msg;
 }
@@ -717,14 +718,15 @@ TEST(BackwardViews, EmptyQueriesGiveZeroKeyGradients) {
         o.kernel = kern;
         const auto f = forward(q, k, v, attend::no_mask{}, o);
         const auto g = attend::scaled_dot_product_attention_backward(q, k, v, f.out, f.lse, f.out, o);
-        EXPECT_EQ(g.dq.size(), 0);
-        EXPECT_EQ(max_abs(g.dk), 0.0);
-        EXPECT_EQ(max_abs(g.dv), 0.0);
+        EXPECT_EQ(g.d_query.size(), 0);
+        EXPECT_EQ(max_abs(g.d_key), 0.0);
+        EXPECT_EQ(max_abs(g.d_value), 0.0);
         const auto empty_batch = attend_test::random_tensor<double>(1, 0, 3, 2, 4);
         const auto kb = attend_test::random_tensor<double>(1, 0, 3, 5, 4);
         const auto fb = forward(empty_batch, kb, kb, attend::no_mask{}, o);
-        EXPECT_EQ(
-            attend::scaled_dot_product_attention_backward(empty_batch, kb, kb, fb.out, fb.lse, fb.out, o).dq.size(), 0);
+        EXPECT_EQ(attend::scaled_dot_product_attention_backward(empty_batch, kb, kb, fb.out, fb.lse, fb.out, o)
+                      .d_query.size(),
+                  0);
     }
 }
 
@@ -736,12 +738,12 @@ TEST(BackwardViews, FloatLongSequenceMatchesReference) {
     const auto mask = attend::causal(alignment::bottom_right);
     const auto f = forward(q, k, v, mask, {});
     sdpa_options o;
-    const auto t = attend::scaled_dot_product_attention_backward(q, k, v, f.out, f.lse, f.out, mask, o);
+    const auto t = attend::scaled_dot_product_attention_backward(q, k, v, mask, f.out, f.lse, f.out, o);
     o.kernel = kernel::reference;
-    const auto r = attend::scaled_dot_product_attention_backward(q, k, v, f.out, f.lse, f.out, mask, o);
-    EXPECT_LE(relative_error(t.dq, r.dq), 1e-4);
-    EXPECT_LE(relative_error(t.dk, r.dk), 1e-4);
-    EXPECT_LE(relative_error(t.dv, r.dv), 1e-4);
+    const auto r = attend::scaled_dot_product_attention_backward(q, k, v, mask, f.out, f.lse, f.out, o);
+    EXPECT_LE(relative_error(t.d_query, r.d_query), 1e-4);
+    EXPECT_LE(relative_error(t.d_key, r.d_key), 1e-4);
+    EXPECT_LE(relative_error(t.d_value, r.d_value), 1e-4);
 }
 
 // ---- errors ----------------------------------------------------------------------------------------------------
@@ -749,7 +751,7 @@ TEST(BackwardViews, FloatLongSequenceMatchesReference) {
 /// Calls the _into form on outputs filled with a sentinel and checks the error and that nothing was written.
 struct error_fixture {
     dims d;
-    tensor<double, 4> q, k, v, out, d_out, dq, dk, dv;
+    tensor<double, 4> q, k, v, out, d_out, d_query, d_key, d_value;
     tensor<double, 3> lse;
     tensor<double, 2> bias_grad;
 
@@ -762,23 +764,23 @@ struct error_fixture {
         out = f.out;
         lse = f.lse;
         d_out = f.out;
-        dq = tensor<double, 4>(q.dimensions());
-        dk = tensor<double, 4>(k.dimensions());
-        dv = tensor<double, 4>(v.dimensions());
+        d_query = tensor<double, 4>(q.dimensions());
+        d_key = tensor<double, 4>(k.dimensions());
+        d_value = tensor<double, 4>(v.dimensions());
         bias_grad = tensor<double, 2>(d.heads, d.query_len + d.key_len - 1);
         reset();
     }
     void reset() {
-        dq.setConstant(42);
-        dk.setConstant(42);
-        dv.setConstant(42);
+        d_query.setConstant(42);
+        d_key.setConstant(42);
+        d_value.setConstant(42);
         bias_grad.setConstant(42);
     }
     bool untouched() const {
-        for (const auto* t : {&dq, &dk, &dv})
-            for (index n = 0; n < t->size(); ++n)
+        for (const auto* t : {&d_query, &d_key, &d_value})
+            for (index_t n = 0; n < t->size(); ++n)
                 if (t->data()[n] != 42) return false;
-        for (index n = 0; n < bias_grad.size(); ++n)
+        for (index_t n = 0; n < bias_grad.size(); ++n)
             if (bias_grad.data()[n] != 42) return false;
         return true;
     }
@@ -803,13 +805,16 @@ TEST(BackwardErrors, ShapesOfOutLseAndDOut) {
     tensor<double, 4> bad_d_out(d.batch, d.heads + 1, d.query_len, d.value_dim);
     bad_d_out.setZero();
     x.expect<attend::shape_error>("attend.shape.backward_out", [&] {
-        scaled_dot_product_attention_backward_into(x.q, x.k, x.v, bad_out, x.lse, x.d_out, none, x.dq, x.dk, x.dv);
+        scaled_dot_product_attention_backward_into(x.q, x.k, x.v, none, bad_out, x.lse, x.d_out, x.d_query, x.d_key,
+                                                   x.d_value);
     });
     x.expect<attend::shape_error>("attend.shape.backward_lse", [&] {
-        scaled_dot_product_attention_backward_into(x.q, x.k, x.v, x.out, bad_lse, x.d_out, none, x.dq, x.dk, x.dv);
+        scaled_dot_product_attention_backward_into(x.q, x.k, x.v, none, x.out, bad_lse, x.d_out, x.d_query, x.d_key,
+                                                   x.d_value);
     });
     x.expect<attend::shape_error>("attend.shape.backward_d_out", [&] {
-        scaled_dot_product_attention_backward_into(x.q, x.k, x.v, x.out, x.lse, bad_d_out, none, x.dq, x.dk, x.dv);
+        scaled_dot_product_attention_backward_into(x.q, x.k, x.v, none, x.out, x.lse, bad_d_out, x.d_query, x.d_key,
+                                                   x.d_value);
     });
     expect_error<attend::shape_error>(
         [&] { attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, bad_out, x.lse, x.d_out); },
@@ -829,20 +834,23 @@ TEST(BackwardErrors, ShapesOfGradientOutputs) {
     tensor<double, 4> bad_dq(d.batch, d.heads, d.query_len, d.head_dim + 1),
         bad_dk(d.batch, d.kv_heads, d.key_len + 1, d.head_dim), bad_dv(d.batch, d.kv_heads, d.key_len, d.value_dim + 2);
     x.expect<attend::shape_error>("attend.shape.backward_dq", [&] {
-        scaled_dot_product_attention_backward_into(x.q, x.k, x.v, x.out, x.lse, x.d_out, none, bad_dq, x.dk, x.dv);
+        scaled_dot_product_attention_backward_into(x.q, x.k, x.v, none, x.out, x.lse, x.d_out, bad_dq, x.d_key,
+                                                   x.d_value);
     });
     x.expect<attend::shape_error>("attend.shape.backward_dk", [&] {
-        scaled_dot_product_attention_backward_into(x.q, x.k, x.v, x.out, x.lse, x.d_out, none, x.dq, bad_dk, x.dv);
+        scaled_dot_product_attention_backward_into(x.q, x.k, x.v, none, x.out, x.lse, x.d_out, x.d_query, bad_dk,
+                                                   x.d_value);
     });
     x.expect<attend::shape_error>("attend.shape.backward_dv", [&] {
-        scaled_dot_product_attention_backward_into(x.q, x.k, x.v, x.out, x.lse, x.d_out, none, x.dq, x.dk, bad_dv);
+        scaled_dot_product_attention_backward_into(x.q, x.k, x.v, none, x.out, x.lse, x.d_out, x.d_query, x.d_key,
+                                                   bad_dv);
     });
     sdpa_options o;
     o.score_bias = attend::score_bias::alibi({1, 2}, attend::alignment::top_left);
     tensor<double, 2> bad_bias(d.heads, d.query_len + d.key_len);
     x.expect<attend::shape_error>("attend.shape.backward_score_bias", [&] {
-        scaled_dot_product_attention_backward_into(x.q, x.k, x.v, x.out, x.lse, x.d_out, none, x.dq, x.dk, x.dv, o,
-                                                   bad_bias);
+        scaled_dot_product_attention_backward_into(x.q, x.k, x.v, none, x.out, x.lse, x.d_out, o, x.d_query, x.d_key,
+                                                   x.d_value, bad_bias);
     });
 }
 
@@ -853,20 +861,22 @@ TEST(BackwardErrors, ForwardChecks) {
     const attend::no_mask none;
     const auto call = [&](const auto& mask, const sdpa_options& o) {
         return [&x, mask, o] {
-            scaled_dot_product_attention_backward_into(x.q, x.k, x.v, x.out, x.lse, x.d_out, mask, x.dq, x.dk, x.dv, o,
-                                                       x.bias_grad);
+            scaled_dot_product_attention_backward_into(x.q, x.k, x.v, mask, x.out, x.lse, x.d_out, o, x.d_query,
+                                                       x.d_key, x.d_value, x.bias_grad);
         };
     };
     tensor<double, 4> k_wide(d.batch, d.kv_heads, d.key_len, d.head_dim + 1);
     k_wide.setZero();
     x.expect<attend::shape_error>("attend.shape.key_dim", [&] {
-        scaled_dot_product_attention_backward_into(x.q, k_wide, x.v, x.out, x.lse, x.d_out, none, x.dq, x.dk, x.dv);
+        scaled_dot_product_attention_backward_into(x.q, k_wide, x.v, none, x.out, x.lse, x.d_out, x.d_query, x.d_key,
+                                                   x.d_value);
     });
     tensor<double, 4> k3(d.batch, 3, d.key_len, d.head_dim), v3(d.batch, 3, d.key_len, d.value_dim);
     k3.setZero();
     v3.setZero();
     x.expect<attend::shape_error>("attend.shape.gqa", [&] {
-        scaled_dot_product_attention_backward_into(x.q, k3, v3, x.out, x.lse, x.d_out, none, x.dq, x.dk, x.dv);
+        scaled_dot_product_attention_backward_into(x.q, k3, v3, none, x.out, x.lse, x.d_out, x.d_query, x.d_key,
+                                                   x.d_value);
     });
     sdpa_options o;
     o.scale = -1.0;
@@ -892,7 +902,8 @@ TEST(BackwardErrors, NonFiniteInputs) {
     using attend::scaled_dot_product_attention_backward_into;
     const attend::no_mask none;
     const auto run = [&] {
-        scaled_dot_product_attention_backward_into(x.q, x.k, x.v, x.out, x.lse, x.d_out, none, x.dq, x.dk, x.dv);
+        scaled_dot_product_attention_backward_into(x.q, x.k, x.v, none, x.out, x.lse, x.d_out, x.d_query, x.d_key,
+                                                   x.d_value);
     };
     const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
     for (auto* t : {&x.q, &x.k, &x.v, &x.out, &x.d_out}) {
@@ -911,8 +922,8 @@ TEST(BackwardErrors, NonFiniteInputs) {
     x.lse(0, 1, 2) = -inf;
     x.reset();
     run();
-    for (index c = 0; c < x.d.head_dim; ++c) EXPECT_EQ(x.dq(0, 1, 2, c), 0.0);
-    EXPECT_TRUE(all_finite(x.dk) && all_finite(x.dv));
+    for (index_t c = 0; c < x.d.head_dim; ++c) EXPECT_EQ(x.d_query(0, 1, 2, c), 0.0);
+    EXPECT_TRUE(all_finite(x.d_key) && all_finite(x.d_value));
 }
 
 TEST(BackwardErrors, RelativeBiasGradient) {
@@ -936,7 +947,7 @@ TEST(BackwardErrors, RelativeBiasGradient) {
     expect_error<attend::shape_error>([&] { attend::relative_bias_gradient(wrong_heads, g, o.score_bias); },
                                       "attend.shape.relative_bias_gradient");
     const auto plain = attend::scaled_dot_product_attention_backward(x.q, x.k, x.v, f.out, f.lse, f.out);
-    EXPECT_EQ(plain.score_bias_gradient.size(), 0);
+    EXPECT_EQ(plain.d_score_bias.size(), 0);
     expect_error<attend::shape_error>([&] { attend::relative_bias_gradient(table, plain, o.score_bias); },
                                       "attend.shape.relative_bias_gradient");
 }

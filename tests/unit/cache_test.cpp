@@ -28,7 +28,7 @@ namespace {
 
 using attend_test::expect_error;
 
-using attend::index;
+using attend::index_t;
 using attend::tensor;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
@@ -38,20 +38,20 @@ template <class T>
 std::vector<T> snapshot(const attend::kv_cache<T>& c) {
     std::vector<T> s;
     for (const auto& view : {c.keys(), c.values()})
-        for (index b = 0; b < view.dims[0]; ++b)
-            for (index h = 0; h < view.dims[1]; ++h)
-                for (index i = 0; i < view.dims[2]; ++i)
-                    for (index d = 0; d < view.dims[3]; ++d) s.push_back(view.row(b, h, i)[d]);
+        for (index_t b = 0; b < view.dims[0]; ++b)
+            for (index_t h = 0; h < view.dims[1]; ++h)
+                for (index_t i = 0; i < view.dims[2]; ++i)
+                    for (index_t d = 0; d < view.dims[3]; ++d) s.push_back(view.row(b, h, i)[d]);
     return s;
 }
 
 /// x[:, begin:begin+len, :]
 template <class T>
-tensor<T, 3> slice_tokens(const tensor<T, 3>& x, index begin, index len) {
+tensor<T, 3> slice_tokens(const tensor<T, 3>& x, index_t begin, index_t len) {
     tensor<T, 3> s(x.dimension(0), len, x.dimension(2));
-    for (index b = 0; b < x.dimension(0); ++b)
-        for (index i = 0; i < len; ++i)
-            for (index e = 0; e < x.dimension(2); ++e) s(b, i, e) = x(b, begin + i, e);
+    for (index_t b = 0; b < x.dimension(0); ++b)
+        for (index_t i = 0; i < len; ++i)
+            for (index_t e = 0; e < x.dimension(2); ++e) s(b, i, e) = x(b, begin + i, e);
     return s;
 }
 
@@ -77,20 +77,20 @@ TEST(KvCache, AppendsIntoFixedStorageAndViewsStayValid) {
     const auto keys = c.keys(), values = c.values();
     EXPECT_EQ(keys.data, keys_before.data);  // never reallocated
     EXPECT_EQ(values.data, values_before.data);
-    EXPECT_EQ(keys.dims, (std::array<index, 4>{2, 3, 5, 4}));
-    EXPECT_EQ(values.dims, (std::array<index, 4>{2, 3, 5, 5}));
-    EXPECT_EQ(keys.strides, (std::array<index, 4>{3 * 7 * 4, 7 * 4, 4, 1}));
-    for (index b = 0; b < 2; ++b)
-        for (index h = 0; h < 3; ++h) {
-            for (index i = 0; i < 2; ++i) {
-                for (index d = 0; d < 4; ++d) EXPECT_EQ(keys.row(b, h, i)[d], k1(b, h, i, d));
-                for (index d = 0; d < 5; ++d) EXPECT_EQ(values.row(b, h, i)[d], v1(b, h, i, d));
+    EXPECT_EQ(keys.dims, (std::array<index_t, 4>{2, 3, 5, 4}));
+    EXPECT_EQ(values.dims, (std::array<index_t, 4>{2, 3, 5, 5}));
+    EXPECT_EQ(keys.strides, (std::array<index_t, 4>{3 * 7 * 4, 7 * 4, 4, 1}));
+    for (index_t b = 0; b < 2; ++b)
+        for (index_t h = 0; h < 3; ++h) {
+            for (index_t i = 0; i < 2; ++i) {
+                for (index_t d = 0; d < 4; ++d) EXPECT_EQ(keys.row(b, h, i)[d], k1(b, h, i, d));
+                for (index_t d = 0; d < 5; ++d) EXPECT_EQ(values.row(b, h, i)[d], v1(b, h, i, d));
                 // The earlier view still shows the same positions.
-                for (index d = 0; d < 4; ++d) EXPECT_EQ(keys_before.row(b, h, i)[d], k1(b, h, i, d));
+                for (index_t d = 0; d < 4; ++d) EXPECT_EQ(keys_before.row(b, h, i)[d], k1(b, h, i, d));
             }
-            for (index i = 0; i < 3; ++i) {
-                for (index d = 0; d < 4; ++d) EXPECT_EQ(keys.row(b, h, 2 + i)[d], k2(b, h, i, d));
-                for (index d = 0; d < 5; ++d) EXPECT_EQ(values.row(b, h, 2 + i)[d], v2(b, h, i, d));
+            for (index_t i = 0; i < 3; ++i) {
+                for (index_t d = 0; d < 4; ++d) EXPECT_EQ(keys.row(b, h, 2 + i)[d], k2(b, h, i, d));
+                for (index_t d = 0; d < 5; ++d) EXPECT_EQ(values.row(b, h, 2 + i)[d], v2(b, h, i, d));
             }
         }
     c.clear();
@@ -161,12 +161,12 @@ TEST(KvCache, ShapeErrorsAppendNothing) {
 TEST(KvCache, TruncateForgetsTrailingPositionsAndRejectsGrowth) {
     attend::kv_cache<float> cache(1, 1, 6, 2, 2);
     attend::tensor<float, 4> kv(1, 1, 4, 2);
-    for (index n = 0; n < kv.size(); ++n) kv.data()[n] = static_cast<float>(n);
+    for (index_t n = 0; n < kv.size(); ++n) kv.data()[n] = static_cast<float>(n);
     cache.append(kv, kv);
     cache.truncate(2);
     EXPECT_EQ(cache.length(), 2);
     EXPECT_EQ(cache.keys().row(0, 0, 1)[1], 3.0f);
-    for (const index bad : {index(-1), index(3), std::numeric_limits<index>::max()}) {
+    for (const index_t bad : {index_t(-1), index_t(3), std::numeric_limits<index_t>::max()}) {
         attend_test::expect_error<attend::position_error>([&] { cache.truncate(bad); }, "attend.position.truncate");
         EXPECT_EQ(cache.length(), 2);
     }
@@ -186,10 +186,10 @@ TEST(KvCache, SizesMustBePositive) {
 // Decoding with forward_cached equals one full causal pass
 
 struct decode_case {
-    index model_dim, heads, kv_heads;
+    index_t model_dim, heads, kv_heads;
     bool rotary;
-    std::vector<index> chunks;  ///< new tokens per forward_cached call
-    index position_offset = 0;
+    std::vector<index_t> chunks;  ///< new tokens per forward_cached call
+    index_t position_offset = 0;
 };
 
 template <class T>
@@ -199,9 +199,9 @@ double decode_vs_full(const decode_case& dc, std::uint64_t seed) {
     attend_test::fill_uniform(p.in_proj_bias, seed + 1, -0.5, 0.5);  // non-zero biases
     attend_test::fill_uniform(p.out_proj_bias, seed + 2, -0.5, 0.5);
     const auto m = attend::multi_head_attention<T>::from_torch(config, p);
-    index total = 0;
-    for (index n : dc.chunks) total += n;
-    const index batch = 2;
+    index_t total = 0;
+    for (index_t n : dc.chunks) total += n;
+    const index_t batch = 2;
     const auto x = attend_test::random_tensor<T>(seed + 3, batch, total, dc.model_dim);
     attend::mha_options o;
     if (dc.rotary) o.rotary = attend::rotary_embedding{m.head_dim() - m.head_dim() % 2};
@@ -210,13 +210,13 @@ double decode_vs_full(const decode_case& dc, std::uint64_t seed) {
 
     auto cache = m.make_cache(batch, total + 3);
     double worst = 0;
-    index pos = 0;
-    for (index n : dc.chunks) {
+    index_t pos = 0;
+    for (index_t n : dc.chunks) {
         const auto step = m.forward_cached(slice_tokens(x, pos, n), cache, o);
         EXPECT_EQ(cache.length(), pos + n);
-        for (index b = 0; b < batch; ++b)
-            for (index i = 0; i < n; ++i)
-                for (index e = 0; e < dc.model_dim; ++e)
+        for (index_t b = 0; b < batch; ++b)
+            for (index_t i = 0; i < n; ++i)
+                for (index_t e = 0; e < dc.model_dim; ++e)
                     worst = std::max(worst, std::abs(static_cast<double>(step.out(b, i, e)) -
                                                      static_cast<double>(full.out(b, pos + i, e))));
         pos += n;
@@ -226,11 +226,11 @@ double decode_vs_full(const decode_case& dc, std::uint64_t seed) {
 
 TEST(ForwardCached, TokenByTokenEqualsTheFullCausalPass) {
     const std::vector<decode_case> cases{
-        {8, 2, 2, false, std::vector<index>(8, 1)},
-        {8, 2, 2, true, std::vector<index>(8, 1)},
-        {12, 4, 2, true, std::vector<index>(8, 1)},  // grouped-query
-        {12, 4, 1, true, std::vector<index>(9, 1)},  // multi-query
-        {8, 2, 2, false, {3, 1, 4}},                 // chunked
+        {8, 2, 2, false, std::vector<index_t>(8, 1)},
+        {8, 2, 2, true, std::vector<index_t>(8, 1)},
+        {12, 4, 2, true, std::vector<index_t>(8, 1)},  // grouped-query
+        {12, 4, 1, true, std::vector<index_t>(9, 1)},  // multi-query
+        {8, 2, 2, false, {3, 1, 4}},                   // chunked
         {12, 4, 2, true, {3, 1, 4}},
         {12, 6, 3, true, {3, 1, 4}, 5},  // rotary positions start at 5
     };
@@ -256,31 +256,31 @@ TEST(ForwardCached, CachedKeysAreRotatedAtTheirGlobalPositions) {
     m.forward_cached(slice_tokens(x, 0, 1), cache, o);
     const auto second = m.forward_cached(slice_tokens(x, 1, 1), cache, o);
     tensor<double, 4> k(1, 2, 1, 4);  // token 1's projected key heads, rotated at position 1
-    for (index h = 0; h < 2; ++h)
-        for (index d = 0; d < 4; ++d) {
+    for (index_t h = 0; h < 2; ++h)
+        for (index_t d = 0; d < 4; ++d) {
             double s = m.k_bias()(h * 4 + d);
-            for (index e = 0; e < 8; ++e) s += x(0, 1, e) * m.k_weight()(h * 4 + d, e);
+            for (index_t e = 0; e < 8; ++e) s += x(0, 1, e) * m.k_weight()(h * 4 + d, e);
             k(0, h, 0, d) = s;
         }
     auto at_zero = k;
     o.rotary->apply(k, 1);
     double diff_global = 0, diff_local = 0;
-    for (index h = 0; h < 2; ++h)
-        for (index d = 0; d < 4; ++d) {
+    for (index_t h = 0; h < 2; ++h)
+        for (index_t d = 0; d < 4; ++d) {
             diff_global = std::max(diff_global, std::abs(cache.keys().row(0, h, 1)[d] - k(0, h, 0, d)));
             diff_local = std::max(diff_local, std::abs(cache.keys().row(0, h, 1)[d] - at_zero(0, h, 0, d)));
         }
     EXPECT_LE(diff_global, 1e-12);
     EXPECT_GT(diff_local, 1e-6);
     const auto full = m.forward(x, x, x, attend::causal(attend::alignment::top_left), o);
-    for (index e = 0; e < 8; ++e) EXPECT_NEAR(second.out(0, 0, e), full.out(0, 1, e), 1e-12);
+    for (index_t e = 0; e < 8; ++e) EXPECT_NEAR(second.out(0, 0, e), full.out(0, 1, e), 1e-12);
 }
 
 TEST(ForwardCached, CombinesKeyPaddingAndTheCallersMask) {
     // Batch 1 is a left-padded prompt: keys 0 and 1 are padding for every query (its first two queries have no
     // key at all, so the empty-row policy is zero). The caller also limits attention to a window of 2 past keys.
     attend::multi_head_attention<double> m({8, 2}, 13);
-    const index len = 6;
+    const index_t len = 6;
     const auto x = attend_test::random_tensor<double>(14, 2, len, 8);
     tensor<bool, 2> blocked(2, len);
     blocked.setConstant(false);
@@ -293,22 +293,22 @@ TEST(ForwardCached, CombinesKeyPaddingAndTheCallersMask) {
         attend::causal(attend::alignment::top_left) && attend::sliding_window(2, 0, attend::alignment::top_left), o);
     auto cache = m.make_cache(2, len);
     double worst = 0;
-    for (index pos = 0; pos < len; ++pos) {
+    for (index_t pos = 0; pos < len; ++pos) {
         tensor<bool, 2> so_far(2, pos + 1);  // the key padding mask covers every key of this call
-        for (index b = 0; b < 2; ++b)
-            for (index j = 0; j <= pos; ++j) so_far(b, j) = blocked(b, j);
+        for (index_t b = 0; b < 2; ++b)
+            for (index_t j = 0; j <= pos; ++j) so_far(b, j) = blocked(b, j);
         attend::mha_options step_options = o;
         step_options.key_padding = attend::forbidden_mask::key_padding(so_far);
         const auto step = m.forward_cached(slice_tokens(x, pos, 1), cache,
                                            attend::sliding_window(2, 0, attend::alignment::bottom_right), step_options);
-        for (index b = 0; b < 2; ++b)
-            for (index e = 0; e < 8; ++e) worst = std::max(worst, std::abs(step.out(b, 0, e) - full.out(b, pos, e)));
+        for (index_t b = 0; b < 2; ++b)
+            for (index_t e = 0; e < 8; ++e) worst = std::max(worst, std::abs(step.out(b, 0, e) - full.out(b, pos, e)));
     }
     EXPECT_LE(worst, 1e-12);
     // The window matters: without it the last outputs differ.
     const auto unwindowed = m.forward(x, x, x, attend::causal(attend::alignment::top_left), o);
     double diff = 0;
-    for (index e = 0; e < 8; ++e)
+    for (index_t e = 0; e < 8; ++e)
         diff = std::max(diff, std::abs(unwindowed.out(0, len - 1, e) - full.out(0, len - 1, e)));
     EXPECT_GT(diff, 1e-6);
 }
@@ -396,10 +396,10 @@ struct q8_decoder {
 template <class View>
 tensor<float, 4> widened_rows(const View& x) {
     tensor<float, 4> t(x.dims[0], x.dims[1], x.dims[2], x.dims[3]);
-    for (index b = 0; b < x.dims[0]; ++b)
-        for (index h = 0; h < x.dims[1]; ++h)
-            for (index i = 0; i < x.dims[2]; ++i)
-                for (index d = 0; d < x.dims[3]; ++d) t(b, h, i, d) = static_cast<float>(x.row(b, h, i)[d]);
+    for (index_t b = 0; b < x.dims[0]; ++b)
+        for (index_t h = 0; h < x.dims[1]; ++h)
+            for (index_t i = 0; i < x.dims[2]; ++i)
+                for (index_t d = 0; d < x.dims[3]; ++d) t(b, h, i, d) = static_cast<float>(x.row(b, h, i)[d]);
     return t;
 }
 
@@ -411,12 +411,12 @@ template <class Cache, class MakeCache>
 void expect_cache_holds_stored_projections_read_as_floats(MakeCache&& make_cache, std::uint64_t seed,
                                                           double tolerance) {
     const q8_decoder d(seed);
-    const index batch = 2, total = 9, kv_heads = d.config.kv_heads;
+    const index_t batch = 2, total = 9, kv_heads = d.config.kv_heads;
     const auto x = attend_test::random_tensor<float>(seed + 1, batch, total, d.config.model_dim);
     Cache stored = make_cache(d.module, batch, total);
     auto exact = d.module.make_cache(batch, total);
-    index pos = 0;
-    for (const index n : {3, 1, 2, 1, 1}) {  // a prompt, then tokens and a chunk
+    index_t pos = 0;
+    for (const index_t n : {3, 1, 2, 1, 1}) {  // a prompt, then tokens and a chunk
         d.module.forward_cached(slice_tokens(x, pos, n), stored, d.options);
         d.module.forward_cached(slice_tokens(x, pos, n), exact, d.options);
         pos += n;
@@ -459,21 +459,23 @@ void expect_cache_holds_stored_projections_read_as_floats(MakeCache&& make_cache
 
 TEST(ForwardCachedQ8, TheCacheHoldsTheQuantizedProjectionsAndQueriesReadItAsFloatsOfItsValues) {
     expect_cache_holds_stored_projections_read_as_floats<attend::q8_kv_cache>(
-        [](const auto& m, index batch, index capacity) { return m.make_q8_cache(batch, capacity); }, 31, 2e-2);
+        [](const auto& m, index_t batch, index_t capacity) { return m.make_q8_cache(batch, capacity); }, 31, 2e-2);
 }
 
 TEST(ForwardCachedQ4, TheCacheHoldsTheQuantizedProjectionsAndQueriesReadItAsFloatsOfItsValues) {
     // One int4 key and value in 32 positions is off by up to 3 / 16 of its block's largest magnitude.
     expect_cache_holds_stored_projections_read_as_floats<attend::q4_kv_cache>(
-        [](const auto& m, index batch, index capacity) { return m.make_q4_cache(batch, capacity); }, 33, 0.1);
+        [](const auto& m, index_t batch, index_t capacity) { return m.make_q4_cache(batch, capacity); }, 33, 0.1);
 }
 
 TEST(ForwardCached16, AFloatModulesSixteenBitCacheHoldsTheProjectionsRoundedOnceAndIsReadAsFloats) {
     expect_cache_holds_stored_projections_read_as_floats<attend::kv_cache<Eigen::half>>(
-        [](const auto& m, index batch, index capacity) { return m.template make_cache<Eigen::half>(batch, capacity); },
+        [](const auto& m, index_t batch, index_t capacity) {
+            return m.template make_cache<Eigen::half>(batch, capacity);
+        },
         51, 2e-2);
     expect_cache_holds_stored_projections_read_as_floats<attend::kv_cache<Eigen::bfloat16>>(
-        [](const auto& m, index batch, index capacity) {
+        [](const auto& m, index_t batch, index_t capacity) {
             return m.template make_cache<Eigen::bfloat16>(batch, capacity);
         },
         61, 2e-2);
@@ -486,7 +488,7 @@ TEST(ForwardCached16, AProjectionBeyondFp16IsRefusedBeforeTheCacheChanges) {
     d.module.forward_cached(slice_tokens(x, 0, 2), cache, d.options);
     const auto before = snapshot(cache);
     tensor<float, 3> huge = slice_tokens(x, 2, 1);  // finite in float, inf in fp16
-    for (index e = 0; e < huge.size(); ++e) huge.data()[e] *= 1e6f;
+    for (index_t e = 0; e < huge.size(); ++e) huge.data()[e] *= 1e6f;
     const std::string message = expect_error<attend::value_error>(
         [&] { d.module.forward_cached(huge, cache, d.options); }, "attend.value.non_finite");
     EXPECT_TRUE(contains(message, "rounded to the cache's type")) << message;
@@ -506,7 +508,7 @@ TEST(ForwardCachedQ8, ErrorsLeaveTheCacheUnchanged) {
     const auto before = attend_test::state_of(cache);
     // Projections beyond what a q8_0 block holds (127 x 65504) are refused before anything is appended.
     tensor<float, 3> huge = slice_tokens(x, 2, 1);
-    for (index e = 0; e < huge.size(); ++e) huge.data()[e] *= 1e8f;
+    for (index_t e = 0; e < huge.size(); ++e) huge.data()[e] *= 1e8f;
     expect_error<attend::value_error>([&] { d.module.forward_cached(huge, cache, d.options); },
                                       "attend.value.quantized_range");
     EXPECT_EQ(attend_test::state_of(cache), before);

@@ -15,12 +15,12 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 
 TEST(DropoutOffset, RowsOfACallWithAQueryOffsetEqualThoseRowsOfTheWholeCall) {
     attend_test::rng g(31);
     for (int n = 0; n < attend_test::repeat(20); ++n) {
-        const index total = g.uniform_int(2, 50), dim = 4, q0 = g.uniform_int(0, total - 1);
+        const index_t total = g.uniform_int(2, 50), dim = 4, q0 = g.uniform_int(0, total - 1);
         attend::tensor<double, 4> q(2, 2, total, dim), k(2, 2, total, dim), v(2, 2, total, dim);
         attend_test::fill_uniform(q, g.next());
         attend_test::fill_uniform(k, g.next());
@@ -29,20 +29,20 @@ TEST(DropoutOffset, RowsOfACallWithAQueryOffsetEqualThoseRowsOfTheWholeCall) {
         o.dropout = {0.4, g.next(), true};
         o.kernel = g.bernoulli(0.5) ? attend::kernel::reference : attend::kernel::tiled;
         const auto whole = attend::scaled_dot_product_attention(q, k, v, o);
-        const std::array<index, 4> from{0, 0, q0, 0}, extent{2, 2, total - q0, dim};
+        const std::array<index_t, 4> from{0, 0, q0, 0}, extent{2, 2, total - q0, dim};
         const attend::tensor<double, 4> rows = q.slice(from, extent);
         o.dropout.query_offset = q0;
         const auto part = attend::scaled_dot_product_attention(rows, k, v, o);
         const attend::tensor<double, 4> expected = whole.out.slice(from, extent);
         // Not bit for bit: the kernel's query tiles start elsewhere. Dropping one more or one fewer weight would
         // move a row by about a weight, far more than 1e-13.
-        for (index e = 0; e < expected.size(); ++e) ASSERT_NEAR(part.out.data()[e], expected.data()[e], 1e-13) << e;
+        for (index_t e = 0; e < expected.size(); ++e) ASSERT_NEAR(part.out.data()[e], expected.data()[e], 1e-13) << e;
     }
 }
 
 TEST(DropoutOffset, AKeyOffsetDropsTheWeightsTheWholeCallDropsAtThoseKeys) {
     attend_test::rng g(32);
-    const index total = 40, dim = 3, k0 = 13;
+    const index_t total = 40, dim = 3, k0 = 13;
     attend::tensor<double, 4> q(1, 2, total, dim), k(1, 2, total, dim), v(1, 2, total, dim);
     attend_test::fill_uniform(q, 1);
     attend_test::fill_uniform(k, 2);
@@ -52,14 +52,14 @@ TEST(DropoutOffset, AKeyOffsetDropsTheWeightsTheWholeCallDropsAtThoseKeys) {
     o.need_weights = true;
     o.weights_after_dropout = true;
     const auto whole = attend::scaled_dot_product_attention(q, k, v, o);
-    const std::array<index, 4> from{0, 0, k0, 0}, extent{1, 2, total - k0, dim};
+    const std::array<index_t, 4> from{0, 0, k0, 0}, extent{1, 2, total - k0, dim};
     const attend::tensor<double, 4> kb = k.slice(from, extent), vb = v.slice(from, extent);
     o.dropout.key_offset = k0;
     const auto part = attend::scaled_dot_product_attention(q, kb, vb, o);
-    index dropped = 0;
-    for (index h = 0; h < 2; ++h)
-        for (index i = 0; i < total; ++i)
-            for (index j = k0; j < total; ++j) {
+    index_t dropped = 0;
+    for (index_t h = 0; h < 2; ++h)
+        for (index_t i = 0; i < total; ++i)
+            for (index_t j = k0; j < total; ++j) {
                 ASSERT_EQ(part.weights(0, h, i, j - k0) == 0, whole.weights(0, h, i, j) == 0)
                     << h << ',' << i << ',' << j;
                 dropped += whole.weights(0, h, i, j) == 0;
@@ -69,7 +69,7 @@ TEST(DropoutOffset, AKeyOffsetDropsTheWeightsTheWholeCallDropsAtThoseKeys) {
 
 TEST(DropoutOffset, TheBackwardOfACallWithOffsetsEqualsTheRowsOfTheWholeBackward) {
     attend_test::rng g(33);
-    const index total = 30, dim = 4, q0 = 11;
+    const index_t total = 30, dim = 4, q0 = 11;
     attend::tensor<double, 4> q(1, 2, total, dim), k(1, 2, total, dim), v(1, 2, total, dim), d_out(1, 2, total, dim);
     attend_test::fill_uniform(q, 4);
     attend_test::fill_uniform(k, 5);
@@ -80,18 +80,18 @@ TEST(DropoutOffset, TheBackwardOfACallWithOffsetsEqualsTheRowsOfTheWholeBackward
     o.need_lse = true;
     const auto causal = attend::causal(attend::alignment::top_left);
     const auto fwd = attend::scaled_dot_product_attention(q, k, v, causal, o);
-    const auto whole = attend::scaled_dot_product_attention_backward(q, k, v, fwd.out, fwd.lse, d_out, causal, o);
+    const auto whole = attend::scaled_dot_product_attention_backward(q, k, v, causal, fwd.out, fwd.lse, d_out, o);
     // Queries [q0, total) against every key: with bottom_right the causal diagonal of this block is the whole's.
-    const std::array<index, 4> from{0, 0, q0, 0}, extent{1, 2, total - q0, dim};
+    const std::array<index_t, 4> from{0, 0, q0, 0}, extent{1, 2, total - q0, dim};
     const attend::tensor<double, 4> qb = q.slice(from, extent), ob = fwd.out.slice(from, extent),
                                     db = d_out.slice(from, extent);
     const attend::tensor<double, 3> lb =
-        fwd.lse.slice(std::array<index, 3>{0, 0, q0}, std::array<index, 3>{1, 2, total - q0});
+        fwd.lse.slice(std::array<index_t, 3>{0, 0, q0}, std::array<index_t, 3>{1, 2, total - q0});
     o.dropout.query_offset = q0;
-    const auto part = attend::scaled_dot_product_attention_backward(qb, k, v, ob, lb, db,
-                                                                    attend::causal(attend::alignment::bottom_right), o);
-    const attend::tensor<double, 4> expected = whole.dq.slice(from, extent);
-    for (index e = 0; e < expected.size(); ++e) EXPECT_NEAR(part.dq.data()[e], expected.data()[e], 1e-13) << e;
+    const auto part = attend::scaled_dot_product_attention_backward(
+        qb, k, v, attend::causal(attend::alignment::bottom_right), ob, lb, db, o);
+    const attend::tensor<double, 4> expected = whole.d_query.slice(from, extent);
+    for (index_t e = 0; e < expected.size(); ++e) EXPECT_NEAR(part.d_query.data()[e], expected.data()[e], 1e-13) << e;
 }
 
 TEST(DropoutOffset, NegativeOffsetsAreValueErrors) {

@@ -12,7 +12,7 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 
 /// q, k = 1 and v = 1: every allowed weighting of v gives out = 1, so any saturated bias must still give 1.
 template <class T>
@@ -26,14 +26,14 @@ struct constant_inputs {
 };
 
 template <class T, class Mask>
-void expect_saturated_rows(const constant_inputs<T>& x, const Mask& mask, index saturated_key) {
+void expect_saturated_rows(const constant_inputs<T>& x, const Mask& mask, index_t saturated_key) {
     for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
         attend::sdpa_options o;
         o.kernel = kernel;
         o.need_weights = true;
         o.need_lse = true;
         const auto r = attend::scaled_dot_product_attention(x.q, x.k, x.v, mask, o);
-        for (index i = 0; i < 2; ++i) {
+        for (index_t i = 0; i < 2; ++i) {
             EXPECT_EQ(r.out(0, 0, i, 0), T(1)) << "query " << i;
             EXPECT_TRUE(std::isfinite(r.lse(0, 0, i))) << "query " << i;
         }
@@ -83,7 +83,7 @@ TEST(FuzzFindings, ScaleOutsideTheInputScalarTypeIsAnError) {
     EXPECT_EQ(r.out(0, 0, 0, 0), 1.0);
 }
 
-// With batch 0 the tiled backward returned before zeroing score_bias_gradient: the caller got whatever the
+// With batch 0 the tiled backward returned before zeroing d_score_bias: the caller got whatever the
 // buffer held. It is an output of the call, and with no query at all it is zero, as the reference kernel says.
 TEST(FuzzFindings, BackwardWithBatchZeroZeroesTheScoreBiasGradient) {
     attend::tensor<float, 4> q(0, 2, 3, 4), k(0, 2, 5, 4), v(0, 2, 5, 4), d_out(0, 2, 3, 4);
@@ -96,9 +96,9 @@ TEST(FuzzFindings, BackwardWithBatchZeroZeroesTheScoreBiasGradient) {
         attend::tensor<float, 4> dq(q.dimensions()), dk(k.dimensions()), dv(v.dimensions());
         attend::tensor<float, 2> bias_gradient(2, 3 + 5 - 1);
         bias_gradient.setConstant(7.0f);  // a sentinel the call must overwrite
-        attend::scaled_dot_product_attention_backward_into(q, k, v, f.out, f.lse, d_out, attend::no_mask{}, dq, dk, dv,
-                                                           o, bias_gradient);
-        for (index n = 0; n < bias_gradient.size(); ++n) EXPECT_EQ(bias_gradient.data()[n], 0.0f) << n;
+        attend::scaled_dot_product_attention_backward_into(q, k, v, attend::no_mask{}, f.out, f.lse, d_out, o, dq, dk,
+                                                           dv, bias_gradient);
+        for (index_t n = 0; n < bias_gradient.size(); ++n) EXPECT_EQ(bias_gradient.data()[n], 0.0f) << n;
     }
 }
 
@@ -106,12 +106,12 @@ TEST(FuzzFindings, BackwardWithBatchZeroZeroesTheScoreBiasGradient) {
 // that pass indexed one scratch per thread although scratch exists only for as many threads as there are
 // (batch, kv head, key chunk) units: 2 threads, 3 query tiles and 1 key chunk read past the scratch (ASan).
 TEST(FuzzFindings, BackwardWithLargeLseAndMoreQueryTilesThanUnitsStaysInBounds) {
-    const index L = 300, S = 7, D = 4;
+    const index_t L = 300, S = 7, D = 4;
     attend::tensor<float, 4> q(1, 1, L, D), k(1, 1, S, D), v(1, 1, S, D), d_out(1, 1, L, D);
     q.setConstant(10.0f);  // q . k * scale = 400 * 0.5 = 200: lse ~ 202, beyond the exact range of float
     k.setConstant(10.0f);
-    for (index n = 0; n < v.size(); ++n) v.data()[n] = static_cast<float>(n % 5) - 2.0f;
-    for (index n = 0; n < d_out.size(); ++n) d_out.data()[n] = static_cast<float>(n % 3) - 1.0f;
+    for (index_t n = 0; n < v.size(); ++n) v.data()[n] = static_cast<float>(n % 5) - 2.0f;
+    for (index_t n = 0; n < d_out.size(); ++n) d_out.data()[n] = static_cast<float>(n % 3) - 1.0f;
     attend::sdpa_options o;
     o.need_lse = true;
     const auto f = attend::scaled_dot_product_attention(q, k, v, o);
@@ -121,9 +121,11 @@ TEST(FuzzFindings, BackwardWithLargeLseAndMoreQueryTilesThanUnitsStaysInBounds) 
     o.kernel = attend::kernel::tiled;
     o.threads = 2;
     const auto tiled = attend::scaled_dot_product_attention_backward(q, k, v, f.out, f.lse, d_out, o);
-    for (index n = 0; n < reference.dv.size(); ++n)
-        EXPECT_NEAR(tiled.dv.data()[n], reference.dv.data()[n], 1e-3f * (1.0f + std::abs(reference.dv.data()[n])));
-    for (index n = 0; n < reference.dq.size(); ++n) EXPECT_NEAR(tiled.dq.data()[n], reference.dq.data()[n], 1e-3f);
+    for (index_t n = 0; n < reference.d_value.size(); ++n)
+        EXPECT_NEAR(tiled.d_value.data()[n], reference.d_value.data()[n],
+                    1e-3f * (1.0f + std::abs(reference.d_value.data()[n])));
+    for (index_t n = 0; n < reference.d_query.size(); ++n)
+        EXPECT_NEAR(tiled.d_query.data()[n], reference.d_query.data()[n], 1e-3f);
 }
 
 // An ALiBi slope finite in double but beyond float's range (times the distances) became inf in a float call, and

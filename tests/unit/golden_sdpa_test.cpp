@@ -28,7 +28,7 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend_test::json;
 using attend_test::max_abs_diff;
 template <class T, int Rank>

@@ -22,7 +22,7 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend_test::json;
 
 const json& storage16_doc() {
@@ -35,7 +35,7 @@ template <class T>
 attend::tensor<T, 4> from_bits(const json& t, const std::string& what) {
     const auto bits = attend_test::to_tensor<std::int64_t, 4>(t, what);
     attend::tensor<T, 4> x(bits.dimensions());
-    for (index n = 0; n < bits.size(); ++n) {
+    for (index_t n = 0; n < bits.size(); ++n) {
         const auto b = static_cast<std::uint16_t>(bits.data()[n]);
         std::memcpy(static_cast<void*>(x.data() + n), &b, 2);
     }
@@ -82,12 +82,12 @@ void check_case(const json& c) {
         o.kernel = kernel;
         const auto got =
             attend::scaled_dot_product_attention(q, k, v, attend::causal(attend::alignment::bottom_right), o);
-        const index dim = want.dimension(3);
+        const index_t dim = want.dimension(3);
         double worst_ours = 0, worst_theirs = 0;  // in rounding steps of T at the float64 value
-        for (index r = 0; r < want.size() / dim; ++r) {
+        for (index_t r = 0; r < want.size() / dim; ++r) {
             double norm = 0;
-            for (index d = 0; d < dim; ++d) norm = std::max(norm, std::abs(want.data()[r * dim + d]));
-            for (index d = 0; d < dim; ++d) {
+            for (index_t d = 0; d < dim; ++d) norm = std::max(norm, std::abs(want.data()[r * dim + d]));
+            for (index_t d = 0; d < dim; ++d) {
                 const double exact = want.data()[r * dim + d], step = spacing<T>(exact);
                 const double ours = static_cast<double>(static_cast<float>(got.out.data()[r * dim + d]));
                 const double theirs = static_cast<double>(static_cast<float>(torch_out.data()[r * dim + d]));
@@ -103,7 +103,7 @@ void check_case(const json& c) {
         EXPECT_LE(worst_ours, worst_theirs);
         std::cout << name << ": worst error in 16-bit steps, attend " << worst_ours << ", PyTorch " << worst_theirs
                   << '\n';
-        for (index n = 0; n < want_lse.size(); ++n)
+        for (index_t n = 0; n < want_lse.size(); ++n)
             ASSERT_NEAR(got.lse.data()[n], want_lse.data()[n], 1e-5 * std::max(1.0, std::abs(want_lse.data()[n])));
     }
 }

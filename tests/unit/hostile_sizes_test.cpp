@@ -19,14 +19,14 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 
-constexpr index most = std::numeric_limits<index>::max();
-constexpr index least = std::numeric_limits<index>::min();
+constexpr index_t most = std::numeric_limits<index_t>::max();
+constexpr index_t least = std::numeric_limits<index_t>::min();
 
 /// Sizes that break something: negative, the extremes, and values whose sums or products overflow. (Valid sizes
 /// too large for memory are allocation_failure_test's: under AddressSanitizer a failed operator new aborts.)
-const std::vector<index> hostile{-1, -2, least, least + 1, most, most - 1, index(1) << 62};
+const std::vector<index_t> hostile{-1, -2, least, least + 1, most, most - 1, index_t(1) << 62};
 
 /// Runs f: it may return, or throw an attend::error; anything else (a standard exception) is a failure.
 /// Returns the error id, empty when f returned.
@@ -49,7 +49,7 @@ std::vector<float>& pool() {
     return data;
 }
 
-attend::strided_view<const float> view_with(std::array<index, 4> dims) {
+attend::strided_view<const float> view_with(std::array<index_t, 4> dims) {
     attend::strided_view<const float> v;
     v.data = pool().data();
     v.dims = dims;
@@ -61,7 +61,7 @@ TEST(HostileSizes, AttentionViewsWithAnyHostileSizeThrowTypedErrorsBeforeReading
     const auto q = view_with({1, 2, 3, 4}), k = view_with({1, 2, 3, 4}), v = view_with({1, 2, 3, 4});
     // A view claiming 2^40 valid rows over a small buffer would be a lie no library can detect; these sizes are
     // negative or overflow.
-    for (const index n : hostile)
+    for (const index_t n : hostile)
         for (std::size_t axis = 0; axis < 4; ++axis) {
             for (int which = 0; which < 3; ++which) {
                 auto qq = q, kk = k, vv = v;
@@ -93,7 +93,7 @@ TEST(HostileSizes, SplitHeadsOfANegativeLengthIsRejectedByEveryConsumer) {
     cache.append(one, one);
     EXPECT_EQ(cache.length(), 1);
     attend_test::expect_error<attend::shape_error>([&] { cache.check_fits(-3); }, "attend.shape.negative");
-    for (const index n : hostile) {
+    for (const index_t n : hostile) {
         typed_or_ok([&] { cache.check_fits(n); }, "check_fits " + std::to_string(n));
         typed_or_ok([&] { cache.truncate(n); }, "truncate " + std::to_string(n));
         EXPECT_EQ(cache.length(), 1);
@@ -101,9 +101,9 @@ TEST(HostileSizes, SplitHeadsOfANegativeLengthIsRejectedByEveryConsumer) {
 }
 
 TEST(HostileSizes, CacheConstructionWithHostileSizesThrowsTypedErrors) {
-    for (const index n : hostile)
+    for (const index_t n : hostile)
         for (int axis = 0; axis < 5; ++axis) {
-            std::array<index, 5> sizes{1, 1, 4, 4, 4};
+            std::array<index_t, 5> sizes{1, 1, 4, 4, 4};
             sizes[static_cast<std::size_t>(axis)] = n;
             const auto id =
                 typed_or_ok([&] { attend::kv_cache<float> c(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]); },
@@ -113,9 +113,9 @@ TEST(HostileSizes, CacheConstructionWithHostileSizesThrowsTypedErrors) {
 }
 
 TEST(HostileSizes, MaskInspectionWithHostileShapesThrowsTypedErrors) {
-    for (const index n : hostile)
+    for (const index_t n : hostile)
         for (int axis = 0; axis < 4; ++axis) {
-            std::array<index, 4> d{1, 1, 3, 3};
+            std::array<index_t, 4> d{1, 1, 3, 3};
             d[static_cast<std::size_t>(axis)] = n;
             const attend::score_shape shape{d[0], d[1], d[2], d[3]};
             const std::string what = "score shape axis " + std::to_string(axis) + " = " + std::to_string(n);
@@ -134,7 +134,7 @@ TEST(HostileSizes, MaterializeOfANegativeQueryLengthIsANegativeShapeError) {
         "attend.shape.negative");
     attend_test::expect_error<attend::shape_error>(
         [] {
-            (void)attend::to_string(attend::no_mask{}, {1, 1, index(1) << 40, index(1) << 40});
+            (void)attend::to_string(attend::no_mask{}, {1, 1, index_t(1) << 40, index_t(1) << 40});
         },
         "attend.shape.overflow");
 }
@@ -173,7 +173,7 @@ TEST(HostileSizes, MaskRulesWithHostileLengthsThrowTypedErrors) {
     v.setConstant(0.3f);
     attend::sdpa_options o;
     o.empty_rows = attend::empty_rows::zero;
-    for (const index n : hostile) {
+    for (const index_t n : hostile) {
         const auto s = std::to_string(n);
         typed_or_ok(
             [&] {
@@ -215,7 +215,7 @@ TEST(HostileSizes, MaskRulesWithHostileLengthsThrowTypedErrors) {
 }
 
 TEST(HostileSizes, PositionTablesWithHostileSizesThrowTypedErrors) {
-    for (const index n : hostile) {
+    for (const index_t n : hostile) {
         const auto s = std::to_string(n);
         EXPECT_FALSE(typed_or_ok([&] { (void)attend::sinusoidal_positions<float>(n, 4); }, "sin length " + s).empty());
         EXPECT_FALSE(typed_or_ok([&] { (void)attend::sinusoidal_positions<float>(4, n); }, "sin dim " + s).empty());
@@ -226,11 +226,11 @@ TEST(HostileSizes, PositionTablesWithHostileSizesThrowTypedErrors) {
         typed_or_ok([&] { attend::relative_position_bias<float> t(n, true); }, "bias heads " + s);
     }
     attend_test::expect_error<attend::shape_error>(
-        [] { (void)attend::sinusoidal_positions<float>(index(1) << 40, index(1) << 40); }, "attend.shape.overflow");
+        [] { (void)attend::sinusoidal_positions<float>(index_t(1) << 40, index_t(1) << 40); }, "attend.shape.overflow");
     // The 2^40-row table of dim 0 is empty, so no frequency vector of 2^39 entries is needed for it.
     const attend::learned_positions<float> table(8, 4);
-    for (const index offset : hostile)
-        for (const index length : {index(0), index(1), index(8), most, least}) {
+    for (const index_t offset : hostile)
+        for (const index_t length : {index_t(0), index_t(1), index_t(8), most, least}) {
             const auto what = "lookup(" + std::to_string(offset) + ", " + std::to_string(length) + ")";
             EXPECT_FALSE(typed_or_ok([&] { (void)table.lookup(offset, length); }, what).empty()) << what;
         }
@@ -238,15 +238,15 @@ TEST(HostileSizes, PositionTablesWithHostileSizesThrowTypedErrors) {
                                                       "attend.position.past_table");
     EXPECT_EQ(table.lookup(8, 0).size(), 0);  // the empty range just past the table: offset + length == max_len
     const attend::relative_position_bias<float> bias(2, true);
-    for (const index a : hostile)
-        for (const index b : hostile) typed_or_ok([&] { (void)bias.bucket(a, b); }, "bias bucket");
-    EXPECT_EQ(bias.bucket(least, most), bias.bucket(0, index(1) << 40));  // far in both: the last bucket
+    for (const index_t a : hostile)
+        for (const index_t b : hostile) typed_or_ok([&] { (void)bias.bucket(a, b); }, "bias bucket");
+    EXPECT_EQ(bias.bucket(least, most), bias.bucket(0, index_t(1) << 40));  // far in both: the last bucket
 }
 
 TEST(HostileSizes, RotaryWithHostileOffsetsThrowsTypedErrors) {
     attend::tensor<float, 4> x(1, 1, 3, 4);
     x.setConstant(1.0f);
-    for (const index n : hostile) {
+    for (const index_t n : hostile) {
         attend::rotary_embedding rotary{4};
         typed_or_ok([&] { rotary.apply(x, n); }, "rotary offset " + std::to_string(n));
         attend::rotary_embedding bad{n};
@@ -256,10 +256,10 @@ TEST(HostileSizes, RotaryWithHostileOffsetsThrowsTypedErrors) {
 }
 
 TEST(HostileSizes, ModulesWithHostileConfigsThrowTypedErrors) {
-    for (const index n : hostile)
+    for (const index_t n : hostile)
         for (int field = 0; field < 5; ++field) {
             attend::mha_config c{8, 2};
-            index* f[] = {&c.model_dim, &c.heads, &c.kv_heads, &c.key_dim, &c.value_dim};
+            index_t* f[] = {&c.model_dim, &c.heads, &c.kv_heads, &c.key_dim, &c.value_dim};
             *f[field] = n;
             const auto id = typed_or_ok([&] { attend::multi_head_attention<float> m(c); },
                                         "mha field " + std::to_string(field) + " = " + std::to_string(n));
@@ -274,7 +274,7 @@ TEST(HostileSizes, CachedDecodingAtAPositionOffsetNearTheIndexLimitIsAPositionEr
     x.setConstant(0.25f);
     attend::mha_options o;
     o.rotary = attend::rotary_embedding{4};
-    for (const index offset : {most, most - 1}) {  // offset + new tokens overflows
+    for (const index_t offset : {most, most - 1}) {  // offset + new tokens overflows
         o.position_offset = offset;
         attend_test::expect_error<attend::position_error>([&] { (void)m.forward_cached(x, cache, o); },
                                                           "attend.position.overflow");
@@ -304,7 +304,7 @@ TEST(HostileSizes, ThreadCountsAndProbabilitiesAtTheExtremesThrowTypedErrors) {
     o.threads = std::numeric_limits<int>::max();  // more threads than work: clamped to the work, same result
     const auto many = attend::scaled_dot_product_attention(q, k, v, o);
     const auto one = attend::scaled_dot_product_attention(q, k, v);
-    for (index n = 0; n < one.out.size(); ++n) EXPECT_EQ(many.out.data()[n], one.out.data()[n]);
+    for (index_t n = 0; n < one.out.size(); ++n) EXPECT_EQ(many.out.data()[n], one.out.data()[n]);
 }
 
 }  // namespace

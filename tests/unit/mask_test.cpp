@@ -18,8 +18,8 @@
 
 namespace {
 
-using attend::index;
-using predicate = std::function<bool(index b, index h, index i, index j)>;
+using attend::index_t;
+using predicate = std::function<bool(index_t b, index_t h, index_t i, index_t j)>;
 
 attend::score_shape random_shape(attend_test::rng& g) {
     return {g.uniform_int(1, 3), g.uniform_int(1, 3), g.uniform_int(1, 40), g.uniform_int(1, 40)};
@@ -28,10 +28,10 @@ attend::score_shape random_shape(attend_test::rng& g) {
 template <class Mask>
 void expect_materializes_to(const Mask& mask, const attend::score_shape& s, const predicate& expected) {
     const auto dense = attend::materialize(mask, s);
-    for (index b = 0; b < s.batch; ++b)
-        for (index h = 0; h < s.heads; ++h)
-            for (index i = 0; i < s.query_len; ++i)
-                for (index j = 0; j < s.key_len; ++j)
+    for (index_t b = 0; b < s.batch; ++b)
+        for (index_t h = 0; h < s.heads; ++h)
+            for (index_t i = 0; i < s.query_len; ++i)
+                for (index_t j = 0; j < s.key_len; ++j)
                     ASSERT_EQ(dense(b, h, i, j), expected(b, h, i, j))
                         << "at [" << b << ',' << h << ',' << i << ',' << j << "] of [" << s.batch << ',' << s.heads
                         << ',' << s.query_len << ',' << s.key_len << ']';
@@ -51,8 +51,8 @@ void expect_classification_agrees(const Mask& mask, const attend::score_shape& s
         t.key_begin = g.uniform_int(0, s.key_len - 1);
         t.key_end = g.uniform_int(t.key_begin + 1, s.key_len);
         bool any_allowed = false, any_forbidden = false;
-        for (index i = t.query_begin; i < t.query_end; ++i)
-            for (index j = t.key_begin; j < t.key_end; ++j)
+        for (index_t i = t.query_begin; i < t.query_end; ++i)
+            for (index_t j = t.key_begin; j < t.key_end; ++j)
                 (dense(t.batch, t.head, i, j) ? any_allowed : any_forbidden) = true;
         const auto c = attend::classify(mask, s, t);
         if (c == attend::tile_class::empty) {
@@ -67,15 +67,15 @@ void expect_classification_agrees(const Mask& mask, const attend::score_shape& s
     }
 }
 
-attend::tensor<bool, 4> random_bool(attend_test::rng& g, index b, index h, index l, index s, double p = 0.6) {
+attend::tensor<bool, 4> random_bool(attend_test::rng& g, index_t b, index_t h, index_t l, index_t s, double p = 0.6) {
     attend::tensor<bool, 4> t(b, h, l, s);
-    for (index n = 0; n < t.size(); ++n) t.data()[n] = g.bernoulli(p);
+    for (index_t n = 0; n < t.size(); ++n) t.data()[n] = g.bernoulli(p);
     return t;
 }
 
-std::vector<index> random_lengths(attend_test::rng& g, index batch, index limit) {
-    std::vector<index> lengths;
-    for (index b = 0; b < batch; ++b) lengths.push_back(g.uniform_int(0, limit));
+std::vector<index_t> random_lengths(attend_test::rng& g, index_t batch, index_t limit) {
+    std::vector<index_t> lengths;
+    for (index_t b = 0; b < batch; ++b) lengths.push_back(g.uniform_int(0, limit));
     return lengths;
 }
 
@@ -84,7 +84,7 @@ TEST(mask, causal_top_left_allows_keys_up_to_the_query_index) {
     for (int n = 0; n < attend_test::repeat(200); ++n) {
         const auto s = random_shape(g);
         const auto rule = attend::causal(attend::alignment::top_left);
-        expect_materializes_to(rule, s, [](index, index, index i, index j) { return j <= i; });
+        expect_materializes_to(rule, s, [](index_t, index_t, index_t i, index_t j) { return j <= i; });
         expect_classification_agrees(rule, s, g, true);
     }
 }
@@ -94,8 +94,8 @@ TEST(mask, causal_bottom_right_aligns_the_last_query_with_the_last_key) {
     for (int n = 0; n < attend_test::repeat(200); ++n) {
         const auto s = random_shape(g);
         const auto rule = attend::causal(attend::alignment::bottom_right);
-        const index offset = s.key_len - s.query_len;
-        expect_materializes_to(rule, s, [&](index, index, index i, index j) { return j <= i + offset; });
+        const index_t offset = s.key_len - s.query_len;
+        expect_materializes_to(rule, s, [&](index_t, index_t, index_t i, index_t j) { return j <= i + offset; });
         expect_classification_agrees(rule, s, g, true);
     }
 }
@@ -114,11 +114,11 @@ TEST(mask, sliding_window_allows_a_band_around_the_aligned_diagonal) {
     attend_test::rng g(3);
     for (int n = 0; n < attend_test::repeat(200); ++n) {
         const auto s = random_shape(g);
-        const index left = g.uniform_int(0, 12), right = g.uniform_int(0, 12);
+        const index_t left = g.uniform_int(0, 12), right = g.uniform_int(0, 12);
         const auto align = g.bernoulli(0.5) ? attend::alignment::top_left : attend::alignment::bottom_right;
-        const index offset = align == attend::alignment::bottom_right ? s.key_len - s.query_len : 0;
+        const index_t offset = align == attend::alignment::bottom_right ? s.key_len - s.query_len : 0;
         const auto rule = attend::sliding_window(left, right, align);
-        expect_materializes_to(rule, s, [&](index, index, index i, index j) {
+        expect_materializes_to(rule, s, [&](index_t, index_t, index_t i, index_t j) {
             return j >= i + offset - left && j <= i + offset + right;
         });
         expect_classification_agrees(rule, s, g, true);
@@ -129,9 +129,9 @@ TEST(mask, prefix_lm_is_bidirectional_over_the_prefix_and_causal_after) {
     attend_test::rng g(4);
     for (int n = 0; n < attend_test::repeat(200); ++n) {
         const auto s = random_shape(g);
-        const index prefix = g.uniform_int(0, s.key_len);
+        const index_t prefix = g.uniform_int(0, s.key_len);
         const auto rule = attend::prefix_lm(prefix, attend::alignment::top_left);
-        expect_materializes_to(rule, s, [&](index, index, index i, index j) { return j < prefix || j <= i; });
+        expect_materializes_to(rule, s, [&](index_t, index_t, index_t i, index_t j) { return j < prefix || j <= i; });
         expect_classification_agrees(rule, s, g, true);
     }
 }
@@ -142,7 +142,7 @@ TEST(mask, key_padding_forbids_keys_past_each_sequence_length) {
         const auto s = random_shape(g);
         const auto lengths = random_lengths(g, s.batch, s.key_len);
         const auto rule = attend::key_padding(lengths);
-        expect_materializes_to(rule, s, [&](index b, index, index, index j) {
+        expect_materializes_to(rule, s, [&](index_t b, index_t, index_t, index_t j) {
             return j < lengths[static_cast<std::size_t>(b)];
         });
         expect_classification_agrees(rule, s, g, true);
@@ -155,7 +155,7 @@ TEST(mask, query_padding_removes_padded_queries_and_draws_them_as_padded) {
         const auto s = random_shape(g);
         const auto lengths = random_lengths(g, s.batch, s.query_len);
         const auto rule = attend::query_padding(lengths);
-        expect_materializes_to(rule, s, [&](index b, index, index i, index) {
+        expect_materializes_to(rule, s, [&](index_t b, index_t, index_t i, index_t) {
             return i < lengths[static_cast<std::size_t>(b)];
         });
         expect_classification_agrees(rule, s, g, true);
@@ -168,18 +168,18 @@ TEST(mask, query_padding_removes_padded_queries_and_draws_them_as_padded) {
 TEST(mask, block_diagonal_keeps_packed_sequences_apart) {
     attend_test::rng g(7);
     for (int n = 0; n < attend_test::repeat(200); ++n) {
-        std::vector<index> lengths;
-        std::vector<index> sequence_of;
-        const index count = g.uniform_int(1, 6);
-        for (index c = 0; c < count; ++c) {
+        std::vector<index_t> lengths;
+        std::vector<index_t> sequence_of;
+        const index_t count = g.uniform_int(1, 6);
+        for (index_t c = 0; c < count; ++c) {
             lengths.push_back(g.uniform_int(0, 9));
-            for (index t = 0; t < lengths.back(); ++t) sequence_of.push_back(c);
+            for (index_t t = 0; t < lengths.back(); ++t) sequence_of.push_back(c);
         }
-        const auto total = static_cast<index>(sequence_of.size());
+        const auto total = static_cast<index_t>(sequence_of.size());
         if (total == 0) continue;
         const attend::score_shape s{g.uniform_int(1, 2), g.uniform_int(1, 2), total, total};
         const auto rule = attend::block_diagonal(lengths);
-        expect_materializes_to(rule, s, [&](index, index, index i, index j) {
+        expect_materializes_to(rule, s, [&](index_t, index_t, index_t i, index_t j) {
             return sequence_of[static_cast<std::size_t>(i)] == sequence_of[static_cast<std::size_t>(j)];
         });
         expect_classification_agrees(rule, s, g, true);
@@ -192,7 +192,7 @@ TEST(mask, dense_allowed_mask_classifies_tiles_exactly) {
         const auto s = random_shape(g);
         const auto values = random_bool(g, s.batch, s.heads, s.query_len, s.key_len, g.uniform(0.0, 1.0));
         const auto mask = attend::allowed_mask::from_torch_sdpa(values);
-        expect_materializes_to(mask, s, [&](index b, index h, index i, index j) { return values(b, h, i, j); });
+        expect_materializes_to(mask, s, [&](index_t b, index_t h, index_t i, index_t j) { return values(b, h, i, j); });
         expect_classification_agrees(mask, s, g, true);
     }
 }
@@ -203,7 +203,8 @@ TEST(mask, dense_forbidden_mask_classifies_tiles_exactly) {
         const auto s = random_shape(g);
         const auto blocked = random_bool(g, s.batch, s.heads, s.query_len, s.key_len, g.uniform(0.0, 1.0));
         const auto mask = attend::to_allowed(attend::forbidden_mask::true_means_blocked(blocked));  // stored inverted
-        expect_materializes_to(mask, s, [&](index b, index h, index i, index j) { return !blocked(b, h, i, j); });
+        expect_materializes_to(mask, s,
+                               [&](index_t b, index_t h, index_t i, index_t j) { return !blocked(b, h, i, j); });
         expect_classification_agrees(mask, s, g, true);
     }
 }
@@ -215,20 +216,20 @@ TEST(mask, algebra_is_set_algebra_and_classification_stays_sound) {
         const auto dense_values = random_bool(g, s.batch, s.heads, s.query_len, s.key_len);
         const auto dense = attend::allowed_mask::from_torch_sdpa(dense_values);
         const auto causal = attend::causal(attend::alignment::top_left);
-        const index left = g.uniform_int(0, 6);
+        const index_t left = g.uniform_int(0, 6);
         const auto window = attend::sliding_window(left, 0, attend::alignment::top_left);
         const auto pad = attend::key_padding(random_lengths(g, s.batch, s.key_len));
         const auto a = attend::materialize(causal, s), w = attend::materialize(window, s);
         const auto d = attend::materialize(dense, s), p = attend::materialize(pad, s);
 
         const auto expr1 = (causal && pad) || !dense;
-        expect_materializes_to(expr1, s, [&](index b, index h, index i, index j) {
+        expect_materializes_to(expr1, s, [&](index_t b, index_t h, index_t i, index_t j) {
             return (a(b, h, i, j) && p(b, h, i, j)) || !d(b, h, i, j);
         });
         expect_classification_agrees(expr1, s, g, false);
 
         const auto expr2 = !(window || dense) && !causal;
-        expect_materializes_to(expr2, s, [&](index b, index h, index i, index j) {
+        expect_materializes_to(expr2, s, [&](index_t b, index_t h, index_t i, index_t j) {
             return !(w(b, h, i, j) || d(b, h, i, j)) && !a(b, h, i, j);
         });
         expect_classification_agrees(expr2, s, g, false);
@@ -245,10 +246,10 @@ TEST(mask, forbidden_and_allowed_conventions_convert_exactly_and_round_trip) {
         const auto blocked = random_bool(g, s.batch, s.heads, s.query_len, s.key_len);
         const auto forbidden = attend::forbidden_mask::from_torch_mha(blocked);
         expect_materializes_to(attend::to_allowed(forbidden), s,
-                               [&](index b, index h, index i, index j) { return !blocked(b, h, i, j); });
+                               [&](index_t b, index_t h, index_t i, index_t j) { return !blocked(b, h, i, j); });
         const auto allowed = attend::allowed_mask::from_torch_sdpa(blocked);
         expect_materializes_to(attend::to_allowed(attend::to_forbidden(allowed)), s,
-                               [&](index b, index h, index i, index j) { return blocked(b, h, i, j); });
+                               [&](index_t b, index_t h, index_t i, index_t j) { return blocked(b, h, i, j); });
         // The trap of the seeds: the same tensor read in the other convention is the complement.
         EXPECT_EQ(attend::to_string(attend::to_allowed(forbidden), s), attend::to_string(!allowed, s));
     }
@@ -260,8 +261,8 @@ TEST(mask, key_padding_as_a_dense_mask_broadcasts_over_heads_and_queries) {
         const auto s = random_shape(g);
         const auto lengths = random_lengths(g, s.batch, s.key_len);
         attend::tensor<bool, 4> pad(s.batch, 1, 1, s.key_len);  // [batch, 1, 1, key_len], true = blocked
-        for (index b = 0; b < s.batch; ++b)
-            for (index j = 0; j < s.key_len; ++j) pad(b, 0, 0, j) = j >= lengths[static_cast<std::size_t>(b)];
+        for (index_t b = 0; b < s.batch; ++b)
+            for (index_t j = 0; j < s.key_len; ++j) pad(b, 0, 0, j) = j >= lengths[static_cast<std::size_t>(b)];
         EXPECT_EQ(attend::to_string(attend::to_allowed(attend::forbidden_mask::from_torch_mha(pad)), s),
                   attend::to_string(attend::key_padding(lengths), s));
     }
@@ -343,14 +344,14 @@ TEST(mask, to_string_draws_the_seed_causal_grid_and_rows_without_keys) {
 
 /// The first (batch, head, query) that is not padded and has no allowed key, by asking about every element.
 template <class Bound>
-std::optional<std::array<index, 3>> first_empty_row_by_scan(const Bound& mask, const attend::attention_shape& s) {
-    for (index b = 0; b < s.batch; ++b)
-        for (index h = 0; h < s.heads; ++h)
-            for (index i = 0; i < s.query_len; ++i) {
+std::optional<std::array<index_t, 3>> first_empty_row_by_scan(const Bound& mask, const attend::attention_shape& s) {
+    for (index_t b = 0; b < s.batch; ++b)
+        for (index_t h = 0; h < s.heads; ++h)
+            for (index_t i = 0; i < s.query_len; ++i) {
                 if (mask.query_padded(b, i)) continue;
                 bool any = false;
-                for (index j = 0; j < s.key_len && !any; ++j) any = mask.allowed(b, h, i, j);
-                if (!any) return std::array<index, 3>{b, h, i};
+                for (index_t j = 0; j < s.key_len && !any; ++j) any = mask.allowed(b, h, i, j);
+                if (!any) return std::array<index_t, 3>{b, h, i};
             }
     return std::nullopt;
 }
@@ -367,9 +368,9 @@ void expect_first_empty_row_of_scan(const Mask& mask, const attend::score_shape&
 }
 
 /// Offsets from 0 of `segments` slots within [0, len], some of them empty.
-std::vector<index> random_offsets(attend_test::rng& g, index segments, index len) {
-    std::vector<index> offsets{0};
-    for (index n = 0; n < segments; ++n)
+std::vector<index_t> random_offsets(attend_test::rng& g, index_t segments, index_t len) {
+    std::vector<index_t> offsets{0};
+    for (index_t n = 0; n < segments; ++n)
         offsets.push_back(
             std::min(len, offsets.back() + (g.bernoulli(0.15) ? 0 : g.uniform_int(1, len / segments + 8))));
     return offsets;
@@ -385,7 +386,7 @@ TEST(mask, first_empty_row_equals_a_scan_of_every_row) {
         const attend::score_shape s{g.uniform_int(1, 2), g.uniform_int(1, 2), g.uniform_int(1, 300),
                                     g.uniform_int(1, 300)};
         const auto align = g.bernoulli(0.5) ? attend::alignment::top_left : attend::alignment::bottom_right;
-        const index segments = g.uniform_int(1, 6);
+        const index_t segments = g.uniform_int(1, 6);
         const auto packed =
             attend::packed_segments(random_offsets(g, segments, s.query_len), random_offsets(g, segments, s.key_len));
         expect_first_empty_row_of_scan(packed, s);
@@ -498,8 +499,8 @@ TEST(mask, a_decode_window_sits_on_the_diagonal_it_names) {
 }
 
 /// The band of a window around diagonal offsets[b], computed in long double so huge offsets cannot overflow.
-predicate band_of(const std::vector<index>& offsets, index left, index right) {
-    return [=](index b, index, index i, index j) {
+predicate band_of(const std::vector<index_t>& offsets, index_t left, index_t right) {
+    return [=](index_t b, index_t, index_t i, index_t j) {
         const long double d = static_cast<long double>(j) - static_cast<long double>(i) -
                               static_cast<long double>(offsets[static_cast<std::size_t>(b)]);
         return (left == attend::unbounded || d >= -static_cast<long double>(left)) &&
@@ -507,14 +508,14 @@ predicate band_of(const std::vector<index>& offsets, index left, index right) {
     };
 }
 
-std::vector<index> random_diagonal_offsets(attend_test::rng& g, const attend::score_shape& s) {
-    std::vector<index> offsets(static_cast<std::size_t>(s.batch));
+std::vector<index_t> random_diagonal_offsets(attend_test::rng& g, const attend::score_shape& s) {
+    std::vector<index_t> offsets(static_cast<std::size_t>(s.batch));
     for (auto& x : offsets) {
         const double u = g.uniform();
-        x = u < 0.05   ? std::numeric_limits<index>::max()
-            : u < 0.1  ? std::numeric_limits<index>::min() + 1
-            : u < 0.15 ? index(1) << 50
-            : u < 0.2  ? -(index(1) << 50)
+        x = u < 0.05   ? std::numeric_limits<index_t>::max()
+            : u < 0.1  ? std::numeric_limits<index_t>::min() + 1
+            : u < 0.15 ? index_t(1) << 50
+            : u < 0.2  ? -(index_t(1) << 50)
                        : g.uniform_int(-s.query_len - 2, s.key_len + 2);
     }
     return offsets;
@@ -525,26 +526,26 @@ TEST(mask, explicit_diagonal_offsets_place_each_batch_rows_band_exactly) {
     for (int n = 0; n < attend_test::repeat(60); ++n) {
         const auto s = random_shape(g);
         const auto offsets = random_diagonal_offsets(g, s);
-        const index left = g.bernoulli(0.2) ? attend::unbounded : g.uniform_int(0, 45);
-        const index right = g.bernoulli(0.2) ? attend::unbounded : g.uniform_int(0, 45);
+        const index_t left = g.bernoulli(0.2) ? attend::unbounded : g.uniform_int(0, 45);
+        const index_t right = g.bernoulli(0.2) ? attend::unbounded : g.uniform_int(0, 45);
         const auto window = attend::sliding_window(left, right, attend::diagonal_offsets(offsets));
         expect_materializes_to(window, s, band_of(offsets, left, right));
         expect_classification_agrees(window, s, g, true);
         const auto causal = attend::causal(attend::diagonal_offsets(offsets));
         expect_materializes_to(causal, s, band_of(offsets, attend::unbounded, 0));
         expect_classification_agrees(causal, s, g, true);
-        const index prefix = g.uniform_int(0, s.key_len);
+        const index_t prefix = g.uniform_int(0, s.key_len);
         const auto prefix_lm = attend::prefix_lm(prefix, attend::diagonal_offsets(offsets));
         const auto causal_part = band_of(offsets, attend::unbounded, 0);
-        expect_materializes_to(prefix_lm, s, [&](index b, index h, index i, index j) {
+        expect_materializes_to(prefix_lm, s, [&](index_t b, index_t h, index_t i, index_t j) {
             return j < prefix || causal_part(b, h, i, j);
         });
         expect_classification_agrees(prefix_lm, s, g, false);
         // One offset for every row is the same as that offset per row.
-        const index one = offsets[0];
+        const index_t one = offsets[0];
         EXPECT_EQ(attend::to_string(attend::causal(attend::diagonal_offset(one)), s),
                   attend::to_string(attend::causal(attend::diagonal_offsets(
-                                        std::vector<index>(static_cast<std::size_t>(s.batch), one))),
+                                        std::vector<index_t>(static_cast<std::size_t>(s.batch), one))),
                                     s));
     }
 }
@@ -558,7 +559,7 @@ TEST(mask, offsets_generalize_the_alignments_and_an_unbounded_side_is_causal) {
         EXPECT_EQ(text(attend::causal(attend::diagonal_offset(s.key_len - s.query_len))),
                   text(attend::causal(attend::alignment::bottom_right)));
         EXPECT_EQ(text(attend::causal(attend::aligned_to_key_lengths(
-                      std::vector<index>(static_cast<std::size_t>(s.batch), s.key_len)))),
+                      std::vector<index_t>(static_cast<std::size_t>(s.batch), s.key_len)))),
                   text(attend::causal(attend::alignment::bottom_right)));
         for (const auto a : {attend::alignment::top_left, attend::alignment::bottom_right})
             EXPECT_EQ(text(attend::sliding_window(attend::unbounded, 0, a)), text(attend::causal(a)));
@@ -572,8 +573,8 @@ TEST(mask, causal_aligned_to_key_lengths_is_onnx_causal_over_each_rows_real_keys
         const auto s = random_shape(g);
         const auto real = random_lengths(g, s.batch, s.key_len);
         const auto mask = attend::causal(attend::aligned_to_key_lengths(real)) && attend::key_padding(real);
-        expect_materializes_to(mask, s, [&](index b, index, index i, index j) {
-            const index n_keys = real[static_cast<std::size_t>(b)];
+        expect_materializes_to(mask, s, [&](index_t b, index_t, index_t i, index_t j) {
+            const index_t n_keys = real[static_cast<std::size_t>(b)];
             return j < n_keys && j <= i + n_keys - s.query_len;
         });
         expect_classification_agrees(mask, s, g, false);
@@ -585,12 +586,14 @@ TEST(mask, a_window_from_config_counts_the_querys_own_key_as_hugging_face_does) 
     attend_test::rng g(72);
     for (int n = 0; n < attend_test::repeat(30); ++n) {
         const auto s = random_shape(g);
-        const index w = g.uniform_int(1, 12);
-        const index offset = s.key_len - s.query_len;
+        const index_t w = g.uniform_int(1, 12);
+        const index_t offset = s.key_len - s.query_len;
         expect_materializes_to(attend::sliding_window_from_config(w, attend::alignment::bottom_right), s,
-                               [&](index, index, index i, index j) { return j > i + offset - w && j <= i + offset; });
+                               [&](index_t, index_t, index_t i, index_t j) {
+                                   return j > i + offset - w && j <= i + offset;
+                               });
     }
-    for (const index bad : {index(0), index(-3)})
+    for (const index_t bad : {index_t(0), index_t(-3)})
         expect_mask_error("attend.mask.window_from_config",
                           [&] { (void)attend::sliding_window_from_config(bad, attend::alignment::top_left); });
 }
@@ -601,16 +604,16 @@ TEST(mask, a_batch_by_key_padding_mask_is_per_sequence_even_when_batch_equals_qu
     padding.setValues({{false, false, false, true}, {false, true, true, true}, {false, false, false, false}});
     const attend::score_shape s{3, 2, 3, 4};
     const auto per_sequence = attend::to_allowed(attend::forbidden_mask::key_padding(padding));
-    expect_materializes_to(per_sequence, s, [&](index b, index, index, index j) { return !padding(b, j); });
+    expect_materializes_to(per_sequence, s, [&](index_t b, index_t, index_t, index_t j) { return !padding(b, j); });
     EXPECT_EQ(attend::to_string(per_sequence, s), attend::to_string(attend::key_padding({3, 1, 4}), s));
     const auto as_grid = attend::to_allowed(attend::forbidden_mask::query_key_grid(padding));
     EXPECT_NE(attend::to_string(as_grid, s), attend::to_string(per_sequence, s));
     // HF's attention_mask (true = real token) says the same with the other polarity.
     attend::tensor<bool, 2> real(3, 4);
-    for (index n = 0; n < real.size(); ++n) real.data()[n] = !padding.data()[n];
+    for (index_t n = 0; n < real.size(); ++n) real.data()[n] = !padding.data()[n];
     EXPECT_EQ(attend::to_string(attend::allowed_mask::key_padding(real), s), attend::to_string(per_sequence, s));
     attend::tensor<float, 2> additive(3, 4);
-    for (index n = 0; n < additive.size(); ++n)
+    for (index_t n = 0; n < additive.size(); ++n)
         additive.data()[n] = padding.data()[n] ? -std::numeric_limits<float>::infinity() : 0.f;
     EXPECT_EQ(attend::to_string(attend::additive_mask<float>::key_padding(additive), s),
               attend::to_string(per_sequence, s));
@@ -627,15 +630,15 @@ TEST(mask, an_onnx_mask_shorter_than_key_len_forbids_the_keys_past_it) {
     attend_test::rng g(71);
     for (int n = 0; n < attend_test::repeat(40); ++n) {
         const auto s = random_shape(g);
-        const index stored = g.uniform_int(1, s.key_len);
+        const index_t stored = g.uniform_int(1, s.key_len);
         attend::tensor<bool, 2> grid(s.query_len, stored);
         attend::tensor<float, 2> bias(s.query_len, stored);
-        for (index x = 0; x < grid.size(); ++x) {
+        for (index_t x = 0; x < grid.size(); ++x) {
             grid.data()[x] = g.bernoulli(0.7);
             bias.data()[x] = grid.data()[x] ? static_cast<float>(g.uniform(-2, 2))
                                             : -std::numeric_limits<float>::infinity();
         }
-        const auto expected = [&](index, index, index i, index j) { return j < stored && grid(i, j); };
+        const auto expected = [&](index_t, index_t, index_t i, index_t j) { return j < stored && grid(i, j); };
         const auto boolean = attend::allowed_mask::from_onnx(grid);
         expect_materializes_to(boolean, s, expected);
         expect_classification_agrees(boolean, s, g, true);

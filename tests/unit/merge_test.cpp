@@ -29,7 +29,7 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend_test::identical;
 using attend_test::near;
 using attend_test::rng;
@@ -42,7 +42,7 @@ double tol() {
 }
 
 struct config {
-    index batch, heads, kv_heads, query_len, key_len, head_dim, value_dim;
+    index_t batch, heads, kv_heads, query_len, key_len, head_dim, value_dim;
     bool rank3;
     attend::kernel kernel;
     std::uint64_t seed;
@@ -75,7 +75,7 @@ config random_config(std::uint64_t seed) {
 
 /// Rank-4 tensors [B, heads, len, dim] of the configuration; for rank 3 the heads axis is dropped.
 template <class T, int Rank>
-tensor<T, Rank> random_input(const config& c, std::uint64_t seed, index heads, index len, index dim) {
+tensor<T, Rank> random_input(const config& c, std::uint64_t seed, index_t heads, index_t len, index_t dim) {
     tensor<T, Rank> t;
     if constexpr (Rank == 4) t.resize(c.batch, heads, len, dim);
     else t.resize(c.batch, len, dim);
@@ -85,7 +85,7 @@ tensor<T, Rank> random_input(const config& c, std::uint64_t seed, index heads, i
 
 /// Keys [begin, end) of k or v (the len axis is Rank - 2).
 template <class T, int Rank>
-tensor<T, Rank> slice_keys(const tensor<T, Rank>& x, index begin, index end) {
+tensor<T, Rank> slice_keys(const tensor<T, Rank>& x, index_t begin, index_t end) {
     auto offsets = x.dimensions();
     auto extents = x.dimensions();
     for (auto& o : offsets) o = 0;
@@ -96,11 +96,11 @@ tensor<T, Rank> slice_keys(const tensor<T, Rank>& x, index begin, index end) {
 
 template <class T, int Rank>
 void check_split_by_slicing(const config& c, rng& g) {
-    const index H = Rank == 4 ? c.heads : 1, G = Rank == 4 ? c.kv_heads : 1;
+    const index_t H = Rank == 4 ? c.heads : 1, G = Rank == 4 ? c.kv_heads : 1;
     const auto q = random_input<T, Rank>(c, c.seed * 3 + 1, H, c.query_len, c.head_dim);
     const auto k = random_input<T, Rank>(c, c.seed * 3 + 2, G, c.key_len, c.head_dim);
     const auto v = random_input<T, Rank>(c, c.seed * 3 + 3, G, c.key_len, c.value_dim);
-    const index a = g.uniform_int(1, c.key_len - 1);
+    const index_t a = g.uniform_int(1, c.key_len - 1);
     SCOPED_TRACE(describe(c) + ", split at key " + std::to_string(a));
     attend::sdpa_options o;
     o.need_lse = true;
@@ -131,7 +131,7 @@ void check_split_by_slicing(const config& c, rng& g) {
     ASSERT_TRUE(identical(swapped.lse, merged.lse));
     // Three parts merge in either grouping to the whole.
     if (c.key_len >= 3) {
-        const index b = g.uniform_int(1, c.key_len - 2), d = g.uniform_int(b + 1, c.key_len - 1);
+        const index_t b = g.uniform_int(1, c.key_len - 2), d = g.uniform_int(b + 1, c.key_len - 1);
         const auto p0 = attend::scaled_dot_product_attention(q, slice_keys(k, 0, b), slice_keys(v, 0, b), o);
         const auto p1 = attend::scaled_dot_product_attention(q, slice_keys(k, b, d), slice_keys(v, b, d), o);
         const auto p2 =
@@ -151,12 +151,12 @@ void check_split_by_slicing(const config& c, rng& g) {
 /// causal; split[b] may be 0 or key_len, so a part can have no key at all for a row (lse -inf, zero out).
 template <class T, int Rank>
 void check_split_by_masks(const config& c, rng& g, int& empty_part_rows) {
-    const index H = Rank == 4 ? c.heads : 1, G = Rank == 4 ? c.kv_heads : 1;
+    const index_t H = Rank == 4 ? c.heads : 1, G = Rank == 4 ? c.kv_heads : 1;
     const auto q = random_input<T, Rank>(c, c.seed * 3 + 1, H, c.query_len, c.head_dim);
     const auto k = random_input<T, Rank>(c, c.seed * 3 + 2, G, c.key_len, c.head_dim);
     const auto v = random_input<T, Rank>(c, c.seed * 3 + 3, G, c.key_len, c.value_dim);
-    std::vector<index> split;
-    for (index b = 0; b < c.batch; ++b) split.push_back(g.uniform_int(0, c.key_len));
+    std::vector<index_t> split;
+    for (index_t b = 0; b < c.batch; ++b) split.push_back(g.uniform_int(0, c.key_len));
     const auto align = g.bernoulli(0.5) ? attend::alignment::top_left : attend::alignment::bottom_right;
     SCOPED_TRACE(describe(c) + (align == attend::alignment::top_left ? ", causal top_left" : ", causal bottom_right"));
     attend::sdpa_options o;
@@ -167,7 +167,7 @@ void check_split_by_masks(const config& c, rng& g, int& empty_part_rows) {
     const auto whole = attend::scaled_dot_product_attention(q, k, v, causal, o);
     const auto part_a = attend::scaled_dot_product_attention(q, k, v, causal && attend::key_padding(split), o);
     const auto part_b = attend::scaled_dot_product_attention(q, k, v, causal && !attend::key_padding(split), o);
-    for (index n = 0; n < part_a.lse.size(); ++n)
+    for (index_t n = 0; n < part_a.lse.size(); ++n)
         empty_part_rows += (part_a.lse.data()[n] == -std::numeric_limits<T>::infinity()) +
                            (part_b.lse.data()[n] == -std::numeric_limits<T>::infinity());
     const auto merged = attend::merge_partials(part_a.out, part_a.lse, part_b.out, part_b.lse);
@@ -208,7 +208,8 @@ TYPED_TEST(MergePartials, PartWithMinusInfinityLseLeavesTheOtherPartUnchangedBit
     const T minus_inf = -std::numeric_limits<T>::infinity();
     for (int n = 0; n < attend_test::repeat(200); ++n) {
         rng g(700 + static_cast<std::uint64_t>(n));
-        const index B = g.uniform_int(1, 3), H = g.uniform_int(1, 4), L = g.uniform_int(1, 9), D = g.uniform_int(1, 9);
+        const index_t B = g.uniform_int(1, 3), H = g.uniform_int(1, 4), L = g.uniform_int(1, 9),
+                      D = g.uniform_int(1, 9);
         tensor<T, 4> out_a(B, H, L, D), out_b(B, H, L, D);
         tensor<T, 3> lse_a(B, H, L), lse_b(B, H, L);
         attend_test::fill_uniform(out_a, g.next());
@@ -216,20 +217,21 @@ TYPED_TEST(MergePartials, PartWithMinusInfinityLseLeavesTheOtherPartUnchangedBit
         attend_test::fill_uniform(lse_a, g.next(), -30, 30);
         // b empty on a random subset of rows; a empty on a disjoint subset.
         std::vector<int> kind(static_cast<std::size_t>(lse_a.size()));
-        for (index r = 0; r < lse_a.size(); ++r) {
+        for (index_t r = 0; r < lse_a.size(); ++r) {
             kind[static_cast<std::size_t>(r)] = static_cast<int>(g.uniform_int(0, 2));
             lse_b.data()[r] = static_cast<T>(g.uniform(-30, 30));
             if (kind[static_cast<std::size_t>(r)] == 1) lse_b.data()[r] = minus_inf;
             if (kind[static_cast<std::size_t>(r)] == 2) lse_a.data()[r] = minus_inf;
         }
         const auto m = attend::merge_partials(out_a, lse_a, out_b, lse_b);
-        for (index r = 0; r < lse_a.size(); ++r) {
+        for (index_t r = 0; r < lse_a.size(); ++r) {
             const int k = kind[static_cast<std::size_t>(r)];
             if (k == 0) continue;
             const auto& keep_out = k == 1 ? out_a : out_b;
             const auto& keep_lse = k == 1 ? lse_a : lse_b;
             ASSERT_EQ(m.lse.data()[r], keep_lse.data()[r]) << "row " << r;
-            for (index d = 0; d < D; ++d) ASSERT_EQ(m.out.data()[r * D + d], keep_out.data()[r * D + d]) << "row " << r;
+            for (index_t d = 0; d < D; ++d)
+                ASSERT_EQ(m.out.data()[r * D + d], keep_out.data()[r * D + d]) << "row " << r;
         }
     }
 }
@@ -245,15 +247,15 @@ TYPED_TEST(MergePartials, BothPartsMinusInfinityGiveZeroOutputAndMinusInfinityLs
     lse_b.setConstant(minus_inf);
     lse_a(1, 2) = T(0.5);  // one row not empty, to see it survive next to empty ones
     const auto m = attend::merge_partials(out_a, lse_a, out_b, lse_b);
-    for (index b = 0; b < 2; ++b)
-        for (index i = 0; i < 3; ++i) {
+    for (index_t b = 0; b < 2; ++b)
+        for (index_t i = 0; i < 3; ++i) {
             if (b == 1 && i == 2) {
                 EXPECT_EQ(m.lse(b, i), T(0.5));
-                for (index d = 0; d < 4; ++d) EXPECT_EQ(m.out(b, i, d), out_a(b, i, d));
+                for (index_t d = 0; d < 4; ++d) EXPECT_EQ(m.out(b, i, d), out_a(b, i, d));
                 continue;
             }
             EXPECT_EQ(m.lse(b, i), minus_inf);
-            for (index d = 0; d < 4; ++d) {
+            for (index_t d = 0; d < 4; ++d) {
                 EXPECT_FALSE(std::isnan(m.out(b, i, d)));
                 EXPECT_EQ(m.out(b, i, d), T(0));
             }
@@ -331,14 +333,14 @@ TYPED_TEST_SUITE(SplitKeyValue, attend_test::scalar_types, attend_test::scalar_n
 TYPED_TEST(SplitKeyValue, KeyRangesOfOneCacheMergeIntoTheWholeCallWithoutCopying) {
     using T = TypeParam;
     const double tolerance = std::is_same_v<T, float> ? 2e-6 : 1e-13;
-    const index B = 2, H = 8, G = 2, S = 300, D = 16;
+    const index_t B = 2, H = 8, G = 2, S = 300, D = 16;
     const auto q = attend_test::random_tensor<T>(1, B, H, 1, D), k = attend_test::random_tensor<T>(2, B, G, S, D),
                v = attend_test::random_tensor<T>(3, B, G, S, D);
     attend::sdpa_options o;
     o.sinks = attend::attention_sinks{0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8};  // on the first range only
     const auto whole = attend::scaled_dot_product_attention(q, k, v, o);
     attend::partial_attention<T, 4> merged;
-    const std::array<index, 4> bounds{0, 100, 250, S};
+    const std::array<index_t, 4> bounds{0, 100, 250, S};
     for (std::size_t n = 0; n + 1 < bounds.size(); ++n) {
         const auto keys = attend::key_range(k, bounds[n], bounds[n + 1]);
         const auto values = attend::key_range(v, bounds[n], bounds[n + 1]);
@@ -356,7 +358,7 @@ TYPED_TEST(SplitKeyValue, KeyRangesOfOneCacheMergeIntoTheWholeCallWithoutCopying
 
 TEST(SplitKeyValueErrors, RangesOutsideTheSequenceAreShapeRange) {
     const auto k = attend_test::random_tensor<float>(1, 1, 2, 10, 4);
-    for (const auto& range : {std::pair<index, index>{-1, 3}, {4, 3}, {0, 11}, {11, 11}}) {
+    for (const auto& range : {std::pair<index_t, index_t>{-1, 3}, {4, 3}, {0, 11}, {11, 11}}) {
         SCOPED_TRACE(range.first);
         attend_test::expect_error<attend::shape_error>([&] { (void)attend::key_range(k, range.first, range.second); },
                                                        "attend.shape.range");

@@ -35,7 +35,7 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend_test::worst_row_error;
 
 /// Unit roundoff of T: half the distance from 1 to the next value (bf16 2^-8, fp16 2^-11).
@@ -45,7 +45,7 @@ double unit_roundoff() {
 }
 
 template <class T>
-attend::tensor<T, 3> random3(std::uint64_t seed, index b, index len, index dim) {
+attend::tensor<T, 3> random3(std::uint64_t seed, index_t b, index_t len, index_t dim) {
     attend::tensor<float, 3> t(b, len, dim);
     attend_test::fill_uniform(t, seed, -1.0, 1.0);
     return t.cast<T>();
@@ -58,7 +58,7 @@ attend::multi_head_attention<double> widened(attend::multi_head_attention<T> m) 
     auto from = m.parameters();
     auto to = wide.parameters();
     for (std::size_t n = 0; n < from.size(); ++n)
-        for (index k = 0; k < from[n].size; ++k)
+        for (index_t k = 0; k < from[n].size; ++k)
             to[n].data[k] = static_cast<double>(static_cast<float>(from[n].data[k]));
     return wide;
 }
@@ -72,7 +72,7 @@ TYPED_TEST(Mha16, ProjectionsAccumulateInFloatWhereA16BitSumWouldStall) {
     // Every weight 2^-12 and every input 1: each projection sums 2560 steps of 2^-12. A 16-bit running sum stops
     // at 0.5 (fp16) or 0.0625 (bf16), where adding 2^-12 is a tie that rounds back; in float it is 0.625. One key,
     // so the attention output is v itself, and out = 2560 * 2^-12 * 0.625 = 0.390625 (exact in both types).
-    const index E = 2560;
+    const index_t E = 2560;
     auto m = attend::multi_head_attention<T>::zeros(attend::mha_config{E, 1});
     for (const auto& p : m.parameters())
         if (std::string(p.name).find("weight") != std::string::npos)
@@ -80,14 +80,14 @@ TYPED_TEST(Mha16, ProjectionsAccumulateInFloatWhereA16BitSumWouldStall) {
     attend::tensor<T, 3> x(1, 1, E);
     x.setConstant(T(1.0f));
     const auto r = m.forward(x, x, x);
-    for (index e = 0; e < E; ++e) ASSERT_EQ(static_cast<float>(r.out(0, 0, e)), 0.390625f) << "feature " << e;
+    for (index_t e = 0; e < E; ++e) ASSERT_EQ(static_cast<float>(r.out(0, 0, e)), 0.390625f) << "feature " << e;
 }
 
 TYPED_TEST(Mha16, ForwardIsTheDoubleModuleWithinFiveRoundings) {
     using T = TypeParam;
     const double bound = 8 * unit_roundoff<T>();
     struct shape {
-        index model_dim, heads, kv_heads, batch, len;
+        index_t model_dim, heads, kv_heads, batch, len;
         bool causal;
     };
     for (const shape s : {shape{64, 4, 4, 2, 9, false}, shape{96, 6, 2, 1, 17, true}, shape{128, 2, 1, 2, 33, true}}) {
@@ -110,7 +110,7 @@ TYPED_TEST(Mha16, ForwardIsTheDoubleModuleWithinFiveRoundings) {
 }
 
 /// Options of a decoder with rotary positions over the first `dim` features of each head.
-attend::mha_options rotary_options(index dim) {
+attend::mha_options rotary_options(index_t dim) {
     attend::mha_options o;
     attend::rotary_embedding rotary;
     rotary.dim = dim;
@@ -125,14 +125,14 @@ TYPED_TEST(Mha16, DecodingOverAnInt8CacheStoresTheModulesProjectionsQuantizedAnd
     // values, is q8_cache_test's; an int8 paged pool under a 16-bit module, paged_cache_test's).
     using T = TypeParam;
     const attend::multi_head_attention<T> m(attend::mha_config{128, 4}.with_kv_heads(2), 13);  // head_dim 32
-    const index B = 2, L = 10;
+    const index_t B = 2, L = 10;
     const auto x = random3<T>(5, B, L, 128);
     const attend::mha_options o = rotary_options(32);
     auto own = m.make_cache(B, L);
     auto int8 = m.make_q8_cache(B, L);
     double worst = 0;
-    for (index i = 0; i < L; ++i) {
-        const attend::tensor<T, 3> token = x.slice(std::array<index, 3>{0, i, 0}, std::array<index, 3>{B, 1, 128});
+    for (index_t i = 0; i < L; ++i) {
+        const attend::tensor<T, 3> token = x.slice(std::array<index_t, 3>{0, i, 0}, std::array<index_t, 3>{B, 1, 128});
         const auto near = m.forward_cached(token, own, o);
         const auto got = m.forward_cached(token, int8, o);
         const attend::tensor<double, 3> near_out = near.out.template cast<float>().template cast<double>();
@@ -149,7 +149,7 @@ TYPED_TEST(Mha16, DecodingIntoA16BitCacheIsTheCausalForward) {
     using T = TypeParam;
     const double bound = 8 * unit_roundoff<T>();
     const attend::multi_head_attention<T> m(attend::mha_config{64, 4}.with_kv_heads(2), 11);
-    const index B = 2, L = 12;
+    const index_t B = 2, L = 12;
     const auto x = random3<T>(3, B, L, 64);
     const attend::mha_options o = rotary_options(16);
     const auto wide = widened(m);
@@ -158,10 +158,10 @@ TYPED_TEST(Mha16, DecodingIntoA16BitCacheIsTheCausalForward) {
     auto cache = m.make_cache(B, L);
     static_assert(std::is_same_v<decltype(cache), attend::kv_cache<T>>, "a 16-bit module caches 16-bit K and V");
     attend::tensor<T, 3> got(B, L, 64);
-    for (index i = 0; i < L; ++i) {
-        const attend::tensor<T, 3> token = x.slice(std::array<index, 3>{0, i, 0}, std::array<index, 3>{B, 1, 64});
+    for (index_t i = 0; i < L; ++i) {
+        const attend::tensor<T, 3> token = x.slice(std::array<index_t, 3>{0, i, 0}, std::array<index_t, 3>{B, 1, 64});
         const auto r = m.forward_cached(token, cache, o);
-        got.slice(std::array<index, 3>{0, i, 0}, std::array<index, 3>{B, 1, 64}) = r.out;
+        got.slice(std::array<index_t, 3>{0, i, 0}, std::array<index_t, 3>{B, 1, 64}) = r.out;
     }
     EXPECT_EQ(cache.length(), L);
     EXPECT_LE(worst_row_error(got, want), bound);
@@ -172,12 +172,12 @@ TYPED_TEST(Mha16, DecodingIntoA16BitCacheIsTheCausalForward) {
     pc.blocks = 8;
     pc.max_sequences = 2;
     attend::paged_kv_cache<T> paged(pc);
-    const std::vector<index> ids = {paged.add_sequence(), paged.add_sequence()};
-    for (index i = 0; i < L; ++i) {
-        const attend::tensor<T, 3> token = x.slice(std::array<index, 3>{0, i, 0}, std::array<index, 3>{B, 1, 64});
-        const auto r = m.forward_cached(token, paged, ids, std::vector<index>{1, 1}, o);
-        for (index b = 0; b < B; ++b)
-            for (index e = 0; e < 64; ++e)
+    const std::vector<index_t> ids = {paged.add_sequence(), paged.add_sequence()};
+    for (index_t i = 0; i < L; ++i) {
+        const attend::tensor<T, 3> token = x.slice(std::array<index_t, 3>{0, i, 0}, std::array<index_t, 3>{B, 1, 64});
+        const auto r = m.forward_cached(token, paged, ids, std::vector<index_t>{1, 1}, o);
+        for (index_t b = 0; b < B; ++b)
+            for (index_t e = 0; e < 64; ++e)
                 ASSERT_EQ(Eigen::numext::bit_cast<std::uint16_t>(r.out(b, 0, e)),
                           Eigen::numext::bit_cast<std::uint16_t>(got(b, i, e)))
                     << "token " << i << " sequence " << b << " feature " << e;
@@ -236,7 +236,7 @@ TEST(Safetensors16, HalfAndBfloat16ReadBitForBitAndWidenExactly) {
     const auto b = f.read<Eigen::bfloat16, 1>("b");
     const auto hd = f.read<double, 1>("h");
     const auto bf = f.read<float, 1>("b");
-    for (index n = 0; n < 4; ++n) {
+    for (index_t n = 0; n < 4; ++n) {
         EXPECT_EQ(Eigen::numext::bit_cast<std::uint16_t>(h(n)), half_bits[static_cast<std::size_t>(n)]) << n;
         EXPECT_EQ(Eigen::numext::bit_cast<std::uint16_t>(b(n)), bf16_bits[static_cast<std::size_t>(n)]) << n;
         EXPECT_EQ(hd(n), static_cast<double>(static_cast<float>(h(n)))) << n;
@@ -284,7 +284,7 @@ TEST(Safetensors16, ABfloat16StateDictLoadsIntoABfloat16Module) {
     EXPECT_EQ(std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * 2), 0);
     // The same file read into float widens each value exactly.
     const auto wide = attend::load_torch_mha<float>(path, attend::mha_config{8, 2});
-    for (index k = 0; k < wide.q_weight().size(); ++k)
+    for (index_t k = 0; k < wide.q_weight().size(); ++k)
         ASSERT_EQ(wide.q_weight().data()[k], static_cast<float>(m.q_weight().data()[k])) << k;
 }
 

@@ -24,7 +24,7 @@
 namespace {
 
 using attend::alignment;
-using attend::index;
+using attend::index_t;
 using attend::tensor;
 using attend_test::expect_error;
 using attend_test::json;
@@ -55,7 +55,7 @@ TEST_P(MhaBackwardGolden, GradientsMatchPyTorchAutograd) {
         const auto g = attend_test::with_golden_masks(c, options, [&](const auto& mask, const attend::mha_options& o) {
             attend::mha_saved<double> saved;
             m.forward(x.query, x.key, x.value, mask, o, saved);
-            return attend::multi_head_attention_backward(m, x.query, x.key, x.value, saved, d_out, mask, o);
+            return attend::multi_head_attention_backward(m, x.query, x.key, x.value, mask, saved, d_out, o);
         });
         const auto torch = attend::to_torch(g, m);
         double worst = 0;
@@ -100,7 +100,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, MhaBackwardGolden, ::testing::ValuesIn(attend_te
 struct fd_case {
     std::string name;
     attend::mha_config config;
-    index batch = 2, query_len = 3, key_len = 4;
+    index_t batch = 2, query_len = 3, key_len = 4;
     bool self_attention = false;  ///< call forward(x, x, x) and check d x = d_query + d_key + d_value
     attend::mha_options options;
 };
@@ -115,7 +115,7 @@ void check_mha_by_finite_differences(const fd_case& t, const Mask& mask, std::ui
     for (auto& p : m.parameters())
         if (std::string(p.name).find("bias") != std::string::npos || std::string(p.name) == "sinks") {
             attend_test::rng r(++stream);
-            for (index n = 0; n < p.size; ++n) p.data[n] = r.uniform(-0.3, 0.3);
+            for (index_t n = 0; n < p.size; ++n) p.data[n] = r.uniform(-0.3, 0.3);
         }
     auto query = attend_test::random_tensor<double>(seed + 1, t.batch, t.query_len, c.model_dim);
     auto key = attend_test::random_tensor<double>(seed + 2, t.batch, t.key_len, c.key_dim);
@@ -127,7 +127,7 @@ void check_mha_by_finite_differences(const fd_case& t, const Mask& mask, std::ui
         const auto r = t.self_attention ? m.forward(query, query, query, mask, forward_options)
                                         : m.forward(query, key, value, mask, forward_options);
         double sum = 0;
-        for (index n = 0; n < r.out.size(); ++n) sum += r.out.data()[n] * w.data()[n];
+        for (index_t n = 0; n < r.out.size(); ++n) sum += r.out.data()[n] * w.data()[n];
         return sum;
     };
     for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
@@ -137,7 +137,7 @@ void check_mha_by_finite_differences(const fd_case& t, const Mask& mask, std::ui
         const auto& k_in = t.self_attention ? query : key;
         const auto& v_in = t.self_attention ? query : value;
         m.forward(query, k_in, v_in, mask, o, saved);
-        const auto g = attend::multi_head_attention_backward(m, query, k_in, v_in, saved, w, mask, o);
+        const auto g = attend::multi_head_attention_backward(m, query, k_in, v_in, mask, saved, w, o);
         const std::string kernel_name = kernel == attend::kernel::reference ? " (reference)" : " (tiled)";
         auto params = m.parameters();
         const auto grads = g.parameters();
@@ -158,7 +158,7 @@ void check_mha_by_finite_differences(const fd_case& t, const Mask& mask, std::ui
     }
 }
 
-fd_case base_case(std::string name, index model_dim, index heads, index kv_heads = 0) {
+fd_case base_case(std::string name, index_t model_dim, index_t heads, index_t kv_heads = 0) {
     fd_case t;
     t.name = std::move(name);
     t.config.model_dim = model_dim;
@@ -253,8 +253,8 @@ TEST(MhaBackwardFiniteDifferences, PaddedQueriesAndEmptyRowsGetZeroGradients) {
     t.query_len = 4;
     // Query 0 of every batch sees no key (sliding window behind a bottom-right diagonal), batch 1 pads query 3.
     tensor<bool, 2> allowed(4, 4);
-    for (index i = 0; i < 4; ++i)
-        for (index j = 0; j < 4; ++j) allowed(i, j) = i > 0 && j <= i;
+    for (index_t i = 0; i < 4; ++i)
+        for (index_t j = 0; j < 4; ++j) allowed(i, j) = i > 0 && j <= i;
     const auto mask = attend::allowed_mask::query_key_grid(allowed) && attend::query_padding({4, 3});
     check_mha_by_finite_differences(t, mask, 22);
 }
@@ -281,7 +281,7 @@ TEST(MhaBackward, GradientsAreBitIdenticalForAnyThreadCount) {
         attend::mha_saved<float> saved;
         m.forward(x, x, x, attend::causal(alignment::top_left), o, saved);
         runs.push_back(
-            attend::multi_head_attention_backward(m, x, x, x, saved, d_out, attend::causal(alignment::top_left), o));
+            attend::multi_head_attention_backward(m, x, x, x, attend::causal(alignment::top_left), saved, d_out, o));
     }
     for (std::size_t r = 1; r < runs.size(); ++r) {
         EXPECT_TRUE(bit_equal(runs[0].d_query, runs[r].d_query));
@@ -317,8 +317,8 @@ TEST(MhaBackward, FloatAgreesWithDouble) {
     attend::mha_saved<float> sf;
     md.forward(q, kv, kv, mask, {}, sd);
     mf.forward(qf, kvf, kvf, mask, {}, sf);
-    const auto gd = attend::multi_head_attention_backward(md, q, kv, kv, sd, d_out, mask);
-    const auto gf = attend::multi_head_attention_backward(mf, qf, kvf, kvf, sf, df, mask);
+    const auto gd = attend::multi_head_attention_backward(md, q, kv, kv, mask, sd, d_out);
+    const auto gf = attend::multi_head_attention_backward(mf, qf, kvf, kvf, mask, sf, df);
     const auto close = [](const auto& f, const auto& d, const char* name) {
         const tensor<double, std::decay_t<decltype(d)>::NumDimensions> fd = f.template cast<double>();
         EXPECT_LE(max_abs_diff(fd, d), 1e-4 * std::max(1.0, max_abs(d))) << name;
@@ -391,8 +391,8 @@ TEST(MhaBackwardErrors, ForwardChecksApplyToTheBackwardCall) {
     none.setConstant(false);
     expect_error<attend::mask_error>(
         [&] {
-            attend::multi_head_attention_backward(f.m, f.x, f.x, f.x, f.saved, f.d_out,
-                                                  attend::allowed_mask::query_key_grid(none));
+            attend::multi_head_attention_backward(f.m, f.x, f.x, f.x, attend::allowed_mask::query_key_grid(none),
+                                                  f.saved, f.d_out);
         },
         "attend.mask.empty_row");
     attend::mha_options o;

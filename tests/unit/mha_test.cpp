@@ -28,14 +28,14 @@ using attend_test::bit_equal;
 using attend_test::expect_error;
 using attend_test::max_abs_diff;
 
-using attend::index;
+using attend::index_t;
 using attend::tensor;
 using attend_test::json;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 template <class T>
-tensor<T, 3> random3(std::uint64_t seed, index b, index l, index d) {
+tensor<T, 3> random3(std::uint64_t seed, index_t b, index_t l, index_t d) {
     return attend_test::random_tensor<T>(seed, b, l, d);
 }
 
@@ -44,9 +44,9 @@ tensor<T, 3> random3(std::uint64_t seed, index b, index l, index d) {
 // of a projection as rows [h * D, (h + 1) * D) of the weight, i.e. q_h = x W_q[h*D:(h+1)*D]^T + b_q[h*D:(h+1)*D].
 
 struct oracle_options {
-    std::function<bool(index, index, index)> allowed;  ///< (batch, query, key); empty = all allowed
+    std::function<bool(index_t, index_t, index_t)> allowed;  ///< (batch, query, key); empty = all allowed
     std::optional<attend::rotary_embedding> rotary;
-    index position_offset = 0;
+    index_t position_offset = 0;
 };
 
 struct oracle_result {
@@ -58,16 +58,16 @@ template <class T>
 oracle_result explicit_mha(const attend::multi_head_attention<T>& m, const tensor<T, 3>& query, const tensor<T, 3>& key,
                            const tensor<T, 3>& value, const oracle_options& o = {}) {
     const auto& c = m.config();
-    const index B = query.dimension(0), L = query.dimension(1), S = key.dimension(1);
-    const index H = c.heads, G = c.kv_heads, D = m.head_dim(), E = c.model_dim;
-    const auto bias = [](const tensor<T, 1>& b, index r) { return b.size() ? static_cast<double>(b(r)) : 0.0; };
-    const auto project_head = [&](const tensor<T, 3>& x, index b, index len, const tensor<T, 2>& w,
-                                  const tensor<T, 1>& bv, index head) {
+    const index_t B = query.dimension(0), L = query.dimension(1), S = key.dimension(1);
+    const index_t H = c.heads, G = c.kv_heads, D = m.head_dim(), E = c.model_dim;
+    const auto bias = [](const tensor<T, 1>& b, index_t r) { return b.size() ? static_cast<double>(b(r)) : 0.0; };
+    const auto project_head = [&](const tensor<T, 3>& x, index_t b, index_t len, const tensor<T, 2>& w,
+                                  const tensor<T, 1>& bv, index_t head) {
         tensor<double, 4> y(1, 1, len, D);
-        for (index i = 0; i < len; ++i)
-            for (index d = 0; d < D; ++d) {
+        for (index_t i = 0; i < len; ++i)
+            for (index_t d = 0; d < D; ++d) {
                 double s = bias(bv, head * D + d);
-                for (index e = 0; e < x.dimension(2); ++e)
+                for (index_t e = 0; e < x.dimension(2); ++e)
                     s += static_cast<double>(x(b, i, e)) * static_cast<double>(w(head * D + d, e));
                 y(0, 0, i, d) = s;
             }
@@ -77,9 +77,9 @@ oracle_result explicit_mha(const attend::multi_head_attention<T>& m, const tenso
     oracle_result r;
     r.head_weights = tensor<double, 4>(B, H, L, S);
     r.head_weights.setZero();
-    for (index b = 0; b < B; ++b)
-        for (index h = 0; h < H; ++h) {
-            const index g = h / (H / G);
+    for (index_t b = 0; b < B; ++b)
+        for (index_t h = 0; h < H; ++h) {
+            const index_t g = h / (H / G);
             auto q = project_head(query, b, L, m.q_weight(), m.q_bias(), h);
             auto k = project_head(key, b, S, m.k_weight(), m.k_bias(), g);
             const auto v = project_head(value, b, S, m.v_weight(), m.v_bias(), g);
@@ -87,32 +87,32 @@ oracle_result explicit_mha(const attend::multi_head_attention<T>& m, const tenso
                 o.rotary->apply(q, o.position_offset);
                 o.rotary->apply(k, o.position_offset);
             }
-            for (index i = 0; i < L; ++i) {
+            for (index_t i = 0; i < L; ++i) {
                 std::vector<double> p(static_cast<std::size_t>(S), -std::numeric_limits<double>::infinity());
                 double mx = -std::numeric_limits<double>::infinity();
-                for (index j = 0; j < S; ++j) {
+                for (index_t j = 0; j < S; ++j) {
                     if (o.allowed && !o.allowed(b, i, j)) continue;
                     double s = 0;
-                    for (index d = 0; d < D; ++d) s += q(0, 0, i, d) * k(0, 0, j, d);
+                    for (index_t d = 0; d < D; ++d) s += q(0, 0, i, d) * k(0, 0, j, d);
                     p[static_cast<std::size_t>(j)] = s / std::sqrt(static_cast<double>(D));
                     mx = std::max(mx, p[static_cast<std::size_t>(j)]);
                 }
                 double sum = 0;
                 for (auto& x : p) sum += (x = std::exp(x - mx));
-                for (index d = 0; d < D; ++d) {
+                for (index_t d = 0; d < D; ++d) {
                     double acc = 0;
-                    for (index j = 0; j < S; ++j) acc += p[static_cast<std::size_t>(j)] / sum * v(0, 0, j, d);
+                    for (index_t j = 0; j < S; ++j) acc += p[static_cast<std::size_t>(j)] / sum * v(0, 0, j, d);
                     concat(b, i, h * D + d) = acc;
                 }
-                for (index j = 0; j < S; ++j) r.head_weights(b, h, i, j) = p[static_cast<std::size_t>(j)] / sum;
+                for (index_t j = 0; j < S; ++j) r.head_weights(b, h, i, j) = p[static_cast<std::size_t>(j)] / sum;
             }
         }
     r.out = tensor<double, 3>(B, L, E);
-    for (index b = 0; b < B; ++b)
-        for (index i = 0; i < L; ++i)
-            for (index e = 0; e < E; ++e) {
+    for (index_t b = 0; b < B; ++b)
+        for (index_t i = 0; i < L; ++i)
+            for (index_t e = 0; e < E; ++e) {
                 double s = bias(m.out_bias(), e);
-                for (index f = 0; f < H * D; ++f) s += concat(b, i, f) * static_cast<double>(m.out_weight()(e, f));
+                for (index_t f = 0; f < H * D; ++f) s += concat(b, i, f) * static_cast<double>(m.out_weight()(e, f));
                 r.out(b, i, e) = s;
             }
     return r;
@@ -123,48 +123,48 @@ oracle_result explicit_mha(const attend::multi_head_attention<T>& m, const tenso
 template <class T>
 tensor<double, 3> reshape_bug_mha(const attend::multi_head_attention<T>& m, const tensor<T, 3>& x) {
     const auto& c = m.config();
-    const index B = x.dimension(0), L = x.dimension(1), H = c.heads, D = m.head_dim(), E = c.model_dim;
+    const index_t B = x.dimension(0), L = x.dimension(1), H = c.heads, D = m.head_dim(), E = c.model_dim;
     const auto project = [&](const tensor<T, 2>& w, const tensor<T, 1>& bv) {
         std::vector<double> y(static_cast<std::size_t>(B * L * H * D));
-        for (index b = 0; b < B; ++b)
-            for (index i = 0; i < L; ++i)
-                for (index f = 0; f < H * D; ++f) {
+        for (index_t b = 0; b < B; ++b)
+            for (index_t i = 0; i < L; ++i)
+                for (index_t f = 0; f < H * D; ++f) {
                     double s = bv.size() ? static_cast<double>(bv(f)) : 0.0;
-                    for (index e = 0; e < E; ++e) s += static_cast<double>(x(b, i, e)) * static_cast<double>(w(f, e));
+                    for (index_t e = 0; e < E; ++e) s += static_cast<double>(x(b, i, e)) * static_cast<double>(w(f, e));
                     y[static_cast<std::size_t>((b * L + i) * H * D + f)] = s;
                 }
         return y;
     };
     const auto q = project(m.q_weight(), m.q_bias()), k = project(m.k_weight(), m.k_bias()),
                v = project(m.v_weight(), m.v_bias());
-    const auto at = [&](const std::vector<double>& y, index b, index h, index i, index d) {
+    const auto at = [&](const std::vector<double>& y, index_t b, index_t h, index_t i, index_t d) {
         return y[static_cast<std::size_t>(((b * H + h) * L + i) * D + d)];  // reshape, no transpose
     };
     std::vector<double> o(static_cast<std::size_t>(B * L * H * D));
-    for (index b = 0; b < B; ++b)
-        for (index h = 0; h < H; ++h)
-            for (index i = 0; i < L; ++i) {
+    for (index_t b = 0; b < B; ++b)
+        for (index_t h = 0; h < H; ++h)
+            for (index_t i = 0; i < L; ++i) {
                 std::vector<double> p(static_cast<std::size_t>(L));
                 double mx = -std::numeric_limits<double>::infinity(), sum = 0;
-                for (index j = 0; j < L; ++j) {
+                for (index_t j = 0; j < L; ++j) {
                     double s = 0;
-                    for (index d = 0; d < D; ++d) s += at(q, b, h, i, d) * at(k, b, h, j, d);
+                    for (index_t d = 0; d < D; ++d) s += at(q, b, h, i, d) * at(k, b, h, j, d);
                     p[static_cast<std::size_t>(j)] = s / std::sqrt(static_cast<double>(D));
                     mx = std::max(mx, p[static_cast<std::size_t>(j)]);
                 }
                 for (auto& s : p) sum += (s = std::exp(s - mx));
-                for (index d = 0; d < D; ++d) {
+                for (index_t d = 0; d < D; ++d) {
                     double acc = 0;
-                    for (index j = 0; j < L; ++j) acc += p[static_cast<std::size_t>(j)] / sum * at(v, b, h, j, d);
+                    for (index_t j = 0; j < L; ++j) acc += p[static_cast<std::size_t>(j)] / sum * at(v, b, h, j, d);
                     o[static_cast<std::size_t>(((b * H + h) * L + i) * D + d)] = acc;
                 }
             }
     tensor<double, 3> out(B, L, E);
-    for (index b = 0; b < B; ++b)
-        for (index i = 0; i < L; ++i)
-            for (index e = 0; e < E; ++e) {
+    for (index_t b = 0; b < B; ++b)
+        for (index_t i = 0; i < L; ++i)
+            for (index_t e = 0; e < E; ++e) {
                 double s = m.out_bias().size() ? static_cast<double>(m.out_bias()(e)) : 0.0;
-                for (index f = 0; f < H * D; ++f)
+                for (index_t f = 0; f < H * D; ++f)
                     s += o[static_cast<std::size_t>((b * L + i) * H * D + f)] *
                          static_cast<double>(m.out_weight()(e, f));
                 out(b, i, e) = s;
@@ -185,7 +185,7 @@ TEST_P(MhaGolden, MatchesPyTorchInDouble) {
     const json doc = attend_test::load_golden("mha.json");
     const json& c = attend_test::find_case(doc, GetParam());
     const auto m = attend::multi_head_attention<double>::from_torch(golden_config(c), golden_parameters<double>(c));
-    EXPECT_EQ(m.parameter_count(), attend_test::member(c, "parameter_count").get<index>());
+    EXPECT_EQ(m.parameter_count(), attend_test::member(c, "parameter_count").get<index_t>());
     EXPECT_EQ(m.packed(), c.at("parameter_names").at(0) == "in_proj_weight");
 
     const json& outputs = attend_test::member(c, "outputs");
@@ -288,8 +288,8 @@ TEST(MhaGoldenForms, PositionalFromTorchOverloadsAndLengthsMatchTheMaskForms) {
 TEST(HeadSplit, MatchesAnExplicitPerHeadLoopAndNotAReshape) {
     attend_test::rng g(11);
     for (int rep = 0; rep < attend_test::repeat(12); ++rep) {
-        const index H = g.uniform_int(2, 4), D = g.uniform_int(1, 5), E = H * D;
-        const index B = g.uniform_int(1, 3), L = g.uniform_int(2, 7);
+        const index_t H = g.uniform_int(2, 4), D = g.uniform_int(1, 5), E = H * D;
+        const index_t B = g.uniform_int(1, 3), L = g.uniform_int(2, 7);
         attend::mha_config c{E, H};
         attend::multi_head_attention<double> m(c, 100 + static_cast<std::uint64_t>(rep));
         const auto x = random3<double>(200 + static_cast<std::uint64_t>(rep), B, L, E);
@@ -312,8 +312,8 @@ TEST(HeadSplit, PerHeadWeightsAreThoseOfEachHeadsOwnRows) {
     EXPECT_LE(max_abs_diff(r.head_weights, oracle.head_weights), 1e-12);
     // The heads really differ, so a weight tensor with heads permuted would fail.
     double between = 0;
-    for (index i = 0; i < 4; ++i)
-        for (index j = 0; j < 4; ++j)
+    for (index_t i = 0; i < 4; ++i)
+        for (index_t j = 0; j < 4; ++j)
             between = std::max(between, std::abs(r.head_weights(0, 0, i, j) - r.head_weights(0, 1, i, j)));
     EXPECT_GT(between, 1e-3);
 }
@@ -321,7 +321,7 @@ TEST(HeadSplit, PerHeadWeightsAreThoseOfEachHeadsOwnRows) {
 TEST(CrossAttention, RandomShapesWithKeyAndValueWidthsMatchTheOracle) {
     attend_test::rng g(12);
     for (int rep = 0; rep < attend_test::repeat(10); ++rep) {
-        const index H = g.uniform_int(1, 4), G = H % 2 == 0 ? g.uniform_int(1, 2) : 1, D = g.uniform_int(1, 4);
+        const index_t H = g.uniform_int(1, 4), G = H % 2 == 0 ? g.uniform_int(1, 2) : 1, D = g.uniform_int(1, 4);
         attend::mha_config c;
         c.model_dim = H * D;
         c.heads = H;
@@ -330,19 +330,19 @@ TEST(CrossAttention, RandomShapesWithKeyAndValueWidthsMatchTheOracle) {
         c.value_dim = g.uniform_int(1, 7);
         c.bias = g.bernoulli(0.5);
         const attend::multi_head_attention<double> m(c, 300 + static_cast<std::uint64_t>(rep));
-        const index B = g.uniform_int(1, 3), L = g.uniform_int(1, 6), S = g.uniform_int(1, 9);
+        const index_t B = g.uniform_int(1, 3), L = g.uniform_int(1, 6), S = g.uniform_int(1, 9);
         const auto q = random3<double>(1000 + static_cast<std::uint64_t>(rep), B, L, c.model_dim);
         const auto k = random3<double>(2000 + static_cast<std::uint64_t>(rep), B, S, c.key_dim);
         const auto v = random3<double>(3000 + static_cast<std::uint64_t>(rep), B, S, c.value_dim);
-        std::vector<index> lengths;
-        for (index b = 0; b < B; ++b) lengths.push_back(g.uniform_int(1, S));
+        std::vector<index_t> lengths;
+        for (index_t b = 0; b < B; ++b) lengths.push_back(g.uniform_int(1, S));
         attend::mha_options o;
         o.key_padding = lengths;
         o.need_weights = true;
         o.average_weights = false;
         const auto r = m.forward(q, k, v, o);
         oracle_options oo;
-        oo.allowed = [&](index b, index, index j) { return j < lengths[static_cast<std::size_t>(b)]; };
+        oo.allowed = [&](index_t b, index_t, index_t j) { return j < lengths[static_cast<std::size_t>(b)]; };
         const auto oracle = explicit_mha(m, q, k, v, oo);
         EXPECT_LE(max_abs_diff(r.out, oracle.out), 1e-12) << "rep " << rep;
         EXPECT_LE(max_abs_diff(r.head_weights, oracle.head_weights), 1e-12) << "rep " << rep;
@@ -366,8 +366,8 @@ TEST(CrossAttention, SelfAttentionIsCrossAttentionWithTheSameTensor) {
     o.need_weights = true;
     const auto r = m.forward(x, src, src, o);
     EXPECT_LE(max_abs_diff(r.out, explicit_mha(m, x, src, src).out), 1e-12);
-    for (index i = 0; i < 5; ++i)
-        for (index j = 0; j < 7; ++j) EXPECT_GT(r.weights(1, i, j), 0.0);
+    for (index_t i = 0; i < 5; ++i)
+        for (index_t j = 0; j < 7; ++j) EXPECT_GT(r.weights(1, i, j), 0.0);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -377,23 +377,23 @@ TEST(CrossAttention, SelfAttentionIsCrossAttentionWithTheSameTensor) {
 template <class T>
 attend::multi_head_attention<T> repeated_kv(const attend::multi_head_attention<T>& gqa) {
     const auto& c = gqa.config();
-    const index H = c.heads, G = c.kv_heads, D = gqa.head_dim(), group = H / G;
+    const index_t H = c.heads, G = c.kv_heads, D = gqa.head_dim(), group = H / G;
     attend::mha_config full = c;
     full.kv_heads = H;
     auto p = gqa.to_torch();
     if (G == H) return attend::multi_head_attention<T>::from_torch(full, p);
     const auto repeat_rows = [&](const tensor<T, 2>& w) {
         tensor<T, 2> r(H * D, w.dimension(1));
-        for (index h = 0; h < H; ++h)
-            for (index d = 0; d < D; ++d)
-                for (index e = 0; e < w.dimension(1); ++e) r(h * D + d, e) = w((h / group) * D + d, e);
+        for (index_t h = 0; h < H; ++h)
+            for (index_t d = 0; d < D; ++d)
+                for (index_t e = 0; e < w.dimension(1); ++e) r(h * D + d, e) = w((h / group) * D + d, e);
         return r;
     };
     p.k_proj_weight = repeat_rows(p.k_proj_weight);
     p.v_proj_weight = repeat_rows(p.v_proj_weight);
     if (c.bias) {
         tensor<T, 1> b(3 * H * D);
-        for (index f = 0; f < H * D; ++f) {
+        for (index_t f = 0; f < H * D; ++f) {
             b(f) = gqa.q_bias()(f);
             b(H * D + f) = gqa.k_bias()((f / D / group) * D + f % D);
             b(2 * H * D + f) = gqa.v_bias()((f / D / group) * D + f % D);
@@ -413,7 +413,7 @@ attend::multi_head_attention<T> with_random_biases(const attend::multi_head_atte
 }
 
 TEST(GroupedQuery, EqualsPlainAttentionWithRepeatedKeyValueWeights) {
-    for (const index G : {1, 2, 3, 6}) {  // 1 = multi-query, 6 = plain multi-head
+    for (const index_t G : {1, 2, 3, 6}) {  // 1 = multi-query, 6 = plain multi-head
         attend::mha_config c{12, 6, G};
         const auto m = with_random_biases(attend::multi_head_attention<double>(c, 40), 41);
         EXPECT_EQ(m.k_weight().dimension(0), G * 2);
@@ -451,16 +451,16 @@ TEST(Masks, KeyPaddingAsForbiddenMaskEqualsLengthsAndAnyPaddedContent) {
     const auto x = random3<double>(8, 2, 4, 8);
     auto src = random3<double>(9, 2, 6, 8);
     tensor<bool, 2> kpm(2, 6);
-    for (index b = 0; b < 2; ++b)
-        for (index j = 0; j < 6; ++j) kpm(b, j) = j >= (b == 0 ? 6 : 3);
+    for (index_t b = 0; b < 2; ++b)
+        for (index_t j = 0; j < 6; ++j) kpm(b, j) = j >= (b == 0 ? 6 : 3);
     attend::mha_options by_mask, by_lengths;
     by_mask.key_padding = attend::forbidden_mask::key_padding(kpm);
     by_lengths.key_padding = {6, 3};
     const auto a = m.forward(x, src, src, by_mask);
     EXPECT_TRUE(bit_equal(a.out, m.forward(x, src, src, by_lengths).out));
     // What the padded keys hold cannot matter.
-    for (index j = 3; j < 6; ++j)
-        for (index e = 0; e < 8; ++e) src(1, j, e) = 1e3 * static_cast<double>(e + j);
+    for (index_t j = 3; j < 6; ++j)
+        for (index_t e = 0; e < 8; ++e) src(1, j, e) = 1e3 * static_cast<double>(e + j);
     EXPECT_TRUE(bit_equal(a.out, m.forward(x, src, src, by_mask).out));
 }
 
@@ -482,20 +482,20 @@ TEST(Masks, KeyPaddingCombinesWithAnAdditiveMask) {
 TEST(Masks, PaddedQueriesAreZeroAndRealOnesIgnoreThePadding) {
     attend::multi_head_attention<double> m({8, 2}, 17);
     auto x = random3<double>(18, 2, 5, 8);
-    const std::vector<index> lengths{5, 3};
+    const std::vector<index_t> lengths{5, 3};
     attend::mha_options o;
     o.key_padding = lengths;
     o.need_weights = true;
     const auto qp = attend::query_padding(lengths);
     const auto a = m.forward(x, x, x, qp, o);
-    for (index i = 3; i < 5; ++i)
-        for (index e = 0; e < 8; ++e) EXPECT_EQ(a.out(1, i, e), 0.0);
-    for (index i = 3; i < 5; ++i)
-        for (index j = 0; j < 5; ++j) EXPECT_EQ(a.weights(1, i, j), 0.0);
-    for (index i = 0; i < 3; ++i)
-        for (index j = 3; j < 5; ++j) EXPECT_EQ(a.weights(1, i, j), 0.0);
-    for (index i = 3; i < 5; ++i)
-        for (index e = 0; e < 8; ++e) x(1, i, e) = -50.0 + static_cast<double>(i * e);
+    for (index_t i = 3; i < 5; ++i)
+        for (index_t e = 0; e < 8; ++e) EXPECT_EQ(a.out(1, i, e), 0.0);
+    for (index_t i = 3; i < 5; ++i)
+        for (index_t j = 0; j < 5; ++j) EXPECT_EQ(a.weights(1, i, j), 0.0);
+    for (index_t i = 0; i < 3; ++i)
+        for (index_t j = 3; j < 5; ++j) EXPECT_EQ(a.weights(1, i, j), 0.0);
+    for (index_t i = 3; i < 5; ++i)
+        for (index_t e = 0; e < 8; ++e) x(1, i, e) = -50.0 + static_cast<double>(i * e);
     const auto b = m.forward(x, x, x, qp, o);
     EXPECT_TRUE(bit_equal(a.out, b.out));
 }
@@ -509,8 +509,8 @@ TEST(Masks, AllKeysBlockedIsAnErrorOrZeroByPolicy) {
     o.empty_rows = attend::empty_rows::zero;
     o.need_weights = true;
     const auto r = m.forward(x, x, x, o);
-    for (index n = 0; n < r.weights.size(); ++n) EXPECT_EQ(r.weights.data()[n], 0.0);
-    for (index n = 0; n < r.out.size(); ++n) EXPECT_TRUE(std::isfinite(r.out.data()[n]));
+    for (index_t n = 0; n < r.weights.size(); ++n) EXPECT_EQ(r.weights.data()[n], 0.0);
+    for (index_t n = 0; n < r.out.size(); ++n) EXPECT_TRUE(std::isfinite(r.out.data()[n]));
 }
 
 TEST(Rotary, RotatesEachHeadOfQAndKAtItsPosition) {
@@ -525,7 +525,7 @@ TEST(Rotary, RotatesEachHeadOfQAndKAtItsPosition) {
         oracle_options oo;
         oo.rotary = o.rotary;
         oo.position_offset = 3;
-        oo.allowed = [](index, index i, index j) { return j <= i; };
+        oo.allowed = [](index_t, index_t i, index_t j) { return j <= i; };
         EXPECT_LE(max_abs_diff(r.out, explicit_mha(m, x, x, x, oo).out), 1e-12);
         // Rotary scores depend on relative positions only: a shift of every position changes nothing.
         o.position_offset = 40;
@@ -583,7 +583,7 @@ TEST(Dropout, TrainingUsesTheSeedDeterministically) {
     EXPECT_GT(max_abs_diff(e.out, a.out), 1e-6);
     // Dropped weights are exactly 0, kept ones are the probability scaled by 1 / (1 - p).
     int dropped = 0;
-    for (index n = 0; n < a.head_weights.size(); ++n) {
+    for (index_t n = 0; n < a.head_weights.size(); ++n) {
         const double w = a.head_weights.data()[n], p = e.head_weights.data()[n];
         if (w == 0) ++dropped;
         else EXPECT_NEAR(w, p / 0.7, 1e-14);
@@ -606,7 +606,7 @@ TEST(Dropout, MeanOverSeedsApproachesTheEvalOutput) {
     for (int s = 0; s < n; ++s) {
         o.dropout_seed = static_cast<std::uint64_t>(1000 + s);
         const auto r = m.forward(x, x, x, o);
-        for (index k = 0; k < r.out.size(); ++k) {
+        for (index_t k = 0; k < r.out.size(); ++k) {
             sum[static_cast<std::size_t>(k)] += r.out.data()[k];
             sum_sq[static_cast<std::size_t>(k)] += r.out.data()[k] * r.out.data()[k];
         }
@@ -629,7 +629,7 @@ TEST(Dropout, MeanOverSeedsApproachesTheEvalOutput) {
 template <class T>
 void expect_uniform(const tensor<T, 2>& w, double bound, const char* what) {
     double sum = 0, sum_sq = 0, largest = 0;
-    for (index k = 0; k < w.size(); ++k) {
+    for (index_t k = 0; k < w.size(); ++k) {
         const double x = w.data()[k];
         sum += x;
         sum_sq += x * x;
@@ -644,14 +644,14 @@ void expect_uniform(const tensor<T, 2>& w, double bound, const char* what) {
 }
 
 TEST(Init, PackedXavierLikePyTorch) {
-    const index E = 32;
+    const index_t E = 32;
     const attend::multi_head_attention<double> m({E, 4}, 123);
     EXPECT_TRUE(m.packed());
     const auto p = m.to_torch();
     expect_uniform(p.in_proj_weight, std::sqrt(6.0 / (E + 3 * E)), "in_proj_weight");  // xavier on [3E, E]
     expect_uniform(m.out_weight(), 1 / std::sqrt(static_cast<double>(E)), "out_proj.weight");
-    for (index k = 0; k < p.in_proj_bias.size(); ++k) EXPECT_EQ(p.in_proj_bias(k), 0.0);
-    for (index k = 0; k < p.out_proj_bias.size(); ++k) EXPECT_EQ(p.out_proj_bias(k), 0.0);
+    for (index_t k = 0; k < p.in_proj_bias.size(); ++k) EXPECT_EQ(p.in_proj_bias(k), 0.0);
+    for (index_t k = 0; k < p.out_proj_bias.size(); ++k) EXPECT_EQ(p.out_proj_bias(k), 0.0);
     EXPECT_EQ(m.parameter_count(), 4 * E * E + 4 * E);
     // q, k and v are different slices of one draw.
     EXPECT_GT(max_abs_diff(m.q_weight(), m.k_weight()), 1e-3);
@@ -867,7 +867,8 @@ TEST(NamedConfig, SettersNameEveryFieldAndMatchThePositionalSpelling) {
 TEST(TorchMasks, AttnMaskAndKeyPaddingTakeTheSameWrapperAndMeanWhatPyTorchMeans) {
     attend_test::rng g(41);
     for (int rep = 0; rep < attend_test::repeat(8); ++rep) {
-        const index B = g.uniform_int(1, 3), H = g.uniform_int(1, 3), L = g.uniform_int(1, 6), S = g.uniform_int(2, 7);
+        const index_t B = g.uniform_int(1, 3), H = g.uniform_int(1, 3), L = g.uniform_int(1, 6),
+                      S = g.uniform_int(2, 7);
         const attend::multi_head_attention<double> m(attend::mha_config{}.with_model_dim(2 * H).with_heads(H),
                                                      static_cast<std::uint64_t>(rep));
         const auto q = random3<double>(100 + static_cast<std::uint64_t>(rep), B, L, 2 * H);
@@ -875,10 +876,10 @@ TEST(TorchMasks, AttnMaskAndKeyPaddingTakeTheSameWrapperAndMeanWhatPyTorchMeans)
         // PyTorch's bool masks, true = blocked; key 0 always stays allowed so no row is empty.
         tensor<bool, 2> attn_mask(L, S);
         tensor<bool, 2> key_padding_mask(B, S);
-        for (index i = 0; i < L; ++i)
-            for (index j = 0; j < S; ++j) attn_mask(i, j) = j > 0 && g.bernoulli(0.4);
-        for (index b = 0; b < B; ++b)
-            for (index j = 0; j < S; ++j) key_padding_mask(b, j) = j > 0 && g.bernoulli(0.3);
+        for (index_t i = 0; i < L; ++i)
+            for (index_t j = 0; j < S; ++j) attn_mask(i, j) = j > 0 && g.bernoulli(0.4);
+        for (index_t b = 0; b < B; ++b)
+            for (index_t j = 0; j < S; ++j) key_padding_mask(b, j) = j > 0 && g.bernoulli(0.3);
         attend::mha_options o;
         o.need_weights = true;
         o.average_weights = false;
@@ -888,10 +889,10 @@ TEST(TorchMasks, AttnMaskAndKeyPaddingTakeTheSameWrapperAndMeanWhatPyTorchMeans)
             m.forward(q, kv, kv, attend::to_allowed(attend::forbidden_mask::query_key_grid(attn_mask)), o);
         EXPECT_TRUE(bit_equal(direct.out, converted.out)) << "rep " << rep;
         const auto& w = direct.per_head_weights();
-        for (index b = 0; b < B; ++b)
-            for (index h = 0; h < H; ++h)
-                for (index i = 0; i < L; ++i)
-                    for (index j = 0; j < S; ++j)
+        for (index_t b = 0; b < B; ++b)
+            for (index_t h = 0; h < H; ++h)
+                for (index_t i = 0; i < L; ++i)
+                    for (index_t j = 0; j < S; ++j)
                         if (attn_mask(i, j) || key_padding_mask(b, j))
                             EXPECT_EQ(w(b, h, i, j), 0.0)
                                 << "blocked (" << b << ',' << h << ',' << i << ',' << j << ')';
@@ -924,22 +925,22 @@ TEST(WeightsAccessor, SaysWhichKindItHoldsAndThrowsForTheOther) {
     o.need_weights = true;
     const auto averaged = m.forward(x, x, x, o);
     EXPECT_EQ(averaged.weights_kind, attend::weights_kind::averaged);
-    EXPECT_EQ(averaged.averaged_weights().dimensions(), (std::array<index, 3>{2, 4, 4}));
+    EXPECT_EQ(averaged.averaged_weights().dimensions(), (std::array<index_t, 3>{2, 4, 4}));
     msg = expect_error<attend::value_error>([&] { (void)averaged.per_head_weights(); }, "attend.value.weights_kind");
     EXPECT_TRUE(contains(msg, "average_weights = false")) << msg;
 
     o.average_weights = false;
     const auto per_head = m.forward(x, x, x, o);
     EXPECT_EQ(per_head.weights_kind, attend::weights_kind::per_head);
-    EXPECT_EQ(per_head.per_head_weights().dimensions(), (std::array<index, 4>{2, 3, 4, 4}));
+    EXPECT_EQ(per_head.per_head_weights().dimensions(), (std::array<index_t, 4>{2, 3, 4, 4}));
     expect_error<attend::value_error>([&] { (void)per_head.averaged_weights(); }, "attend.value.weights_kind");
     // The two kinds agree: the averaged weights are the mean of the per-head ones.
     double worst = 0;
-    for (index b = 0; b < 2; ++b)
-        for (index i = 0; i < 4; ++i)
-            for (index j = 0; j < 4; ++j) {
+    for (index_t b = 0; b < 2; ++b)
+        for (index_t i = 0; i < 4; ++i)
+            for (index_t j = 0; j < 4; ++j) {
                 double mean = 0;
-                for (index h = 0; h < 3; ++h) mean += per_head.per_head_weights()(b, h, i, j) / 3;
+                for (index_t h = 0; h < 3; ++h) mean += per_head.per_head_weights()(b, h, i, j) / 3;
                 worst = std::max(worst, std::abs(mean - averaged.averaged_weights()(b, i, j)));
             }
     EXPECT_LE(worst, 1e-15);

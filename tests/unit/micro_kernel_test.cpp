@@ -34,21 +34,21 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend::detail::micro_tile;
 using bf16 = Eigen::bfloat16;
 
 template <class T>
-std::vector<T> random_values(attend_test::rng& g, index n) {
+std::vector<T> random_values(attend_test::rng& g, index_t n) {
     std::vector<T> x(static_cast<std::size_t>(n));
     for (auto& v : x) v = static_cast<T>(g.uniform(-1.0, 1.0));
     return x;
 }
 
 /// Sizes around a blocking unit (a packet, a panel, a row group): 1, 2, and the unit and twice it, each -1 / +1.
-std::vector<index> edge_sizes(index unit) {
-    std::vector<index> sizes;
-    for (index n : {index(1), index(2), unit - 1, unit, unit + 1, 2 * unit - 1, 2 * unit + 3, 3 * unit + 1})
+std::vector<index_t> edge_sizes(index_t unit) {
+    std::vector<index_t> sizes;
+    for (index_t n : {index_t(1), index_t(2), unit - 1, unit, unit + 1, 2 * unit - 1, 2 * unit + 3, 3 * unit + 1})
         if (n >= 1 && std::find(sizes.begin(), sizes.end(), n) == sizes.end()) sizes.push_back(n);
     return sizes;
 }
@@ -62,25 +62,25 @@ TYPED_TEST(MicroKernel, ScoresFromPanelsEqualQTimesKTransposedAndWriteNothingPas
     using mt = micro_tile<T>;
     attend_test::rng g(11);
     const T guard = T(12345);
-    for (index rows : edge_sizes(mt::rows))
-        for (index nk : edge_sizes(mt::cols))
-            for (index head_dim : edge_sizes(mt::lanes)) {
-                const index ldq = head_dim + 3, ldk = head_dim + 1, lds = nk + 5;
+    for (index_t rows : edge_sizes(mt::rows))
+        for (index_t nk : edge_sizes(mt::cols))
+            for (index_t head_dim : edge_sizes(mt::lanes)) {
+                const index_t ldq = head_dim + 3, ldk = head_dim + 1, lds = nk + 5;
                 const auto q = random_values<T>(g, rows * ldq), k = random_values<T>(g, nk * ldk);
                 std::vector<T> panels(static_cast<std::size_t>(mt::panel_elements(nk, head_dim)));
                 attend::detail::pack_key_panels(k.data(), ldk, nk, head_dim, panels.data());
                 std::vector<T> scores(static_cast<std::size_t>(rows * lds), guard);
                 attend::detail::scores_from_panels(q.data(), ldq, rows, head_dim, panels.data(), nk, scores.data(),
                                                    lds);
-                for (index r = 0; r < rows; ++r)
-                    for (index j = 0; j < lds; ++j) {
+                for (index_t r = 0; r < rows; ++r)
+                    for (index_t j = 0; j < lds; ++j) {
                         const T got = scores[static_cast<std::size_t>(r * lds + j)];
                         if (j >= nk) {
                             ASSERT_EQ(got, guard) << "wrote past column " << nk << " of row " << r;
                             continue;
                         }
                         double exact = 0, magnitude = 0;
-                        for (index x = 0; x < head_dim; ++x) {
+                        for (index_t x = 0; x < head_dim; ++x) {
                             const double p = static_cast<double>(q[static_cast<std::size_t>(r * ldq + x)]) *
                                              static_cast<double>(k[static_cast<std::size_t>(j * ldk + x)]);
                             exact += p;
@@ -99,27 +99,27 @@ TYPED_TEST(MicroKernel, AccumulateFromValuesAddsPTimesVToWhatWasThere) {
     using T = TypeParam;
     using mt = micro_tile<T>;
     attend_test::rng g(12);
-    for (index rows : edge_sizes(mt::rows))
-        for (index nk : {index(1), index(7), mt::cols + 1, index(300)})
-            for (index dv : edge_sizes(mt::cols)) {  // around a packet too: cols is two packets
+    for (index_t rows : edge_sizes(mt::rows))
+        for (index_t nk : {index_t(1), index_t(7), mt::cols + 1, index_t(300)})
+            for (index_t dv : edge_sizes(mt::cols)) {  // around a packet too: cols is two packets
                 // 300 keys 600 apart: many of the L1-sized key slices accumulate_from_values cuts V into.
-                const index ldp = nk + 2, ldv = nk == 300 ? 600 : dv + 3, lda = dv + 1;
+                const index_t ldp = nk + 2, ldv = nk == 300 ? 600 : dv + 3, lda = dv + 1;
                 const auto p = random_values<T>(g, rows * ldp), v = random_values<T>(g, nk * ldv);
                 const auto before = random_values<T>(g, rows * lda);
                 auto acc = before;
                 std::vector<T> panels(static_cast<std::size_t>(nk * dv));
                 attend::detail::pack_value_panels(v.data(), ldv, nk, dv, panels.data());
-                attend::detail::accumulate_from_values(p.data(), ldp, index(1), rows, nk, v.data(), ldv, dv,
+                attend::detail::accumulate_from_values(p.data(), ldp, index_t(1), rows, nk, v.data(), ldv, dv,
                                                        panels.data(), nk * mt::cols, acc.data(), lda);
-                for (index r = 0; r < rows; ++r)
-                    for (index e = 0; e < lda; ++e) {
+                for (index_t r = 0; r < rows; ++r)
+                    for (index_t e = 0; e < lda; ++e) {
                         const auto at = static_cast<std::size_t>(r * lda + e);
                         if (e >= dv) {
                             ASSERT_EQ(acc[at], before[at]) << "wrote past value column " << dv;
                             continue;
                         }
                         double exact = static_cast<double>(before[at]), magnitude = std::abs(exact);
-                        for (index j = 0; j < nk; ++j) {
+                        for (index_t j = 0; j < nk; ++j) {
                             const double t = static_cast<double>(p[static_cast<std::size_t>(r * ldp + j)]) *
                                              static_cast<double>(v[static_cast<std::size_t>(j * ldv + e)]);
                             exact += t;
@@ -137,7 +137,7 @@ TYPED_TEST(MicroKernel, ARowGetsTheSameBitsWhateverRowsShareItsCall) {
     using T = TypeParam;
     using mt = micro_tile<T>;
     attend_test::rng g(13);
-    const index rows = 2 * mt::rows + 1, nk = 2 * mt::cols + 3, head_dim = 3 * mt::lanes + 1, dv = head_dim;
+    const index_t rows = 2 * mt::rows + 1, nk = 2 * mt::cols + 3, head_dim = 3 * mt::lanes + 1, dv = head_dim;
     const auto q = random_values<T>(g, rows * head_dim), k = random_values<T>(g, nk * head_dim);
     const auto v = random_values<T>(g, nk * dv);
     std::vector<T> panels(static_cast<std::size_t>(mt::panel_elements(nk, head_dim)));
@@ -145,7 +145,7 @@ TYPED_TEST(MicroKernel, ARowGetsTheSameBitsWhateverRowsShareItsCall) {
 
     std::vector<T> together(static_cast<std::size_t>(rows * nk)), alone(together.size());
     attend::detail::scores_from_panels(q.data(), head_dim, rows, head_dim, panels.data(), nk, together.data(), nk);
-    for (index r = 0; r < rows; ++r)
+    for (index_t r = 0; r < rows; ++r)
         attend::detail::scores_from_panels(q.data() + r * head_dim, head_dim, 1, head_dim, panels.data(), nk,
                                            alone.data() + r * nk, nk);
     ASSERT_EQ(std::memcmp(together.data(), alone.data(), together.size() * sizeof(T)), 0);
@@ -153,20 +153,20 @@ TYPED_TEST(MicroKernel, ARowGetsTheSameBitsWhateverRowsShareItsCall) {
     std::vector<T> value_panels(static_cast<std::size_t>(nk * dv));
     attend::detail::pack_value_panels(v.data(), dv, nk, dv, value_panels.data());
     std::vector<T> acc_together(static_cast<std::size_t>(rows * dv), T(0)), acc_alone(acc_together);
-    attend::detail::accumulate_from_values(together.data(), nk, index(1), rows, nk, v.data(), dv, dv,
+    attend::detail::accumulate_from_values(together.data(), nk, index_t(1), rows, nk, v.data(), dv, dv,
                                            value_panels.data(), nk * mt::cols, acc_together.data(), dv);
-    for (index r = 0; r < rows; ++r)
-        attend::detail::accumulate_from_values(together.data() + r * nk, nk, index(1), 1, nk, v.data(), dv, dv,
+    for (index_t r = 0; r < rows; ++r)
+        attend::detail::accumulate_from_values(together.data() + r * nk, nk, index_t(1), 1, nk, v.data(), dv, dv,
                                                value_panels.data(), nk * mt::cols, acc_alone.data() + r * dv, dv);
     EXPECT_EQ(std::memcmp(acc_together.data(), acc_alone.data(), acc_together.size() * sizeof(T)), 0);
 }
 
 TEST(MicroKernelRowGroups, CoverEveryRowOnceInOrderAndNoneIsShortWhereAWholeTileFits) {
-    for (index tile : {index(6), index(12)})
-        for (index rows = 0; rows <= 5 * tile; ++rows) {
-            std::vector<std::pair<index, index>> groups;
-            attend::detail::for_each_row_group(rows, tile, [&](index r0, index m) { groups.emplace_back(r0, m); });
-            index next = 0;
+    for (index_t tile : {index_t(6), index_t(12)})
+        for (index_t rows = 0; rows <= 5 * tile; ++rows) {
+            std::vector<std::pair<index_t, index_t>> groups;
+            attend::detail::for_each_row_group(rows, tile, [&](index_t r0, index_t m) { groups.emplace_back(r0, m); });
+            index_t next = 0;
             for (const auto& [r0, m] : groups) {
                 EXPECT_EQ(r0, next) << "tile " << tile << " rows " << rows;
                 EXPECT_TRUE(m >= 1 && m <= tile) << "tile " << tile << " rows " << rows << " group of " << m;
@@ -184,26 +184,26 @@ TYPED_TEST(MicroKernel, AccumulatingFromATransposedTileEqualsAccumulatingFromIts
     using T = TypeParam;
     using mt = micro_tile<T>;
     attend_test::rng g(15);
-    for (index rows : edge_sizes(mt::rows))
-        for (index dv : edge_sizes(mt::cols)) {
-            const index nk = 2 * mt::rows + 1, ld = rows + 3;  // p stored [nk, ld], read as its transpose [rows, nk]
+    for (index_t rows : edge_sizes(mt::rows))
+        for (index_t dv : edge_sizes(mt::cols)) {
+            const index_t nk = 2 * mt::rows + 1, ld = rows + 3;  // p stored [nk, ld], read as its transpose [rows, nk]
             const auto stored = random_values<T>(g, nk * ld), v = random_values<T>(g, nk * dv);
             std::vector<T> copy(static_cast<std::size_t>(rows * nk));
-            for (index r = 0; r < rows; ++r)
-                for (index j = 0; j < nk; ++j)
+            for (index_t r = 0; r < rows; ++r)
+                for (index_t j = 0; j < nk; ++j)
                     copy[static_cast<std::size_t>(r * nk + j)] = stored[static_cast<std::size_t>(j * ld + r)];
             std::vector<T> panels(static_cast<std::size_t>(nk * dv));
             attend::detail::pack_value_panels(v.data(), dv, nk, dv, panels.data());
             std::vector<T> by_columns(static_cast<std::size_t>(rows * dv), T(0.5)), by_rows(by_columns);
-            attend::detail::accumulate_from_values(stored.data(), index(1), ld, rows, nk, v.data(), dv, dv,
+            attend::detail::accumulate_from_values(stored.data(), index_t(1), ld, rows, nk, v.data(), dv, dv,
                                                    panels.data(), nk * mt::cols, by_columns.data(), dv);
-            attend::detail::accumulate_from_values(copy.data(), nk, index(1), rows, nk, v.data(), dv, dv, panels.data(),
-                                                   nk * mt::cols, by_rows.data(), dv);
+            attend::detail::accumulate_from_values(copy.data(), nk, index_t(1), rows, nk, v.data(), dv, dv,
+                                                   panels.data(), nk * mt::cols, by_rows.data(), dv);
             // Columns in packets: the same pmadd sequence, the same bits. The last dv % lanes columns are a plain
             // loop the compiler may contract into FMAs differently for the two strides: within rounding.
-            const index in_packets = dv / mt::lanes * mt::lanes;
-            for (index r = 0; r < rows; ++r)
-                for (index e = 0; e < dv; ++e) {
+            const index_t in_packets = dv / mt::lanes * mt::lanes;
+            for (index_t r = 0; r < rows; ++r)
+                for (index_t e = 0; e < dv; ++e) {
                     const auto at = static_cast<std::size_t>(r * dv + e);
                     if (e < in_packets)
                         ASSERT_EQ(std::memcmp(&by_columns[at], &by_rows[at], sizeof(T)), 0)
@@ -220,16 +220,16 @@ TYPED_TEST(MicroKernel, PackedPanelsHoldEachKeyDimensionOnceAndZerosPastTheLastK
     using T = TypeParam;
     using mt = micro_tile<T>;
     attend_test::rng g(14);
-    const index nk = mt::cols + mt::lanes + 1, head_dim = mt::lanes + 2, ld = head_dim + 1;
+    const index_t nk = mt::cols + mt::lanes + 1, head_dim = mt::lanes + 2, ld = head_dim + 1;
     const auto k = random_values<T>(g, nk * ld);
     std::vector<T> panels(static_cast<std::size_t>(mt::panel_elements(nk, head_dim)), T(-7));
     ASSERT_EQ(panels.size(), static_cast<std::size_t>(2 * mt::cols * head_dim));
     attend::detail::pack_key_panels(k.data(), ld, nk, head_dim, panels.data());
-    for (index p0 = 0; p0 < 2 * mt::cols; p0 += mt::cols)
-        for (index x = 0; x < head_dim; ++x)
-            for (index c = 0; c < mt::cols; ++c) {
+    for (index_t p0 = 0; p0 < 2 * mt::cols; p0 += mt::cols)
+        for (index_t x = 0; x < head_dim; ++x)
+            for (index_t c = 0; c < mt::cols; ++c) {
                 const T got = panels[static_cast<std::size_t>(p0 * head_dim + x * mt::cols + c)];
-                const index key = p0 + c;
+                const index_t key = p0 + c;
                 ASSERT_EQ(got, key < nk ? k[static_cast<std::size_t>(key * ld + x)] : T(0)) << key << ", " << x;
             }
 }
@@ -339,20 +339,20 @@ TEST(PacketExp, WithoutTheUpperClampGivesTheSameBitsUpToLnFltMax) {
 TYPED_TEST(MicroKernel, MaxOfIsTheLargestElementWhereverItSitsAndWhateverTheLength) {
     using T = TypeParam;
     using attend::detail::max_of;
-    constexpr index lanes = Eigen::internal::packet_traits<T>::size;
+    constexpr index_t lanes = Eigen::internal::packet_traits<T>::size;
     const T minus_inf = -std::numeric_limits<T>::infinity();
     attend_test::rng g(31);
     const auto pool = random_values<T>(g, 6 * lanes + 8);
-    for (index offset = 0; offset < 2; ++offset)
-        for (index n = 1; n <= 5 * lanes + 3; ++n)
-            for (index at = 0; at < n; ++at) {
+    for (index_t offset = 0; offset < 2; ++offset)
+        for (index_t n = 1; n <= 5 * lanes + 3; ++n)
+            for (index_t at = 0; at < n; ++at) {
                 std::vector<T> x(pool.begin() + offset, pool.begin() + offset + n);
                 x[static_cast<std::size_t>(at)] = T(9);
                 if (n > 2) x[static_cast<std::size_t>((at + 1) % n)] = minus_inf;
                 ASSERT_EQ(max_of(x.data(), n), T(9)) << n << ", " << at << ", " << offset;
             }
     const std::vector<T> masked(static_cast<std::size_t>(3 * lanes + 1), minus_inf);
-    EXPECT_EQ(max_of(masked.data(), static_cast<index>(masked.size())), minus_inf);
+    EXPECT_EQ(max_of(masked.data(), static_cast<index_t>(masked.size())), minus_inf);
 }
 
 // The soft-cap that finish_tile applies, on this instruction set's packets (support/soft_cap_check.hpp).
@@ -366,10 +366,10 @@ TEST(MicroKernelEpilogue, ProductsCappedInRegistersEqualSoftCapOfTheStoredProduc
     using mt = micro_tile<float>;
     attend_test::rng g(23);
     const float guard = 12345.0f, cap = 3.0f;
-    for (index rows : edge_sizes(mt::rows))
-        for (index nk : edge_sizes(mt::cols))
-            for (index head_dim : {index(1), index(7), index(64)}) {
-                const index lds = nk + 5;
+    for (index_t rows : edge_sizes(mt::rows))
+        for (index_t nk : edge_sizes(mt::cols))
+            for (index_t head_dim : {index_t(1), index_t(7), index_t(64)}) {
+                const index_t lds = nk + 5;
                 auto q = random_values<float>(g, rows * head_dim);
                 for (auto& x : q) x *= 6.0f;  // scores from about 0 to far past the cap
                 const auto k = random_values<float>(g, nk * head_dim);
@@ -378,7 +378,7 @@ TEST(MicroKernelEpilogue, ProductsCappedInRegistersEqualSoftCapOfTheStoredProduc
                 std::vector<float> after(static_cast<std::size_t>(rows * lds), guard), fused = after;
                 attend::detail::scores_from_panels(q.data(), head_dim, rows, head_dim, panels.data(), nk, after.data(),
                                                    lds);
-                for (index r = 0; r < rows; ++r) attend::detail::soft_cap(after.data() + r * lds, nk, cap);
+                for (index_t r = 0; r < rows; ++r) attend::detail::soft_cap(after.data() + r * lds, nk, cap);
                 attend::detail::scores_from_panels(q.data(), head_dim, rows, head_dim, panels.data(), nk, fused.data(),
                                                    lds, attend::detail::capped_tanh(cap));
                 ASSERT_EQ(std::memcmp(after.data(), fused.data(), after.size() * sizeof(float)), 0)
@@ -399,9 +399,9 @@ std::vector<S> stored_as(const std::vector<float>& values) {
 /// Random values that bf16, fp16 and q8_0 (block scale 2^-7 x 127 / 127) all hold exactly: multiples of 2^-7 in
 /// [-127, 127] x 2^-7 with at most 8 significant bits, and one value per 32 at the block's extreme, so the q8_0
 /// scale is 2^-7 exactly.
-std::vector<float> representable_values(attend_test::rng& g, index n) {
+std::vector<float> representable_values(attend_test::rng& g, index_t n) {
     std::vector<float> x(static_cast<std::size_t>(n));
-    for (index i = 0; i < n; ++i) {
+    for (index_t i = 0; i < n; ++i) {
         const int q = i % 32 == 0 ? 127 : static_cast<int>(std::lround(g.uniform(-127.0, 127.0)));
         x[static_cast<std::size_t>(i)] = std::ldexp(static_cast<float>(q), -7);
     }
@@ -410,9 +410,9 @@ std::vector<float> representable_values(attend_test::rng& g, index n) {
 
 /// Values a q4_0 block holds exactly: (n - 8) / 8 with n in [0, 15], each block's first value -1 (its extreme, so
 /// d = 1 / 8).
-std::vector<float> representable_q4_values(attend_test::rng& g, index n) {
+std::vector<float> representable_q4_values(attend_test::rng& g, index_t n) {
     std::vector<float> x(static_cast<std::size_t>(n));
-    for (index i = 0; i < n; ++i) {
+    for (index_t i = 0; i < n; ++i) {
         const int q = i % 32 == 0 ? 0 : static_cast<int>(g.uniform_int(0, 15));
         x[static_cast<std::size_t>(i)] = std::ldexp(static_cast<float>(q - 8), -3);
     }
@@ -421,7 +421,7 @@ std::vector<float> representable_q4_values(attend_test::rng& g, index n) {
 
 /// Rows of `dim` values quantized into blocks of type Block.
 template <class Block>
-std::vector<Block> quantized_rows(const std::vector<float>& values, index dim) {
+std::vector<Block> quantized_rows(const std::vector<float>& values, index_t dim) {
     std::vector<Block> b(values.size() / static_cast<std::size_t>(Block::size));
     for (std::size_t r = 0; r < values.size() / static_cast<std::size_t>(dim); ++r)
         attend::detail::quantize_row(values.data() + r * static_cast<std::size_t>(dim), dim,
@@ -438,17 +438,17 @@ struct row_results {
     float largest_key = 0;
 };
 template <class S>
-row_results<S> run_row_kernels(const std::vector<float>& q, const std::vector<float>& p, index rows, index nk,
-                               index dim, const std::vector<S>& k, const std::vector<S>& v, index row_elements) {
+row_results<S> run_row_kernels(const std::vector<float>& q, const std::vector<float>& p, index_t rows, index_t nk,
+                               index_t dim, const std::vector<S>& k, const std::vector<S>& v, index_t row_elements) {
     row_results<S> out;
     out.scores.assign(static_cast<std::size_t>(rows * nk), 0.0f);
     out.acc.assign(static_cast<std::size_t>(rows * dim), 0.5f);
     attend::detail::row_scan<float> keys, values;
     attend::detail::scores_of_rows(
-        rows, q.data(), dim, dim, nk, [&](index j) { return k.data() + j * row_elements; }, out.scores.data(), nk,
+        rows, q.data(), dim, dim, nk, [&](index_t j) { return k.data() + j * row_elements; }, out.scores.data(), nk,
         &keys);
     attend::detail::accumulate_rows(
-        rows, p.data(), nk, nk, dim, [&](index j) { return v.data() + j * row_elements; }, out.acc.data(), dim,
+        rows, p.data(), nk, nk, dim, [&](index_t j) { return v.data() + j * row_elements; }, out.acc.data(), dim,
         &values);
     out.non_finite_keys = keys.non_finite();
     out.non_finite_values = values.non_finite();
@@ -459,18 +459,18 @@ row_results<S> run_row_kernels(const std::vector<float>& q, const std::vector<fl
 TEST(RowKernels, EveryStorageGivesTheBitsOfFloatRowsHoldingItsValuesAndEachRowTheBitsItGetsAlone) {
     attend_test::rng g(41);
     // 544: 17 blocks, one more than a row's cached scales (widening_row), so the last widens its own.
-    for (index dim : {index(32), index(64), index(96), index(128), index(544)})
-        for (index rows = 1; rows <= attend::detail::row_kernel_rows; ++rows)
-            for (index nk : {index(1), index(5), index(300)}) {
+    for (index_t dim : {index_t(32), index_t(64), index_t(96), index_t(128), index_t(544)})
+        for (index_t rows = 1; rows <= attend::detail::row_kernel_rows; ++rows)
+            for (index_t nk : {index_t(1), index_t(5), index_t(300)}) {
                 const auto q = random_values<float>(g, rows * dim), k = representable_values(g, nk * dim),
                            v = representable_values(g, nk * dim);
                 auto p = random_values<float>(g, rows * nk);
                 const auto want = run_row_kernels<float>(q, p, rows, nk, dim, k, v, dim);
                 // Against double: sums of rounded products within the usual bound.
-                for (index r = 0; r < rows; ++r)
-                    for (index j = 0; j < nk; ++j) {
+                for (index_t r = 0; r < rows; ++r)
+                    for (index_t j = 0; j < nk; ++j) {
                         double exact = 0, magnitude = 0;
-                        for (index x = 0; x < dim; ++x) {
+                        for (index_t x = 0; x < dim; ++x) {
                             const double t = double(q[static_cast<std::size_t>(r * dim + x)]) *
                                              k[static_cast<std::size_t>(j * dim + x)];
                             exact += t;
@@ -502,7 +502,7 @@ TEST(RowKernels, EveryStorageGivesTheBitsOfFloatRowsHoldingItsValuesAndEachRowTh
                 ASSERT_EQ(std::memcmp(got4.scores.data(), want4.scores.data(), want4.scores.size() * 4), 0) << "q4_0";
                 ASSERT_EQ(std::memcmp(got4.acc.data(), want4.acc.data(), want4.acc.size() * 4), 0) << "q4_0";
                 ASSERT_EQ(got4.largest_key, want4.largest_key) << "q4_0";
-                for (index r = 0; r < rows; ++r) {  // alone
+                for (index_t r = 0; r < rows; ++r) {  // alone
                     const std::vector<float> q1(q.begin() + r * dim, q.begin() + (r + 1) * dim),
                         p1(p.begin() + r * nk, p.begin() + (r + 1) * nk);
                     const auto one = run_row_kernels<float>(q1, p1, 1, nk, dim, k, v, dim);
@@ -516,18 +516,18 @@ TEST(RowKernels, EveryStorageGivesTheBitsOfFloatRowsHoldingItsValuesAndEachRowTh
 }
 
 /// accumulate_rows on `rows` rows, `dim` columns and nk keys against a double sum of the same products.
-void expect_accumulates_p_times_v(attend_test::rng& g, index rows, index dim, index nk) {
+void expect_accumulates_p_times_v(attend_test::rng& g, index_t rows, index_t dim, index_t nk) {
     const auto v = random_values<float>(g, nk * dim);
     const auto p = random_values<float>(g, rows * nk);
     std::vector<float> acc = random_values<float>(g, rows * dim);
     const auto before = acc;
     attend::detail::accumulate_rows(
-        rows, p.data(), nk, nk, dim, [&](index j) { return v.data() + j * dim; }, acc.data(), dim,
+        rows, p.data(), nk, nk, dim, [&](index_t j) { return v.data() + j * dim; }, acc.data(), dim,
         static_cast<attend::detail::row_scan<float>*>(nullptr));
-    for (index r = 0; r < rows; ++r)
-        for (index e = 0; e < dim; ++e) {
+    for (index_t r = 0; r < rows; ++r)
+        for (index_t e = 0; e < dim; ++e) {
             double exact = before[static_cast<std::size_t>(r * dim + e)], magnitude = std::abs(exact);
-            for (index j = 0; j < nk; ++j) {
+            for (index_t j = 0; j < nk; ++j) {
                 const double t =
                     double(p[static_cast<std::size_t>(r * nk + j)]) * v[static_cast<std::size_t>(j * dim + e)];
                 exact += t;
@@ -540,19 +540,20 @@ void expect_accumulates_p_times_v(attend_test::rng& g, index rows, index dim, in
 
 TEST(RowKernels, AccumulateAddsPTimesVToWhatWasThereOnEveryColumnEdge) {
     attend_test::rng g(42);
-    for (index dim : edge_sizes(micro_tile<float>::lanes))
-        for (index rows : {index(1), index(3), index(8)})
-            for (index nk : {index(1), index(9), index(700)}) expect_accumulates_p_times_v(g, rows, dim, nk);
+    for (index_t dim : edge_sizes(micro_tile<float>::lanes))
+        for (index_t rows : {index_t(1), index_t(3), index_t(8)})
+            for (index_t nk : {index_t(1), index_t(9), index_t(700)}) expect_accumulates_p_times_v(g, rows, dim, nk);
 }
 
 /// The value kernel splits the columns into groups of the widths it has kernels for (powers of two and the widest
 /// the registers allow, which depends on the row count): every split, remainders included, adds each column once.
 TEST(RowKernels, AccumulateAddsEveryColumnOnceWhateverGroupsItsWidthSplitsInto) {
     attend_test::rng g(7);
-    const index lanes = attend::detail::row_lanes<float>;
-    for (index rows = 1; rows <= attend::detail::row_kernel_rows; ++rows)
-        for (index packets = 1; packets <= attend::detail::rows::register_budget + 3; ++packets)
-            for (index tail : {index(0), index(1)}) expect_accumulates_p_times_v(g, rows, packets * lanes + tail, 5);
+    const index_t lanes = attend::detail::row_lanes<float>;
+    for (index_t rows = 1; rows <= attend::detail::row_kernel_rows; ++rows)
+        for (index_t packets = 1; packets <= attend::detail::rows::register_budget + 3; ++packets)
+            for (index_t tail : {index_t(0), index_t(1)})
+                expect_accumulates_p_times_v(g, rows, packets * lanes + tail, 5);
 }
 
 /// Float, fp16 and bf16 rows (16-bit keys are noted on their own bits, 32 at a time, on AVX-512): dims with and
@@ -565,16 +566,16 @@ TEST(RowKernels, TheScanFindsTheLargestKeyAndAnyNaNOrInfinityInPacketsAndTails) 
             if constexpr (std::is_same_v<S, float>) return x;
             else return stored_as<S>(x);
         };
-        for (index dim : {index(7), index(64), index(67), index(80), index(128)})
+        for (index_t dim : {index_t(7), index_t(64), index_t(67), index_t(80), index_t(128)})
             for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
                                     -std::numeric_limits<float>::infinity(), 0.0f})
-                for (index at : {index(0), dim / 2, dim - 1}) {  // first packet, middle, tail when dim has one
+                for (index_t at : {index_t(0), dim / 2, dim - 1}) {  // first packet, middle, tail when dim has one
                     SCOPED_TRACE(std::string(sizeof(S) == 4            ? "float"
                                              : std::is_same_v<S, bf16> ? "bf16"
                                                                        : "fp16") +
                                  ", dim " + std::to_string(dim) + ", at " + std::to_string(at) + ", value " +
                                  std::to_string(bad));
-                    const index nk = 5, rows = 2;
+                    const index_t nk = 5, rows = 2;
                     const auto q = random_values<float>(g, rows * dim), p = random_values<float>(g, rows * nk);
                     auto k = random_values<float>(g, nk * dim), v = k;
                     k[static_cast<std::size_t>(3 * dim + at)] = -7.5f;
@@ -604,13 +605,13 @@ TEST(RowKernels, TheScanFindsTheLargestKeyAndAnyNaNOrInfinityInPacketsAndTails) 
 TEST(RowKernels, ValuesAreFoundNonFiniteThroughTheirSumsOnlyWhenOneIs) {
     attend_test::rng g(46);
     const float inf = std::numeric_limits<float>::infinity();
-    for (index dim : {index(16), index(67), index(128), index(400)})
-        for (index rows = 1; rows <= attend::detail::row_kernel_rows; ++rows) {
-            const index nk = 40;
+    for (index_t dim : {index_t(16), index_t(67), index_t(128), index_t(400)})
+        for (index_t rows = 1; rows <= attend::detail::row_kernel_rows; ++rows) {
+            const index_t nk = 40;
             const auto q = random_values<float>(g, rows * dim);
             const auto k = random_values<float>(g, nk * dim);
             std::vector<float> zeros(static_cast<std::size_t>(rows * nk), 0.0f), ones(zeros.size(), 1.0f);
-            for (const index at : {index(0), dim / 2, dim - 1}) {
+            for (const index_t at : {index_t(0), dim / 2, dim - 1}) {
                 SCOPED_TRACE("dim " + std::to_string(dim) + ", rows " + std::to_string(rows) + ", column " +
                              std::to_string(at));
                 auto v = random_values<float>(g, nk * dim);
@@ -631,9 +632,9 @@ TEST(RowKernels, ValuesAreFoundNonFiniteThroughTheirSumsOnlyWhenOneIs) {
 /// overflow makes inf too: the keys' own scan then finds them finite, with their largest magnitude.
 TEST(RowKernels, KeysWhoseScoresOverflowAreFoundFiniteWithTheirLargestMagnitude) {
     attend_test::rng g(47);
-    for (index dim : {index(16), index(67), index(128)})
-        for (index rows : {index(1), index(4), index(8)}) {
-            const index nk = 9;
+    for (index_t dim : {index_t(16), index_t(67), index_t(128)})
+        for (index_t rows : {index_t(1), index_t(4), index_t(8)}) {
+            const index_t nk = 9;
             const std::vector<float> q(static_cast<std::size_t>(rows * dim), 1e20f);
             const auto p = random_values<float>(g, rows * nk);
             auto k = random_values<float>(g, nk * dim);
@@ -649,12 +650,12 @@ TEST(RowKernels, KeysWhoseScoresOverflowAreFoundFiniteWithTheirLargestMagnitude)
 template <class Acc, int N>
 void expect_predux_bits(attend_test::rng& g) {
     using packet = attend::detail::row_packet<Acc>;
-    constexpr index lanes = attend::detail::row_lanes<Acc>;
+    constexpr index_t lanes = attend::detail::row_lanes<Acc>;
     packet a[N];
     for (int n = 0; n < N; ++n) {
         // Magnitudes over many binades, so that the order of the additions shows in the rounding.
         alignas(64) Acc x[lanes];
-        for (index l = 0; l < lanes; ++l)
+        for (index_t l = 0; l < lanes; ++l)
             x[l] = static_cast<Acc>(g.uniform(-1.0, 1.0) * std::ldexp(1.0, static_cast<int>(g.uniform(-30.0, 30.0))));
         a[n] = Eigen::internal::pload<packet>(x);
     }
@@ -675,8 +676,8 @@ TEST(RowKernels, ADotOfTwoRowsIsExactOnSmallValuesAndTheSameForEveryStorage) {
     // bf16, and so are their products and sums of a few hundred of them, so every storage type must give the exact
     // sum (a dropped or repeated product, or a wrong tail, would not), whatever the length around the packets.
     attend_test::rng g(29);
-    for (index n : {index(1), index(7), index(15), index(16), index(17), index(31), index(32), index(33), index(48),
-                    index(64), index(100), index(128), index(257)}) {
+    for (index_t n : {index_t(1), index_t(7), index_t(15), index_t(16), index_t(17), index_t(31), index_t(32),
+                      index_t(33), index_t(48), index_t(64), index_t(100), index_t(128), index_t(257)}) {
         std::vector<float> a(static_cast<std::size_t>(n)), b(a.size());
         double exact = 0;
         for (std::size_t x = 0; x < a.size(); ++x) {
@@ -702,17 +703,17 @@ TEST(RowKernels, SumsOfManyPacketsAtOnceHaveTheBitsOfOnePreduxEach) {
 
 TEST(RowKernels, AKeyScoredInAGroupOfKeysGetsTheBitsItGetsAlone) {
     attend_test::rng g(45);
-    for (index dim : {index(16), index(67), index(128)})
-        for (index rows = 1; rows <= attend::detail::row_kernel_rows; ++rows) {
-            const index nk = 11;
+    for (index_t dim : {index_t(16), index_t(67), index_t(128)})
+        for (index_t rows = 1; rows <= attend::detail::row_kernel_rows; ++rows) {
+            const index_t nk = 11;
             const auto q = random_values<float>(g, rows * dim), k = random_values<float>(g, nk * dim);
             std::vector<float> together(static_cast<std::size_t>(rows * nk)), alone(together.size());
             attend::detail::scores_of_rows(
-                rows, q.data(), dim, dim, nk, [&](index j) { return k.data() + j * dim; }, together.data(), nk,
+                rows, q.data(), dim, dim, nk, [&](index_t j) { return k.data() + j * dim; }, together.data(), nk,
                 static_cast<attend::detail::row_scan<float>*>(nullptr));
-            for (index j = 0; j < nk; ++j)
+            for (index_t j = 0; j < nk; ++j)
                 attend::detail::scores_of_rows(
-                    rows, q.data(), dim, dim, 1, [&](index) { return k.data() + j * dim; }, alone.data() + j, nk,
+                    rows, q.data(), dim, dim, 1, [&](index_t) { return k.data() + j * dim; }, alone.data() + j, nk,
                     static_cast<attend::detail::row_scan<float>*>(nullptr));
             ASSERT_EQ(std::memcmp(together.data(), alone.data(), together.size() * sizeof(float)), 0)
                 << rows << " rows, dim " << dim;
@@ -724,33 +725,33 @@ TEST(RowKernels, AKeyScoredInAGroupOfKeysGetsTheBitsItGetsAlone) {
 // exact in float, so the bound against the double sum of the same products is the float summation's.
 
 using attend::detail::bf16_tile;
-std::vector<bf16> random_bf16(attend_test::rng& g, index n) {
+std::vector<bf16> random_bf16(attend_test::rng& g, index_t n) {
     std::vector<bf16> x(static_cast<std::size_t>(n));
     for (auto& v : x) v = bf16(static_cast<float>(g.uniform(-1.0, 1.0)));
     return x;
 }
 
 /// Rows of `width` bf16 values `ld` apart, as 32-bit pair words `ld / 2`... apart: q-pairs for the score kernel.
-std::vector<std::uint32_t> pair_words(const std::vector<bf16>& x, index rows, index ld, index width) {
+std::vector<std::uint32_t> pair_words(const std::vector<bf16>& x, index_t rows, index_t ld, index_t width) {
     std::vector<std::uint32_t> w(static_cast<std::size_t>(rows * width / 2));
-    for (index r = 0; r < rows; ++r)
-        for (index j = 0; j < width / 2; ++j)
+    for (index_t r = 0; r < rows; ++r)
+        for (index_t j = 0; j < width / 2; ++j)
             w[static_cast<std::size_t>(r * width / 2 + j)] = attend::detail::pair_at(x.data() + r * ld + 2 * j);
     return w;
 }
 
 TEST(Bf16PairKernels, KeyPanelsHoldEachKeyPairOnceAndZerosPastTheLastKey) {
     attend_test::rng g(31);
-    for (index nk : edge_sizes(bf16_tile::cols))
-        for (index head_dim : {index(2), index(30), index(32), index(34), index(64)})
-            for (index ld : {head_dim, head_dim + 1, head_dim + 2}) {  // an odd ld takes the element-wise path
+    for (index_t nk : edge_sizes(bf16_tile::cols))
+        for (index_t head_dim : {index_t(2), index_t(30), index_t(32), index_t(34), index_t(64)})
+            for (index_t ld : {head_dim, head_dim + 1, head_dim + 2}) {  // an odd ld takes the element-wise path
                 const auto k = random_bf16(g, nk * ld);
-                const index pairs = head_dim / 2;
+                const index_t pairs = head_dim / 2;
                 std::vector<std::uint32_t> panels(static_cast<std::size_t>(bf16_tile::key_panel_words(nk, head_dim)),
                                                   7u);
                 attend::detail::pack_key_pairs(k.data(), ld, nk, head_dim, panels.data());
-                for (index c = 0; c < (nk + 31) / 32 * 32; ++c)
-                    for (index x = 0; x < pairs; ++x) {
+                for (index_t c = 0; c < (nk + 31) / 32 * 32; ++c)
+                    for (index_t x = 0; x < pairs; ++x) {
                         const std::uint32_t want = c < nk ? attend::detail::pair_at(k.data() + c * ld + 2 * x) : 0u;
                         ASSERT_EQ(panels[static_cast<std::size_t>((c / 32) * 32 * pairs + x * 32 + c % 32)], want)
                             << "key " << c << " pair " << x << " of " << nk << " keys, head_dim " << head_dim << ", ld "
@@ -765,17 +766,17 @@ TEST(Bf16PairKernels, KeyPanelsHoldEachKeyPairOnceAndZerosPastTheLastKey) {
 struct pair_products {
     const char* name;
     bool tiles;
-    bool takes(index head_dim) const { return !tiles || head_dim % 32 == 0; }
+    bool takes(index_t head_dim) const { return !tiles || head_dim % 32 == 0; }
     template <class Epilogue>
-    void scores(const std::uint32_t* q, index ldq, index rows, index head_dim, const std::uint32_t* panels, index nk,
-                float scale, float* out, index lds, const Epilogue& epilogue) const {
+    void scores(const std::uint32_t* q, index_t ldq, index_t rows, index_t head_dim, const std::uint32_t* panels,
+                index_t nk, float scale, float* out, index_t lds, const Epilogue& epilogue) const {
         if (!tiles)
             attend::detail::scores_from_key_pairs(q, ldq, rows, head_dim, panels, nk, scale, out, lds, epilogue);
         else if constexpr (attend::detail::amx_tiles)
             attend::detail::scores_from_key_tiles(q, ldq, rows, head_dim, panels, nk, scale, out, lds, epilogue);
     }
-    void accumulate(const std::uint32_t* p, index ldp, index rows, index nk, index dv, const std::uint32_t* blocks,
-                    index block_stride, float* acc, index lda) const {
+    void accumulate(const std::uint32_t* p, index_t ldp, index_t rows, index_t nk, index_t dv,
+                    const std::uint32_t* blocks, index_t block_stride, float* acc, index_t lda) const {
         if (!tiles) attend::detail::accumulate_from_value_pairs(p, ldp, rows, nk, dv, blocks, block_stride, acc, lda);
         else if constexpr (attend::detail::amx_tiles)
             attend::detail::accumulate_from_value_tiles(p, ldp, rows, nk, dv, blocks, block_stride, acc, lda);
@@ -797,13 +798,13 @@ TEST(Bf16PairKernels, AmxTilesAreTakenWhereTheTargetHasThem) {
 
 #if ATTEND_AMX_TILES
 /// tile_config::use in a function of its own, as where the compiler does not inline it into its caller.
-__attribute__((noinline)) void configure(attend::detail::amx::tile_config& config, index rows) {
+__attribute__((noinline)) void configure(attend::detail::amx::tile_config& config, index_t rows) {
     config.use(rows, 0, 16);
 }
 
 /// A rows x 32 product on the tiles whose configuration and operands were filled just before the tiles load them:
 /// all-a rows times all-b columns over 16 pairs.
-__attribute__((noinline)) std::vector<float> product_of_fresh_tiles(float a, float b, index rows) {
+__attribute__((noinline)) std::vector<float> product_of_fresh_tiles(float a, float b, index_t rows) {
     const auto pair_of = [](float x) {
         const auto bits = Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(x));
         return static_cast<std::uint32_t>(bits) * 0x10001u;
@@ -827,7 +828,7 @@ TEST(Bf16PairKernels, TilesLoadTheConfigurationAndOperandsStoredJustBeforeThem) 
     // memory: there the configuration's stores in configure were dropped but for its palette's, and the first tile
     // instruction faulted (SIGILL).
     if (!attend::detail::amx_tiles_ready()) GTEST_SKIP() << "the tiles are not granted";
-    for (const index rows : {16, 5})
+    for (const index_t rows : {16, 5})
         for (const float a : {1.5f, -2.0f}) {
             const auto out = product_of_fresh_tiles(a, 0.25f, rows);
             ASSERT_EQ(out.size(), static_cast<std::size_t>(rows * 32));
@@ -840,12 +841,12 @@ TEST(Bf16PairKernels, ScoresAreTheScaledSumsOfExactProductsAndWriteNothingPastTh
     attend_test::rng g(32);
     const float guard = 12345.0f, scale = 0.125f * 1.1f;
     for (const auto& products : pair_products_here())
-        for (index rows : edge_sizes(bf16_tile::rows))
-            for (index nk : edge_sizes(bf16_tile::cols))
-                for (index head_dim : {index(2), index(34), index(64), index(128)}) {
+        for (index_t rows : edge_sizes(bf16_tile::rows))
+            for (index_t nk : edge_sizes(bf16_tile::cols))
+                for (index_t head_dim : {index_t(2), index_t(34), index_t(64), index_t(128)}) {
                     if (!products.takes(head_dim)) continue;
                     SCOPED_TRACE(products.name);
-                    const index lds = nk + 3;
+                    const index_t lds = nk + 3;
                     const auto q = random_bf16(g, rows * head_dim), k = random_bf16(g, nk * head_dim);
                     const auto q_pairs = pair_words(q, rows, head_dim, head_dim);
                     std::vector<std::uint32_t> panels(
@@ -854,10 +855,10 @@ TEST(Bf16PairKernels, ScoresAreTheScaledSumsOfExactProductsAndWriteNothingPastTh
                     std::vector<float> scores(static_cast<std::size_t>(rows * lds), guard);
                     products.scores(q_pairs.data(), head_dim / 2, rows, head_dim, panels.data(), nk, scale,
                                     scores.data(), lds, attend::detail::micro::keep_products{});
-                    for (index r = 0; r < rows; ++r) {
-                        for (index c = 0; c < nk; ++c) {
+                    for (index_t r = 0; r < rows; ++r) {
+                        for (index_t c = 0; c < nk; ++c) {
                             double exact = 0, magnitude = 0;
-                            for (index x = 0; x < head_dim; ++x) {
+                            for (index_t x = 0; x < head_dim; ++x) {
                                 const double p = static_cast<double>(static_cast<float>(
                                                      q[static_cast<std::size_t>(r * head_dim + x)])) *
                                                  static_cast<double>(
@@ -871,11 +872,11 @@ TEST(Bf16PairKernels, ScoresAreTheScaledSumsOfExactProductsAndWriteNothingPastTh
                                 << "row " << r << " key " << c << " of " << rows << " x " << nk << ", head_dim "
                                 << head_dim;
                         }
-                        for (index c = nk; c < lds; ++c)
+                        for (index_t c = nk; c < lds; ++c)
                             ASSERT_EQ(scores[static_cast<std::size_t>(r * lds + c)], guard);
                     }
                     // A row gets the same bits whatever rows share its call.
-                    for (index r = 0; r < rows; ++r) {
+                    for (index_t r = 0; r < rows; ++r) {
                         std::vector<float> alone(static_cast<std::size_t>(lds), guard);
                         products.scores(q_pairs.data() + r * head_dim / 2, head_dim / 2, 1, head_dim, panels.data(), nk,
                                         scale, alone.data(), lds, attend::detail::micro::keep_products{});
@@ -887,14 +888,14 @@ TEST(Bf16PairKernels, ScoresAreTheScaledSumsOfExactProductsAndWriteNothingPastTh
 
 TEST(Bf16PairKernels, ProbabilitiesRoundToNearestEvenBf16AndOddRowsEndInAZero) {
     attend_test::rng g(33);
-    for (index nk : edge_sizes(bf16_tile::cols)) {
-        const index rows = 3, ldp = nk + 5, ldo = (nk + 1) / 2 + 2;
+    for (index_t nk : edge_sizes(bf16_tile::cols)) {
+        const index_t rows = 3, ldp = nk + 5, ldo = (nk + 1) / 2 + 2;
         std::vector<float> p(static_cast<std::size_t>(rows * ldp));
         for (auto& x : p) x = static_cast<float>(g.uniform(0.0, 1.0));
         std::vector<std::uint32_t> out(static_cast<std::size_t>(rows * ldo), 0xdeadbeefu);
         attend::detail::round_to_pairs(p.data(), ldp, rows, nk, out.data(), ldo);
-        for (index r = 0; r < rows; ++r) {
-            for (index j = 0; j < (nk + 1) / 2; ++j) {
+        for (index_t r = 0; r < rows; ++r) {
+            for (index_t j = 0; j < (nk + 1) / 2; ++j) {
                 const bf16 lo(p[static_cast<std::size_t>(r * ldp + 2 * j)]);
                 const bf16 hi = 2 * j + 1 < nk ? bf16(p[static_cast<std::size_t>(r * ldp + 2 * j + 1)]) : bf16(0.0f);
                 const std::uint32_t want = std::uint32_t(attend::detail::bits_of(lo)) |
@@ -902,7 +903,7 @@ TEST(Bf16PairKernels, ProbabilitiesRoundToNearestEvenBf16AndOddRowsEndInAZero) {
                 ASSERT_EQ(out[static_cast<std::size_t>(r * ldo + j)], want)
                     << "row " << r << " pair " << j << " of " << nk;
             }
-            for (index j = (nk + 1) / 2; j < ldo; ++j)
+            for (index_t j = (nk + 1) / 2; j < ldo; ++j)
                 ASSERT_EQ(out[static_cast<std::size_t>(r * ldo + j)], 0xdeadbeefu);
         }
     }
@@ -911,17 +912,17 @@ TEST(Bf16PairKernels, ProbabilitiesRoundToNearestEvenBf16AndOddRowsEndInAZero) {
 TEST(Bf16PairKernels, AccumulatingValuePairsAddsRoundedPTimesVToWhatWasThere) {
     attend_test::rng g(34);
     for (const auto& products : pair_products_here())
-        for (index rows : edge_sizes(bf16_tile::rows))
-            for (index nk : {index(1), index(2), index(31), index(33), index(300), index(513)})
-                for (index dv : {index(32), index(96)})
-                    for (index ldv : {dv, dv + 3}) {
+        for (index_t rows : edge_sizes(bf16_tile::rows))
+            for (index_t nk : {index_t(1), index_t(2), index_t(31), index_t(33), index_t(300), index_t(513)})
+                for (index_t dv : {index_t(32), index_t(96)})
+                    for (index_t ldv : {dv, dv + 3}) {
                         const auto v = random_bf16(g, nk * ldv);
                         std::vector<float> p(static_cast<std::size_t>(rows * nk));
                         for (auto& x : p) x = static_cast<float>(g.uniform(0.0, 1.0));
-                        const index ldp = (nk + 1) / 2;
+                        const index_t ldp = (nk + 1) / 2;
                         std::vector<std::uint32_t> p_pairs(static_cast<std::size_t>(rows * ldp));
                         attend::detail::round_to_pairs(p.data(), nk, rows, nk, p_pairs.data(), ldp);
-                        const index block_stride = (nk + 1) / 2 * bf16_tile::cols;
+                        const index_t block_stride = (nk + 1) / 2 * bf16_tile::cols;
                         std::vector<std::uint32_t> blocks(
                             static_cast<std::size_t>(bf16_tile::value_panel_words(nk, dv)));
                         attend::detail::pack_value_pairs(v.data(), ldv, nk, dv, blocks.data());
@@ -930,11 +931,11 @@ TEST(Bf16PairKernels, AccumulatingValuePairsAddsRoundedPTimesVToWhatWasThere) {
                         const auto before = acc;
                         products.accumulate(p_pairs.data(), ldp, rows, nk, dv, blocks.data(), block_stride, acc.data(),
                                             dv);
-                        for (index r = 0; r < rows; ++r)
-                            for (index e = 0; e < dv; ++e) {
+                        for (index_t r = 0; r < rows; ++r)
+                            for (index_t e = 0; e < dv; ++e) {
                                 double exact = before[static_cast<std::size_t>(r * dv + e)],
                                        magnitude = std::abs(exact);
-                                for (index j = 0; j < nk; ++j) {
+                                for (index_t j = 0; j < nk; ++j) {
                                     const double t = static_cast<double>(static_cast<float>(
                                                          bf16(p[static_cast<std::size_t>(r * nk + j)]))) *
                                                      static_cast<double>(

@@ -26,22 +26,22 @@
 namespace {
 
 using attend::alignment;
-using attend::index;
+using attend::index_t;
 
 /// Segments with slots and real lengths along both axes: q `[batch, heads, query_len, dim]`, k and v
 /// `[batch, kv_heads, key_len, dim]`, query_len and key_len a little past the last slot (trailing padding).
 template <class T>
 struct packed_case {
-    index batch = 2, heads = 4, kv_heads = 2, dim = 8;
-    std::vector<index> query_offsets{0}, key_offsets{0}, query_lengths, key_lengths;
-    index query_len = 0, key_len = 0;
+    index_t batch = 2, heads = 4, kv_heads = 2, dim = 8;
+    std::vector<index_t> query_offsets{0}, key_offsets{0}, query_lengths, key_lengths;
+    index_t query_len = 0, key_len = 0;
     attend::tensor<T, 4> q, k, v;
 
     /// Real lengths 1..max_len (keys) and 0..max_len (queries), slots up to 2 longer.
-    packed_case(std::uint64_t seed, int segments, index max_len) {
+    packed_case(std::uint64_t seed, int segments, index_t max_len) {
         attend_test::rng r(seed);
         for (int n = 0; n < segments; ++n) {
-            const index real_q = r.uniform_int(0, max_len), real_k = r.uniform_int(1, max_len);
+            const index_t real_q = r.uniform_int(0, max_len), real_k = r.uniform_int(1, max_len);
             query_lengths.push_back(real_q);
             key_lengths.push_back(real_k);
             query_offsets.push_back(query_offsets.back() + real_q + r.uniform_int(0, 2));
@@ -60,12 +60,12 @@ struct packed_case {
 
 /// Rows [begin, begin + len) of axis 2 of x.
 template <class T>
-attend::tensor<T, 4> rows_of(const attend::tensor<T, 4>& x, index begin, index len) {
+attend::tensor<T, 4> rows_of(const attend::tensor<T, 4>& x, index_t begin, index_t len) {
     attend::tensor<T, 4> part(x.dimension(0), x.dimension(1), len, x.dimension(3));
-    for (index b = 0; b < x.dimension(0); ++b)
-        for (index h = 0; h < x.dimension(1); ++h)
-            for (index i = 0; i < len; ++i)
-                for (index d = 0; d < x.dimension(3); ++d) part(b, h, i, d) = x(b, h, begin + i, d);
+    for (index_t b = 0; b < x.dimension(0); ++b)
+        for (index_t h = 0; h < x.dimension(1); ++h)
+            for (index_t i = 0; i < len; ++i)
+                for (index_t d = 0; d < x.dimension(3); ++d) part(b, h, i, d) = x(b, h, begin + i, d);
     return part;
 }
 
@@ -118,8 +118,8 @@ TYPED_TEST(PackedSegments, EverySegmentEqualsItselfAttendedAloneAndPaddingIsZero
         o.kernel = attend::kernel::reference;
         std::vector<char> real(static_cast<std::size_t>(c.query_len), 0);
         for (std::size_t n = 0; n + 1 < c.query_offsets.size(); ++n) {
-            const index q0 = c.query_offsets[n], nq = c.query_lengths[n];
-            const index k0 = c.key_offsets[n], nk = c.key_lengths[n];
+            const index_t q0 = c.query_offsets[n], nq = c.query_lengths[n];
+            const index_t k0 = c.key_offsets[n], nk = c.key_lengths[n];
             if (nq == 0) continue;
             std::fill(real.begin() + q0, real.begin() + q0 + nq, 1);
             const auto want = alone(w, [&](const auto& m) {
@@ -128,10 +128,10 @@ TYPED_TEST(PackedSegments, EverySegmentEqualsItselfAttendedAloneAndPaddingIsZero
             });
             for (const auto& r : packed) {
                 double worst = 0, worst_lse = 0;
-                for (index b = 0; b < c.batch; ++b)
-                    for (index h = 0; h < c.heads; ++h)
-                        for (index i = 0; i < nq; ++i) {
-                            for (index d = 0; d < c.dim; ++d)
+                for (index_t b = 0; b < c.batch; ++b)
+                    for (index_t h = 0; h < c.heads; ++h)
+                        for (index_t i = 0; i < nq; ++i) {
+                            for (index_t d = 0; d < c.dim; ++d)
                                 worst = std::max(worst, std::abs(static_cast<double>(r.out(b, h, q0 + i, d)) -
                                                                  static_cast<double>(want.out(b, h, i, d))));
                             const double a = r.lse(b, h, q0 + i), e = want.lse(b, h, i);
@@ -143,7 +143,7 @@ TYPED_TEST(PackedSegments, EverySegmentEqualsItselfAttendedAloneAndPaddingIsZero
         }
         // Padded queries (the end of a slot, past the last slot): zero rows, lse -inf.
         for (const auto& r : packed)
-            for (index i = 0; i < c.query_len; ++i) {
+            for (index_t i = 0; i < c.query_len; ++i) {
                 if (real[static_cast<std::size_t>(i)]) continue;
                 EXPECT_EQ(r.lse(1, 3, i), -std::numeric_limits<T>::infinity()) << "query " << i;
                 EXPECT_EQ(r.out(0, 1, i, 2), T(0)) << "query " << i;
@@ -160,24 +160,24 @@ TEST(PackedSegmentsBackward, GradientsEqualEachSegmentAloneAndPaddedKeysGetNone)
     for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
         o.kernel = kernel;
         const auto f = attend::scaled_dot_product_attention(c.q, c.k, c.v, mask, o);
-        const auto g = attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, f, d_out, mask, o);
+        const auto g = attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, mask, f, d_out, o);
         std::vector<char> real_key(static_cast<std::size_t>(c.key_len), 0);
         for (std::size_t n = 0; n + 1 < c.query_offsets.size(); ++n) {
-            const index q0 = c.query_offsets[n], nq = c.query_lengths[n];
-            const index k0 = c.key_offsets[n], nk = c.key_lengths[n];
+            const index_t q0 = c.query_offsets[n], nq = c.query_lengths[n];
+            const index_t k0 = c.key_offsets[n], nk = c.key_lengths[n];
             std::fill(real_key.begin() + k0, real_key.begin() + k0 + nk, 1);
             if (nq == 0) continue;
             const auto m = attend::causal(alignment::bottom_right);
             const auto qs = rows_of(c.q, q0, nq), ks = rows_of(c.k, k0, nk), vs = rows_of(c.v, k0, nk);
             const auto fs = attend::scaled_dot_product_attention(qs, ks, vs, m, o);
-            const auto gs = attend::scaled_dot_product_attention_backward(qs, ks, vs, fs, rows_of(d_out, q0, nq), m, o);
-            EXPECT_LE(attend_test::max_abs_diff(rows_of(g.dq, q0, nq), gs.dq), 1e-13) << "segment " << n;
-            EXPECT_LE(attend_test::max_abs_diff(rows_of(g.dk, k0, nk), gs.dk), 1e-13) << "segment " << n;
-            EXPECT_LE(attend_test::max_abs_diff(rows_of(g.dv, k0, nk), gs.dv), 1e-13) << "segment " << n;
+            const auto gs = attend::scaled_dot_product_attention_backward(qs, ks, vs, m, fs, rows_of(d_out, q0, nq), o);
+            EXPECT_LE(attend_test::max_abs_diff(rows_of(g.d_query, q0, nq), gs.d_query), 1e-13) << "segment " << n;
+            EXPECT_LE(attend_test::max_abs_diff(rows_of(g.d_key, k0, nk), gs.d_key), 1e-13) << "segment " << n;
+            EXPECT_LE(attend_test::max_abs_diff(rows_of(g.d_value, k0, nk), gs.d_value), 1e-13) << "segment " << n;
         }
-        for (index j = 0; j < c.key_len; ++j) {
+        for (index_t j = 0; j < c.key_len; ++j) {
             if (real_key[static_cast<std::size_t>(j)]) continue;
-            for (index d = 0; d < c.dim; ++d) EXPECT_EQ(g.dk(1, 1, j, d), 0.0) << "padded key " << j;
+            for (index_t d = 0; d < c.dim; ++d) EXPECT_EQ(g.d_key(1, 1, j, d), 0.0) << "padded key " << j;
         }
     }
 }
@@ -203,10 +203,10 @@ TEST(PackedSegmentsBackward, GradientsOfBothKernelsEqualFiniteDifferences) {
     for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
         o.kernel = kernel;
         const auto f = attend::scaled_dot_product_attention(c.q, c.k, c.v, mask, o);
-        const auto g = attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, f, w, mask, o);
-        attend_test::expect_close_to_fd(g.dq, fd_q, "dq");
-        attend_test::expect_close_to_fd(g.dk, fd_k, "dk");
-        attend_test::expect_close_to_fd(g.dv, fd_v, "dv");
+        const auto g = attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, mask, f, w, o);
+        attend_test::expect_close_to_fd(g.d_query, fd_q, "dq");
+        attend_test::expect_close_to_fd(g.d_key, fd_k, "dk");
+        attend_test::expect_close_to_fd(g.d_value, fd_v, "dv");
     }
 }
 
@@ -237,13 +237,13 @@ TEST(PackedSegmentsTiles, ClassifierIsExactForEmptyAndFullAndSkipsCrossSegmentTi
             const auto bound = restricted(c.packed(), w).bind(s);
             attend_test::rng r(seed * 31 + static_cast<std::uint64_t>(w));
             for (int n = 0; n < 200; ++n) {
-                const index q0 = r.uniform_int(0, s.query_len - 1), k0 = r.uniform_int(0, s.key_len - 1);
+                const index_t q0 = r.uniform_int(0, s.query_len - 1), k0 = r.uniform_int(0, s.key_len - 1);
                 const attend::tile t{
                     0, 0, q0, r.uniform_int(q0 + 1, s.query_len), k0, r.uniform_int(k0 + 1, s.key_len)};
                 bool any = false, all = true;
-                for (index i = t.query_begin; i < t.query_end; ++i) {
+                for (index_t i = t.query_begin; i < t.query_end; ++i) {
                     all = all && !bound.query_padded(0, i);
-                    for (index j = t.key_begin; j < t.key_end; ++j) {
+                    for (index_t j = t.key_begin; j < t.key_end; ++j) {
                         const bool a = bound.allowed(0, 0, i, j);
                         any = any || a;
                         all = all && a;
@@ -257,8 +257,8 @@ TEST(PackedSegmentsTiles, ClassifierIsExactForEmptyAndFullAndSkipsCrossSegmentTi
         }
     }
     // Eight sequences of 512 packed into 4096: a tile of one segment's queries against another's keys is empty.
-    std::vector<index> offsets;
-    for (index n = 0; n <= 8; ++n) offsets.push_back(512 * n);
+    std::vector<index_t> offsets;
+    for (index_t n = 0; n <= 8; ++n) offsets.push_back(512 * n);
     attend::attention_shape s;
     s.batch = s.heads = s.kv_heads = 1;
     s.query_len = s.key_len = 4096;

@@ -61,7 +61,7 @@ void free(void* p) noexcept { __libc_free(p); }
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend::tensor;
 using attend_test::state_of;
 
@@ -120,18 +120,18 @@ TEST(PagedCacheAllocation, MultiHeadDecodingThatFailsAfterItsAppendTakesTheAppen
     // A windowed cache with a fork, so the failing calls copy a shared block and drop blocks before they fail.
     const attend::multi_head_attention<float> m(attend::mha_config{8, 2}, 1);
     attend::paged_kv_cache<float> cache(small_config());
-    const index a = cache.add_sequence();
+    const index_t a = cache.add_sequence();
     tensor<float, 3> x(1, 7, 8);
     attend_test::fill_uniform(x, 2);
     attend::mha_options o;
     o.threads = 1;
     (void)m.forward_cached(x, cache, {a}, {7}, o);
-    const index b = cache.fork(a);
+    const index_t b = cache.fork(a);
     auto twin = cache;
     tensor<float, 3> next(2, 2, 8);
     attend_test::fill_uniform(next, 3);
     // The argument lists are made before arming: their allocations are the caller's, not the cache's.
-    const std::vector<index> ids{a, b}, counts{2, 1};
+    const std::vector<index_t> ids{a, b}, counts{2, 1};
     const int failures = fail_every_allocation(cache, [&] { (void)m.forward_cached(next, cache, ids, counts, o); });
     EXPECT_GT(failures, 10);
     // After all those failures the cache does exactly what its untouched twin does.
@@ -142,12 +142,12 @@ TEST(PagedCacheAllocation, MultiHeadDecodingThatFailsAfterItsAppendTakesTheAppen
 TEST(PagedCacheAllocation, AppendForkReorderAndAttentionFailWithoutAChange) {
     ATTEND_SKIP_WITHOUT_HOOKS();
     attend::paged_kv_cache<double> cache(small_config());
-    const index a = cache.add_sequence(), b = cache.add_sequence();
+    const index_t a = cache.add_sequence(), b = cache.add_sequence();
     tensor<double, 4> k(2, 2, 5, 4), v(2, 2, 5, 4), q(2, 2, 5, 4);
     attend_test::fill_uniform(k, 1);
     attend_test::fill_uniform(v, 2);
     attend_test::fill_uniform(q, 3);
-    const std::vector<index> ids{a, b}, swapped{b, a}, counts{5, 3}, queries{2, 1};
+    const std::vector<index_t> ids{a, b}, swapped{b, a}, counts{5, 3}, queries{2, 1};
     EXPECT_GT(fail_every_allocation(cache, [&] { cache.append(ids, k, v, counts); }), 0);
     EXPECT_GT(fail_every_allocation(cache, [&] { (void)cache.fork(b); }), 0);
     EXPECT_GT(fail_every_allocation(cache, [&] { cache.reorder(ids, swapped); }), 0);

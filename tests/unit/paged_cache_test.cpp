@@ -24,7 +24,7 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend::tensor;
 using attend_test::expect_error;
 using attend_test::state_of;
@@ -32,7 +32,7 @@ using attend_test::state_of;
 /// An rng as the session's chooser.
 struct rng_choice {
     attend_test::rng* g;
-    index operator()(index lo, index hi) const { return g->uniform_int(lo, hi); }
+    index_t operator()(index_t lo, index_t hi) const { return g->uniform_int(lo, hi); }
 };
 
 /// A session's problems as gtest failures.
@@ -57,7 +57,7 @@ typename session<T, Stored>::tally run_session(const typename session<T, Stored>
 }
 
 TEST(PagedCache, RaggedSessionsAreBitIdenticalToEachSequenceDecodedAloneInAPlainCache) {
-    for (index block_size : {1, 4, 16, 64}) {
+    for (index_t block_size : {1, 4, 16, 64}) {
         SCOPED_TRACE("block_size " + std::to_string(block_size));
         session<double>::sizes z;
         z.block_size = block_size;
@@ -102,7 +102,7 @@ TEST(PagedCache, FloatSessionsWithSoftcapSinksAndOneThreadAreBitIdenticalToo) {
 }
 
 TEST(PagedCache, RollingWindowSessionsEqualFullAttentionWithASlidingWindowOverTheWholeHistory) {
-    for (index block_size : {4, 16}) {
+    for (index_t block_size : {4, 16}) {
         SCOPED_TRACE("block_size " + std::to_string(block_size));
         session<double>::sizes z;
         z.block_size = block_size;
@@ -124,9 +124,9 @@ TEST(PagedCache, RollingWindowSessionsEqualFullAttentionWithASlidingWindowOverTh
 
 /// A cache with one sequence of `length` random positions (float ones for a quantized pool); returns its id.
 template <class T>
-index fill_sequence(attend::paged_kv_cache<T>& c, index length, std::uint64_t seed) {
+index_t fill_sequence(attend::paged_kv_cache<T>& c, index_t length, std::uint64_t seed) {
     using In = std::conditional_t<attend::detail::is_quantized_block_v<T>, float, T>;
-    const index id = c.add_sequence();
+    const index_t id = c.add_sequence();
     tensor<In, 4> k(1, c.kv_heads(), length, c.head_dim()), v(1, c.kv_heads(), length, c.value_dim());
     attend_test::fill_uniform(k, seed);
     attend_test::fill_uniform(v, seed + 1);
@@ -145,13 +145,13 @@ TEST(PagedCache, LongSequencesTakeTheSplitKeyDecodePathAndStayBitIdentical) {
     attend_test::fill_uniform(q, 9);
     attend::kv_cache<float> plain(1, 2, 2600, 32, 32);
     plain.append(k, v);
-    for (index block_size : {16, 64, 48})
+    for (index_t block_size : {16, 64, 48})
         for (bool interleaved : {false, true}) {
             attend::paged_kv_cache<float> c(attend_test::paged_config(2, 32, block_size, 6000 / block_size + 4, 2));
-            const index id = c.add_sequence(), other = c.add_sequence();
-            for (index at = 0; at < 2600; at += block_size) {
-                const index n = std::min<index>(block_size, 2600 - at);
-                const std::array<index, 4> from{0, 0, at, 0}, rows{1, 2, n, 32};
+            const index_t id = c.add_sequence(), other = c.add_sequence();
+            for (index_t at = 0; at < 2600; at += block_size) {
+                const index_t n = std::min<index_t>(block_size, 2600 - at);
+                const std::array<index_t, 4> from{0, 0, at, 0}, rows{1, 2, n, 32};
                 const tensor<float, 4> kn = k.slice(from, rows), vn = v.slice(from, rows);
                 c.append(id, kn, vn);
                 if (interleaved) c.append(other, kn, vn);  // takes the next block, so id's blocks do not follow
@@ -173,7 +173,7 @@ TEST(PagedCache, CheckFiniteChangesNoBitOfAPagedDecode) {
     // With check_finite on, each sequence's scan of its keys and values rides on its decode pass (one chunk, or
     // split keys past 1024 keys at head_dim 128); off, there is no scan. Ragged lengths in one call.
     attend::paged_kv_cache<float> c(attend_test::paged_config(2, 128, 16, 200, 3));
-    const std::vector<index> ids{fill_sequence(c, 5, 1), fill_sequence(c, 300, 3), fill_sequence(c, 2600, 5)};
+    const std::vector<index_t> ids{fill_sequence(c, 5, 1), fill_sequence(c, 300, 3), fill_sequence(c, 2600, 5)};
     tensor<float, 4> q(3, 8, 1, 128);
     attend_test::fill_uniform(q, 9);
     for (const int threads : {1, 2}) {
@@ -190,7 +190,7 @@ TEST(PagedCache, CheckFiniteChangesNoBitOfAPagedDecode) {
 TEST(PagedCache, TheReferenceKernelReadsTheBlocksToo) {
     const auto cfg = attend_test::paged_config(1, 8, 3, 20);
     attend::paged_kv_cache<double> c(cfg);
-    const index id = fill_sequence(c, 40, 3);
+    const index_t id = fill_sequence(c, 40, 3);
     tensor<double, 4> q(1, 2, 4, 8);
     attend_test::fill_uniform(q, 4);
     attend::sdpa_options tiled, reference;
@@ -205,27 +205,27 @@ TEST(PagedCache, TheReferenceKernelReadsTheBlocksToo) {
 // exactly where the next block of the table is not the next block of the pool, and each row of the run the row
 // kernels' prefetch runs on into (run_of_rows) is at the address the view gives that row.
 TEST(PagedCache, RowRunsEndWhereTheBlocksStopFollowingAndHoldTheViewsRows) {
-    const index block_size = 4, heads = 2, dim = 8, pool_blocks = 9;
-    const std::vector<index> table = {3, 4, 5, 0, 7, 8, 1, 2};
+    const index_t block_size = 4, heads = 2, dim = 8, pool_blocks = 9;
+    const std::vector<index_t> table = {3, 4, 5, 0, 7, 8, 1, 2};
     std::vector<float> pool(static_cast<std::size_t>(heads * pool_blocks * block_size * dim));
     attend::detail::paged_view<float> view;
     view.pool = pool.data();
     view.table = table.data();
-    view.dims = {1, heads, static_cast<index>(table.size()) * block_size, dim};
+    view.dims = {1, heads, static_cast<index_t>(table.size()) * block_size, dim};
     view.block_size = block_size;
     view.pool_blocks = pool_blocks;
-    const index len = view.dims[2];
-    for (index h = 0; h < heads; ++h)
-        for (index i = 0; i < len; ++i)
-            for (index n = 1; i + n <= len; ++n) {
-                index following = 1;  // rows after i whose address is one row further on
+    const index_t len = view.dims[2];
+    for (index_t h = 0; h < heads; ++h)
+        for (index_t i = 0; i < len; ++i)
+            for (index_t n = 1; i + n <= len; ++n) {
+                index_t following = 1;  // rows after i whose address is one row further on
                 while (following < n && view.row(0, h, i + following) == view.row(0, h, i + following - 1) + dim)
                     ++following;
                 ASSERT_EQ(attend::detail::rows_following(view, i, n), following) << i << ", " << n;
                 EXPECT_EQ(attend::detail::rows_contiguous(view, i, n), following == n);
                 const attend::detail::row_run run = attend::detail::run_of_rows(view, 0, h, i, n);
-                ASSERT_EQ(run.rows, std::min<index>(following, attend::detail::row_run::most));
-                for (index m = 0; m < run.rows; ++m)
+                ASSERT_EQ(run.rows, std::min<index_t>(following, attend::detail::row_run::most));
+                for (index_t m = 0; m < run.rows; ++m)
                     ASSERT_EQ(run.first + m * run.stride, reinterpret_cast<const char*>(view.row(0, h, i + m)));
             }
     EXPECT_EQ(attend::detail::run_of_rows(view, 0, 0, 3, 0).rows, 0);
@@ -234,15 +234,15 @@ TEST(PagedCache, RowRunsEndWhereTheBlocksStopFollowingAndHoldTheViewsRows) {
 TEST(PagedCache, AForkCopiesBlockNumbersNotKeysAndAWriteCopiesOnlyTheSharedTailBlock) {
     const auto cfg = attend_test::paged_config(2, 4, 8, 40, 4);
     attend::paged_kv_cache<float> c(cfg);
-    const index parent = fill_sequence(c, 8 * 25 + 3, 1);  // 25 full blocks and 3 positions of a 26th
-    const index free_before = c.free_blocks();
+    const index_t parent = fill_sequence(c, 8 * 25 + 3, 1);  // 25 full blocks and 3 positions of a 26th
+    const index_t free_before = c.free_blocks();
     const auto before = state_of(c);
-    const index child = c.fork(parent);
+    const index_t child = c.fork(parent);
     // No block taken, no key copied: the child's table is the parent's and every row is the same memory.
     EXPECT_EQ(c.free_blocks(), free_before);
     EXPECT_EQ(c.block_table(child), c.block_table(parent));
-    for (index p = 0; p < c.length(parent); ++p) EXPECT_EQ(c.key_row(child, 1, p), c.key_row(parent, 1, p));
-    for (index b : c.block_table(parent)) EXPECT_EQ(c.references(b), 2);
+    for (index_t p = 0; p < c.length(parent); ++p) EXPECT_EQ(c.key_row(child, 1, p), c.key_row(parent, 1, p));
+    for (index_t b : c.block_table(parent)) EXPECT_EQ(c.references(b), 2);
     // The child appends into the shared, partly filled last block: that one block is copied, nothing else.
     tensor<float, 4> k(1, 2, 1, 4), v(1, 2, 1, 4);
     k.setConstant(0.5f);
@@ -254,7 +254,7 @@ TEST(PagedCache, AForkCopiesBlockNumbersNotKeysAndAWriteCopiesOnlyTheSharedTailB
     for (std::size_t n = 0; n + 1 < pt.size(); ++n) EXPECT_EQ(pt[n], ct[n]);
     EXPECT_NE(pt.back(), ct.back());
     EXPECT_EQ(c.references(pt.back()), 1);
-    for (index p = 0; p < c.length(parent); ++p) EXPECT_EQ(c.key_row(child, 0, p)[2], c.key_row(parent, 0, p)[2]);
+    for (index_t p = 0; p < c.length(parent); ++p) EXPECT_EQ(c.key_row(child, 0, p)[2], c.key_row(parent, 0, p)[2]);
     // The parent is untouched, and removing the child hands back exactly its private block.
     c.remove_sequence(child);
     EXPECT_TRUE(state_of(c) == before);
@@ -265,14 +265,14 @@ TEST(PagedCache, ARollingWindowHoldsABoundedNumberOfBlocks) {
     // 7 blocks of 16: 112 positions for a sequence that reaches 1000 with a window of 64.
     const auto cfg = attend_test::paged_config(1, 4, 16, 7, 1, 64);
     attend::paged_kv_cache<double> c(cfg);
-    const index id = c.add_sequence();
+    const index_t id = c.add_sequence();
     tensor<double, 4> k(1, 1, 1, 4), v(1, 1, 1, 4);
-    for (index p = 0; p < 1000; ++p) {
+    for (index_t p = 0; p < 1000; ++p) {
         k.setConstant(static_cast<double>(p));
         v.setConstant(static_cast<double>(-p));
         c.append(id, k, v);
         // What a query at the next position sees is all there.
-        for (index seen = std::max<index>(0, p - 62); seen <= p; ++seen) ASSERT_EQ(c.key_row(id, 0, seen)[0], seen);
+        for (index_t seen = std::max<index_t>(0, p - 62); seen <= p; ++seen) ASSERT_EQ(c.key_row(id, 0, seen)[0], seen);
         ASSERT_LE(c.length(id) - c.dropped(id), 64 + 16);
     }
     EXPECT_EQ(c.dropped(id), (999 - 64 + 1) / 16 * 16);
@@ -283,7 +283,7 @@ TEST(PagedCache, ARollingWindowHoldsABoundedNumberOfBlocks) {
 TEST(PagedCache, ReorderForBeamSearchSharesBlocks) {
     const auto cfg = attend_test::paged_config(1, 4, 4, 16, 3);
     attend::paged_kv_cache<float> c(cfg);
-    const index a = fill_sequence(c, 6, 1), b = fill_sequence(c, 9, 2), d = fill_sequence(c, 2, 3);
+    const index_t a = fill_sequence(c, 6, 1), b = fill_sequence(c, 9, 2), d = fill_sequence(c, 2, 3);
     const auto table_a = c.block_table(a);
     const auto table_b = c.block_table(b);
     const float b0 = *c.key_row(b, 0, 0);
@@ -306,8 +306,8 @@ TEST(PagedCache, ReorderForBeamSearchSharesBlocks) {
 /// bits of attention over each sequence's cache alone.
 template <class Block>
 void expect_quantized_sessions_equal_each_sequence_alone() {
-    for (const index window : {0, 23})
-        for (const index block_size : {1, 4, 16}) {
+    for (const index_t window : {0, 23})
+        for (const index_t block_size : {1, 4, 16}) {
             SCOPED_TRACE("block_size " + std::to_string(block_size) + ", window " + std::to_string(window));
             typename session<float, Block>::sizes z;
             z.head_dim = 32;
@@ -358,11 +358,11 @@ TEST(PagedCacheQ8, ValuesOfEveryStorageTypeAreQuantizedAsAnInt8CacheQuantizesThe
         tensor<T, 4> k(1, 2, 7, 64), v(1, 2, 7, 64);
         attend_test::fill_uniform(k, 5);
         attend_test::fill_uniform(v, 6);
-        const index id = pool.add_sequence();
+        const index_t id = pool.add_sequence();
         pool.append(id, k, v);
         plain.append(k, v);
-        for (index h = 0; h < 2; ++h)
-            for (index p = 0; p < 7; ++p) {
+        for (index_t h = 0; h < 2; ++h)
+            for (index_t p = 0; p < 7; ++p) {
                 EXPECT_TRUE(attend_test::same_row(pool.key_row(id, h, p), plain.keys().row(0, h, p), 64)) << p;
                 EXPECT_TRUE(attend_test::same_row(pool.value_row(id, h, p), plain.values().row(0, h, p), 64)) << p;
             }
@@ -377,7 +377,8 @@ TEST(PagedCacheQ8, CheckFiniteAndTheReferenceKernelAgreeOverAnInt8Pool) {
     // Blocks are finite by construction, so check_finite scans nothing of the pool and changes no bit; the
     // reference kernel reads the same widened values (to float rounding: it sums in another order).
     attend::paged_kv_cache<attend::q8_0_block> pool(attend_test::paged_config(2, 128, 16, 200, 3));
-    const std::vector<index> ids{fill_sequence(pool, 5, 1), fill_sequence(pool, 300, 3), fill_sequence(pool, 2600, 5)};
+    const std::vector<index_t> ids{fill_sequence(pool, 5, 1), fill_sequence(pool, 300, 3),
+                                   fill_sequence(pool, 2600, 5)};
     tensor<float, 4> q(3, 8, 1, 128);
     attend_test::fill_uniform(q, 9);
     attend::sdpa_options checked, unchecked, reference;
@@ -403,8 +404,8 @@ TEST(PagedCacheQ8Errors, HeadDimsThatAreNotWholeBlocksAreQuantizedDimErrors) {
 
 TEST(PagedCacheQ8Errors, AValueAnInt8BlockCannotHoldChangesNothingForAnySequence) {
     attend::paged_kv_cache<attend::q8_0_block> pool(attend_test::paged_config(2, 32, 4, 16, 3));
-    const index a = fill_sequence(pool, 6, 1);
-    const index b = pool.fork(a);
+    const index_t a = fill_sequence(pool, 6, 1);
+    const index_t b = pool.fork(a);
     tensor<float, 4> k(2, 2, 3, 32), v(2, 2, 3, 32);
     attend_test::fill_uniform(k, 2);
     attend_test::fill_uniform(v, 3);
@@ -432,14 +433,14 @@ TEST(PagedCacheQ8Errors, AValueAnInt8BlockCannotHoldChangesNothingForAnySequence
 struct error_fixture {
     attend::paged_cache_config cfg;
     attend::paged_kv_cache<double> c;
-    index a, b;
+    index_t a, b;
     error_fixture() : cfg(make()), c(cfg) {
         a = fill_sequence(c, 10, 1);
         b = c.fork(a);
         fill_after(b, 3);
     }
     static attend::paged_cache_config make() { return attend_test::paged_config(2, 4, 4, 8, 3, 6); }
-    void fill_after(index id, index n) {
+    void fill_after(index_t id, index_t n) {
         tensor<double, 4> k(1, 2, n, 4), v(1, 2, n, 4);
         attend_test::fill_uniform(k, 7);
         attend_test::fill_uniform(v, 8);
@@ -465,7 +466,7 @@ TEST(PagedCacheErrors, BadSizesAreValueErrors) {
         expect_error<attend::value_error>([&] { attend::paged_kv_cache<float> c(cfg); }, "attend.value.size");
     }
     auto cfg = error_fixture::make();
-    cfg.blocks = std::numeric_limits<index>::max() / 2;
+    cfg.blocks = std::numeric_limits<index_t>::max() / 2;
     expect_error<attend::shape_error>([&] { attend::paged_kv_cache<float> c(cfg); }, "attend.shape.overflow");
 }
 
@@ -640,13 +641,13 @@ TEST(PagedCacheErrors, AKeyWhoseScoresOverflowIsTheScansErrorThoughTheDecodePass
     // check_finite's scan of each sequence's keys rides on its decode pass. A key whose scores overflow float (q.k
     // = 8 x 1e19 x 1e19 / sqrt(8)), in the second of two sequences, short (one chunk) or long (split keys), is
     // still the scan's typed error with the scan's message, and the call returns nothing.
-    for (const index length : {index(300), index(2600)}) {
+    for (const index_t length : {index_t(300), index_t(2600)}) {
         attend::paged_kv_cache<float> c(attend_test::paged_config(2, 8, 16, 200, 2));
-        const index a = fill_sequence(c, 40, 1), b = c.add_sequence();
+        const index_t a = fill_sequence(c, 40, 1), b = c.add_sequence();
         tensor<float, 4> k(1, 2, length, 8), v(1, 2, length, 8);
         attend_test::fill_uniform(k, 3);
         attend_test::fill_uniform(v, 4);
-        for (index d = 0; d < 8; ++d) k(0, 1, length - 7, d) = 1e19f;
+        for (index_t d = 0; d < 8; ++d) k(0, 1, length - 7, d) = 1e19f;
         c.append(b, k, v);
         tensor<float, 4> q(2, 4, 1, 8);
         q.setConstant(1e19f);
@@ -657,7 +658,7 @@ TEST(PagedCacheErrors, AKeyWhoseScoresOverflowIsTheScansErrorThoughTheDecodePass
             "attend.value.score_overflow");
         attend::sdpa_options scan_first;
         scan_first.kernel = attend::kernel::reference;
-        const tensor<float, 4> q1 = q.slice(std::array<index, 4>{1, 0, 0, 0}, std::array<index, 4>{1, 4, 1, 8});
+        const tensor<float, 4> q1 = q.slice(std::array<index_t, 4>{1, 0, 0, 0}, std::array<index_t, 4>{1, 4, 1, 8});
         const std::string scanned = expect_error<attend::value_error>(
             [&] {
                 (void)attend::scaled_dot_product_attention(q1, k, v, attend::causal(attend::alignment::bottom_right),
@@ -678,7 +679,7 @@ TEST(PagedCacheErrors, AKeyWhoseScoresOverflowIsTheScansErrorThoughTheDecodePass
 template <class T, class S>
 void expect_ragged_batching_equals_each_sequence_alone() {
     constexpr bool quantized = attend::detail::is_quantized_block_v<S>;
-    constexpr index D = quantized ? 32 : 8, E = 4 * D;  // a quantized row is whole blocks of 32
+    constexpr index_t D = quantized ? 32 : 8, E = 4 * D;  // a quantized row is whole blocks of 32
     attend::mha_config cfg{E, 4};
     cfg.kv_heads = 2;
     const attend::multi_head_attention<T> m(cfg, 5);
@@ -687,7 +688,7 @@ void expect_ragged_batching_equals_each_sequence_alone() {
     o.threads = 2;
     attend::paged_cache_config pc = attend_test::paged_config(2, D, 4, 64, 4);
     attend::paged_kv_cache<S> cache(pc);
-    std::map<index, attend_test::plain_cache_t<S>> alone;
+    std::map<index_t, attend_test::plain_cache_t<S>> alone;
     const auto make_alone = [&] {
         if constexpr (std::is_same_v<S, attend::q8_0_block>) return m.make_q8_cache(1, 256);
         else if constexpr (std::is_same_v<S, attend::q4_0_block>) return m.make_q4_cache(1, 256);
@@ -699,41 +700,41 @@ void expect_ragged_batching_equals_each_sequence_alone() {
         const auto ids = cache.sequences();
         if (ids.size() < 3 && g.bernoulli(0.5)) alone.emplace(cache.add_sequence(), make_alone());
         if (!ids.empty() && g.bernoulli(0.15)) {
-            const index gone = ids[static_cast<std::size_t>(g.uniform_int(0, static_cast<index>(ids.size()) - 1))];
+            const index_t gone = ids[static_cast<std::size_t>(g.uniform_int(0, static_cast<index_t>(ids.size()) - 1))];
             cache.remove_sequence(gone);
             alone.erase(gone);
         }
         if (!cache.sequences().empty() && cache.sequences().size() < 4 && g.bernoulli(0.2)) {
-            const index from = cache.sequences().front();
+            const index_t from = cache.sequences().front();
             alone.insert_or_assign(cache.fork(from), alone.at(from));
         }
         if (!cache.sequences().empty() && g.bernoulli(0.2)) {
-            const index id = cache.sequences().back();
-            const index keep = g.uniform_int(0, cache.length(id));
+            const index_t id = cache.sequences().back();
+            const index_t keep = g.uniform_int(0, cache.length(id));
             cache.truncate(id, keep);
             alone.at(id).truncate(keep);
         }
         const auto batch = cache.sequences();
         if (batch.empty()) continue;
-        std::vector<index> counts;
+        std::vector<index_t> counts;
         for (std::size_t n = 0; n < batch.size(); ++n) counts.push_back(g.bernoulli(0.2) ? g.uniform_int(0, 9) : 1);
-        const index L = *std::max_element(counts.begin(), counts.end());
-        tensor<T, 3> x(static_cast<index>(batch.size()), L, E);
+        const index_t L = *std::max_element(counts.begin(), counts.end());
+        tensor<T, 3> x(static_cast<index_t>(batch.size()), L, E);
         attend_test::fill_uniform(x, 100 + static_cast<std::uint64_t>(step));
         const auto r = m.forward_cached(x, cache, batch, counts, o);
         for (std::size_t n = 0; n < batch.size(); ++n) {
-            const index t = counts[n];
+            const index_t t = counts[n];
             tensor<T, 3> xn(1, t, E);
-            for (index i = 0; i < t; ++i)
-                for (index e = 0; e < E; ++e) xn(0, i, e) = x(static_cast<index>(n), i, e);
+            for (index_t i = 0; i < t; ++i)
+                for (index_t e = 0; e < E; ++e) xn(0, i, e) = x(static_cast<index_t>(n), i, e);
             const auto want = m.forward_cached(xn, alone.at(batch[n]), o);
             ASSERT_EQ(cache.length(batch[n]), alone.at(batch[n]).length());
-            for (index i = 0; i < L; ++i)
-                for (index e = 0; e < E; ++e) {
+            for (index_t i = 0; i < L; ++i)
+                for (index_t e = 0; e < E; ++e) {
                     const T expected = i < t ? want.out(0, i, e) : T(0);
-                    ASSERT_EQ(std::memcmp(&r.out(static_cast<index>(n), i, e), &expected, sizeof(T)), 0)
+                    ASSERT_EQ(std::memcmp(&r.out(static_cast<index_t>(n), i, e), &expected, sizeof(T)), 0)
                         << "step " << step << " sequence " << batch[n] << " token " << i << ": "
-                        << r.out(static_cast<index>(n), i, e) << " != " << expected;
+                        << r.out(static_cast<index_t>(n), i, e) << " != " << expected;
                 }
         }
         EXPECT_EQ(attend_test::consistency_problem(cache), "");
@@ -771,19 +772,19 @@ TEST(PagedCacheMha, ARollingWindowKeepsAbsoluteRotaryPositionsAndEqualsASlidingW
     o.rotary = attend::rotary_embedding{4};
     o.threads = 1;
     attend::paged_kv_cache<float> cache(attend_test::paged_config(2, 4, 8, 8, 1, 20));
-    const index id = cache.add_sequence();
+    const index_t id = cache.add_sequence();
     auto plain = m.make_cache(1, 300);
     const auto window = attend::sliding_window(19, 0, attend::alignment::bottom_right);
     attend_test::rng g(4);
-    for (index done = 0; done < 300;) {
-        const index t = std::min<index>(300 - done, g.bernoulli(0.1) ? g.uniform_int(2, 8) : 1);
+    for (index_t done = 0; done < 300;) {
+        const index_t t = std::min<index_t>(300 - done, g.bernoulli(0.1) ? g.uniform_int(2, 8) : 1);
         tensor<float, 3> x(1, t, 16);
         attend_test::fill_uniform(x, static_cast<std::uint64_t>(done));
         const auto paged = m.forward_cached(x, cache, {id}, {t}, o);
         const auto alone = m.forward_cached(x, plain, window, o);
         ASSERT_TRUE(attend_test::bit_equal(paged.out, alone.out)) << "tokens " << done << " .. " << done + t;
         done += t;
-        ASSERT_LE(static_cast<index>(cache.block_table(id).size()) - cache.dropped(id) / 8, 8);
+        ASSERT_LE(static_cast<index_t>(cache.block_table(id).size()) - cache.dropped(id) / 8, 8);
     }
     EXPECT_GT(cache.dropped(id), 250);
     EXPECT_EQ(attend_test::consistency_problem(cache), "");
@@ -793,13 +794,13 @@ TEST(PagedCacheMha, ModuleAndCacheMustFit) {
     const attend::multi_head_attention<float> m(attend::mha_config{8, 2}, 1);
     attend::paged_cache_config pc = attend_test::paged_config(2, 3, 16, 4);
     attend::paged_kv_cache<float> wrong(pc);
-    const index id = wrong.add_sequence();
+    const index_t id = wrong.add_sequence();
     tensor<float, 3> x(1, 1, 8);
     x.setZero();
     expect_error<attend::shape_error>([&] { (void)m.forward_cached(x, wrong, {id}, {1}); }, "attend.shape.cache");
     pc.head_dim = 4;
     attend::paged_kv_cache<float> cache(pc);
-    const index s = cache.add_sequence();
+    const index_t s = cache.add_sequence();
     expect_error<attend::shape_error>(
         [&] {
             (void)m.forward_cached(x, cache, {s, s}, {1, 1});
@@ -817,15 +818,15 @@ TEST(PagedCacheMha, ModuleAndCacheMustFit) {
 /// sequence b is scaled by `factor` (finite in float, beyond what T holds) must be refused with `id` while the pool
 /// keeps every byte, sequence a's token included. Returns the error's message.
 template <class T>
-std::string second_step_beyond_the_pool_is_refused(index dim, float factor, const char* id) {
+std::string second_step_beyond_the_pool_is_refused(index_t dim, float factor, const char* id) {
     const attend::multi_head_attention<float> m(attend::mha_config{dim * 2, 2}, 1);
     attend::paged_kv_cache<T> cache(attend_test::paged_config(2, dim, 4, 8, 2));
-    const index a = cache.add_sequence(), b = cache.add_sequence();
+    const index_t a = cache.add_sequence(), b = cache.add_sequence();
     tensor<float, 3> x(2, 2, dim * 2);
     attend_test::fill_uniform(x, 9);
     (void)m.forward_cached(x, cache, {a, b}, {2, 1});
     const auto before = attend_test::state_of(cache);
-    for (index e = 0; e < dim * 2; ++e) x(1, 0, e) *= factor;
+    for (index_t e = 0; e < dim * 2; ++e) x(1, 0, e) *= factor;
     const std::string message = expect_error<attend::value_error>(
         [&] {
             (void)m.forward_cached(x, cache, {a, b}, {1, 1});

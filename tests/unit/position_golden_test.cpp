@@ -14,7 +14,7 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend_test::max_abs_diff;
 
 constexpr double tolerance = 1e-10;
@@ -30,8 +30,8 @@ void report(const std::string& what, double error) {
 
 TEST(PositionGolden, SinusoidalTableMatchesPyTorch) {
     const auto& s = attend_test::member(positions(), "sinusoidal");
-    const auto length = attend_test::member(s, "length").get<index>();
-    const auto dim = attend_test::member(s, "dim").get<index>();
+    const auto length = attend_test::member(s, "length").get<index_t>();
+    const auto dim = attend_test::member(s, "dim").get<index_t>();
     const auto want = attend_test::tensor_at<double, 2>(s, "table");
     ASSERT_EQ(want.dimension(0), length);
     ASSERT_EQ(want.dimension(1), dim);
@@ -46,17 +46,17 @@ TEST(PositionGolden, T5BucketsMatchHuggingFaceExactly) {
     ASSERT_GE(cases.size(), 4u);
     for (const auto& c : cases) {
         const bool bidirectional = attend_test::member(c, "bidirectional").get<bool>();
-        const auto num_buckets = attend_test::member(c, "num_buckets").get<index>();
-        const auto max_distance = attend_test::member(c, "max_distance").get<index>();
+        const auto num_buckets = attend_test::member(c, "num_buckets").get<index_t>();
+        const auto max_distance = attend_test::member(c, "max_distance").get<index_t>();
         const auto rel = attend_test::tensor_at<long long, 1>(c, "relative_position");
         const auto want = attend_test::tensor_at<long long, 1>(c, "bucket");
         ASSERT_EQ(rel.size(), want.size());
-        index mismatches = 0, max_difference = 0;
-        for (index k = 0; k < rel.size(); ++k) {
-            const index got =
-                attend::relative_position_bucket(static_cast<index>(rel(k)), bidirectional, num_buckets, max_distance);
+        index_t mismatches = 0, max_difference = 0;
+        for (index_t k = 0; k < rel.size(); ++k) {
+            const index_t got = attend::relative_position_bucket(static_cast<index_t>(rel(k)), bidirectional,
+                                                                 num_buckets, max_distance);
             if (got != want(k)) ++mismatches;
-            max_difference = std::max<index>(max_difference, std::abs(got - static_cast<index>(want(k))));
+            max_difference = std::max<index_t>(max_difference, std::abs(got - static_cast<index_t>(want(k))));
             EXPECT_EQ(got, want(k)) << "relative " << rel(k) << " bidirectional " << bidirectional << " num_buckets "
                                     << num_buckets << " max_distance " << max_distance;
         }
@@ -71,12 +71,12 @@ TEST(PositionGolden, AlibiSlopesMatchTheReferenceGetSlopes) {
     const auto& cases = attend_test::member(attend_test::member(positions(), "alibi_slopes"), "cases");
     ASSERT_GE(cases.size(), 5u);
     for (const auto& c : cases) {
-        const auto heads = attend_test::member(c, "heads").get<index>();
+        const auto heads = attend_test::member(c, "heads").get<index_t>();
         const auto want = attend_test::tensor_at<double, 1>(c, "slopes");
         const auto got = attend::alibi_slopes(heads);
-        ASSERT_EQ(static_cast<index>(got.size()), want.size());
+        ASSERT_EQ(static_cast<index_t>(got.size()), want.size());
         double error = 0;
-        for (index h = 0; h < want.size(); ++h)
+        for (index_t h = 0; h < want.size(); ++h)
             error = std::max(error, std::abs(got[static_cast<std::size_t>(h)] - want(h)));
         report("ALiBi slopes, " + std::to_string(heads) + " heads", error);
         EXPECT_LE(error, tolerance) << heads << " heads";
@@ -91,11 +91,11 @@ TEST(PositionGolden, RotaryMatchesPyTorchForBothLayoutsAndInverseRestoresTheInpu
         const auto layout_name = attend_test::member(c, "layout").get<std::string>();
         ASSERT_TRUE(layout_name == "half_split" || layout_name == "interleaved") << layout_name;
         attend::rotary_embedding rope;
-        rope.dim = attend_test::member(c, "dim").get<index>();
+        rope.dim = attend_test::member(c, "dim").get<index_t>();
         rope.base = attend_test::member(c, "base").get<double>();
         rope.layout = layout_name == "half_split" ? attend::rotary_layout::half_split
                                                   : attend::rotary_layout::interleaved;
-        const auto offset = attend_test::member(c, "position_offset").get<index>();
+        const auto offset = attend_test::member(c, "position_offset").get<index_t>();
         const auto x = attend_test::tensor_at<double, 4>(c, "x");
         const auto want = attend_test::tensor_at<double, 4>(c, "out");
         attend::tensor<double, 4> got = x;

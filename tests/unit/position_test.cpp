@@ -22,7 +22,7 @@ namespace {
 using attend_test::bit_equal;
 using attend_test::expect_error;
 
-using attend::index;
+using attend::index_t;
 using attend::tensor;
 
 template <class T, int R>
@@ -32,7 +32,7 @@ void fill_sentinel(tensor<T, R>& t) {
 
 template <class T, int R>
 bool all_sentinel(const tensor<T, R>& t) {
-    for (index k = 0; k < t.size(); ++k)
+    for (index_t k = 0; k < t.size(); ++k)
         if (t.data()[k] != static_cast<T>(-12345.25)) return false;
     return true;
 }
@@ -49,7 +49,7 @@ TEST(Sinusoidal, ShapeIsLengthByDim) {
 
 TEST(Sinusoidal, PositionZeroIsSinZeroCosOne) {
     const auto pe = attend::sinusoidal_positions(3, 9);
-    for (index c = 0; c < 9; ++c) EXPECT_EQ(pe(0, c), c % 2 == 0 ? 0.0 : 1.0) << "column " << c;
+    for (index_t c = 0; c < 9; ++c) EXPECT_EQ(pe(0, c), c % 2 == 0 ? 0.0 : 1.0) << "column " << c;
 }
 
 TEST(Sinusoidal, KnownValuesFollowThePaperFormulaWithInterleavedSinCos) {
@@ -67,7 +67,7 @@ TEST(Sinusoidal, KnownValuesFollowThePaperFormulaWithInterleavedSinCos) {
 
 TEST(Sinusoidal, OddDimEndsWithASinColumn) {
     const auto pe = attend::sinusoidal_positions(5, 5);
-    for (index p = 0; p < 5; ++p)
+    for (index_t p = 0; p < 5; ++p)
         EXPECT_DOUBLE_EQ(pe(p, 4), std::sin(static_cast<double>(p) / std::pow(10000.0, 4.0 / 5.0)));
     const auto one = attend::sinusoidal_positions(3, 1);
     EXPECT_DOUBLE_EQ(one(2, 0), std::sin(2.0));
@@ -76,10 +76,10 @@ TEST(Sinusoidal, OddDimEndsWithASinColumn) {
 TEST(Sinusoidal, SinSquaredPlusCosSquaredIsOneForEveryPair) {
     attend_test::rng g(11);
     for (int rep = 0; rep < attend_test::repeat(200); ++rep) {
-        const index length = g.uniform_int(1, 40), dim = g.uniform_int(1, 33);
+        const index_t length = g.uniform_int(1, 40), dim = g.uniform_int(1, 33);
         const auto pe = attend::sinusoidal_positions(length, dim);
-        for (index p = 0; p < length; ++p)
-            for (index i = 0; 2 * i + 1 < dim; ++i)
+        for (index_t p = 0; p < length; ++p)
+            for (index_t i = 0; 2 * i + 1 < dim; ++i)
                 ASSERT_NEAR(pe(p, 2 * i) * pe(p, 2 * i) + pe(p, 2 * i + 1) * pe(p, 2 * i + 1), 1.0, 1e-15)
                     << "length " << length << " dim " << dim << " p " << p << " pair " << i;
     }
@@ -88,7 +88,7 @@ TEST(Sinusoidal, SinSquaredPlusCosSquaredIsOneForEveryPair) {
 TEST(Sinusoidal, FloatIsTheDoubleTableRoundedOnce) {
     const auto d = attend::sinusoidal_positions<double>(30, 12);
     const auto f = attend::sinusoidal_positions<float>(30, 12);
-    for (index k = 0; k < d.size(); ++k) EXPECT_EQ(f.data()[k], static_cast<float>(d.data()[k]));
+    for (index_t k = 0; k < d.size(); ++k) EXPECT_EQ(f.data()[k], static_cast<float>(d.data()[k]));
 }
 
 TEST(Sinusoidal, RejectsDimBelowOneAndNegativeLength) {
@@ -109,16 +109,16 @@ TEST(LearnedPositions, TableIsMaxLenByDimAndDeterministicPerSeed) {
     EXPECT_TRUE(bit_equal(a.table(), b.table()));
     EXPECT_FALSE(bit_equal(a.table(), c.table()));
     attend::learned_positions<float> f(20, 6, 42);
-    for (index k = 0; k < a.table().size(); ++k)
+    for (index_t k = 0; k < a.table().size(); ++k)
         EXPECT_EQ(f.table().data()[k], static_cast<float>(a.table().data()[k]));
 }
 
 TEST(LearnedPositions, InitialisationIsStandardNormalLikeNnEmbedding) {
     attend::learned_positions<double> p(400, 100, 7);
     double sum = 0, sum_sq = 0;
-    index within_one = 0;
+    index_t within_one = 0;
     const auto n = static_cast<double>(p.table().size());
-    for (index k = 0; k < p.table().size(); ++k) {
+    for (index_t k = 0; k < p.table().size(); ++k) {
         const double x = p.table().data()[k];
         sum += x;
         sum_sq += x * x;
@@ -134,8 +134,8 @@ TEST(LearnedPositions, LookupReturnsTheRowsOfTheRequestedPositions) {
     const auto rows = p.lookup(9, 7);  // 9 .. 15: ends exactly at the last row
     ASSERT_EQ(rows.dimension(0), 7);
     ASSERT_EQ(rows.dimension(1), 5);
-    for (index r = 0; r < 7; ++r)
-        for (index c = 0; c < 5; ++c) EXPECT_EQ(rows(r, c), p.table()(9 + r, c));
+    for (index_t r = 0; r < 7; ++r)
+        for (index_t c = 0; c < 5; ++c) EXPECT_EQ(rows(r, c), p.table()(9 + r, c));
     EXPECT_EQ(p.lookup(16, 0).size(), 0);
 }
 
@@ -144,9 +144,9 @@ TEST(LearnedPositions, AddToAddsTheSameRowsToEveryBatchEntry) {
     auto x = attend_test::random_tensor<float>(21, 3, 5, 4);
     const tensor<float, 3> before = x;
     p.add_to(x, 6);
-    for (index b = 0; b < 3; ++b)
-        for (index i = 0; i < 5; ++i)
-            for (index c = 0; c < 4; ++c) EXPECT_EQ(x(b, i, c), before(b, i, c) + p.table()(6 + i, c));
+    for (index_t b = 0; b < 3; ++b)
+        for (index_t i = 0; i < 5; ++i)
+            for (index_t c = 0; c < 4; ++c) EXPECT_EQ(x(b, i, c), before(b, i, c) + p.table()(6 + i, c));
 }
 
 TEST(LearnedPositions, PositionsPastTheTableThrowAndNeverWrap) {
@@ -154,7 +154,7 @@ TEST(LearnedPositions, PositionsPastTheTableThrowAndNeverWrap) {
     expect_error<attend::position_error>([&] { p.lookup(8, 3); }, "attend.position.past_table");
     expect_error<attend::position_error>([&] { p.lookup(10, 1); }, "attend.position.past_table");
     expect_error<attend::position_error>([&] { p.lookup(-1, 2); }, "attend.position.past_table");
-    expect_error<attend::position_error>([&] { p.lookup(std::numeric_limits<index>::max(), 5); },
+    expect_error<attend::position_error>([&] { p.lookup(std::numeric_limits<index_t>::max(), 5); },
                                          "attend.position.past_table");
     try {
         p.lookup(8, 3);
@@ -197,9 +197,9 @@ const char* name(attend::rotary_layout l) {
     return l == attend::rotary_layout::half_split ? "half_split" : "interleaved";
 }
 
-double dot(const double* a, const double* b, index n) {
+double dot(const double* a, const double* b, index_t n) {
     double s = 0;
-    for (index k = 0; k < n; ++k) s += a[k] * b[k];
+    for (index_t k = 0; k < n; ++k) s += a[k] * b[k];
     return s;
 }
 
@@ -233,12 +233,12 @@ TEST(Rotary, FrequenciesKeptFromAnotherDimOrBaseChangeNoBit) {
     // The calling thread keeps the last (dim, base)'s frequencies: a rotation after one of another dim or base
     // gives the bits of a thread that computed nothing before (a fresh thread's keep is empty).
     const auto x = attend_test::random_tensor<double>(5, 1, 2, 3, 8);
-    const auto rotated = [&](index dim, double base) {
+    const auto rotated = [&](index_t dim, double base) {
         tensor<double, 4> y = x;
         attend::rotary_embedding{dim, base}.apply(y, 11);
         return y;
     };
-    using config = std::pair<index, double>;  // dim, base
+    using config = std::pair<index_t, double>;  // dim, base
     for (const config& c : {config{8, 10000}, config{8, 500}, config{4, 500}, config{4, 10000}}) {
         tensor<double, 4> fresh;
         std::thread([&] { fresh = rotated(c.first, c.second); }).join();
@@ -262,18 +262,18 @@ TEST(Rotary, PositionZeroIsTheIdentity) {
 TEST(Rotary, PreservesTheNormOfEveryHeadVector) {
     attend_test::rng g(101);
     for (int rep = 0; rep < attend_test::repeat(200); ++rep) {
-        const index batch = g.uniform_int(1, 3), heads = g.uniform_int(1, 4), len = g.uniform_int(1, 9);
-        const index head_dim = g.uniform_int(1, 20), dim = 2 * g.uniform_int(1, head_dim / 2 + (head_dim < 2));
+        const index_t batch = g.uniform_int(1, 3), heads = g.uniform_int(1, 4), len = g.uniform_int(1, 9);
+        const index_t head_dim = g.uniform_int(1, 20), dim = 2 * g.uniform_int(1, head_dim / 2 + (head_dim < 2));
         if (dim > head_dim) continue;
         const auto layout = layouts[g.uniform_int(0, 1)];
         const double base = g.bernoulli(0.5) ? 10000.0 : g.uniform(1.5, 1e6);
-        const index offset = g.uniform_int(0, 5000);
+        const index_t offset = g.uniform_int(0, 5000);
         auto x = attend_test::random_tensor<double>(g.next(), batch, heads, len, head_dim);
         const tensor<double, 4> before = x;
         attend::rotary_embedding{dim, base, layout}.apply(x, offset);
-        for (index b = 0; b < batch; ++b)
-            for (index h = 0; h < heads; ++h)
-                for (index i = 0; i < len; ++i) {
+        for (index_t b = 0; b < batch; ++b)
+            for (index_t h = 0; h < heads; ++h)
+                for (index_t i = 0; i < len; ++i) {
                     const double* r0 = &before(b, h, i, 0);
                     const double* r1 = &x(b, h, i, 0);
                     ASSERT_NEAR(dot(r1, r1, head_dim), dot(r0, r0, head_dim), 1e-12)
@@ -285,16 +285,16 @@ TEST(Rotary, PreservesTheNormOfEveryHeadVector) {
 TEST(Rotary, ApplyThenApplyInverseIsTheIdentity) {
     attend_test::rng g(202);
     for (int rep = 0; rep < attend_test::repeat(200); ++rep) {
-        const index head_dim = g.uniform_int(2, 24), dim = 2 * g.uniform_int(1, head_dim / 2);
+        const index_t head_dim = g.uniform_int(2, 24), dim = 2 * g.uniform_int(1, head_dim / 2);
         const auto layout = layouts[g.uniform_int(0, 1)];
-        const index offset = g.uniform_int(0, 100000);
+        const index_t offset = g.uniform_int(0, 100000);
         auto x = attend_test::random_tensor<double>(g.next(), g.uniform_int(1, 3), g.uniform_int(1, 3),
                                                     g.uniform_int(1, 7), head_dim);
         const tensor<double, 4> before = x;
         const attend::rotary_embedding rope{dim, 10000, layout};
         rope.apply(x, offset);
         rope.apply_inverse(x, offset);
-        for (index k = 0; k < x.size(); ++k)
+        for (index_t k = 0; k < x.size(); ++k)
             ASSERT_NEAR(x.data()[k], before.data()[k], 1e-14) << name(layout) << " dim " << dim << " offset " << offset;
         // The inverse is the transpose: <R x, y> == <x, R^T y>.
         auto y = attend_test::random_tensor<double>(g.next(), 1, 1, 1, head_dim);
@@ -309,10 +309,10 @@ TEST(Rotary, ApplyThenApplyInverseIsTheIdentity) {
 TEST(Rotary, DotProductsDependOnlyOnTheRelativePosition) {
     attend_test::rng g(303);
     for (int rep = 0; rep < attend_test::repeat(200); ++rep) {
-        const index head_dim = 2 * g.uniform_int(1, 32), dim = 2 * g.uniform_int(1, head_dim / 2);
+        const index_t head_dim = 2 * g.uniform_int(1, 32), dim = 2 * g.uniform_int(1, head_dim / 2);
         const auto layout = layouts[g.uniform_int(0, 1)];
         const attend::rotary_embedding rope{dim, g.bernoulli(0.5) ? 10000.0 : 500000.0, layout};
-        const index p = g.uniform_int(0, 300), p_key = g.uniform_int(0, 300), t = g.uniform_int(0, 300);
+        const index_t p = g.uniform_int(0, 300), p_key = g.uniform_int(0, 300), t = g.uniform_int(0, 300);
         const auto q = attend_test::random_tensor<double>(g.next(), 1, 1, head_dim);
         const auto k = attend_test::random_tensor<double>(g.next(), 1, 1, head_dim);
         tensor<double, 3> q1 = q, k1 = k, q2 = q, k2 = k;
@@ -329,15 +329,15 @@ TEST(Rotary, DotProductsDependOnlyOnTheRelativePosition) {
 TEST(Rotary, PartialRotaryLeavesTheTailFeaturesBitIdentical) {
     attend_test::rng g(404);
     for (int rep = 0; rep < attend_test::repeat(100); ++rep) {
-        const index head_dim = g.uniform_int(3, 30), dim = 2 * g.uniform_int(1, (head_dim - 1) / 2);
+        const index_t head_dim = g.uniform_int(3, 30), dim = 2 * g.uniform_int(1, (head_dim - 1) / 2);
         const auto layout = layouts[g.uniform_int(0, 1)];
         auto x = attend_test::random_tensor<float>(g.next(), 2, 3, 5, head_dim);
         const tensor<float, 4> before = x;
         attend::rotary_embedding{dim, 10000, layout}.apply(x, g.uniform_int(1, 50));
-        for (index b = 0; b < 2; ++b)
-            for (index h = 0; h < 3; ++h)
-                for (index i = 0; i < 5; ++i)
-                    for (index c = dim; c < head_dim; ++c) ASSERT_EQ(x(b, h, i, c), before(b, h, i, c));
+        for (index_t b = 0; b < 2; ++b)
+            for (index_t h = 0; h < 3; ++h)
+                for (index_t i = 0; i < 5; ++i)
+                    for (index_t c = dim; c < head_dim; ++c) ASSERT_EQ(x(b, h, i, c), before(b, h, i, c));
     }
 }
 
@@ -346,16 +346,16 @@ TEST(Rotary, OffsetSevenEqualsRowsSevenOnOfALongerSequence) {
         const attend::rotary_embedding rope{8, 10000, layout};
         auto longer = attend_test::random_tensor<double>(5, 2, 3, 7 + 6, 10);
         tensor<double, 4> shorter(2, 3, 6, 10);
-        for (index b = 0; b < 2; ++b)
-            for (index h = 0; h < 3; ++h)
-                for (index i = 0; i < 6; ++i)
-                    for (index c = 0; c < 10; ++c) shorter(b, h, i, c) = longer(b, h, 7 + i, c);
+        for (index_t b = 0; b < 2; ++b)
+            for (index_t h = 0; h < 3; ++h)
+                for (index_t i = 0; i < 6; ++i)
+                    for (index_t c = 0; c < 10; ++c) shorter(b, h, i, c) = longer(b, h, 7 + i, c);
         rope.apply(longer, 0);
         rope.apply(shorter, 7);
-        for (index b = 0; b < 2; ++b)
-            for (index h = 0; h < 3; ++h)
-                for (index i = 0; i < 6; ++i)
-                    for (index c = 0; c < 10; ++c)
+        for (index_t b = 0; b < 2; ++b)
+            for (index_t h = 0; h < 3; ++h)
+                for (index_t i = 0; i < 6; ++i)
+                    for (index_t c = 0; c < 10; ++c)
                         ASSERT_EQ(shorter(b, h, i, c), longer(b, h, 7 + i, c)) << name(layout);
     }
 }
@@ -363,21 +363,21 @@ TEST(Rotary, OffsetSevenEqualsRowsSevenOnOfALongerSequence) {
 TEST(Rotary, InterleavedIsHalfSplitOnPermutedFeatures) {
     attend_test::rng g(505);
     for (int rep = 0; rep < attend_test::repeat(50); ++rep) {
-        const index half = g.uniform_int(1, 8), dim = 2 * half, head_dim = dim + g.uniform_int(0, 3);
+        const index_t half = g.uniform_int(1, 8), dim = 2 * half, head_dim = dim + g.uniform_int(0, 3);
         auto inter = attend_test::random_tensor<double>(g.next(), 1, 2, 4, head_dim);
         tensor<double, 4> split = inter;
-        for (index h = 0; h < 2; ++h)
-            for (index i = 0; i < 4; ++i)
-                for (index k = 0; k < half; ++k) {
+        for (index_t h = 0; h < 2; ++h)
+            for (index_t i = 0; i < 4; ++i)
+                for (index_t k = 0; k < half; ++k) {
                     split(0, h, i, k) = inter(0, h, i, 2 * k);
                     split(0, h, i, k + half) = inter(0, h, i, 2 * k + 1);
                 }
-        const index offset = g.uniform_int(0, 1000);
+        const index_t offset = g.uniform_int(0, 1000);
         attend::rotary_embedding{dim, 10000, attend::rotary_layout::interleaved}.apply(inter, offset);
         attend::rotary_embedding{dim, 10000, attend::rotary_layout::half_split}.apply(split, offset);
-        for (index h = 0; h < 2; ++h)
-            for (index i = 0; i < 4; ++i)
-                for (index k = 0; k < half; ++k) {
+        for (index_t h = 0; h < 2; ++h)
+            for (index_t i = 0; i < 4; ++i)
+                for (index_t k = 0; k < half; ++k) {
                     ASSERT_EQ(split(0, h, i, k), inter(0, h, i, 2 * k));
                     ASSERT_EQ(split(0, h, i, k + half), inter(0, h, i, 2 * k + 1));
                 }
@@ -387,21 +387,21 @@ TEST(Rotary, InterleavedIsHalfSplitOnPermutedFeatures) {
 TEST(Rotary, StridedHeadViewsMatchAContiguousTensor) {
     // Heads read out of a projected [batch, len, heads * head_dim] buffer rotate like a [batch, heads, len,
     // head_dim] copy.
-    const index batch = 2, len = 5, heads = 3, head_dim = 6;
+    const index_t batch = 2, len = 5, heads = 3, head_dim = 6;
     auto projected = attend_test::random_tensor<double>(9, batch, len, heads * head_dim);
     tensor<double, 4> copy(batch, heads, len, head_dim);
-    for (index b = 0; b < batch; ++b)
-        for (index i = 0; i < len; ++i)
-            for (index h = 0; h < heads; ++h)
-                for (index c = 0; c < head_dim; ++c) copy(b, h, i, c) = projected(b, i, h * head_dim + c);
+    for (index_t b = 0; b < batch; ++b)
+        for (index_t i = 0; i < len; ++i)
+            for (index_t h = 0; h < heads; ++h)
+                for (index_t c = 0; c < head_dim; ++c) copy(b, h, i, c) = projected(b, i, h * head_dim + c);
     for (auto layout : layouts) {
         const attend::rotary_embedding rope{4, 10000, layout};
         rope.apply(attend::split_heads(projected.data(), batch, len, heads, head_dim), 11);
         rope.apply(copy, 11);
-        for (index b = 0; b < batch; ++b)
-            for (index i = 0; i < len; ++i)
-                for (index h = 0; h < heads; ++h)
-                    for (index c = 0; c < head_dim; ++c)
+        for (index_t b = 0; b < batch; ++b)
+            for (index_t i = 0; i < len; ++i)
+                for (index_t h = 0; h < heads; ++h)
+                    for (index_t c = 0; c < head_dim; ++c)
                         ASSERT_EQ(copy(b, h, i, c), projected(b, i, h * head_dim + c)) << name(layout);
     }
 }
@@ -409,14 +409,14 @@ TEST(Rotary, StridedHeadViewsMatchAContiguousTensor) {
 TEST(Rotary, RankThreeIsOneHead) {
     auto x3 = attend_test::random_tensor<double>(4, 2, 6, 8);
     tensor<double, 4> x4(2, 1, 6, 8);
-    for (index k = 0; k < x3.size(); ++k) x4.data()[k] = x3.data()[k];
+    for (index_t k = 0; k < x3.size(); ++k) x4.data()[k] = x3.data()[k];
     const attend::rotary_embedding rope{6, 500, attend::rotary_layout::interleaved};
     rope.apply(x3, 2);
     rope.apply(x4, 2);
-    for (index k = 0; k < x3.size(); ++k) EXPECT_EQ(x3.data()[k], x4.data()[k]);
+    for (index_t k = 0; k < x3.size(); ++k) EXPECT_EQ(x3.data()[k], x4.data()[k]);
     rope.apply_inverse(x3, 2);
     rope.apply_inverse(x4, 2);
-    for (index k = 0; k < x3.size(); ++k) EXPECT_EQ(x3.data()[k], x4.data()[k]);
+    for (index_t k = 0; k < x3.size(); ++k) EXPECT_EQ(x3.data()[k], x4.data()[k]);
 }
 
 TEST(Rotary, FloatAgreesWithDoubleToFloatPrecision) {
@@ -426,7 +426,7 @@ TEST(Rotary, FloatAgreesWithDoubleToFloatPrecision) {
         const attend::rotary_embedding rope{16, 10000, layout};
         rope.apply(xd, 1000);
         rope.apply(xf, 1000);
-        for (index k = 0; k < xd.size(); ++k) ASSERT_NEAR(static_cast<double>(xf.data()[k]), xd.data()[k], 2e-6);
+        for (index_t k = 0; k < xd.size(); ++k) ASSERT_NEAR(static_cast<double>(xf.data()[k]), xd.data()[k], 2e-6);
     }
 }
 
@@ -439,7 +439,7 @@ TEST(Rotary, EmptyTensorsAreValidAndStillValidated) {
 }
 
 template <class T, class Call>
-void expect_rotary_error_leaves_x_unchanged(const attend::rotary_embedding& rope, index offset, const std::string& id,
+void expect_rotary_error_leaves_x_unchanged(const attend::rotary_embedding& rope, index_t offset, const std::string& id,
                                             Call) {
     using E = typename Call::type;
     tensor<T, 4> x4(2, 3, 4, 8);
@@ -468,7 +468,7 @@ struct throws {
 TEST(Rotary, InvalidConfigurationsThrowTypedErrorsBeforeWriting) {
     using attend::rotary_embedding;
     const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
-    for (index bad_dim : {index{3}, index{0}, index{-2}}) {
+    for (index_t bad_dim : {index_t{3}, index_t{0}, index_t{-2}}) {
         expect_rotary_error_leaves_x_unchanged<double>(rotary_embedding{bad_dim}, 0, "attend.value.rotary_dim",
                                                        throws<attend::value_error>{});
         expect_rotary_error_leaves_x_unchanged<float>(rotary_embedding{bad_dim}, 0, "attend.value.rotary_dim",
@@ -493,8 +493,8 @@ TEST(Rotary, InvalidConfigurationsThrowTypedErrorsBeforeWriting) {
 
 struct bucket_config {
     bool bidirectional;
-    index num_buckets;
-    index max_distance;
+    index_t num_buckets;
+    index_t max_distance;
 };
 constexpr bucket_config bucket_configs[] = {{true, 32, 128}, {false, 32, 128}, {true, 16, 64}, {false, 16, 64},
                                             {true, 8, 20},   {false, 9, 128},  {false, 2, 5},  {true, 4, 3}};
@@ -502,15 +502,15 @@ constexpr bucket_config bucket_configs[] = {{true, 32, 128}, {false, 32, 128}, {
 TEST(RelativePositionBucket, KnownValuesOfT5Defaults) {
     using attend::relative_position_bucket;
     // relative = key - query; bidirectional 32 / 128: keys before the query in 0..15, after it in 16..31.
-    const index rel[] = {0,   -1,  1,   -7,  -8,  -11,  -12,  -15,   -16, -22, -23, -31, -32, -45,
-                         -46, -63, -64, -90, -91, -127, -128, -1000, 7,   8,   16,  128, 1000};
-    const index bi_32[] = {0,  1,  17, 7,  8,  8,  9,  9,  10, 10, 11, 11, 12, 12,
-                           13, 13, 14, 14, 15, 15, 15, 15, 23, 24, 26, 31, 31};
-    const index uni_32[] = {0,  1,  0,  7,  8,  11, 12, 15, 16, 18, 18, 21, 21, 23,
-                            24, 26, 26, 29, 29, 31, 31, 31, 0,  0,  0,  0,  0};
-    const index bi_16[] = {0, 1, 9, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 12, 13, 14, 15, 15};
-    const index uni_16[] = {0,  1,  0,  7,  8,  9,  9,  10, 10, 11, 12, 13, 13, 14,
-                            14, 15, 15, 15, 15, 15, 15, 15, 0,  0,  0,  0,  0};
+    const index_t rel[] = {0,   -1,  1,   -7,  -8,  -11,  -12,  -15,   -16, -22, -23, -31, -32, -45,
+                           -46, -63, -64, -90, -91, -127, -128, -1000, 7,   8,   16,  128, 1000};
+    const index_t bi_32[] = {0,  1,  17, 7,  8,  8,  9,  9,  10, 10, 11, 11, 12, 12,
+                             13, 13, 14, 14, 15, 15, 15, 15, 23, 24, 26, 31, 31};
+    const index_t uni_32[] = {0,  1,  0,  7,  8,  11, 12, 15, 16, 18, 18, 21, 21, 23,
+                              24, 26, 26, 29, 29, 31, 31, 31, 0,  0,  0,  0,  0};
+    const index_t bi_16[] = {0, 1, 9, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 12, 13, 14, 15, 15};
+    const index_t uni_16[] = {0,  1,  0,  7,  8,  9,  9,  10, 10, 11, 12, 13, 13, 14,
+                              14, 15, 15, 15, 15, 15, 15, 15, 0,  0,  0,  0,  0};
     for (std::size_t k = 0; k < std::size(rel); ++k) {
         EXPECT_EQ(relative_position_bucket(rel[k], true), bi_32[k]) << rel[k];
         EXPECT_EQ(relative_position_bucket(rel[k], false), uni_32[k]) << rel[k];
@@ -536,15 +536,15 @@ TEST(RelativePositionBucket, LogBranchIsComputedInSinglePrecisionLikeT5) {
 
 TEST(RelativePositionBucket, MonotoneInDistanceOnEachSide) {
     for (const auto& cfg : bucket_configs) {
-        index previous_before = -1, previous_after = -1;
-        for (index d = 0; d <= 4 * cfg.max_distance + 10; ++d) {
-            const index before =
+        index_t previous_before = -1, previous_after = -1;
+        for (index_t d = 0; d <= 4 * cfg.max_distance + 10; ++d) {
+            const index_t before =
                 attend::relative_position_bucket(-d, cfg.bidirectional, cfg.num_buckets, cfg.max_distance);
             ASSERT_GE(before, previous_before) << "distance " << d << " num_buckets " << cfg.num_buckets;
             ASSERT_LE(before - previous_before, 1) << "no bucket is skipped, distance " << d;
             previous_before = before;
             if (d == 0) continue;
-            const index after =
+            const index_t after =
                 attend::relative_position_bucket(d, cfg.bidirectional, cfg.num_buckets, cfg.max_distance);
             ASSERT_GE(after, previous_after) << "distance " << d << " num_buckets " << cfg.num_buckets;
             previous_after = after;
@@ -554,9 +554,9 @@ TEST(RelativePositionBucket, MonotoneInDistanceOnEachSide) {
 
 TEST(RelativePositionBucket, BidirectionalSplitsBucketsBySignAndUnidirectionalFoldsTheFuture) {
     for (const auto& cfg : bucket_configs) {
-        const index half = cfg.bidirectional ? cfg.num_buckets / 2 : cfg.num_buckets;
-        for (index r = -3 * cfg.max_distance; r <= 3 * cfg.max_distance; ++r) {
-            const index b = attend::relative_position_bucket(r, cfg.bidirectional, cfg.num_buckets, cfg.max_distance);
+        const index_t half = cfg.bidirectional ? cfg.num_buckets / 2 : cfg.num_buckets;
+        for (index_t r = -3 * cfg.max_distance; r <= 3 * cfg.max_distance; ++r) {
+            const index_t b = attend::relative_position_bucket(r, cfg.bidirectional, cfg.num_buckets, cfg.max_distance);
             ASSERT_GE(b, 0);
             ASSERT_LT(b, cfg.num_buckets);
             if (cfg.bidirectional && r > 0) {
@@ -570,7 +570,7 @@ TEST(RelativePositionBucket, BidirectionalSplitsBucketsBySignAndUnidirectionalFo
             }
         }
         // Far away and at the extremes of index: the last bucket of each side, no overflow.
-        const index lo = std::numeric_limits<index>::min(), hi = std::numeric_limits<index>::max();
+        const index_t lo = std::numeric_limits<index_t>::min(), hi = std::numeric_limits<index_t>::max();
         EXPECT_EQ(attend::relative_position_bucket(lo, cfg.bidirectional, cfg.num_buckets, cfg.max_distance), half - 1);
         EXPECT_EQ(attend::relative_position_bucket(hi, cfg.bidirectional, cfg.num_buckets, cfg.max_distance),
                   cfg.bidirectional ? cfg.num_buckets - 1 : 0);
@@ -579,8 +579,8 @@ TEST(RelativePositionBucket, BidirectionalSplitsBucketsBySignAndUnidirectionalFo
 
 TEST(RelativePositionBucket, ExactBucketsBelowMaxExact) {
     for (const auto& cfg : bucket_configs) {
-        const index half = cfg.bidirectional ? cfg.num_buckets / 2 : cfg.num_buckets;
-        for (index d = 0; d < half / 2; ++d)
+        const index_t half = cfg.bidirectional ? cfg.num_buckets / 2 : cfg.num_buckets;
+        for (index_t d = 0; d < half / 2; ++d)
             EXPECT_EQ(attend::relative_position_bucket(-d, cfg.bidirectional, cfg.num_buckets, cfg.max_distance), d);
         EXPECT_EQ(attend::relative_position_bucket(-cfg.max_distance, cfg.bidirectional, cfg.num_buckets,
                                                    cfg.max_distance),
@@ -589,7 +589,7 @@ TEST(RelativePositionBucket, ExactBucketsBelowMaxExact) {
 }
 
 TEST(RelativePositionBucket, RejectsBadConfigurations) {
-    const auto bad = [](bool bidirectional, index num_buckets, index max_distance) {
+    const auto bad = [](bool bidirectional, index_t num_buckets, index_t max_distance) {
         expect_error<attend::value_error>(
             [&] { attend::relative_position_bucket(-5, bidirectional, num_buckets, max_distance); },
             "attend.value.bucket_config");
@@ -626,19 +626,19 @@ TEST(RelativePositionBias, ValueIsTheTableEntryOfTheBucketOfKeyMinusQuery) {
     attend::relative_position_bias<double> bias(4, true, 32, 128, 3);
     attend_test::rng g(606);
     for (int rep = 0; rep < attend_test::repeat(1000); ++rep) {
-        const index h = g.uniform_int(0, 3), q = g.uniform_int(0, 400), k = g.uniform_int(0, 400);
-        const index b = attend::relative_position_bucket(k - q, true, 32, 128);
+        const index_t h = g.uniform_int(0, 3), q = g.uniform_int(0, 400), k = g.uniform_int(0, 400);
+        const index_t b = attend::relative_position_bucket(k - q, true, 32, 128);
         ASSERT_EQ(bias.bucket(q, k), b);
         ASSERT_EQ(bias.value(h, q, k), bias.table()(b, h));
-        const index t = g.uniform_int(-100, 100);
+        const index_t t = g.uniform_int(-100, 100);
         ASSERT_EQ(bias.value(h, q + t, k + t), bias.value(h, q, k)) << "translation invariance";
     }
 }
 
 TEST(RelativePositionBias, LoadedWeightsAreWhatValueReads) {
     attend::relative_position_bias<float> bias(2, false, 8, 20);
-    for (index b = 0; b < 8; ++b)
-        for (index h = 0; h < 2; ++h) bias.table()(b, h) = static_cast<float>(10 * b + h);
+    for (index_t b = 0; b < 8; ++b)
+        for (index_t h = 0; h < 2; ++h) bias.table()(b, h) = static_cast<float>(10 * b + h);
     EXPECT_EQ(bias.value(1, 5, 5), 1.0f);
     EXPECT_EQ(bias.value(0, 5, 2), 30.0f);
     EXPECT_EQ(bias.value(1, 5, 9), 1.0f);  // future keys fold to bucket 0 when unidirectional
@@ -666,10 +666,10 @@ TEST(AlibiSlopes, EightHeadsAreOneHalfToOneOver256) {
 }
 
 TEST(AlibiSlopes, PowersOfTwoAreGeometricFromTwoToTheMinusEightOverN) {
-    for (index n : {1, 2, 4, 16, 32, 64}) {
+    for (index_t n : {1, 2, 4, 16, 32, 64}) {
         const auto s = attend::alibi_slopes(n);
-        ASSERT_EQ(static_cast<index>(s.size()), n);
-        for (index h = 0; h < n; ++h)
+        ASSERT_EQ(static_cast<index_t>(s.size()), n);
+        for (index_t h = 0; h < n; ++h)
             EXPECT_NEAR(s[static_cast<std::size_t>(h)],
                         std::pow(2.0, -8.0 * static_cast<double>(h + 1) / static_cast<double>(n)), 1e-15)
                 << n << " heads, head " << h;
@@ -686,14 +686,14 @@ TEST(AlibiSlopes, TwelveHeadsAreEightThenEveryOtherOfSixteen) {
 }
 
 TEST(AlibiSlopes, NonPowersOfTwoKeepThePowerOfTwoPrefixAndStayInZeroOne) {
-    for (index n = 1; n <= 100; ++n) {
+    for (index_t n = 1; n <= 100; ++n) {
         const auto s = attend::alibi_slopes(n);
-        ASSERT_EQ(static_cast<index>(s.size()), n);
-        index closest = 1;
+        ASSERT_EQ(static_cast<index_t>(s.size()), n);
+        index_t closest = 1;
         while (closest * 2 <= n) closest *= 2;
         const auto prefix = attend::alibi_slopes(closest);
         const auto doubled = attend::alibi_slopes(2 * closest);
-        for (index h = 0; h < n; ++h) {
+        for (index_t h = 0; h < n; ++h) {
             const auto u = static_cast<std::size_t>(h);
             ASSERT_GT(s[u], 0.0);
             ASSERT_LT(s[u], 1.0);

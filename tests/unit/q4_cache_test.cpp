@@ -34,14 +34,14 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend::q4_0_block;
 using attend_test::bit_equal;
 using attend_test::dequantized;
 using attend_test::state_of;
 
 /// Rows of values whose magnitudes change from row to row, 10^-6 .. 1e3, so blocks get very different scales.
-attend::tensor<float, 4> random_rows(std::uint64_t seed, index b, index h, index len, index dim) {
+attend::tensor<float, 4> random_rows(std::uint64_t seed, index_t b, index_t h, index_t len, index_t dim) {
     return attend_test::rows_of_many_magnitudes(seed, b, h, len, dim, -6, 10);
 }
 
@@ -49,38 +49,38 @@ TEST(Q4Cache, BlocksAreGgmlsQ4_0Bytes) {
     static_assert(sizeof(q4_0_block) == 18 && offsetof(q4_0_block, nibbles) == 2, "ggml's block_q4_0");
     attend::q4_kv_cache cache(1, 1, 1, 32, 32);
     attend::tensor<float, 4> k(1, 1, 1, 32);
-    for (index j = 0; j < 32; ++j) k(0, 0, 0, j) = static_cast<float>(j % 16 - 8) * 0.25f;  // -2 .. 1.75, twice
+    for (index_t j = 0; j < 32; ++j) k(0, 0, 0, j) = static_cast<float>(j % 16 - 8) * 0.25f;  // -2 .. 1.75, twice
     k(0, 0, 0, 20) = -2.0f;  // the first value of largest magnitude is k[0] = -2: d = -2 / -8 = 0.25
     cache.append(k, k);
     const q4_0_block& block = cache.key_blocks()[0];
     EXPECT_EQ(static_cast<float>(block.scale), 0.25f);
-    for (index j = 0; j < 16; ++j) {
-        const index low = j, high = j == 4 ? 0 : j;  // nibble = value / d + 8
-        EXPECT_EQ(index(block.nibbles[j]), low | (high << 4)) << "byte " << j;
+    for (index_t j = 0; j < 16; ++j) {
+        const index_t low = j, high = j == 4 ? 0 : j;  // nibble = value / d + 8
+        EXPECT_EQ(index_t(block.nibbles[j]), low | (high << 4)) << "byte " << j;
     }
 }
 
 TEST(Q4Cache, EveryValueIsWithinTheDocumentedBoundOfWhatWasAppended) {
-    const index D = 96, G = 3, S = 60;
+    const index_t D = 96, G = 3, S = 60;
     attend::q4_kv_cache cache(1, G, S, D, D);
     auto k = random_rows(3, 1, G, S, D);
-    for (index d = 32; d < 64; ++d) k(0, 2, 9, d) = d == 40 ? -1e-7f : 0.0f;    // |m| below 2^-22: zeros
-    for (index d = 0; d < 32; ++d) k(0, 1, 4, d) = d % 2 == 0 ? 1.0f : -0.99f;  // many clamped: 7.92 d
+    for (index_t d = 32; d < 64; ++d) k(0, 2, 9, d) = d == 40 ? -1e-7f : 0.0f;    // |m| below 2^-22: zeros
+    for (index_t d = 0; d < 32; ++d) k(0, 1, 4, d) = d % 2 == 0 ? 1.0f : -0.99f;  // many clamped: 7.92 d
     // m / -8 = 1.49 x 2^-24, an fp16 subnormal that rounds to 2^-24, where m would be 11.9 d: d is 2^-23 instead.
-    for (index d = 64; d < 96; ++d)
+    for (index_t d = 64; d < 96; ++d)
         k(0, 0, 5, d) = std::ldexp(d == 64 ? 11.92f : 0.37f * static_cast<float>(d % 9), -24);
     cache.append(k, random_rows(4, 1, G, S, D));
     const auto widened = dequantized(cache, true);
-    index clamped = 0;
-    for (index h = 0; h < G; ++h)
-        for (index i = 0; i < S; ++i)
-            for (index blk = 0; blk < D / 32; ++blk) {
+    index_t clamped = 0;
+    for (index_t h = 0; h < G; ++h)
+        for (index_t i = 0; i < S; ++i)
+            for (index_t blk = 0; blk < D / 32; ++blk) {
                 const q4_0_block& block = cache.key_blocks()[static_cast<std::size_t>((h * S + i) * (D / 32) + blk)];
                 const double d = static_cast<double>(static_cast<float>(block.scale));
                 double m = 0;
-                for (index j = 0; j < 32; ++j)
+                for (index_t j = 0; j < 32; ++j)
                     if (std::abs(double(k(0, h, i, blk * 32 + j))) > std::abs(m)) m = k(0, h, i, blk * 32 + j);
-                for (index j = 0; j < 32; ++j) {
+                for (index_t j = 0; j < 32; ++j) {
                     const double x = k(0, h, i, blk * 32 + j), w = widened(0, h, i, blk * 32 + j);
                     if (d == 0) {  // a block whose m / -8 rounds to 0 in fp16
                         EXPECT_LE(std::abs(m), std::ldexp(1.0, -22));
@@ -109,7 +109,7 @@ TEST(Q4Cache, EveryValueIsWithinTheDocumentedBoundOfWhatWasAppended) {
 /// high four bits.
 q4_0_block quantized_one_at_a_time(const float* x) {
     float m = 0;
-    for (index j = 0; j < 32; ++j)
+    for (index_t j = 0; j < 32; ++j)
         if (std::abs(x[j]) > std::abs(m)) m = x[j];
     q4_0_block block{};
     block.scale = Eigen::half(m / -8.0f);
@@ -118,7 +118,7 @@ q4_0_block quantized_one_at_a_time(const float* x) {
             Eigen::half_impl::raw_uint16_to_half(static_cast<std::uint16_t>(attend::detail::bits_of(block.scale) + 1));
     const float d = static_cast<float>(block.scale), inverse = d != 0 ? 1.0f / d : 0.0f;
     const auto integer = [&](float value) { return std::clamp(static_cast<int>(value * inverse + 8.5f), 0, 15); };
-    for (index j = 0; j < 16; ++j)
+    for (index_t j = 0; j < 16; ++j)
         block.nibbles[j] = static_cast<std::uint8_t>(integer(x[j]) | integer(x[j + 16]) << 4);
     return block;
 }
@@ -129,10 +129,10 @@ q4_0_block quantized_one_at_a_time(const float* x) {
 // both signs, blocks of zeros, of tiny values (d rounds to 0) and of fp16-subnormal scales, and random rows of every
 // magnitude; from float, double and bf16.
 TEST(Q4Cache, QuantizingInPacketsGivesTheBytesOfAValueAtATimeRoundingHalfUp) {
-    const index D = 64, rows = 300;
+    const index_t D = 64, rows = 300;
     attend::tensor<float, 4> k = random_rows(21, 1, 1, rows, D);
     attend_test::ties_and_neighbours(k, -8, 16, -0.5f);  // rows 0 .. 255; m = -+1/2: d = +-2^-4
-    for (index j = 0; j < D; ++j) {
+    for (index_t j = 0; j < D; ++j) {
         k(0, 0, 256, j) = j % 31 == 1 ? -0.0f : 0.0f;                           // zeros, some -0: d = -0, as ggml
         k(0, 0, 257, j) = 1e-9f * static_cast<float>(j % 5 - 2);                // d rounds to 0: zeros
         k(0, 0, 258, j) = 3e-6f * static_cast<float>(j % 7 - 3);                // d an fp16 subnormal
@@ -141,12 +141,12 @@ TEST(Q4Cache, QuantizingInPacketsGivesTheBytesOfAValueAtATimeRoundingHalfUp) {
         // the largest magnitude with both signs: m is the first of them, + in block 0, - in block 1
         k(0, 0, 261, j) = j == 5 || j == 52 ? 0.75f : j == 9 || j == 35 ? -0.75f : 0.05f * static_cast<float>(j % 7);
     }
-    const index ties = attend_test::quantized_as_by_hand<q4_0_block>(k, 256, quantized_one_at_a_time);
+    const index_t ties = attend_test::quantized_as_by_hand<q4_0_block>(k, 256, quantized_one_at_a_time);
     EXPECT_GT(ties, 4000);  // the ties were there to round
 }
 
 TEST(Q4Cache, AttentionOverTheCacheIsFloatAttentionOverTheValuesItHolds) {
-    const index B = 2, G = 2, H = 8, D = 64, S = 3000;
+    const index_t B = 2, G = 2, H = 8, D = 64, S = 3000;
     attend::q4_kv_cache cache(B, G, S, D, D);
     cache.append(random_rows(1, B, G, S, D), random_rows(2, B, G, S, D));
     const auto keys = dequantized(cache, true), values = dequantized(cache, false);
@@ -155,17 +155,17 @@ TEST(Q4Cache, AttentionOverTheCacheIsFloatAttentionOverTheValuesItHolds) {
     pc.head_dim = D;
     pc.blocks = S / 16 + 1;
     attend::paged_kv_cache<q4_0_block> pool(pc);
-    const index id = pool.add_sequence();
+    const index_t id = pool.add_sequence();
     pool.append(
         id,
         attend::tensor<float, 4>(
-            random_rows(1, B, G, S, D).slice(std::array<index, 4>{0, 0, 0, 0}, std::array<index, 4>{1, G, S, D})),
+            random_rows(1, B, G, S, D).slice(std::array<index_t, 4>{0, 0, 0, 0}, std::array<index_t, 4>{1, G, S, D})),
         attend::tensor<float, 4>(
-            random_rows(2, B, G, S, D).slice(std::array<index, 4>{0, 0, 0, 0}, std::array<index, 4>{1, G, S, D})));
+            random_rows(2, B, G, S, D).slice(std::array<index_t, 4>{0, 0, 0, 0}, std::array<index_t, 4>{1, G, S, D})));
     const auto mask = attend::causal(attend::alignment::bottom_right);
     for (const auto& [L, kernel] :
-         {std::pair{index(1), attend::kernel::tiled}, std::pair{index(40), attend::kernel::tiled},
-          std::pair{index(1), attend::kernel::reference}}) {
+         {std::pair{index_t(1), attend::kernel::tiled}, std::pair{index_t(40), attend::kernel::tiled},
+          std::pair{index_t(1), attend::kernel::reference}}) {
         SCOPED_TRACE("L " + std::to_string(L));
         attend::tensor<float, 4> q(B, H, L, D);
         attend_test::fill_uniform(q, 10 + static_cast<std::uint64_t>(L), -2, 2);
@@ -184,10 +184,11 @@ TEST(Q4Cache, AttentionOverTheCacheIsFloatAttentionOverTheValuesItHolds) {
         EXPECT_TRUE(bit_equal(got16.out, attend::tensor<Eigen::half, 4>(want16.out.cast<Eigen::half>())));
         EXPECT_TRUE(bit_equal(got16.lse, want16.lse));
         // The paged pool holds batch row 0's blocks: the same bits for that row.
-        const attend::tensor<float, 4> q0 = q.slice(std::array<index, 4>{0, 0, 0, 0}, std::array<index, 4>{1, H, L, D});
+        const attend::tensor<float, 4> q0 =
+            q.slice(std::array<index_t, 4>{0, 0, 0, 0}, std::array<index_t, 4>{1, H, L, D});
         const auto paged = attend::paged_attention(q0, pool, {id}, {L}, o);
         const attend::tensor<float, 4> want0 =
-            want.out.slice(std::array<index, 4>{0, 0, 0, 0}, std::array<index, 4>{1, H, L, D});
+            want.out.slice(std::array<index_t, 4>{0, 0, 0, 0}, std::array<index_t, 4>{1, H, L, D});
         EXPECT_TRUE(bit_equal(paged.out, want0));
     }
 }

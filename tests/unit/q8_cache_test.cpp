@@ -30,19 +30,19 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend::q8_0_block;
 using attend_test::bit_equal;
 using attend_test::dequantized;
 using attend_test::state_of;
 
 /// Rows of values whose magnitudes change from row to row, 10^-3 .. 1e3, so blocks get very different scales.
-attend::tensor<float, 4> random_rows(std::uint64_t seed, index b, index h, index len, index dim) {
+attend::tensor<float, 4> random_rows(std::uint64_t seed, index_t b, index_t h, index_t len, index_t dim) {
     return attend_test::rows_of_many_magnitudes(seed, b, h, len, dim, -3, 7);
 }
 
 TEST(Q8Cache, AttentionOverTheCacheIsFloatAttentionOverItsDequantizedValues) {
-    const index B = 2, G = 2, H = 8, D = 64;
+    const index_t B = 2, G = 2, H = 8, D = 64;
     attend::q8_kv_cache cache(B, G, 6000, D, D);
     cache.append(random_rows(1, B, G, 5000, D), random_rows(2, B, G, 5000, D));
     const auto keys = dequantized(cache, true), values = dequantized(cache, false);
@@ -51,8 +51,8 @@ TEST(Q8Cache, AttentionOverTheCacheIsFloatAttentionOverItsDequantizedValues) {
     // kernel has no such paths (it widens the cache, then computes whole score matrices): at 40 queries it took 37 s
     // of this group's 81 s under the sanitizers, for nothing the 1-query call does not prove.
     for (const auto& [L, kernel] :
-         {std::pair{index(1), attend::kernel::tiled}, std::pair{index(40), attend::kernel::tiled},
-          std::pair{index(1), attend::kernel::reference}}) {
+         {std::pair{index_t(1), attend::kernel::tiled}, std::pair{index_t(40), attend::kernel::tiled},
+          std::pair{index_t(1), attend::kernel::reference}}) {
         attend::tensor<float, 4> q(B, H, L, D);
         attend_test::fill_uniform(q, 10 + static_cast<std::uint64_t>(L), -2, 2);
         attend::sdpa_options o;
@@ -63,7 +63,7 @@ TEST(Q8Cache, AttentionOverTheCacheIsFloatAttentionOverItsDequantizedValues) {
         EXPECT_TRUE(bit_equal(got.out, want.out)) << "L " << L;
         EXPECT_TRUE(bit_equal(got.lse, want.lse)) << "L " << L;
         attend::tensor<float, 4> into(B, H, L, D);
-        attend::scaled_dot_product_attention_into(q, cache.keys(), cache.values(), mask, into, o);
+        attend::scaled_dot_product_attention_into(q, cache.keys(), cache.values(), mask, o, into);
         EXPECT_TRUE(bit_equal(into, want.out)) << "L " << L;
     }
 }
@@ -72,7 +72,7 @@ TEST(Q8Cache, SixteenBitQueriesGiveTheFloatQueriesResultOfTheirValuesRoundedOnce
     // An fp16 or bf16 model over an int8 cache: its queries widen to float exactly, everything after is the float
     // call's arithmetic, and the output is rounded once; lse is the float call's. Over a q8_kv_cache and over an int8
     // paged pool holding the same blocks, for the decode, GEMV and block paths.
-    const index G = 2, H = 4, D = 64, S = 2500;
+    const index_t G = 2, H = 4, D = 64, S = 2500;
     attend::q8_kv_cache cache(1, G, S, D, D);
     const auto k = random_rows(3, 1, G, S, D), v = random_rows(4, 1, G, S, D);
     cache.append(k, v);
@@ -81,12 +81,12 @@ TEST(Q8Cache, SixteenBitQueriesGiveTheFloatQueriesResultOfTheirValuesRoundedOnce
     pc.head_dim = D;
     pc.blocks = S / 16 + 1;
     attend::paged_kv_cache<q8_0_block> pool(pc);
-    const index id = pool.add_sequence();
+    const index_t id = pool.add_sequence();
     pool.append(id, k, v);
     const auto mask = attend::causal(attend::alignment::bottom_right);
     const auto check = [&](auto type) {
         using T = decltype(type);
-        for (const index L : {1, 3, 200})
+        for (const index_t L : {1, 3, 200})
             for (const int threads : {1, 2}) {
                 SCOPED_TRACE(std::string(std::is_same_v<T, Eigen::half> ? "fp16" : "bf16") + ", L " +
                              std::to_string(L) + ", threads " + std::to_string(threads));
@@ -101,7 +101,7 @@ TEST(Q8Cache, SixteenBitQueriesGiveTheFloatQueriesResultOfTheirValuesRoundedOnce
                 EXPECT_TRUE(bit_equal(got.out, rounded));
                 EXPECT_TRUE(bit_equal(got.lse, want.lse));
                 attend::tensor<T, 4> into(1, H, L, D);
-                attend::scaled_dot_product_attention_into(q, cache.keys(), cache.values(), mask, into, o);
+                attend::scaled_dot_product_attention_into(q, cache.keys(), cache.values(), mask, o, into);
                 EXPECT_TRUE(bit_equal(into, rounded));
                 const auto paged = attend::paged_attention(q, pool, {id}, {L}, o);
                 EXPECT_TRUE(bit_equal(paged.out, rounded));
@@ -113,23 +113,23 @@ TEST(Q8Cache, SixteenBitQueriesGiveTheFloatQueriesResultOfTheirValuesRoundedOnce
 }
 
 TEST(Q8Cache, EveryValueIsWithinHalfItsBlockScaleOfWhatWasAppended) {
-    const index D = 96;
+    const index_t D = 96;
     attend::q8_kv_cache cache(1, 3, 50, D, D);
     auto k = random_rows(3, 1, 3, 50, D);
     k(0, 1, 7, 40) = 1e-9f;  // a block of tiny and zero values: stored as zeros
-    for (index d = 32; d < 64; ++d) k(0, 2, 9, d) = d == 40 ? 1e-9f : 0.0f;
+    for (index_t d = 32; d < 64; ++d) k(0, 2, 9, d) = d == 40 ? 1e-9f : 0.0f;
     cache.append(k, random_rows(4, 1, 3, 50, D));
     const auto widened = dequantized(cache, true);
     double worst = 0;  // error in units of the block's scale
-    for (index h = 0; h < 3; ++h)
-        for (index i = 0; i < 50; ++i)
-            for (index blk = 0; blk < D / 32; ++blk) {
+    for (index_t h = 0; h < 3; ++h)
+        for (index_t i = 0; i < 50; ++i)
+            for (index_t blk = 0; blk < D / 32; ++blk) {
                 const q8_0_block& block = cache.key_blocks()[static_cast<std::size_t>((h * 50 + i) * (D / 32) + blk)];
                 const double d = static_cast<double>(static_cast<float>(block.scale));
                 double amax = 0;
-                for (index j = 0; j < 32; ++j) amax = std::max(amax, std::abs(double(k(0, h, i, blk * 32 + j))));
+                for (index_t j = 0; j < 32; ++j) amax = std::max(amax, std::abs(double(k(0, h, i, blk * 32 + j))));
                 EXPECT_LE(d, amax / 127 * (1 + std::ldexp(1.0, -11)) + std::ldexp(1.0, -24));
-                for (index j = 0; j < 32; ++j) {
+                for (index_t j = 0; j < 32; ++j) {
                     const double error = std::abs(double(widened(0, h, i, blk * 32 + j)) - k(0, h, i, blk * 32 + j));
                     if (d == 0) {
                         EXPECT_LE(error, amax);
@@ -148,17 +148,17 @@ TEST(Q8Cache, EveryValueIsWithinHalfItsBlockScaleOfWhatWasAppended) {
 // to a third; d rounded to nearest then left the block's largest values clamped at 127 d, up to 1.05 d from what was
 // appended (found by the differential fuzzer). The scale is then the next fp16 up. Swept over most of that range.
 TEST(Q8Cache, BlocksWithAnFp16SubnormalScaleHoldEveryValueWithinHalfAStep) {
-    const index blocks = 2000;
+    const index_t blocks = 2000;
     attend::tensor<float, 4> k(1, 1, blocks, 32);
-    for (index n = 0; n < blocks; ++n) {
+    for (index_t n = 0; n < blocks; ++n) {
         const float amax = 127.0f * std::ldexp(1.0f, -24) * 0.6f * std::pow(1.0035f, static_cast<float>(n));
-        for (index j = 0; j < 32; ++j)
+        for (index_t j = 0; j < 32; ++j)
             k(0, 0, n, j) = amax * (j == 0 ? 1.0f : static_cast<float>((j * 37) % 64 - 32) / 32.0f);
     }
     attend::q8_kv_cache cache(1, 1, blocks, 32, 32);
     cache.append(k, k);
-    index raised = 0;  // blocks whose scale rounded to nearest would have clamped their largest value
-    for (index n = 0; n < blocks; ++n) {
+    index_t raised = 0;  // blocks whose scale rounded to nearest would have clamped their largest value
+    for (index_t n = 0; n < blocks; ++n) {
         const q8_0_block& block = cache.key_blocks()[static_cast<std::size_t>(n)];
         const float amax = k(0, 0, n, 0);
         const double d = static_cast<double>(static_cast<float>(block.scale));
@@ -166,7 +166,7 @@ TEST(Q8Cache, BlocksWithAnFp16SubnormalScaleHoldEveryValueWithinHalfAStep) {
         ASSERT_LT(d, std::ldexp(1.0, -14)) << n;  // subnormal, as meant
         raised += d > static_cast<double>(static_cast<float>(Eigen::half(amax / 127.0f))) ? 1 : 0;
         EXPECT_LE(static_cast<double>(amax), 127.5 * d) << n;
-        for (index j = 0; j < 32; ++j) {
+        for (index_t j = 0; j < 32; ++j) {
             const double error = std::abs(d * block.values[j] - static_cast<double>(k(0, 0, n, j)));
             ASSERT_LE(error, d * (0.5 + std::ldexp(1.0, -16))) << "block " << n << " value " << j;
         }
@@ -179,7 +179,7 @@ TEST(Q8Cache, BlocksAreGgmlsQ8_0Bytes) {
     EXPECT_EQ(offsetof(q8_0_block, values), 2u);  // ggml_half d, then int8_t qs[32]
     attend::q8_kv_cache cache(1, 1, 4, 32, 32);
     attend::tensor<float, 4> k(1, 1, 1, 32), v(1, 1, 1, 32);
-    for (index j = 0; j < 32; ++j) {
+    for (index_t j = 0; j < 32; ++j) {
         k(0, 0, 0, j) = 0.5f * static_cast<float>(j) - 3.0f;  // -3 .. 12.5: amax 12.5
         v(0, 0, 0, j) = -static_cast<float>(j);
     }
@@ -187,7 +187,7 @@ TEST(Q8Cache, BlocksAreGgmlsQ8_0Bytes) {
     const q8_0_block& block = cache.key_blocks()[0];
     const Eigen::half d(12.5f / 127.0f);
     EXPECT_EQ(std::memcmp(&block.scale, &d, 2), 0);
-    for (index j = 0; j < 32; ++j)
+    for (index_t j = 0; j < 32; ++j)
         EXPECT_EQ(block.values[j], static_cast<std::int8_t>(std::round(k(0, 0, 0, j) / static_cast<float>(d))));
     EXPECT_EQ(block.values[31], 127);
     EXPECT_EQ(cache.value_blocks()[0].values[31], -127);
@@ -198,14 +198,14 @@ TEST(Q8Cache, BlocksAreGgmlsQ8_0Bytes) {
 /// zero) clamped to [-127, 127].
 q8_0_block quantized_one_at_a_time(const float* x) {
     float amax = 0;
-    for (index j = 0; j < 32; ++j) amax = std::max(amax, std::abs(x[j]));
+    for (index_t j = 0; j < 32; ++j) amax = std::max(amax, std::abs(x[j]));
     q8_0_block block{};
     block.scale = Eigen::half(amax / 127.0f);
     if (static_cast<float>(block.scale) > 0 && amax > 127.5f * static_cast<float>(block.scale))
         block.scale =
             Eigen::half_impl::raw_uint16_to_half(static_cast<std::uint16_t>(attend::detail::bits_of(block.scale) + 1));
     const float d = static_cast<float>(block.scale), inverse = d > 0 ? 1.0f / d : 0.0f;
-    for (index j = 0; j < 32; ++j)
+    for (index_t j = 0; j < 32; ++j)
         block.values[j] = static_cast<std::int8_t>(std::clamp(std::round(x[j] * inverse), -127.0f, 127.0f));
     return block;
 }
@@ -215,17 +215,17 @@ q8_0_block quantized_one_at_a_time(const float* x) {
 // either side of each tie, values whose quotient lands past 127 (d rounded down), blocks of zeros, of tiny values
 // (d rounds to 0) and of fp16-subnormal scales, and random rows of every magnitude; from float, double and bf16.
 TEST(Q8Cache, QuantizingInPacketsGivesTheBytesOfAValueAtATimeRoundingHalfAwayFromZero) {
-    const index D = 64, rows = 300;
+    const index_t D = 64, rows = 300;
     attend::tensor<float, 4> k = random_rows(21, 1, 1, rows, D);
     attend_test::ties_and_neighbours(k, -127, 254, 127.0f / 16.0f);  // rows 0 .. 255; amax 127 / 16: d = 2^-4
-    for (index j = 0; j < D; ++j) {
+    for (index_t j = 0; j < D; ++j) {
         k(0, 0, 256, j) = 0.0f;                                      // zeros
         k(0, 0, 257, j) = 1e-9f * static_cast<float>(j % 5 - 2);     // d rounds to 0: zeros
         k(0, 0, 258, j) = 3e-6f * static_cast<float>(j % 7 - 3);     // d an fp16 subnormal
         k(0, 0, 259, j) = 100.0f * static_cast<float>(j) / (D - 1);  // q up to 127 where x / d is 127.0x
         k(0, 0, 260, j) = -std::nextafter(1000.0f, 0.0f) * static_cast<float>(j % 32 == 31);
     }
-    const index ties = attend_test::quantized_as_by_hand<q8_0_block>(k, 256, quantized_one_at_a_time);
+    const index_t ties = attend_test::quantized_as_by_hand<q8_0_block>(k, 256, quantized_one_at_a_time);
     EXPECT_GT(ties, 4000);  // the ties were there to round
 }
 
@@ -251,10 +251,10 @@ TEST(Q8Cache, SixteenBitInputsQuantizeAsTheirFloatValues) {
 // scanned and a score that would overflow is rejected with the message a float cache of the same values gets,
 // before anything is written (the decode path, whose pass notes the keys, and the reference kernel).
 TEST(Q8Cache, ScoresThatCanOverflowAreRejectedAsOverAFloatCacheAndBoundedOnesNeedNoScan) {
-    const index B = 1, G = 2, H = 8, D = 64, S = 3000;
+    const index_t B = 1, G = 2, H = 8, D = 64, S = 3000;
     attend::q8_kv_cache cache(B, G, S, D, D);
     auto k = random_rows(21, B, G, S, D);
-    for (index d = 0; d < D; ++d) k(0, 1, 2500, d) = 8e6f;  // 64 x 1e31 x 8e6 / 8 = 6.4e38: beyond half of float's
+    for (index_t d = 0; d < D; ++d) k(0, 1, 2500, d) = 8e6f;  // 64 x 1e31 x 8e6 / 8 = 6.4e38: beyond half of float's
     cache.append(k, random_rows(22, B, G, S, D));
     const auto keys = dequantized(cache, true), values = dequantized(cache, false);
     attend::tensor<float, 4> small(B, H, 1, D), large(B, H, 1, D);
@@ -277,15 +277,15 @@ TEST(Q8Cache, ScoresThatCanOverflowAreRejectedAsOverAFloatCacheAndBoundedOnesNee
         out.setConstant(-5.0f);
         const std::string message = attend_test::expect_error<attend::value_error>(
             [&] {
-                attend::scaled_dot_product_attention_into(large, cache.keys(), cache.values(), attend::no_mask{}, out,
-                                                          o);
+                attend::scaled_dot_product_attention_into(large, cache.keys(), cache.values(), attend::no_mask{}, o,
+                                                          out);
             },
             "attend.value.score_overflow");
         EXPECT_NE(message.find("key 2500"), std::string::npos) << message;
         const std::string as_float = attend_test::expect_error<attend::value_error>(
             [&] { (void)attend::scaled_dot_product_attention(large, keys, values, o); }, "attend.value.score_overflow");
         EXPECT_EQ(message, as_float);
-        for (index n = 0; n < out.size(); ++n) ASSERT_EQ(out.data()[n], -5.0f);
+        for (index_t n = 0; n < out.size(); ++n) ASSERT_EQ(out.data()[n], -5.0f);
     }
 }
 
@@ -296,10 +296,10 @@ TEST(Q8Cache, ShapeErrorsNameItsViewsWithTheirBlocks) {
     q.setConstant(0.5f);
     out.setConstant(-5.0f);
     const std::string message = attend_test::expect_error<attend::shape_error>(
-        [&] { attend::scaled_dot_product_attention_into(q, cache.keys(), cache.values(), attend::no_mask{}, out, {}); },
+        [&] { attend::scaled_dot_product_attention_into(q, cache.keys(), cache.values(), attend::no_mask{}, {}, out); },
         "attend.shape.key_dim");
     EXPECT_NE(message.find("query [1,4,1,32], key [1,2,5,64] (q8_0 blocks))"), std::string::npos) << message;
-    for (index n = 0; n < out.size(); ++n) ASSERT_EQ(out.data()[n], -5.0f);
+    for (index_t n = 0; n < out.size(); ++n) ASSERT_EQ(out.data()[n], -5.0f);
 }
 
 TEST(Q8Cache, EveryBadAppendIsRefusedBeforeAnythingChanges) {

@@ -22,7 +22,7 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend::tensor;
 using attend_test::expect_error;
 using attend_test::json;
@@ -93,10 +93,10 @@ void check_golden_case(const json& c, double tolerance) {
     SCOPED_TRACE(file);
     const json& cfg = c.at("config");
     const auto config = attend::mha_config{}
-                            .with_model_dim(cfg.at("embed_dim").get<index>())
-                            .with_heads(cfg.at("num_heads").get<index>())
-                            .with_key_dim(cfg.at("kdim").get<index>())
-                            .with_value_dim(cfg.at("vdim").get<index>())
+                            .with_model_dim(cfg.at("embed_dim").get<index_t>())
+                            .with_heads(cfg.at("num_heads").get<index_t>())
+                            .with_key_dim(cfg.at("kdim").get<index_t>())
+                            .with_value_dim(cfg.at("vdim").get<index_t>())
                             .with_bias(cfg.at("bias").get<bool>());
     const auto m = attend::load_torch_mha<T>(data_file(file), config, c.at("prefix").get<std::string>());
     const json& in = c.at("inputs");
@@ -117,9 +117,9 @@ void check_golden_case(const json& c, double tolerance) {
     double e_out = 0, e_w = 0;
     ASSERT_EQ(r.out.size(), out.size());
     ASSERT_EQ(r.averaged_weights().size(), weights.size());
-    for (index n = 0; n < out.size(); ++n)
+    for (index_t n = 0; n < out.size(); ++n)
         e_out = std::max(e_out, std::abs(static_cast<double>(r.out.data()[n]) - out.data()[n]));
-    for (index n = 0; n < weights.size(); ++n)
+    for (index_t n = 0; n < weights.size(); ++n)
         e_w = std::max(e_w, std::abs(static_cast<double>(r.averaged_weights().data()[n]) - weights.data()[n]));
     std::cout << "  [" << file << ", " << (sizeof(T) == 8 ? "double" : "float") << "] max abs error: out " << e_out
               << ", averaged weights " << e_w << '\n';
@@ -145,7 +145,7 @@ TEST(SafetensorsGolden, FileContentsPrefixAndMetadata) {
     EXPECT_FALSE(f.contains("encoder.attn.in_proj_weight"));  // kdim != embed_dim: separate projections
     const auto& e = f.entry("encoder.attn.k_proj_weight");
     EXPECT_EQ(e.dtype, "F32");
-    EXPECT_EQ(e.shape, (std::vector<index>{6, 5}));
+    EXPECT_EQ(e.shape, (std::vector<index_t>{6, 5}));
     const auto norm = f.read<double, 1>("encoder.norm.weight");  // an unrelated tensor next to the module
     EXPECT_EQ(norm.dimension(0), 4);
     // Entries come in data order and tile the data section.
@@ -204,11 +204,11 @@ TEST(SafetensorsRead, ValuesShapesNamesAndConversions) {
     const auto ta = f.read<double, 2>(name);
     ASSERT_EQ(ta.dimension(0), 2);
     ASSERT_EQ(ta.dimension(1), 3);
-    for (index n = 0; n < 6; ++n) EXPECT_EQ(std::memcmp(&ta.data()[n], &a[static_cast<std::size_t>(n)], 8), 0) << n;
+    for (index_t n = 0; n < 6; ++n) EXPECT_EQ(std::memcmp(&ta.data()[n], &a[static_cast<std::size_t>(n)], 8), 0) << n;
     const auto ta_float = f.read<float, 2>(name);  // F64 into float rounds as a cast does
-    for (index n = 0; n < 6; ++n) EXPECT_EQ(ta_float.data()[n], static_cast<float>(a[static_cast<std::size_t>(n)]));
+    for (index_t n = 0; n < 6; ++n) EXPECT_EQ(ta_float.data()[n], static_cast<float>(a[static_cast<std::size_t>(n)]));
     const auto tb = f.read<double, 1>("b");  // F32 into double is exact
-    for (index n = 0; n < 3; ++n) EXPECT_EQ(tb(n), static_cast<double>(b[static_cast<std::size_t>(n)]));
+    for (index_t n = 0; n < 3; ++n) EXPECT_EQ(tb(n), static_cast<double>(b[static_cast<std::size_t>(n)]));
     EXPECT_EQ((f.read<double, 0>("s")()), -9.5);
     const auto te = f.read<float, 2>("empty");
     EXPECT_EQ(te.dimension(0), 0);

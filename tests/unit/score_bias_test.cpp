@@ -19,7 +19,7 @@ namespace {
 using attend_test::expect_error;
 
 using attend::alignment;
-using attend::index;
+using attend::index_t;
 using attend::score_bias;
 
 constexpr alignment alignments[] = {alignment::top_left, alignment::bottom_right};
@@ -27,16 +27,16 @@ constexpr alignment alignments[] = {alignment::top_left, alignment::bottom_right
 const char* name(alignment a) { return a == alignment::top_left ? "top_left" : "bottom_right"; }
 
 /// A random score_bias of the given kind (0 alibi, 1 relative) for `heads` heads.
-score_bias random_bias(attend_test::rng& g, int kind, index heads, alignment align) {
+score_bias random_bias(attend_test::rng& g, int kind, index_t heads, alignment align) {
     if (kind == 0) {
         std::vector<double> slopes = g.bernoulli(0.5) ? attend::alibi_slopes(heads) : std::vector<double>{};
         if (slopes.empty())
-            for (index h = 0; h < heads; ++h) slopes.push_back(g.uniform(-2.0, 2.0));
+            for (index_t h = 0; h < heads; ++h) slopes.push_back(g.uniform(-2.0, 2.0));
         return score_bias::alibi(std::move(slopes), align);
     }
     const bool bidirectional = g.bernoulli(0.5);
-    const index num_buckets = g.bernoulli(0.5) ? 32 : 2 * g.uniform_int(2, 10);
-    const index max_distance = num_buckets / 2 + g.uniform_int(1, 100);  // > max_exact either way
+    const index_t num_buckets = g.bernoulli(0.5) ? 32 : 2 * g.uniform_int(2, 10);
+    const index_t max_distance = num_buckets / 2 + g.uniform_int(1, 100);  // > max_exact either way
     attend::relative_position_bias<double> table(heads, bidirectional, num_buckets, max_distance, g.next());
     return score_bias::relative(table, align);
 }
@@ -44,19 +44,19 @@ score_bias random_bias(attend_test::rng& g, int kind, index heads, alignment ali
 /// Runs add_tile on a random tile and checks every element became its old value + value(), exactly, and
 /// that the padding columns of the leading dimension stayed untouched.
 template <class T>
-void check_tile_equals_value(attend_test::rng& g, const score_bias& bias, index heads, index query_len, index key_len,
-                             index max_tile) {
-    const index head = g.uniform_int(0, heads - 1);
-    const index query_begin = g.uniform_int(0, query_len - 1), key_begin = g.uniform_int(0, key_len - 1);
-    const index rows = g.uniform_int(1, std::min(max_tile, query_len - query_begin));
-    const index cols = g.uniform_int(1, std::min(max_tile, key_len - key_begin));
-    const index ld = cols + g.uniform_int(0, 3);
+void check_tile_equals_value(attend_test::rng& g, const score_bias& bias, index_t heads, index_t query_len,
+                             index_t key_len, index_t max_tile) {
+    const index_t head = g.uniform_int(0, heads - 1);
+    const index_t query_begin = g.uniform_int(0, query_len - 1), key_begin = g.uniform_int(0, key_len - 1);
+    const index_t rows = g.uniform_int(1, std::min(max_tile, query_len - query_begin));
+    const index_t cols = g.uniform_int(1, std::min(max_tile, key_len - key_begin));
+    const index_t ld = cols + g.uniform_int(0, 3);
     std::vector<T> scores(static_cast<std::size_t>(rows * ld));
     for (auto& s : scores) s = static_cast<T>(g.uniform(-3, 3));
     const std::vector<T> before = scores;
     bias.add_tile(head, query_begin, key_begin, rows, cols, query_len, key_len, scores.data(), ld);
-    for (index r = 0; r < rows; ++r)
-        for (index c = 0; c < ld; ++c) {
+    for (index_t r = 0; r < rows; ++r)
+        for (index_t c = 0; c < ld; ++c) {
             const auto k = static_cast<std::size_t>(r * ld + c);
             if (c >= cols) {
                 ASSERT_EQ(scores[k], before[k]) << "padding column " << c << " was written";
@@ -101,12 +101,12 @@ TEST(ScoreBias, AlignmentsAgreeWhenQueryLenEqualsKeyLen) {
     attend_test::rng g(7);
     for (int rep = 0; rep < attend_test::repeat(200); ++rep) {
         const int kind = static_cast<int>(g.uniform_int(0, 1));
-        const index heads = g.uniform_int(1, 4), n = g.uniform_int(1, 300);
+        const index_t heads = g.uniform_int(1, 4), n = g.uniform_int(1, 300);
         const std::uint64_t seed = g.next();
         attend_test::rng g1(seed), g2(seed);
         const auto top = random_bias(g1, kind, heads, alignment::top_left);
         const auto bottom = random_bias(g2, kind, heads, alignment::bottom_right);
-        const index h = g.uniform_int(0, heads - 1), i = g.uniform_int(0, n - 1), j = g.uniform_int(0, n - 1);
+        const index_t h = g.uniform_int(0, heads - 1), i = g.uniform_int(0, n - 1), j = g.uniform_int(0, n - 1);
         ASSERT_EQ(top.value<double>(h, i, j, n, n), bottom.value<double>(h, i, j, n, n));
     }
 }
@@ -117,8 +117,8 @@ TEST(ScoreBias, RelativeValueIsTheTableValueAtTheAlignedQueryPosition) {
     const auto bottom = score_bias::relative(table, alignment::bottom_right);
     attend_test::rng g(8);
     for (int rep = 0; rep < attend_test::repeat(1000); ++rep) {
-        const index query_len = g.uniform_int(1, 400), key_len = g.uniform_int(1, 400);
-        const index h = g.uniform_int(0, 2), i = g.uniform_int(0, query_len - 1), j = g.uniform_int(0, key_len - 1);
+        const index_t query_len = g.uniform_int(1, 400), key_len = g.uniform_int(1, 400);
+        const index_t h = g.uniform_int(0, 2), i = g.uniform_int(0, query_len - 1), j = g.uniform_int(0, key_len - 1);
         ASSERT_EQ(top.value<double>(h, i, j, query_len, key_len), table.value(h, i, j));
         ASSERT_EQ(bottom.value<double>(h, i, j, query_len, key_len), table.value(h, i + key_len - query_len, j));
         ASSERT_EQ(bottom.value<float>(h, i, j, query_len, key_len),
@@ -131,9 +131,9 @@ TEST(ScoreBias, AddTileEqualsValueElementwiseForRandomTiles) {
     for (int rep = 0; rep < attend_test::repeat(200); ++rep) {
         const int kind = static_cast<int>(g.uniform_int(0, 1));
         const auto align = alignments[g.uniform_int(0, 1)];
-        const index heads = g.uniform_int(1, 6);
+        const index_t heads = g.uniform_int(1, 6);
         // L != S on purpose, both ways round, including single rows and columns.
-        const index query_len = g.uniform_int(1, 200), key_len = g.uniform_int(1, 200);
+        const index_t query_len = g.uniform_int(1, 200), key_len = g.uniform_int(1, 200);
         const auto bias = random_bias(g, kind, heads, align);
         bias.validate(heads, query_len, key_len);
         SCOPED_TRACE(std::string(kind == 0 ? "alibi " : "relative ") + name(align));
@@ -162,13 +162,13 @@ TEST(ScoreBias, TilingTheWholeScoreMatrixEqualsOneTile) {
     for (int rep = 0; rep < attend_test::repeat(50); ++rep) {
         const int kind = static_cast<int>(g.uniform_int(0, 1));
         const auto align = alignments[g.uniform_int(0, 1)];
-        const index query_len = g.uniform_int(1, 90), key_len = g.uniform_int(1, 90);
-        const index tile_rows = g.uniform_int(1, 17), tile_cols = g.uniform_int(1, 17);
+        const index_t query_len = g.uniform_int(1, 90), key_len = g.uniform_int(1, 90);
+        const index_t tile_rows = g.uniform_int(1, 17), tile_cols = g.uniform_int(1, 17);
         const auto bias = random_bias(g, kind, 3, align);
         std::vector<double> whole(static_cast<std::size_t>(query_len * key_len), 0.0), tiled = whole;
         bias.add_tile(2, 0, 0, query_len, key_len, query_len, key_len, whole.data(), key_len);
-        for (index q0 = 0; q0 < query_len; q0 += tile_rows)
-            for (index k0 = 0; k0 < key_len; k0 += tile_cols)
+        for (index_t q0 = 0; q0 < query_len; q0 += tile_rows)
+            for (index_t k0 = 0; k0 < key_len; k0 += tile_cols)
                 bias.add_tile(2, q0, k0, std::min(tile_rows, query_len - q0), std::min(tile_cols, key_len - k0),
                               query_len, key_len, tiled.data() + q0 * key_len + k0, key_len);
         ASSERT_EQ(whole, tiled) << name(align) << (kind == 0 ? " alibi" : " relative");
@@ -205,9 +205,9 @@ TEST(ScoreBias, RelativeSharedTableSeesTheCallersUpdates) {
 TEST(ScoreBias, RelativeFromAFloatTableUsesTheSameValues) {
     attend::relative_position_bias<float> table(3, true, 16, 40, 4);
     const auto bias = score_bias::relative(table, alignment::bottom_right);
-    for (index i = 0; i < 30; ++i)
-        for (index j = 0; j < 50; ++j)
-            for (index h = 0; h < 3; ++h) {
+    for (index_t i = 0; i < 30; ++i)
+        for (index_t j = 0; j < 50; ++j)
+            for (index_t h = 0; h < 3; ++h) {
                 ASSERT_EQ(bias.value<double>(h, i, j, 30, 50), static_cast<double>(table.value(h, i + 20, j)));
                 ASSERT_EQ(bias.value<float>(h, i, j, 30, 50), table.value(h, i + 20, j));
             }

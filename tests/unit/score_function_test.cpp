@@ -25,15 +25,15 @@
 namespace {
 
 using attend::alignment;
-using attend::index;
+using attend::index_t;
 
 /// ALiBi (top-left) as a score modifier: s - slope[h] |i - j|, with derivative 1; generic indices, which arrive
-/// as score_index (wavy below declares them index, which works as well).
+/// as mod_index (wavy below declares them index, which works as well).
 attend::score_function alibi_as_function(const std::vector<double>& slopes) {
     return attend::score_mod(
         [slopes](auto s, auto, auto h, auto i, auto j) {
             using S = decltype(s);
-            static_assert(std::is_same_v<decltype(i), attend::score_index>);
+            static_assert(std::is_same_v<decltype(i), attend::mod_index>);
             return s - static_cast<S>(slopes[static_cast<std::size_t>(h)] * static_cast<double>(std::abs(i - j)));
         },
         [](auto, auto, auto, auto, auto) { return 1.0; });
@@ -46,7 +46,7 @@ TYPED_TEST_SUITE(ScoreMod, attend_test::scalar_types, attend_test::scalar_names)
 TYPED_TEST(ScoreMod, AlibiAsAFunctionEqualsTheBuiltInBiasForwardAndBackward) {
     using T = TypeParam;
     const double tolerance = std::is_same_v<T, float> ? 3e-6 : 1e-13;
-    const index B = 2, H = 4, G = 2, L = 150, S = 170, D = 16;
+    const index_t B = 2, H = 4, G = 2, L = 150, S = 170, D = 16;
     const auto q = attend_test::random_tensor<T>(1, B, H, L, D), k = attend_test::random_tensor<T>(2, B, G, S, D),
                v = attend_test::random_tensor<T>(3, B, G, S, D), d_out = attend_test::random_tensor<T>(4, B, H, L, D);
     const auto slopes = attend::alibi_slopes(H);
@@ -60,29 +60,29 @@ TYPED_TEST(ScoreMod, AlibiAsAFunctionEqualsTheBuiltInBiasForwardAndBackward) {
         const auto got = attend::scaled_dot_product_attention(q, k, v, mask, function);
         EXPECT_LE(attend_test::max_abs_diff(got.out, want.out), tolerance);
         EXPECT_LE(attend_test::max_abs_diff(got.lse, want.lse), 10 * tolerance);
-        const auto gw = attend::scaled_dot_product_attention_backward(q, k, v, want, d_out, mask, builtin);
-        const auto gg = attend::scaled_dot_product_attention_backward(q, k, v, got, d_out, mask, function);
-        EXPECT_LE(attend_test::max_abs_diff(gg.dq, gw.dq), 20 * tolerance);
-        EXPECT_LE(attend_test::max_abs_diff(gg.dk, gw.dk), 20 * tolerance);
-        EXPECT_LE(attend_test::max_abs_diff(gg.dv, gw.dv), 20 * tolerance);
+        const auto gw = attend::scaled_dot_product_attention_backward(q, k, v, mask, want, d_out, builtin);
+        const auto gg = attend::scaled_dot_product_attention_backward(q, k, v, mask, got, d_out, function);
+        EXPECT_LE(attend_test::max_abs_diff(gg.d_query, gw.d_query), 20 * tolerance);
+        EXPECT_LE(attend_test::max_abs_diff(gg.d_key, gw.d_key), 20 * tolerance);
+        EXPECT_LE(attend_test::max_abs_diff(gg.d_value, gw.d_value), 20 * tolerance);
     }
 }
 
 /// s + a sin(s) (h + 1) / (1 + |i - j|): nonlinear in the score and position-dependent, with its derivative.
 attend::score_function wavy() {
     return attend::score_mod(
-        [](auto s, index, index h, index i, index j) {
+        [](auto s, index_t, index_t h, index_t i, index_t j) {
             return s + decltype(s)(0.3) * std::sin(s) * static_cast<decltype(s)>(h + 1) /
                            static_cast<decltype(s)>(1 + std::abs(i - j));
         },
-        [](auto s, index, index h, index i, index j) {
+        [](auto s, index_t, index_t h, index_t i, index_t j) {
             return decltype(s)(1) + decltype(s)(0.3) * std::cos(s) * static_cast<decltype(s)>(h + 1) /
                                         static_cast<decltype(s)>(1 + std::abs(i - j));
         });
 }
 
 TEST(ScoreModBackward, GradientsThroughTheUsersDerivativeEqualFiniteDifferences) {
-    const index B = 2, H = 4, G = 2, L = 4, S = 6, D = 3;
+    const index_t B = 2, H = 4, G = 2, L = 4, S = 6, D = 3;
     attend::tensor<double, 4> q = attend_test::random_tensor<double>(5, B, H, L, D) * 2.0;
     attend::tensor<double, 4> k = attend_test::random_tensor<double>(6, B, G, S, D) * 2.0;
     attend::tensor<double, 4> v = attend_test::random_tensor<double>(7, B, G, S, D);
@@ -103,17 +103,17 @@ TEST(ScoreModBackward, GradientsThroughTheUsersDerivativeEqualFiniteDifferences)
     for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
         o.kernel = kernel;
         const auto f = attend::scaled_dot_product_attention(q, k, v, mask, o);
-        const auto g = attend::scaled_dot_product_attention_backward(q, k, v, f, w, mask, o);
-        attend_test::expect_close_to_fd(g.dq, fd_q, "dq");
-        attend_test::expect_close_to_fd(g.dk, fd_k, "dk");
-        attend_test::expect_close_to_fd(g.dv, fd_v, "dv");
+        const auto g = attend::scaled_dot_product_attention_backward(q, k, v, mask, f, w, o);
+        attend_test::expect_close_to_fd(g.d_query, fd_q, "dq");
+        attend_test::expect_close_to_fd(g.d_key, fd_k, "dk");
+        attend_test::expect_close_to_fd(g.d_value, fd_v, "dv");
     }
 }
 
 /// Tiled against reference with every score feature: a score function, softcap, sinks, ALiBi on top, packed
 /// segments with a window, grouped heads and dropout.
 TEST(ScoreModCombined, TiledEqualsReferenceWithSoftcapSinksAlibiPackedSegmentsGqaAndDropout) {
-    const index B = 2, H = 4, G = 2, L = 300, D = 16;  // past one double key tile (256) and one query block
+    const index_t B = 2, H = 4, G = 2, L = 300, D = 16;  // past one double key tile (256) and one query block
     const auto q = attend_test::random_tensor<double>(9, B, H, L, D),
                k = attend_test::random_tensor<double>(10, B, G, L, D),
                v = attend_test::random_tensor<double>(11, B, G, L, D),
@@ -138,42 +138,52 @@ TEST(ScoreModGolden, AScoreFunctionMatchesFlexAttentionAndPyTorchAutogradInDoubl
 }
 
 TEST(ScoreModErrors, BackwardWithoutADerivativeIsRejectedBeforeAnyWrite) {
-    const index B = 1, H = 2, L = 5, D = 4;
+    const index_t B = 1, H = 2, L = 5, D = 4;
     const auto q = attend_test::random_tensor<double>(1, B, H, L, D),
                k = attend_test::random_tensor<double>(2, B, H, L, D),
                v = attend_test::random_tensor<double>(3, B, H, L, D);
     attend::sdpa_options o;
-    o.score_mod = attend::score_mod([](auto s, index, index, index, index) { return s * decltype(s)(0.5); });
+    o.score_mod = attend::score_mod([](auto s, index_t, index_t, index_t, index_t) { return s * decltype(s)(0.5); });
     const auto f = attend::scaled_dot_product_attention(q, k, v, o);  // the forward needs no derivative
     attend::tensor<double, 4> dq(q.dimensions()), dk(k.dimensions()), dv(v.dimensions());
     dq.setConstant(42);
     attend_test::expect_error<attend::value_error>(
         [&] {
-            attend::scaled_dot_product_attention_backward_into(q, k, v, f.out, f.lse, f.out, attend::no_mask{}, dq, dk,
-                                                               dv, o);
+            attend::scaled_dot_product_attention_backward_into(q, k, v, attend::no_mask{}, f.out, f.lse, f.out, o, dq,
+                                                               dk, dv);
         },
         "attend.value.score_mod_derivative");
     EXPECT_TRUE(std::all_of(dq.data(), dq.data() + dq.size(), [](double x) { return x == 42; }));
 }
 
-TEST(ScoreModErrors, PositionsBeyondThirtyTwoBitsAreRejectedBeforeAnyWrite) {
-    // Keys and values of 2^31 rows that all share one row's memory (stride 0): a valid call that only a score_mod
-    // cannot take, since it receives key positions as score_index.
+/// Keys and values of 2^31 rows that all share one row's memory (stride 0): a valid call that only a mask_mod or a
+/// score_mod cannot take, since they receive key positions as mod_index. Checks the error and that out is unwritten.
+template <class Mask>
+void expect_positions_beyond_mod_index_rejected(const Mask& mask, const attend::sdpa_options& options) {
     std::vector<float> row(4, 0.5f), out(4, 42.0f);
     attend::strided_view<const float> q, kv;
     q.data = kv.data = row.data();
     q.dims = {1, 1, 1, 4};
     q.strides = {4, 4, 4, 1};
-    kv.dims = {1, 1, index{1} << 31, 4};
+    kv.dims = {1, 1, index_t{1} << 31, 4};
     kv.strides = {0, 0, 0, 1};
     Eigen::TensorMap<attend::tensor<float, 4>> o(out.data(), 1, 1, 1, 4);
+    attend_test::expect_error<attend::shape_error>(
+        [&] { attend::scaled_dot_product_attention_into(q, kv, kv, mask, options, o); }, "attend.shape.mod_positions");
+    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 42.0f; }));
+}
+
+TEST(ScoreModErrors, PositionsBeyondThirtyTwoBitsAreRejectedBeforeAnyWrite) {
     attend::sdpa_options options;
     options.check_finite = false;
     options.score_mod = attend::score_mod([](auto s, auto, auto, auto, auto) { return s; });
-    attend_test::expect_error<attend::shape_error>(
-        [&] { attend::scaled_dot_product_attention_into(q, kv, kv, attend::no_mask{}, o, options); },
-        "attend.shape.score_mod_positions");
-    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 42.0f; }));
+    expect_positions_beyond_mod_index_rejected(attend::no_mask{}, options);
+}
+
+TEST(MaskModErrors, PositionsBeyondThirtyTwoBitsAreRejectedBeforeAnyWriteAsForScoreMod) {
+    attend::sdpa_options options;
+    options.check_finite = false;
+    expect_positions_beyond_mod_index_rejected(attend::mask_mod([](auto, auto, auto, auto) { return true; }), options);
 }
 
 }  // namespace

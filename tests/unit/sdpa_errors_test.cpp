@@ -23,7 +23,7 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 template <class T, int Rank>
 using tensor = attend::tensor<T, Rank>;
 
@@ -32,7 +32,7 @@ constexpr float nan_f = std::numeric_limits<float>::quiet_NaN();
 constexpr float inf_f = std::numeric_limits<float>::infinity();
 
 template <int Rank>
-tensor<float, Rank> random4(std::uint64_t seed, const std::array<index, static_cast<std::size_t>(Rank)>& dims) {
+tensor<float, Rank> random4(std::uint64_t seed, const std::array<index_t, static_cast<std::size_t>(Rank)>& dims) {
     tensor<float, Rank> t(dims);
     attend_test::fill_uniform(t, seed);
     return t;
@@ -42,7 +42,7 @@ tensor<float, Rank> random4(std::uint64_t seed, const std::array<index, static_c
 struct qkv {
     tensor<float, 4> q, k, v;
 };
-qkv make(index B, index H, index G, index L, index S, index D, index Dv) {
+qkv make(index_t B, index_t H, index_t G, index_t L, index_t S, index_t D, index_t Dv) {
     return {random4<4>(1, {B, H, L, D}), random4<4>(2, {B, G, S, D}), random4<4>(3, {B, G, S, Dv})};
 }
 
@@ -54,9 +54,9 @@ struct sentinel_outputs {
 
     bool untouched() const {
         for (const auto* t : {&out, &weights})
-            for (index n = 0; n < t->size(); ++n)
+            for (index_t n = 0; n < t->size(); ++n)
                 if (!(t->data()[n] == sentinel)) return false;
-        for (index n = 0; n < lse.size(); ++n)
+        for (index_t n = 0; n < lse.size(); ++n)
             if (!(lse.data()[n] == sentinel)) return false;
         return true;
     }
@@ -66,7 +66,7 @@ template <class Q, class K, class V>
 auto outputs_for(const Q& q, const K& k, const V& v) {
     constexpr int rank = Q::NumDimensions;
     // value_dim and key_len from the last axes of v and k, which may have another rank than q (attend.shape.rank).
-    const index value_dim = v.dimension(V::NumDimensions - 1), key_len = k.dimension(K::NumDimensions - 2);
+    const index_t value_dim = v.dimension(V::NumDimensions - 1), key_len = k.dimension(K::NumDimensions - 2);
     sentinel_outputs<rank> s;
     if constexpr (rank == 4) {
         s.out.resize(q.dimension(0), q.dimension(1), q.dimension(2), value_dim);
@@ -106,7 +106,7 @@ template <class E, class Q, class K, class V, class Mask>
 void expect_call_error(const Q& q, const K& k, const V& v, const Mask& mask, const attend::sdpa_options& o,
                        const std::string& id, const std::vector<std::string>& fragments) {
     auto s = outputs_for(q, k, v);
-    expect_error<E>([&] { attend::scaled_dot_product_attention_into(q, k, v, mask, s.out, o, s.weights, s.lse); }, id,
+    expect_error<E>([&] { attend::scaled_dot_product_attention_into(q, k, v, mask, o, s.out, s.weights, s.lse); }, id,
                     fragments);
     EXPECT_TRUE(s.untouched()) << id << ": an output was written before the error";
     attend::sdpa_options with_outputs = o;
@@ -207,14 +207,14 @@ TEST(SdpaErrors, ZeroHeadDimIsShapeEmptyHeadDim) {
 // alone, before reading or writing any element (ASan would report a read past the buffer).
 TEST(SdpaErrors, ElementCountsBeyondEigenIndexAreShapeOverflowBeforeAnyMemoryIsTouched) {
     std::vector<float> buffer(64, 0.5f), out_buffer(64, sentinel);
-    const index huge_batch = index(1) << 40;
+    const index_t huge_batch = index_t(1) << 40;
     {
         // query: 2^40 * 1 * 2^20 * 8 = 2^63 elements.
-        const attend::const_tensor_view<float, 4> q(buffer.data(), huge_batch, 1, index(1) << 20, 8),
+        const attend::const_tensor_view<float, 4> q(buffer.data(), huge_batch, 1, index_t(1) << 20, 8),
             k(buffer.data(), huge_batch, 1, 4, 8), v(buffer.data(), huge_batch, 1, 4, 8);
         expect_error<attend::shape_error>([&] { (void)attend::check_shapes(q, k, v); }, "attend.shape.overflow",
                                           {"[1099511627776,1,1048576,8]", "[1099511627776,1,4,8]"});
-        attend::tensor_view<float, 4> out(out_buffer.data(), huge_batch, 1, index(1) << 20, 8);
+        attend::tensor_view<float, 4> out(out_buffer.data(), huge_batch, 1, index_t(1) << 20, 8);
         expect_error<attend::shape_error>(
             [&] { attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, out); },
             "attend.shape.overflow", {"[1099511627776,1,1048576,8]"});
@@ -223,12 +223,12 @@ TEST(SdpaErrors, ElementCountsBeyondEigenIndexAreShapeOverflowBeforeAnyMemoryIsT
     }
     {
         // Every tensor fits, the scores [2^20, 1, 2^21, 2^22] = 2^63 do not.
-        const attend::const_tensor_view<float, 4> q(buffer.data(), index(1) << 20, 1, index(1) << 21, 1),
-            k(buffer.data(), index(1) << 20, 1, index(1) << 22, 1),
-            v(buffer.data(), index(1) << 20, 1, index(1) << 22, 1);
+        const attend::const_tensor_view<float, 4> q(buffer.data(), index_t(1) << 20, 1, index_t(1) << 21, 1),
+            k(buffer.data(), index_t(1) << 20, 1, index_t(1) << 22, 1),
+            v(buffer.data(), index_t(1) << 20, 1, index_t(1) << 22, 1);
         expect_error<attend::shape_error>([&] { (void)attend::check_shapes(q, k, v); }, "attend.shape.overflow",
                                           {"scores [1048576,1,2097152,4194304]"});
-        attend::tensor_view<float, 4> out(out_buffer.data(), index(1) << 20, 1, index(1) << 21, 1);
+        attend::tensor_view<float, 4> out(out_buffer.data(), index_t(1) << 20, 1, index_t(1) << 21, 1);
         expect_error<attend::shape_error>(
             [&] {
                 attend::scaled_dot_product_attention_into(q, k, v, attend::causal(attend::alignment::top_left), out);
@@ -244,7 +244,7 @@ TEST(SdpaErrors, ElementCountsBeyondEigenIndexAreShapeOverflowBeforeAnyMemoryIsT
 /// 0 when check_shapes throws attend.shape.overflow for q [1, 2^21, 2^21, 2^21] (2^63 elements in one batch entry).
 int per_batch_overflow_exit_code() {
     std::vector<float> buffer(64, 0.5f);
-    const index n = index(1) << 21;
+    const index_t n = index_t(1) << 21;
     const attend::const_tensor_view<float, 4> q(buffer.data(), 1, n, n, n);
     const attend::const_tensor_view<float, 4> k(buffer.data(), 1, n, 4, n);
     const attend::const_tensor_view<float, 4> v(buffer.data(), 1, n, 4, 4);
@@ -273,10 +273,10 @@ TEST(SdpaErrors, OutputOfWrongShapeIsShapeOutput) {
     tensor<float, 4> bad(2, 2, 4, 5);  // value_dim 5 instead of 6
     bad.setConstant(sentinel);
     expect_error<attend::shape_error>(
-        [&] { attend::scaled_dot_product_attention_into(x.q, x.k, x.v, attend::no_mask{}, bad, {}, s.weights, s.lse); },
+        [&] { attend::scaled_dot_product_attention_into(x.q, x.k, x.v, attend::no_mask{}, {}, bad, s.weights, s.lse); },
         "attend.shape.output", {"out [2,2,4,5] != expected [2,2,4,6]"});
     EXPECT_TRUE(s.untouched());
-    for (index n = 0; n < bad.size(); ++n) ASSERT_EQ(bad.data()[n], sentinel);
+    for (index_t n = 0; n < bad.size(); ++n) ASSERT_EQ(bad.data()[n], sentinel);
 }
 
 TEST(SdpaErrors, WeightsOutputOfWrongShapeIsShapeWeightsOutput) {
@@ -285,10 +285,10 @@ TEST(SdpaErrors, WeightsOutputOfWrongShapeIsShapeWeightsOutput) {
     tensor<float, 4> bad(2, 2, 5, 4);  // [L, S] swapped
     bad.setConstant(sentinel);
     expect_error<attend::shape_error>(
-        [&] { attend::scaled_dot_product_attention_into(x.q, x.k, x.v, attend::no_mask{}, s.out, {}, bad, s.lse); },
+        [&] { attend::scaled_dot_product_attention_into(x.q, x.k, x.v, attend::no_mask{}, {}, s.out, bad, s.lse); },
         "attend.shape.weights_output", {"weights [2,2,5,4] != expected [2,2,4,5]"});
     EXPECT_TRUE(s.untouched());
-    for (index n = 0; n < bad.size(); ++n) ASSERT_EQ(bad.data()[n], sentinel);
+    for (index_t n = 0; n < bad.size(); ++n) ASSERT_EQ(bad.data()[n], sentinel);
 }
 
 TEST(SdpaErrors, LseOutputOfWrongShapeIsShapeLseOutput) {
@@ -297,10 +297,10 @@ TEST(SdpaErrors, LseOutputOfWrongShapeIsShapeLseOutput) {
     tensor<float, 3> bad(2, 4, 2);  // [B, L, H] instead of [B, H, L]
     bad.setConstant(sentinel);
     expect_error<attend::shape_error>(
-        [&] { attend::scaled_dot_product_attention_into(x.q, x.k, x.v, attend::no_mask{}, s.out, {}, s.weights, bad); },
+        [&] { attend::scaled_dot_product_attention_into(x.q, x.k, x.v, attend::no_mask{}, {}, s.out, s.weights, bad); },
         "attend.shape.lse_output", {"lse [2,4,2] != expected [2,2,4]"});
     EXPECT_TRUE(s.untouched());
-    for (index n = 0; n < bad.size(); ++n) ASSERT_EQ(bad.data()[n], sentinel);
+    for (index_t n = 0; n < bad.size(); ++n) ASSERT_EQ(bad.data()[n], sentinel);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -381,7 +381,7 @@ TEST(SdpaErrors, QueryWithoutAllowedKeyIsMaskEmptyRow) {
     const auto x = make(2, 3, 3, 4, 5, 3, 3);
     tensor<bool, 4> m(2, 3, 4, 5);
     m.setConstant(true);
-    for (index j = 0; j < 5; ++j) m(1, 2, 3, j) = false;  // the one empty row: batch 1, head 2, query 3
+    for (index_t j = 0; j < 5; ++j) m(1, 2, 3, j) = false;  // the one empty row: batch 1, head 2, query 3
     expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::allowed_mask::from_torch_sdpa(m), {},
                                           "attend.mask.empty_row", {"query 3", "batch 1", "head 2"});
     // A structured rule too: bottom_right causal with query_len > key_len leaves the first queries empty.
@@ -421,8 +421,8 @@ TEST(SdpaErrors, NaNOrInfinityInQueryKeyOrValueIsValueNonFinite) {
             attend::sdpa_options unchecked;
             unchecked.check_finite = false;
             auto s = outputs_for(x.q, x.k, x.v);
-            EXPECT_NO_THROW(attend::scaled_dot_product_attention_into(x.q, x.k, x.v, attend::no_mask{}, s.out,
-                                                                      unchecked, s.weights, s.lse));
+            EXPECT_NO_THROW(attend::scaled_dot_product_attention_into(x.q, x.k, x.v, attend::no_mask{}, unchecked,
+                                                                      s.out, s.weights, s.lse));
         }
     // Rank 3 names the rank-3 position.
     auto q3 = random4<3>(1, {2, 4, 3});
@@ -456,7 +456,7 @@ TEST(SdpaErrors, ParallelScansNameTheFirstBadElementAsOneThreadDoes) {
     }
     // A score that overflows comes before a non-finite value in the scan's order, on any number of threads.
     auto y = make(1, 4, 4, 1024, 1024, 64, 64);
-    for (index d = 0; d < 64; ++d) y.q(0, 3, 10, d) = y.k(0, 3, 20, d) = 1e19f;
+    for (index_t d = 0; d < 64; ++d) y.q(0, 3, 10, d) = y.k(0, 3, 20, d) = 1e19f;
     y.v(0, 0, 0, 0) = nan_f;
     for (const int threads : {1, 2}) {
         attend::sdpa_options o;
@@ -472,7 +472,7 @@ TEST(SdpaErrors, ParallelScansNameTheFirstBadElementAsOneThreadDoes) {
 // the rows.
 
 /// q [1, 4, 1, 8] over k, v [1, 2, key_len, 8]: 2600 keys are two decode chunks (2048 keys at this size).
-qkv decode_inputs(index key_len = 2600) { return make(1, 4, 2, 1, key_len, 8, 8); }
+qkv decode_inputs(index_t key_len = 2600) { return make(1, 4, 2, 1, key_len, 8, 8); }
 
 /// Runs a decode call with `mask` in both kernels (the reference scans before it computes) and expects the same
 /// value error from both, `id` with `fragment`, and nothing written by the tiled kernel's decode path.
@@ -486,14 +486,14 @@ void expect_decode_error(const tensor<T, 4>& q, const K& k, const K& v, const Ma
     attend::sdpa_options decode, reference;
     reference.kernel = attend::kernel::reference;
     const std::string found =
-        value_error_text([&] { attend::scaled_dot_product_attention_into(q, k, v, mask, out, decode, nullptr, lse); });
+        value_error_text([&] { attend::scaled_dot_product_attention_into(q, k, v, mask, decode, out, nullptr, lse); });
     const std::string scanned =
         value_error_text([&] { (void)attend::scaled_dot_product_attention(q, k, v, mask, reference); });
     EXPECT_EQ(found.rfind("[" + id + "] ", 0), 0u) << found;
     EXPECT_NE(found.find(fragment), std::string::npos) << found;
     EXPECT_EQ(found, scanned);
-    for (index n = 0; n < out.size(); ++n) ASSERT_EQ(out.data()[n], T(sentinel)) << "out written before the error";
-    for (index n = 0; n < lse.size(); ++n) ASSERT_EQ(lse.data()[n], T(sentinel)) << "lse written before the error";
+    for (index_t n = 0; n < out.size(); ++n) ASSERT_EQ(out.data()[n], T(sentinel)) << "out written before the error";
+    for (index_t n = 0; n < lse.size(); ++n) ASSERT_EQ(lse.data()[n], T(sentinel)) << "lse written before the error";
 }
 
 TEST(SdpaErrors, DecodeRejectsANonFiniteKeyOrValueItsPassMetOrSkippedWithTheScansMessageBeforeWriting) {
@@ -503,11 +503,11 @@ TEST(SdpaErrors, DecodeRejectsANonFiniteKeyOrValueItsPassMetOrSkippedWithTheScan
         check(attend::sliding_window(100, 0, attend::alignment::bottom_right));  // only the last 101 keys read
     };
     // 2600 keys: two chunks; 1000: one.
-    const std::vector<std::pair<index, std::vector<index>>> lengths{{2600, {5, 1023, 2048, 2599}},
-                                                                    {1000, {5, 699, 999}}};
+    const std::vector<std::pair<index_t, std::vector<index_t>>> lengths{{2600, {5, 1023, 2048, 2599}},
+                                                                        {1000, {5, 699, 999}}};
     for (const auto& [key_len, bad_keys] : lengths)
         for (const bool in_values : {false, true})
-            for (const index key : bad_keys)
+            for (const index_t key : bad_keys)
                 for (const float bad : {nan_f, inf_f, -inf_f}) {
                     SCOPED_TRACE((in_values ? "value " : "key ") + std::to_string(key) + " of " +
                                  std::to_string(key_len) + " holds " + std::to_string(bad));
@@ -532,10 +532,11 @@ TEST(SdpaErrors, DecodeRejectsScoresThatOverflowAsTheScanDoesAndComputesPairsTha
     // q.k = 8 x 1e19 x 1e19 x scale 1/sqrt(8) = 2.8e38, beyond half of float's range, for key 2400 only; the
     // sliding window never reads that key, and the rule holds for every pair, masked or not.
     // Also key 800 of 1000: one chunk.
-    for (const auto& [key_len, key] : {std::pair<index, index>{2600, 2400}, std::pair<index, index>{1000, 800}}) {
+    for (const auto& [key_len, key] :
+         {std::pair<index_t, index_t>{2600, 2400}, std::pair<index_t, index_t>{1000, 800}}) {
         auto x = decode_inputs(key_len);
         x.q.setConstant(1e19f);
-        for (index d = 0; d < 8; ++d) x.k(0, 0, key, d) = 1e19f;
+        for (index_t d = 0; d < 8; ++d) x.k(0, 0, key, d) = 1e19f;
         const std::string named = "key " + std::to_string(key);
         expect_decode_error(x.q, x.k, x.v, attend::no_mask{}, "attend.value.score_overflow", named);
         expect_decode_error(x.q, x.k, x.v, attend::sliding_window(10, 0, attend::alignment::bottom_right),
@@ -545,13 +546,13 @@ TEST(SdpaErrors, DecodeRejectsScoresThatOverflowAsTheScanDoesAndComputesPairsTha
     // large key on feature 1 only. Computed, and as the reference computes it.
     auto y = decode_inputs();
     y.q.setZero();
-    for (index h = 0; h < 4; ++h) y.q(0, h, 0, 0) = 1.5e19f;
-    for (index d = 0; d < 8; ++d) y.k(0, 1, 2400, d) = d == 1 ? 1.5e19f : 0.0f;
+    for (index_t h = 0; h < 4; ++h) y.q(0, h, 0, 0) = 1.5e19f;
+    for (index_t d = 0; d < 8; ++d) y.k(0, 1, 2400, d) = d == 1 ? 1.5e19f : 0.0f;
     attend::sdpa_options reference;
     reference.kernel = attend::kernel::reference;
     const auto decoded = attend::scaled_dot_product_attention(y.q, y.k, y.v);
     const auto expected = attend::scaled_dot_product_attention(y.q, y.k, y.v, reference);
-    for (index n = 0; n < expected.out.size(); ++n) EXPECT_NEAR(decoded.out.data()[n], expected.out.data()[n], 1e-5);
+    for (index_t n = 0; n < expected.out.size(); ++n) EXPECT_NEAR(decoded.out.data()[n], expected.out.data()[n], 1e-5);
 }
 
 // A decode of 16 queries on 2 query heads per kv head has 32 rows per block, more than the row kernels take: its
@@ -570,7 +571,7 @@ TEST(SdpaErrors, ADecodeOfManyRowsRejectsWhatItsPanelsHoldBeforeWriting) {
         const T big = sizeof(T) == 4 ? T(1e19) : T(1e160);
         auto q = x.q, k = x.k;
         q.setConstant(big);
-        for (index d = 0; d < 8; ++d) k(0, 0, 2400, d) = big;
+        for (index_t d = 0; d < 8; ++d) k(0, 0, 2400, d) = big;
         expect_decode_error(q, k, x.v, attend::no_mask{}, "attend.value.score_overflow", "key 2400");
     };
     const auto x = make(1, 4, 2, 16, 2600, 8, 8);

@@ -23,8 +23,7 @@
 namespace {
 
 using namespace attend_test::sdpa_properties;
-// A using-declaration: it hides POSIX ::index, with which the using-directive would make `index` ambiguous.
-using attend::index;
+using attend::index_t;
 using attend_test::identical;
 using attend_test::near;
 using attend_test::rng;
@@ -34,16 +33,16 @@ using attend_test::rng;
 // ---------------------------------------------------------------------------------------------------------------
 
 /// A [query_len, key_len] allowed grid, or [batch, query_len, key_len] ... built by hand from a predicate.
-dense_grid hand_grid(const config& c, std::vector<index> dims,
-                     const std::function<bool(index, index, index)>& allowed) {
+dense_grid hand_grid(const config& c, std::vector<index_t> dims,
+                     const std::function<bool(index_t, index_t, index_t)>& allowed) {
     dense_grid m;
     m.rank3_call = c.rank3;
     m.dims = std::move(dims);
     const bool per_batch = m.dims.size() >= 3;
-    const index B = per_batch ? m.dims[0] : 1, L = m.dims[m.dims.size() - 2], S = m.dims.back();
-    for (index b = 0; b < B; ++b)
-        for (index i = 0; i < L; ++i)
-            for (index j = 0; j < S; ++j) m.values.push_back(allowed(b, i, j) ? 1.0 : 0.0);
+    const index_t B = per_batch ? m.dims[0] : 1, L = m.dims[m.dims.size() - 2], S = m.dims.back();
+    for (index_t b = 0; b < B; ++b)
+        for (index_t i = 0; i < L; ++i)
+            for (index_t j = 0; j < S; ++j) m.values.push_back(allowed(b, i, j) ? 1.0 : 0.0);
     return m;
 }
 
@@ -57,30 +56,31 @@ TYPED_TEST(SdpaProperty, CausalTopLeftAndBottomRightEqualHandBuiltTriangles) {
         if (relation == 0) c.key_len = c.query_len + g.uniform_int(1, 7);
         if (relation == 1) c.key_len = c.query_len;
         if (relation == 2) {
-            c.query_len = std::max<index>(c.query_len, 2);
+            c.query_len = std::max<index_t>(c.query_len, 2);
             c.key_len = g.uniform_int(1, c.query_len - 1);
         }
         ++shapes[relation];
         const auto x = random_inputs<T>(c);
-        const index L = c.query_len, S = c.key_len;
+        const index_t L = c.query_len, S = c.key_len;
         for (const auto align : {attend::alignment::top_left, attend::alignment::bottom_right}) {
             SCOPED_TRACE(describe(c) + ", causal " + name_of(align));
             // Written from the seeds' tril picture: top_left is tril(diagonal 0), bottom_right tril(diagonal S - L).
-            const index diagonal = align == attend::alignment::top_left ? 0 : S - L;
-            const auto triangle = hand_grid(c, {L, S}, [&](index, index i, index j) { return j - i <= diagonal; });
+            const index_t diagonal = align == attend::alignment::top_left ? 0 : S - L;
+            const auto triangle =
+                hand_grid(c, {L, S}, [&](index_t, index_t i, index_t j) { return j - i <= diagonal; });
             const auto rule = run(c, x, attend::causal(align), zero_rows());
             const auto hand = run(c, x, as_allowed(triangle), zero_rows());
             ASSERT_TRUE(near(rule.out, hand.out, tol_same<T>()));
             ASSERT_TRUE(near(rule.weights, hand.weights, tol_same<T>()));
             ASSERT_TRUE(near(rule.lse, hand.lse, tol_same<T>() * 10));
-            for (index b = 0; b < c.batch; ++b)
-                for (index h = 0; h < c.heads; ++h)
-                    for (index i = 0; i < L; ++i) {
+            for (index_t b = 0; b < c.batch; ++b)
+                for (index_t h = 0; h < c.heads; ++h)
+                    for (index_t i = 0; i < L; ++i) {
                         const bool empty = i + diagonal < 0;  // only bottom_right with L > S
                         if (empty) {
                             ASSERT_EQ(rule.lse(b, h, i), -std::numeric_limits<T>::infinity());
                         }
-                        for (index j = 0; j < S; ++j)
+                        for (index_t j = 0; j < S; ++j)
                             if (j - i > diagonal) {
                                 ASSERT_EQ(rule.weights(b, h, i, j), T(0));
                             }
@@ -114,25 +114,26 @@ TYPED_TEST(SdpaProperty, CausalAndKeyPaddingEqualsHandBuiltIntersection) {
         const config c = random_config(9000 + static_cast<std::uint64_t>(n));
         rng g(c.seed);
         const auto x = random_inputs<T>(c);
-        std::vector<index> lengths;
-        for (index b = 0; b < c.batch; ++b) lengths.push_back(g.uniform_int(0, c.key_len));
+        std::vector<index_t> lengths;
+        for (index_t b = 0; b < c.batch; ++b) lengths.push_back(g.uniform_int(0, c.key_len));
         for (const auto align : {attend::alignment::top_left, attend::alignment::bottom_right}) {
             SCOPED_TRACE(describe(c) + ", causal " + name_of(align));
-            const index shift = diagonal_shift(align, c);
+            const index_t shift = diagonal_shift(align, c);
             // [batch, 1, query_len, key_len] (rank 4) or [batch, query_len, key_len] (rank 3).
-            std::vector<index> dims = c.rank3 ? std::vector<index>{c.batch, c.query_len, c.key_len}
-                                              : std::vector<index>{c.batch, 1, c.query_len, c.key_len};
-            const auto both =
-                hand_grid(c, dims, [&](index b, index i, index j) { return j <= i + shift && j < lengths[at(b)]; });
+            std::vector<index_t> dims = c.rank3 ? std::vector<index_t>{c.batch, c.query_len, c.key_len}
+                                                : std::vector<index_t>{c.batch, 1, c.query_len, c.key_len};
+            const auto both = hand_grid(c, dims, [&](index_t b, index_t i, index_t j) {
+                return j <= i + shift && j < lengths[at(b)];
+            });
             const auto rule = run(c, x, attend::causal(align) && attend::key_padding(lengths), zero_rows());
             const auto hand = run(c, x, as_allowed(both), zero_rows());
             ASSERT_TRUE(near(rule.out, hand.out, tol_same<T>()));
             ASSERT_TRUE(near(rule.weights, hand.weights, tol_same<T>()));
             ASSERT_TRUE(near(rule.lse, hand.lse, tol_same<T>() * 10));
-            for (index b = 0; b < c.batch; ++b)
-                for (index h = 0; h < c.heads; ++h)
-                    for (index i = 0; i < c.query_len; ++i)
-                        for (index j = 0; j < c.key_len; ++j)
+            for (index_t b = 0; b < c.batch; ++b)
+                for (index_t h = 0; h < c.heads; ++h)
+                    for (index_t i = 0; i < c.query_len; ++i)
+                        for (index_t j = 0; j < c.key_len; ++j)
                             if (both.value(b, h, i, j) == 0.0) {
                                 ASSERT_EQ(rule.weights(b, h, i, j), T(0));
                             }
@@ -220,11 +221,11 @@ TYPED_TEST(SdpaProperty, AdditiveMaskIsAddedBeforeSoftmaxAndMinusInfinityGivesEx
         // weights == softmax(scale * q.k + bias) by the oracle; -inf entries exactly 0 (checked in matches_oracle).
         ASSERT_TRUE(matches_oracle(r, oracle(c, x, default_scale(c), grid_bias(m)), grid_bias(m), tol_oracle<T>()));
         // Multiplying weights by the mask after softmax would leave rows summing to less than 1; here they sum to 1.
-        for (index b = 0; b < c.batch; ++b)
-            for (index h = 0; h < c.heads; ++h)
-                for (index i = 0; i < c.query_len; ++i) {
+        for (index_t b = 0; b < c.batch; ++b)
+            for (index_t h = 0; h < c.heads; ++h)
+                for (index_t i = 0; i < c.query_len; ++i) {
                     double sum = 0;
-                    for (index j = 0; j < c.key_len; ++j) sum += static_cast<double>(r.weights(b, h, i, j));
+                    for (index_t j = 0; j < c.key_len; ++j) sum += static_cast<double>(r.weights(b, h, i, j));
                     ASSERT_NEAR(sum, 1.0, tol_row_sum<T>(c.key_len));
                 }
     }
@@ -285,7 +286,7 @@ TYPED_TEST(SdpaProperty, WeightsStayAccurateUnderALargeCommonOffset) {
         c.head_dim = g.uniform_int(1, 4);
         inputs<T> x = random_inputs<T>(c);
         for (auto* t : {&x.q, &x.k})
-            for (index e = 0; e < t->size(); ++e) t->data()[e] = static_cast<T>(g.uniform_int(-2, 2));
+            for (index_t e = 0; e < t->size(); ++e) t->data()[e] = static_cast<T>(g.uniform_int(-2, 2));
         const double offset = g.bernoulli(0.5) ? -10000.0 : -4096.0;
         dense_grid m = random_additive_grid(g, c, 1.0, true);
         for (double& v : m.values) v = offset;
@@ -296,11 +297,11 @@ TYPED_TEST(SdpaProperty, WeightsStayAccurateUnderALargeCommonOffset) {
             o.scale = 1.0;
             const auto r = run(c, x, as_additive<T>(m), o);
             const auto e = oracle(c, x, 1.0, grid_bias(m));
-            for (index b = 0; b < c.batch; ++b)
-                for (index h = 0; h < c.heads; ++h)
-                    for (index i = 0; i < c.query_len; ++i) {
+            for (index_t b = 0; b < c.batch; ++b)
+                for (index_t h = 0; h < c.heads; ++h)
+                    for (index_t i = 0; i < c.query_len; ++i) {
                         double sum = 0;
-                        for (index j = 0; j < c.key_len; ++j) {
+                        for (index_t j = 0; j < c.key_len; ++j) {
                             const double w = static_cast<double>(r.weights(b, h, i, j));
                             sum += w;
                             // exp and the division cost a few ulps; the row sum up to key_len / 2 more.

@@ -22,8 +22,7 @@
 namespace {
 
 using namespace attend_test::sdpa_properties;
-// A using-declaration: it hides POSIX ::index, with which the using-directive would make `index` ambiguous.
-using attend::index;
+using attend::index_t;
 using attend_test::identical;
 using attend_test::near;
 using attend_test::rng;
@@ -37,14 +36,14 @@ TYPED_TEST(SdpaProperty, ScaleOptionEqualsPremultiplyingQueryByTheScale) {
     for (int n = 0; n < attend_test::repeat(200); ++n) {
         config c = random_config(11000 + static_cast<std::uint64_t>(n));
         rng g(c.seed);
-        static const index square_dims[] = {1, 4, 16, 64};  // 1/sqrt(head_dim) is a power of two
+        static const index_t square_dims[] = {1, 4, 16, 64};  // 1/sqrt(head_dim) is a power of two
         if (n % 2 == 0) c.head_dim = square_dims[g.uniform_int(0, 3)];
         SCOPED_TRACE(describe(c));
         const auto x = random_inputs<T>(c);
         const auto mask = random_bool_grid(g, c, 0.7, true);
         const auto run_scaled = [&](double factor, std::optional<double> scale) {
             auto y = x;
-            for (index e = 0; e < y.q.size(); ++e)
+            for (index_t e = 0; e < y.q.size(); ++e)
                 y.q.data()[e] = static_cast<T>(y.q.data()[e] * static_cast<T>(factor));
             attend::sdpa_options o;
             o.scale = scale;
@@ -124,11 +123,11 @@ TYPED_TEST(SdpaProperty, TrainingDropoutKeepsScaledProbabilitiesDropsToZeroAndNe
             // Probabilities are those of the no-dropout call.
             ASSERT_TRUE(identical(before.weights, run(c, x, mask, zero_rows()).weights));
             const double keep_scale = 1.0 / (1.0 - p);
-            for (index b = 0; b < c.batch; ++b)
-                for (index h = 0; h < c.heads; ++h)
-                    for (index i = 0; i < c.query_len; ++i) {
+            for (index_t b = 0; b < c.batch; ++b)
+                for (index_t h = 0; h < c.heads; ++h)
+                    for (index_t i = 0; i < c.query_len; ++i) {
                         std::vector<double> used(at(c.key_len));
-                        for (index j = 0; j < c.key_len; ++j) {
+                        for (index_t j = 0; j < c.key_len; ++j) {
                             const double w = static_cast<double>(before.weights(b, h, i, j));
                             const double u = static_cast<double>(after.weights(b, h, i, j));
                             used[at(j)] = u;
@@ -145,9 +144,9 @@ TYPED_TEST(SdpaProperty, TrainingDropoutKeepsScaledProbabilitiesDropsToZeroAndNe
                             }
                         }
                         // The output uses exactly the dropped and rescaled weights.
-                        for (index d = 0; d < c.value_dim; ++d) {
+                        for (index_t d = 0; d < c.value_dim; ++d) {
                             double o_expected = 0;
-                            for (index j = 0; j < c.key_len; ++j)
+                            for (index_t j = 0; j < c.key_len; ++j)
                                 o_expected += used[at(j)] * static_cast<double>(x.v(b, c.kv_head(h), j, d));
                             ASSERT_NEAR(static_cast<double>(after.out(b, h, i, d)), o_expected,
                                         tol_oracle<T>() * keep_scale);
@@ -182,19 +181,19 @@ TYPED_TEST(SdpaProperty, DropoutIsAPureFunctionOfSeedAndPosition) {
         other_kernel.kernel = c.kernel == attend::kernel::reference ? attend::kernel::automatic
                                                                     : attend::kernel::reference;
         const auto k2 = run(other_kernel, x, attend::no_mask{}, o);
-        for (index e = 0; e < a.weights.size(); ++e)
+        for (index_t e = 0; e < a.weights.size(); ++e)
             ASSERT_EQ(a.weights.data()[e] == T(0), k2.weights.data()[e] == T(0)) << "kernels drop different weights";
         // The drop pattern depends on neither the query values nor how many queries the call has: a call with the
         // first half of the query positions, holding other values, drops the same (b, h, i, j).
         config c2 = c;
-        c2.query_len = std::max<index>(1, c.query_len / 2);
+        c2.query_len = std::max<index_t>(1, c.query_len / 2);
         inputs<T> z{tensor<T, 4>(c.batch, c.heads, c2.query_len, c.head_dim), x.k, x.v};
         attend_test::fill_uniform(z.q, c.seed + 99);
         const auto b = run(c2, z, attend::no_mask{}, o);
-        for (index bb = 0; bb < c.batch; ++bb)
-            for (index h = 0; h < c.heads; ++h)
-                for (index i = 0; i < c2.query_len; ++i)
-                    for (index j = 0; j < c.key_len; ++j)
+        for (index_t bb = 0; bb < c.batch; ++bb)
+            for (index_t h = 0; h < c.heads; ++h)
+                for (index_t i = 0; i < c2.query_len; ++i)
+                    for (index_t j = 0; j < c.key_len; ++j)
                         ASSERT_EQ(a.weights(bb, h, i, j) == T(0), b.weights(bb, h, i, j) == T(0))
                             << "position (" << bb << ',' << h << ',' << i << ',' << j << ')';
     }
@@ -245,14 +244,14 @@ TEST(SdpaDropoutStatistics, MeanOutputOverManySeedsEqualsNoDropoutOutputWithinFi
     for (int s = 0; s < seeds; ++s) {
         o.dropout.seed = static_cast<std::uint64_t>(s) * 7919 + 3;
         const auto r = run(c, x, attend::causal(attend::alignment::bottom_right), o);
-        for (index e = 0; e < r.out.size(); ++e) mean[at(e)] += r.out.data()[e] / seeds;
+        for (index_t e = 0; e < r.out.size(); ++e) mean[at(e)] += r.out.data()[e] / seeds;
     }
     double worst_sigmas = 0;
-    for (index h = 0; h < c.heads; ++h)
-        for (index i = 0; i < c.query_len; ++i)
-            for (index d = 0; d < c.value_dim; ++d) {
+    for (index_t h = 0; h < c.heads; ++h)
+        for (index_t i = 0; i < c.query_len; ++i)
+            for (index_t d = 0; d < c.value_dim; ++d) {
                 double var = 0;
-                for (index j = 0; j < c.key_len; ++j) {
+                for (index_t j = 0; j < c.key_len; ++j) {
                     const double wv = plain.weights(0, h, i, j) * x.v(0, 0, j, d);
                     var += p / (1 - p) * wv * wv;
                 }
@@ -285,7 +284,7 @@ TEST(SdpaDropoutStatistics, DroppedFractionEqualsProbabilityWithinFiveSigma) {
         // N = 12000 independent positions; the dropped count is Binomial(N, p): sigma = sqrt(N p (1 - p)).
         const double N = static_cast<double>(r.weights.size());
         double dropped = 0;
-        for (index e = 0; e < r.weights.size(); ++e) dropped += r.weights.data()[e] == 0.0 ? 1 : 0;
+        for (index_t e = 0; e < r.weights.size(); ++e) dropped += r.weights.data()[e] == 0.0 ? 1 : 0;
         EXPECT_NEAR(dropped, N * p, 5 * std::sqrt(N * p * (1 - p))) << "p " << p;
     }
 }

@@ -19,8 +19,7 @@
 namespace {
 
 using namespace attend_test::sdpa_properties;
-// A using-declaration: it hides POSIX ::index, with which the using-directive would make `index` ambiguous.
-using attend::index;
+using attend::index_t;
 using attend_test::identical;
 using attend_test::near;
 using attend_test::rng;
@@ -40,12 +39,12 @@ TYPED_TEST(SdpaProperty, AllowedWeightsOfEachRowSumToOneAndForbiddenWeightsAreEx
         with_random_mask<T>(g, c, [&](const auto& mask, const std::string& name, const bias_fn& bias) {
             SCOPED_TRACE(describe(c) + ", mask " + name);
             const auto r = run(c, x, mask, zero_rows());
-            for (index b = 0; b < c.batch; ++b)
-                for (index h = 0; h < c.heads; ++h)
-                    for (index i = 0; i < c.query_len; ++i) {
+            for (index_t b = 0; b < c.batch; ++b)
+                for (index_t h = 0; h < c.heads; ++h)
+                    for (index_t i = 0; i < c.query_len; ++i) {
                         double sum = 0;
-                        index allowed = 0;
-                        for (index j = 0; j < c.key_len; ++j) {
+                        index_t allowed = 0;
+                        for (index_t j = 0; j < c.key_len; ++j) {
                             const T w = r.weights(b, h, i, j);
                             if (bias(b, h, i, j) == minus_inf) {
                                 ASSERT_EQ(w, T(0)) << "forbidden weight (" << b << ',' << h << ',' << i << ',' << j
@@ -98,14 +97,14 @@ TYPED_TEST(SdpaProperty, LseEqualsLogSumExpOfScaledMaskedScoresComputedInDouble)
             SCOPED_TRACE(describe(c) + ", scale " + std::to_string(scale) + ", mask " + name);
             const auto r = run(c, x, mask, o);
             // log(sum_j exp(s_j)), s_j = scale * q.k + bias, summed directly (no max shift needed: |s_j| < 60).
-            for (index b = 0; b < c.batch; ++b)
-                for (index h = 0; h < c.heads; ++h)
-                    for (index i = 0; i < c.query_len; ++i) {
+            for (index_t b = 0; b < c.batch; ++b)
+                for (index_t h = 0; h < c.heads; ++h)
+                    for (index_t i = 0; i < c.query_len; ++i) {
                         double sum = 0;
-                        for (index j = 0; j < c.key_len; ++j) {
+                        for (index_t j = 0; j < c.key_len; ++j) {
                             if (bias(b, h, i, j) == minus_inf) continue;
                             double dot = 0;
-                            for (index d = 0; d < c.head_dim; ++d)
+                            for (index_t d = 0; d < c.head_dim; ++d)
                                 dot += static_cast<double>(x.q(b, h, i, d)) *
                                        static_cast<double>(x.k(b, c.kv_head(h), j, d));
                             sum += std::exp(scale * dot + bias(b, h, i, j));
@@ -180,16 +179,16 @@ TYPED_TEST(SdpaProperty, TiledKernelOnLongRowsEqualsTheOracleWithAndWithoutWeigh
                 if (threads == 1) {
                     first_out = out;
                     first_lse = lse;
-                    for (index b = 0; b < c.batch; ++b)
-                        for (index h = 0; h < c.heads; ++h)
-                            for (index i = 0; i < c.query_len; ++i) {
+                    for (index_t b = 0; b < c.batch; ++b)
+                        for (index_t h = 0; h < c.heads; ++h)
+                            for (index_t i = 0; i < c.query_len; ++i) {
                                 const double l = static_cast<double>(lse(b, h, i));
                                 if (e.l(b, h, i) == minus_inf) {
                                     ASSERT_EQ(l, minus_inf);
                                 } else {
                                     ASSERT_NEAR(l, e.l(b, h, i), tol);
                                 }
-                                for (index d = 0; d < c.value_dim; ++d)
+                                for (index_t d = 0; d < c.value_dim; ++d)
                                     ASSERT_NEAR(static_cast<double>(out(b, h, i, d)), e.o(b, h, i, d), tol)
                                         << "out (" << b << ',' << h << ',' << i << ',' << d << ") without weights";
                             }

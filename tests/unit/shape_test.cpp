@@ -10,7 +10,7 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend::tensor;
 
 TEST(shape, rank_four_inputs_report_every_size) {
@@ -107,7 +107,7 @@ TEST(shape_errors, each_rule_has_its_id_and_names_both_shapes) {
 
 TEST(shape_errors, element_counts_that_overflow_the_index_type_are_rejected_before_any_read) {
     float one = 0;
-    const index huge = std::numeric_limits<index>::max() / 4;
+    const index_t huge = std::numeric_limits<index_t>::max() / 4;
     // Views claiming astronomically many elements over a single float: the check must not touch memory.
     attend::const_tensor_view<float, 4> q(&one, 1, 1, huge, 8), k(&one, 1, 1, 2, 8), v(&one, 1, 1, 2, 8);
     expect_shape_error(q, k, v, "attend.shape.overflow", {"overflow"});

@@ -29,19 +29,19 @@
 namespace {
 
 using attend::alignment;
-using attend::index;
+using attend::index_t;
 
 /// q `[batch, heads, query_len, dim]`, k and v `[batch, kv_heads, key_len, dim]` (grouped-query heads), sinks
 /// `[heads]` on both sides of the scores' range, so some rows put most of their mass on the sink.
 template <class T>
 struct sink_case {
-    index batch = 2, heads = 4, kv_heads = 2, query_len = 37, key_len = 53, dim = 16;
+    index_t batch = 2, heads = 4, kv_heads = 2, query_len = 37, key_len = 53, dim = 16;
     attend::tensor<T, 4> q, k, v;
     attend::sdpa_options options;
-    std::vector<index> key_lengths{53, 40};
+    std::vector<index_t> key_lengths{53, 40};
 
-    sink_case(std::uint64_t seed, index query_len_, index key_len_) : query_len(query_len_), key_len(key_len_) {
-        key_lengths = {key_len, std::max<index>(1, key_len - 13)};
+    sink_case(std::uint64_t seed, index_t query_len_, index_t key_len_) : query_len(query_len_), key_len(key_len_) {
+        key_lengths = {key_len, std::max<index_t>(1, key_len - 13)};
         q = attend_test::random_tensor<T>(seed, batch, heads, query_len, dim) * T(2);
         k = attend_test::random_tensor<T>(seed + 1, batch, kv_heads, key_len, dim) * T(2);
         v = attend_test::random_tensor<T>(seed + 2, batch, kv_heads, key_len, dim);
@@ -61,14 +61,14 @@ struct sink_as_key {
 
 template <class T>
 sink_as_key<T> sink_as_key_of(const sink_case<T>& c) {
-    const index S = c.key_len;
+    const index_t S = c.key_len;
     attend::tensor<T, 4> k(c.batch, c.kv_heads, S + 1, c.dim), v(c.batch, c.kv_heads, S + 1, c.dim);
     k.setZero();
     v.setZero();
-    for (index b = 0; b < c.batch; ++b)
-        for (index g = 0; g < c.kv_heads; ++g)
-            for (index j = 0; j < S; ++j)
-                for (index d = 0; d < c.dim; ++d) {
+    for (index_t b = 0; b < c.batch; ++b)
+        for (index_t g = 0; g < c.kv_heads; ++g)
+            for (index_t j = 0; j < S; ++j)
+                for (index_t d = 0; d < c.dim; ++d) {
                     k(b, g, j, d) = c.k(b, g, j, d);
                     v(b, g, j, d) = c.v(b, g, j, d);
                 }
@@ -76,10 +76,10 @@ sink_as_key<T> sink_as_key_of(const sink_case<T>& c) {
                                                    attend::detail::as_view(c.v));
     const auto bound = c.mask().bind(shape);
     attend::tensor<T, 4> values(c.batch, c.heads, c.query_len, S + 1);
-    for (index b = 0; b < c.batch; ++b)
-        for (index h = 0; h < c.heads; ++h)
-            for (index i = 0; i < c.query_len; ++i) {
-                for (index j = 0; j < S; ++j)
+    for (index_t b = 0; b < c.batch; ++b)
+        for (index_t h = 0; h < c.heads; ++h)
+            for (index_t i = 0; i < c.query_len; ++i) {
+                for (index_t j = 0; j < S; ++j)
                     values(b, h, i, j) = bound.allowed(b, h, i, j) ? T(0) : -std::numeric_limits<T>::infinity();
                 values(b, h, i, S) = static_cast<T>(c.options.sinks[h]);
             }
@@ -94,7 +94,7 @@ TYPED_TEST(Sinks, ForwardEqualsOneMoreKeyWithZeroValueWhoseMaskIsTheSink) {
     using T = TypeParam;
     const double tolerance = std::is_same_v<T, float> ? 3e-6 : 1e-13;
     // A prefill shape, and a decode shape long enough for the tiled kernel's split-key path.
-    for (const auto& [query_len, key_len] : {std::pair<index, index>{37, 53}, {1, 5000}}) {
+    for (const auto& [query_len, key_len] : {std::pair<index_t, index_t>{37, 53}, {1, 5000}}) {
         SCOPED_TRACE(key_len);
         sink_case<T> c(5, query_len, key_len);
         c.options.softcap = 3.0;  // capping leaves the zero key's score 0, so the equivalence holds with it
@@ -118,10 +118,10 @@ TYPED_TEST(Sinks, ForwardEqualsOneMoreKeyWithZeroValueWhoseMaskIsTheSink) {
             EXPECT_LE(attend_test::max_abs_diff(r.lse, want.lse), tolerance * 10);
             if (query_len == 1) continue;
             double worst = 0;  // the first key_len columns of the wider weights
-            for (index b = 0; b < c.batch; ++b)
-                for (index h = 0; h < c.heads; ++h)
-                    for (index i = 0; i < c.query_len; ++i)
-                        for (index j = 0; j < c.key_len; ++j)
+            for (index_t b = 0; b < c.batch; ++b)
+                for (index_t h = 0; h < c.heads; ++h)
+                    for (index_t i = 0; i < c.query_len; ++i)
+                        for (index_t j = 0; j < c.key_len; ++j)
                             worst = std::max(worst, std::abs(static_cast<double>(r.weights(b, h, i, j)) -
                                                              static_cast<double>(want.weights(b, h, i, j))));
             EXPECT_LE(worst, tolerance);
@@ -150,20 +150,20 @@ TYPED_TEST(Sinks, RowWithEveryKeyForbiddenIsZeroWithTheSinkAsLseUnderTheZeroPoli
             [&] { attend::scaled_dot_product_attention(c.q, c.k, c.v, c.mask(), o); }, "attend.mask.empty_row");
         o.empty_rows = attend::empty_rows::zero;
         const auto r = attend::scaled_dot_product_attention(c.q, c.k, c.v, c.mask(), o);
-        for (index h = 0; h < c.heads; ++h)
-            for (index i = 0; i < c.query_len; ++i) {
+        for (index_t h = 0; h < c.heads; ++h)
+            for (index_t i = 0; i < c.query_len; ++i) {
                 EXPECT_EQ(r.lse(1, h, i), static_cast<T>(c.options.sinks[h]));
-                for (index d = 0; d < c.dim; ++d) EXPECT_EQ(r.out(1, h, i, d), T(0));
-                for (index j = 0; j < c.key_len; ++j) EXPECT_EQ(r.weights(1, h, i, j), T(0));
+                for (index_t d = 0; d < c.dim; ++d) EXPECT_EQ(r.out(1, h, i, d), T(0));
+                for (index_t j = 0; j < c.key_len; ++j) EXPECT_EQ(r.weights(1, h, i, j), T(0));
             }
         // Its gradients are zero, never NaN, and so is its share of the sinks' gradient.
         const auto d_out = attend_test::random_tensor<T>(3, c.batch, c.heads, c.query_len, c.dim);
-        const auto g = attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, r, d_out, c.mask(), o);
-        EXPECT_TRUE(attend_test::all_finite(g.dq) && attend_test::all_finite(g.dk) &&
-                    attend_test::all_finite(g.sink_gradient));
-        for (index h = 0; h < c.heads; ++h)
-            for (index i = 0; i < c.query_len; ++i)
-                for (index d = 0; d < c.dim; ++d) EXPECT_EQ(g.dq(1, h, i, d), T(0));
+        const auto g = attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, c.mask(), r, d_out, o);
+        EXPECT_TRUE(attend_test::all_finite(g.d_query) && attend_test::all_finite(g.d_key) &&
+                    attend_test::all_finite(g.d_sinks));
+        for (index_t h = 0; h < c.heads; ++h)
+            for (index_t i = 0; i < c.query_len; ++i)
+                for (index_t d = 0; d < c.dim; ++d) EXPECT_EQ(g.d_query(1, h, i, d), T(0));
     }
 }
 
@@ -175,8 +175,8 @@ TYPED_TEST(Sinks, PaddedQueriesKeepAZeroRowAndMinusInfinityLse) {
         o.kernel = kernel;
         const auto r =
             attend::scaled_dot_product_attention(c.q, c.k, c.v, c.mask() && attend::query_padding({9, 5}), o);
-        for (index h = 0; h < c.heads; ++h)
-            for (index i = 5; i < c.query_len; ++i) {
+        for (index_t h = 0; h < c.heads; ++h)
+            for (index_t i = 5; i < c.query_len; ++i) {
                 EXPECT_EQ(r.lse(1, h, i), -std::numeric_limits<T>::infinity());
                 EXPECT_EQ(r.out(1, h, i, 0), T(0));
             }
@@ -187,13 +187,13 @@ TYPED_TEST(Sinks, SinksOnOnePartOfASplitOverKeysMergeIntoTheWholeCall) {
     using T = TypeParam;
     const double tolerance = std::is_same_v<T, float> ? 3e-6 : 1e-13;
     sink_case<T> c(11, 7, 30);
-    const index split = 12;
-    const auto keys = [&](const attend::tensor<T, 4>& x, index begin, index end) {
+    const index_t split = 12;
+    const auto keys = [&](const attend::tensor<T, 4>& x, index_t begin, index_t end) {
         attend::tensor<T, 4> part(c.batch, c.kv_heads, end - begin, c.dim);
-        for (index b = 0; b < c.batch; ++b)
-            for (index g = 0; g < c.kv_heads; ++g)
-                for (index j = begin; j < end; ++j)
-                    for (index d = 0; d < c.dim; ++d) part(b, g, j - begin, d) = x(b, g, j, d);
+        for (index_t b = 0; b < c.batch; ++b)
+            for (index_t g = 0; g < c.kv_heads; ++g)
+                for (index_t j = begin; j < end; ++j)
+                    for (index_t d = 0; d < c.dim; ++d) part(b, g, j - begin, d) = x(b, g, j, d);
         return part;
     };
     const auto whole = attend::scaled_dot_product_attention(c.q, c.k, c.v, c.options);
@@ -220,8 +220,8 @@ TEST(SinksCombined, TiledEqualsReferenceWithSoftcapAlibiWindowGqaPaddingAndDropo
     const auto d_out = attend_test::random_tensor<double>(5, c.batch, c.heads, c.query_len, c.dim);
     const auto runs = attend_test::run_every_kernel(c.q, c.k, c.v, d_out, mask, c.options);
     attend_test::expect_kernels_agree(runs);
-    ASSERT_EQ(runs.backward[0].sink_gradient.size(), c.heads);
-    EXPECT_GT(attend_test::max_abs(runs.backward[0].sink_gradient), 1e-3);  // the sinks matter here
+    ASSERT_EQ(runs.backward[0].d_sinks.size(), c.heads);
+    EXPECT_GT(attend_test::max_abs(runs.backward[0].d_sinks), 1e-3);  // the sinks matter here
 }
 
 TEST(SinksBackward, GradientsOfBothKernelsEqualFiniteDifferencesIncludingTheSinks) {
@@ -234,7 +234,7 @@ TEST(SinksBackward, GradientsOfBothKernelsEqualFiniteDifferencesIncludingTheSink
     c.options.dropout = {0.25, 5, true};
     const auto w = attend_test::random_tensor<double>(11, c.batch, c.heads, c.query_len, c.dim);
     attend::tensor<double, 1> sinks(c.heads);
-    for (index h = 0; h < c.heads; ++h) sinks(h) = c.options.sinks[h] * 0.3;  // within reach of the scores
+    for (index_t h = 0; h < c.heads; ++h) sinks(h) = c.options.sinks[h] * 0.3;  // within reach of the scores
     const auto loss = [&] {
         auto o = c.options;
         o.sinks = sinks;
@@ -250,17 +250,17 @@ TEST(SinksBackward, GradientsOfBothKernelsEqualFiniteDifferencesIncludingTheSink
         o.sinks = sinks;
         o.kernel = kernel;
         const auto f = attend::scaled_dot_product_attention(c.q, c.k, c.v, c.mask(), o);
-        const auto g = attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, f, w, c.mask(), o);
-        attend_test::expect_close_to_fd(g.dq, fd_q, "dq");
-        attend_test::expect_close_to_fd(g.dk, fd_k, "dk");
-        attend_test::expect_close_to_fd(g.dv, fd_v, "dv");
-        attend_test::expect_close_to_fd(g.sink_gradient, fd_sinks, "sink_gradient");
+        const auto g = attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, c.mask(), f, w, o);
+        attend_test::expect_close_to_fd(g.d_query, fd_q, "dq");
+        attend_test::expect_close_to_fd(g.d_key, fd_k, "dk");
+        attend_test::expect_close_to_fd(g.d_value, fd_v, "dv");
+        attend_test::expect_close_to_fd(g.d_sinks, fd_sinks, "d_sinks");
         // The _into form writes the same sink gradient into a caller's tensor.
         attend::tensor<double, 4> dq(c.q.dimensions()), dk(c.k.dimensions()), dv(c.v.dimensions());
         attend::tensor<double, 1> d_sinks(c.heads);
-        attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, f.out, f.lse, w, c.mask(), dq, dk, dv, o,
+        attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, c.mask(), f.out, f.lse, w, o, dq, dk, dv,
                                                            nullptr, d_sinks);
-        EXPECT_TRUE(attend_test::bit_equal(d_sinks, g.sink_gradient));
+        EXPECT_TRUE(attend_test::bit_equal(d_sinks, g.d_sinks));
     }
 }
 
@@ -275,14 +275,14 @@ TEST(SinksErrors, WrongCountOrNonFiniteSinksAreRejectedBeforeAnyWrite) {
     o.need_lse = false;
     o.sinks = attend::attention_sinks{1.0, 2.0};  // 2 sinks for 4 heads (kv_heads is 2: sinks are per query head)
     attend_test::expect_error<attend::shape_error>(
-        [&] { attend::scaled_dot_product_attention_into(c.q, c.k, c.v, c.mask(), out, o); }, "attend.shape.sinks");
+        [&] { attend::scaled_dot_product_attention_into(c.q, c.k, c.v, c.mask(), o, out); }, "attend.shape.sinks");
     EXPECT_TRUE(untouched());
     for (const double bad : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(),
                              -std::numeric_limits<double>::infinity(), 1e300}) {
         SCOPED_TRACE(bad);
         o.sinks = attend::attention_sinks{0.0, bad, 0.0, 0.0};
         attend_test::expect_error<attend::value_error>(
-            [&] { attend::scaled_dot_product_attention_into(c.q, c.k, c.v, c.mask(), out, o); }, "attend.value.sinks");
+            [&] { attend::scaled_dot_product_attention_into(c.q, c.k, c.v, c.mask(), o, out); }, "attend.value.sinks");
         EXPECT_TRUE(untouched());
     }
     // The backward checks them too, and the shape of a caller's sink gradient.
@@ -292,26 +292,26 @@ TEST(SinksErrors, WrongCountOrNonFiniteSinksAreRejectedBeforeAnyWrite) {
     d_sinks.setConstant(7.0f);
     attend_test::expect_error<attend::shape_error>(
         [&] {
-            attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, f.out, f.lse, f.out, c.mask(), dq, dk, dv,
-                                                               c.options, nullptr, d_sinks);
+            attend::scaled_dot_product_attention_backward_into(c.q, c.k, c.v, c.mask(), f.out, f.lse, f.out, c.options,
+                                                               dq, dk, dv, nullptr, d_sinks);
         },
         "attend.shape.backward_sinks");
     EXPECT_TRUE(std::all_of(d_sinks.data(), d_sinks.data() + 3, [](float x) { return x == 7.0f; }));
     auto bad = c.options;
     bad.sinks = attend::attention_sinks{1.0};
     attend_test::expect_error<attend::shape_error>(
-        [&] { attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, f, f.out, c.mask(), bad); },
+        [&] { attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, c.mask(), f, f.out, bad); },
         "attend.shape.sinks");
 }
 
 /// `[batch, len, heads * dim]` (heads side by side, as multi-head attention keeps them) as `[batch, heads, len, dim]`.
-attend::tensor<double, 4> heads_first(const attend::tensor<double, 3>& x, index heads) {
-    const index B = x.dimension(0), L = x.dimension(1), D = x.dimension(2) / heads;
-    return x.reshape(std::array<index, 4>{B, L, heads, D}).shuffle(std::array<int, 4>{0, 2, 1, 3});
+attend::tensor<double, 4> heads_first(const attend::tensor<double, 3>& x, index_t heads) {
+    const index_t B = x.dimension(0), L = x.dimension(1), D = x.dimension(2) / heads;
+    return x.reshape(std::array<index_t, 4>{B, L, heads, D}).shuffle(std::array<int, 4>{0, 2, 1, 3});
 }
 
 TEST(MhaSinks, ForwardIsAttentionOfTheProjectedHeadsWithTheModulesSinksAndDecodingAgrees) {
-    const index B = 2, L = 7, E = 16, H = 4;
+    const index_t B = 2, L = 7, E = 16, H = 4;
     const auto config = attend::mha_config{E, H}.with_kv_heads(2).with_sinks(true);
     attend::multi_head_attention<double> m(config, 3);
     const attend::multi_head_attention<double> plain(attend::mha_config{E, H}.with_kv_heads(2), 3);
@@ -319,8 +319,8 @@ TEST(MhaSinks, ForwardIsAttentionOfTheProjectedHeadsWithTheModulesSinksAndDecodi
     auto params = m.parameters();
     ASSERT_EQ(std::string(params.back().name), "sinks");
     ASSERT_EQ(params.back().size, H);
-    for (index h = 0; h < H; ++h) EXPECT_EQ(m.sinks()(h), 0.0);  // initialised to 0
-    for (index h = 0; h < H; ++h) params.back().data[h] = 0.75 * static_cast<double>(h) - 1;
+    for (index_t h = 0; h < H; ++h) EXPECT_EQ(m.sinks()(h), 0.0);  // initialised to 0
+    for (index_t h = 0; h < H; ++h) params.back().data[h] = 0.75 * static_cast<double>(h) - 1;
     const auto x = attend_test::random_tensor<double>(1, B, L, E);
     const auto mask = attend::causal(alignment::top_left);
     attend::mha_saved<double> saved;
@@ -333,13 +333,13 @@ TEST(MhaSinks, ForwardIsAttentionOfTheProjectedHeadsWithTheModulesSinksAndDecodi
     EXPECT_LE(attend_test::max_abs_diff(saved.lse, want.lse), 1e-13);
     // Decoding token by token through a cache gives the same outputs: the sinks join every step's softmax.
     auto cache = m.make_cache(B, L);
-    for (index i = 0; i < L; ++i) {
+    for (index_t i = 0; i < L; ++i) {
         attend::tensor<double, 3> token(B, 1, E);
-        for (index b = 0; b < B; ++b)
-            for (index e = 0; e < E; ++e) token(b, 0, e) = x(b, i, e);
+        for (index_t b = 0; b < B; ++b)
+            for (index_t e = 0; e < E; ++e) token(b, 0, e) = x(b, i, e);
         const auto step = m.forward_cached(token, cache);
-        for (index b = 0; b < B; ++b)
-            for (index e = 0; e < E; ++e) EXPECT_NEAR(step.out(b, 0, e), r.out(b, i, e), 1e-13);
+        for (index_t b = 0; b < B; ++b)
+            for (index_t e = 0; e < E; ++e) EXPECT_NEAR(step.out(b, 0, e), r.out(b, i, e), 1e-13);
     }
 }
 

@@ -23,17 +23,17 @@
 namespace {
 
 using attend::alignment;
-using attend::index;
+using attend::index_t;
 using ld = long double;
 
 /// q `[batch, heads, query_len, head_dim]` with scores large enough for the cap to bend them, k and v
 /// `[batch, kv_heads, key_len, head_dim]`, ALiBi bottom-right, causal bottom-right with key padding.
 template <class T>
 struct softcap_case {
-    index batch = 2, heads = 4, kv_heads = 2, query_len = 37, key_len = 53, dim = 16;
+    index_t batch = 2, heads = 4, kv_heads = 2, query_len = 37, key_len = 53, dim = 16;
     attend::tensor<T, 4> q, k, v;
     attend::sdpa_options options;
-    std::vector<index> key_lengths{53, 40};
+    std::vector<index_t> key_lengths{53, 40};
 
     explicit softcap_case(std::uint64_t seed) {
         q = attend_test::random_tensor<T>(seed, batch, heads, query_len, dim) * T(3);
@@ -67,16 +67,16 @@ TYPED_TEST(Softcap, ForwardOfBothKernelsEqualsTheDefinitionInLongDouble) {
             results.push_back(attend::scaled_dot_product_attention(c.q, c.k, c.v, c.mask(), o));
         }
     bool bent = false;  // some score changed by more than 10 % under the cap: the case tests the cap
-    for (index b = 0; b < c.batch; ++b)
-        for (index h = 0; h < c.heads; ++h)
-            for (index i = 0; i < c.query_len; ++i) {
-                const index kvh = h / (c.heads / c.kv_heads);
+    for (index_t b = 0; b < c.batch; ++b)
+        for (index_t h = 0; h < c.heads; ++h)
+            for (index_t i = 0; i < c.query_len; ++i) {
+                const index_t kvh = h / (c.heads / c.kv_heads);
                 std::vector<ld> s(static_cast<std::size_t>(c.key_len), -std::numeric_limits<ld>::infinity());
                 ld max = -std::numeric_limits<ld>::infinity();
-                for (index j = 0; j < c.key_len; ++j) {
+                for (index_t j = 0; j < c.key_len; ++j) {
                     if (!bound.allowed(b, h, i, j)) continue;
                     ld dot = 0;
-                    for (index d = 0; d < c.dim; ++d)
+                    for (index_t d = 0; d < c.dim; ++d)
                         dot += static_cast<ld>(c.q(b, h, i, d)) * static_cast<ld>(c.k(b, kvh, j, d));
                     const ld scaled = static_cast<ld>(scale) * dot;
                     const ld capped = static_cast<ld>(cap) * std::tanh(scaled / static_cast<ld>(cap));
@@ -88,9 +88,9 @@ TYPED_TEST(Softcap, ForwardOfBothKernelsEqualsTheDefinitionInLongDouble) {
                 ld sum = 0;
                 for (auto& x : s) sum += x = std::exp(x - max);
                 for (const auto& r : results) {
-                    for (index d = 0; d < c.dim; ++d) {
+                    for (index_t d = 0; d < c.dim; ++d) {
                         ld want = 0;
-                        for (index j = 0; j < c.key_len; ++j)
+                        for (index_t j = 0; j < c.key_len; ++j)
                             want += s[static_cast<std::size_t>(j)] / sum * static_cast<ld>(c.v(b, kvh, j, d));
                         ASSERT_NEAR(static_cast<double>(r.out(b, h, i, d)), static_cast<double>(want), tolerance)
                             << "batch " << b << " head " << h << " query " << i;
@@ -130,15 +130,15 @@ TEST(SoftcapBackward, GradientsOfBothKernelsEqualFiniteDifferences) {
         auto o = c.options;
         o.kernel = kernel;
         const auto f = attend::scaled_dot_product_attention(c.q, c.k, c.v, c.mask(), o);
-        const auto g = attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, f.out, f.lse, w, c.mask(), o);
-        attend_test::expect_close_to_fd(g.dq, fd_q, "dq");
-        attend_test::expect_close_to_fd(g.dk, fd_k, "dk");
-        attend_test::expect_close_to_fd(g.dv, fd_v, "dv");
-        bias_gradient[kernel == attend::kernel::tiled] = g.score_bias_gradient;
+        const auto g = attend::scaled_dot_product_attention_backward(c.q, c.k, c.v, c.mask(), f.out, f.lse, w, o);
+        attend_test::expect_close_to_fd(g.d_query, fd_q, "dq");
+        attend_test::expect_close_to_fd(g.d_key, fd_k, "dk");
+        attend_test::expect_close_to_fd(g.d_value, fd_v, "dv");
+        bias_gradient[kernel == attend::kernel::tiled] = g.d_score_bias;
     }
     // The bias is added after the cap: its gradient is d loss / d score, not through the tanh slope.
     double worst = 0, scale = 0;
-    for (index n = 0; n < bias_gradient[0].size(); ++n) {
+    for (index_t n = 0; n < bias_gradient[0].size(); ++n) {
         worst = std::max(worst, std::abs(bias_gradient[0].data()[n] - bias_gradient[1].data()[n]));
         scale = std::max(scale, std::abs(bias_gradient[0].data()[n]));
     }
@@ -163,7 +163,7 @@ TEST(SoftcapErrors, NonPositiveOrNonFiniteCapIsRejectedBeforeAnyWrite) {
         o.softcap = cap;
         o.need_lse = false;
         attend_test::expect_error<attend::value_error>(
-            [&] { attend::scaled_dot_product_attention_into(c.q, c.k, c.v, c.mask(), out, o); },
+            [&] { attend::scaled_dot_product_attention_into(c.q, c.k, c.v, c.mask(), o, out); },
             "attend.value.softcap");
         EXPECT_TRUE(std::all_of(out.data(), out.data() + out.size(), [](float x) { return x == 42.0f; }));
     }

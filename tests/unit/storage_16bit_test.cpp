@@ -38,7 +38,7 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend_test::bit_equal;
 using attend_test::random16;
 using attend_test::worst_row_error;
@@ -55,18 +55,18 @@ attend::tensor<float, 4> widen(const attend::tensor<T, 4>& t) {
 template <class T>
 struct inputs16 {
     attend::tensor<T, 4> q, k, v;
-    inputs16(index heads, index kv_heads, index L, index S, index dim, std::uint64_t seed, double range = 2)
+    inputs16(index_t heads, index_t kv_heads, index_t L, index_t S, index_t dim, std::uint64_t seed, double range = 2)
         : q(random16<T>(seed, 2, heads, L, dim, -range, range)),
           k(random16<T>(seed + 1, 2, kv_heads, S, dim, -range, range)),
           v(random16<T>(seed + 2, 2, kv_heads, S, dim)) {}
 };
 
 /// The option sets every invariant runs under: plain, causal tiles with sinks and soft-capping, and weights.
-std::vector<attend::sdpa_options> option_sets(index heads) {
+std::vector<attend::sdpa_options> option_sets(index_t heads) {
     std::vector<attend::sdpa_options> sets(3);
     sets[1].softcap = 5.0;
     std::vector<double> sinks;
-    for (index h = 0; h < heads; ++h) sinks.push_back(0.5 * static_cast<double>(h));
+    for (index_t h = 0; h < heads; ++h) sinks.push_back(0.5 * static_cast<double>(h));
     sets[1].sinks = attend::attention_sinks(sinks);
     sets[2].need_weights = true;
     sets[2].kernel = attend::kernel::reference;
@@ -79,7 +79,7 @@ std::vector<attend::sdpa_options> option_sets(index heads) {
 /// (2^-7 of each row's largest magnitude; 2.8 x 2^-9 was the worst seen over a sweep of ranges, lengths and masks),
 /// no longer that result rounded once.
 template <class T>
-bool pair_kernels(index head_dim, index value_dim) {
+bool pair_kernels(index_t head_dim, index_t value_dim) {
     return std::is_same_v<T, bf16> && attend::detail::bf16_pairs_for(head_dim, value_dim);
 }
 
@@ -100,7 +100,7 @@ void expect_float_result_rounded_once(const inputs16<T>& in, const attend::sdpa_
             const attend::tensor<double, 4> exact = want.out.template cast<double>();
             EXPECT_LE(worst_row_error(got.out, exact), std::ldexp(1.0, -7)) << "threads " << threads;
             EXPECT_FALSE(bit_equal(got.out, rounded)) << "the pair kernels ran: P was rounded";
-            for (index n = 0; n < want.lse.size(); ++n)
+            for (index_t n = 0; n < want.lse.size(); ++n)
                 ASSERT_NEAR(got.lse.data()[n], want.lse.data()[n],
                             1e-5f * std::max(1.0f, std::abs(want.lse.data()[n])));
             if (threads == 1) first = got.out;
@@ -148,7 +148,7 @@ TYPED_TEST(Storage16, MeetsItsAccuracyTargetAgainstDoubleOnTheSameInputs) {
         EXPECT_LE(error, target);
         // Not vacuous: the error is the 16-bit rounding of the output, not float's (which is 2^-24).
         EXPECT_GE(error, target / 8);
-        for (index n = 0; n < want.lse.size(); ++n)
+        for (index_t n = 0; n < want.lse.size(); ++n)
             ASSERT_NEAR(static_cast<double>(got.lse.data()[n]), want.lse.data()[n],
                         1e-5 * std::max(1.0, std::abs(want.lse.data()[n])));
     }
@@ -158,7 +158,7 @@ TYPED_TEST(Storage16, HeadDimsAndRaggedEdgesGiveTheFloatResultOnTheSameValues) {
     // The pair path's edges (AMX tiles on targets with them: row groups of 16 and 32, steps of 16 pairs, panels of
     // 32 keys; head dims of one to four tiles' 32 values) and the float kernels' for fp16, under every option set.
     using T = TypeParam;
-    for (const index dim : {index(32), index(96), index(128)}) {
+    for (const index_t dim : {index_t(32), index_t(96), index_t(128)}) {
         const inputs16<T> small(2, 1, 37, 45, dim, 40 + static_cast<std::uint64_t>(dim));
         const inputs16<T> ragged(4, 2, 129, 513, dim, 50 + static_cast<std::uint64_t>(dim));
         for (const auto& options : option_sets(2)) expect_float_result_rounded_once(small, options, true);
@@ -200,13 +200,13 @@ TEST(Storage16Mixed, FloatQueriesOverSixteenBitKeysEqualFloatKeysHoldingTheSameV
 }
 
 TEST(Storage16Mixed, DecodingOverASixteenBitCacheEqualsAFloatCacheOfTheSameValues) {
-    const index B = 2, G = 2, H = 8, D = 64, prompt = 3000;
+    const index_t B = 2, G = 2, H = 8, D = 64, prompt = 3000;
     attend::kv_cache<bf16> cache16(B, G, 4096, D, D);
     attend::kv_cache<float> cache32(B, G, 4096, D, D);
     const auto k = random16<bf16>(51, B, G, prompt, D), v = random16<bf16>(52, B, G, prompt, D);
     cache16.append(k, v);
     cache32.append(widen(k), widen(v));
-    for (index step = 0; step < 3; ++step) {
+    for (index_t step = 0; step < 3; ++step) {
         const auto seed = static_cast<std::uint64_t>(60 + 2 * step);
         const auto k1 = random16<bf16>(seed, B, G, 1, D), v1 = random16<bf16>(seed + 1, B, G, 1, D);
         cache16.append(k1, v1);
@@ -228,8 +228,8 @@ void expect_paged_16bit_cache_equals_float_cache(std::uint64_t seed) {
     config.max_sequences = 2;
     attend::paged_kv_cache<T> cache16(config);
     attend::paged_kv_cache<float> cache32(config);
-    const std::vector<index> lengths{3000, 700}, counts{1, 3};
-    std::vector<index> ids;
+    const std::vector<index_t> lengths{3000, 700}, counts{1, 3};
+    std::vector<index_t> ids;
     for (std::size_t n = 0; n < lengths.size(); ++n) {
         ids.push_back(cache16.add_sequence());
         cache32.add_sequence();
@@ -276,7 +276,7 @@ TYPED_TEST(Storage16, EveryBitPatternWidensToItsExactFloat) {
         std::memcpy(static_cast<void*>(&all[b]), &bits, 2);
     }
     std::vector<float> wide(all.size());
-    attend::detail::widen(all.data(), static_cast<index>(all.size()), wide.data());
+    attend::detail::widen(all.data(), static_cast<index_t>(all.size()), wide.data());
     for (std::size_t b = 0; b < all.size(); ++b) {
         const auto want = static_cast<float>(all[b]);
         float one = 0;  // alone: the loops' tail (a q8_0 block's scale is widened this way)
@@ -330,7 +330,7 @@ TYPED_TEST(Storage16, NarrowingRoundsEveryFloatAsEigensConversionDoes) {
         floats.push_back(x);
     }
     std::vector<T> runs(floats.size());
-    attend::detail::narrow(floats.data(), static_cast<index>(floats.size()), runs.data());
+    attend::detail::narrow(floats.data(), static_cast<index_t>(floats.size()), runs.data());
     for (std::size_t j = 0; j < floats.size(); ++j) {
         const T want = static_cast<T>(floats[j]);
         T alone;
@@ -367,10 +367,10 @@ void expect_non_finite_named_before_any_write(const attend::tensor<T, 4>& q, con
     attend::tensor<T, 4> out(q.dimension(0), q.dimension(1), q.dimension(2), v.dimension(3));
     out.setConstant(sentinel);
     const std::string message = attend_test::expect_error<attend::value_error>(
-        [&] { attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, out, options); },
+        [&] { attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, options, out); },
         "attend.value.non_finite");
     EXPECT_NE(message.find(element), std::string::npos) << message;
-    for (index n = 0; n < out.size(); ++n) ASSERT_TRUE(out.data()[n] == sentinel);
+    for (index_t n = 0; n < out.size(); ++n) ASSERT_TRUE(out.data()[n] == sentinel);
 }
 
 TYPED_TEST(Storage16, NonFiniteInputsAreRejectedBeforeAnyWrite) {
@@ -406,8 +406,8 @@ TYPED_TEST(Storage16, ADecodeOfManyRowsFindsANonFiniteKeyOrValueBeforeAnyWrite) 
 TYPED_TEST(Storage16, ADecodeOnTheRowKernelsNamesANonFiniteKeyWhereverItSits) {
     using T = TypeParam;
     const inputs16<T> in(4, 2, 1, 2600, 32, 91);
-    for (const index key : {index(0), index(5), index(1023), index(2300), index(2599)})
-        for (const index dim : {index(0), index(2), index(17), index(31)})
+    for (const index_t key : {index_t(0), index_t(5), index_t(1023), index_t(2300), index_t(2599)})
+        for (const index_t dim : {index_t(0), index_t(2), index_t(17), index_t(31)})
             for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
                                     -std::numeric_limits<float>::infinity()}) {
                 SCOPED_TRACE("key " + std::to_string(key) + ", dim " + std::to_string(dim) + " holds " +
@@ -423,9 +423,9 @@ TYPED_TEST(Storage16, ASixteenBitAdditiveMaskIsTheFloatMaskOfTheSameValues) {
     using T = TypeParam;
     const inputs16<T> in(4, 2, 70, 90, 16, 61);
     attend::tensor<T, 4> bias = random16<T>(62, 2, 4, 70, 90, -4, 4);
-    for (index n = 0; n < bias.size(); n += 7) bias.data()[n] = T(-std::numeric_limits<float>::infinity());
-    for (index i = 0; i < 70; ++i) bias(0, 0, i, 0) = T(0);  // every row keeps a key
-    for (index i = 0; i < 70; ++i) bias(1, 3, i, 0) = T(0);
+    for (index_t n = 0; n < bias.size(); n += 7) bias.data()[n] = T(-std::numeric_limits<float>::infinity());
+    for (index_t i = 0; i < 70; ++i) bias(0, 0, i, 0) = T(0);  // every row keeps a key
+    for (index_t i = 0; i < 70; ++i) bias(1, 3, i, 0) = T(0);
     const attend::tensor<float, 4> wide = bias.template cast<float>();
     for (const auto kernel : {attend::kernel::tiled, attend::kernel::reference}) {
         attend::sdpa_options o;
@@ -445,11 +445,11 @@ TYPED_TEST(Storage16, ASixteenBitAdditiveMaskIsTheFloatMaskOfTheSameValues) {
     const auto one_key = attend::additive_mask<T>::query_key_grid(fill);
     const inputs16<T> small(1, 1, 1, 3, 8, 63);
     const auto r = attend::scaled_dot_product_attention(small.q, small.k, small.v, one_key);  // not an empty row
-    for (index d = 0; d < 8; ++d) EXPECT_TRUE(r.out(0, 0, 0, d) == small.v(0, 0, 0, d));
+    for (index_t d = 0; d < 8; ++d) EXPECT_TRUE(r.out(0, 0, 0, d) == small.v(0, 0, 0, d));
     fill(0, 0) = 1e30f;
     const auto large =
         attend::scaled_dot_product_attention(small.q, small.k, small.v, attend::additive_mask<T>::query_key_grid(fill));
-    for (index d = 0; d < 8; ++d) EXPECT_TRUE(large.out(0, 0, 0, d) == small.v(0, 0, 0, d));
+    for (index_t d = 0; d < 8; ++d) EXPECT_TRUE(large.out(0, 0, 0, d) == small.v(0, 0, 0, d));
     attend::tensor<T, 2> nan_mask(2, 2);
     nan_mask.setConstant(T(0));
     nan_mask(1, 0) = T(std::numeric_limits<float>::quiet_NaN());
@@ -460,7 +460,7 @@ TYPED_TEST(Storage16, ASixteenBitAdditiveMaskIsTheFloatMaskOfTheSameValues) {
 TYPED_TEST(Storage16, MergingTwoKeyHalvesEqualsAttentionOverAllKeys) {
     using T = TypeParam;
     const inputs16<T> in(4, 2, 6, 800, 32, 91);
-    const Eigen::array<index, 4> at{0, 0, 0, 0}, half_keys{2, 2, 400, 32}, rest{0, 0, 400, 0};
+    const Eigen::array<index_t, 4> at{0, 0, 0, 0}, half_keys{2, 2, 400, 32}, rest{0, 0, 400, 0};
     const attend::tensor<T, 4> k0 = in.k.slice(at, half_keys), k1 = in.k.slice(rest, half_keys);
     const attend::tensor<T, 4> v0 = in.v.slice(at, half_keys), v1 = in.v.slice(rest, half_keys);
     const auto a = attend::scaled_dot_product_attention(in.q, k0, v0);
@@ -471,7 +471,7 @@ TYPED_TEST(Storage16, MergingTwoKeyHalvesEqualsAttentionOverAllKeys) {
     // Three 16-bit roundings (each part's output, the merged output) against one.
     const double target = std::is_same_v<T, bf16> ? std::ldexp(1.0, -7) : std::ldexp(1.0, -10);
     EXPECT_LE(worst_row_error(merged.out, want), 2 * target);
-    for (index n = 0; n < whole.lse.size(); ++n)
+    for (index_t n = 0; n < whole.lse.size(); ++n)
         EXPECT_NEAR(merged.lse.data()[n], whole.lse.data()[n], 1e-5 * std::abs(whole.lse.data()[n]));
 }
 
@@ -496,13 +496,13 @@ void expect_same_bits_wherever_the_scratch_lands(std::uint64_t seed) {
 template <class T>
 void expect_same_bits_wherever_the_inputs_start(std::uint64_t seed) {
     using map = Eigen::TensorMap<Eigen::Tensor<const T, 4, Eigen::RowMajor>>;
-    for (const index L : {index{1}, index{300}}) {
+    for (const index_t L : {index_t{1}, index_t{300}}) {
         const inputs16<T> in(4, 2, L, 700, 64, seed + static_cast<std::uint64_t>(L));
         attend::sdpa_options o;
         o.threads = 1;
         const auto mask = attend::causal(attend::alignment::bottom_right);
         const auto want = attend::scaled_dot_product_attention(in.q, in.k, in.v, mask, o);
-        for (const index offset : {1, 4, 8, 12}) {
+        for (const index_t offset : {1, 4, 8, 12}) {
             std::vector<std::vector<T, Eigen::aligned_allocator<T>>> copies;
             copies.reserve(3);  // the maps point into them
             const auto placed = [&](const attend::tensor<T, 4>& t) {
@@ -524,12 +524,12 @@ void expect_same_bits_wherever_the_inputs_start(std::uint64_t seed) {
 /// and a single allowed key had got a weight of 1 - 2^-24 where the weights pass recomputed its score otherwise.
 template <class T>
 void expect_a_single_allowed_key_to_get_weight_one(std::uint64_t seed) {
-    const index L = 40, S = 700;  // 40 queries: a mixed tile's slabs of 32 rows (micro-kernel) and 8 (row kernels)
+    const index_t L = 40, S = 700;  // 40 queries: a mixed tile's slabs of 32 rows (micro-kernel) and 8 (row kernels)
     const inputs16<T> in(2, 1, L, S, 8, seed);
     attend::tensor<bool, 2> allowed(L, S);
     allowed.setConstant(false);
-    std::vector<index> only(static_cast<std::size_t>(L));
-    for (index i = 0; i < L; ++i) {
+    std::vector<index_t> only(static_cast<std::size_t>(L));
+    for (index_t i = 0; i < L; ++i) {
         only[static_cast<std::size_t>(i)] = (i * 97 + 13) % S;
         allowed(i, only[static_cast<std::size_t>(i)]) = true;
     }
@@ -538,13 +538,13 @@ void expect_a_single_allowed_key_to_get_weight_one(std::uint64_t seed) {
     o.need_weights = true;
     const auto r =
         attend::scaled_dot_product_attention(in.q, in.k, in.v, attend::allowed_mask::query_key_grid(allowed), o);
-    for (index b = 0; b < 2; ++b)
-        for (index h = 0; h < 2; ++h)
-            for (index i = 0; i < L; ++i) {
-                const index j = only[static_cast<std::size_t>(i)];
+    for (index_t b = 0; b < 2; ++b)
+        for (index_t h = 0; h < 2; ++h)
+            for (index_t i = 0; i < L; ++i) {
+                const index_t j = only[static_cast<std::size_t>(i)];
                 ASSERT_EQ(static_cast<double>(r.weights(b, h, i, j)), 1.0)
                     << "batch " << b << ", head " << h << ", query " << i;
-                for (index d = 0; d < 8; ++d) ASSERT_EQ(r.out(b, h, i, d), in.v(b, 0, j, d)) << "query " << i;
+                for (index_t d = 0; d < 8; ++d) ASSERT_EQ(r.out(b, h, i, d), in.v(b, 0, j, d)) << "query " << i;
             }
 }
 
@@ -563,7 +563,7 @@ TEST(Storage16Determinism, TheSameCallGivesTheSameBitsWhereverTheHeapPutsItsScra
 /// only scores it wrote: a causal prefill (slabs, partial panels, an odd last tile) and a decode.
 template <class T>
 void expect_scratch_full_of_nan_to_change_no_bit(std::uint64_t seed) {
-    for (const index L : {index{1}, index{201}}) {
+    for (const index_t L : {index_t{1}, index_t{201}}) {
         const inputs16<T> in(4, 2, L, 333, 64, seed + static_cast<std::uint64_t>(L));
         attend::sdpa_options o;
         o.threads = 2;

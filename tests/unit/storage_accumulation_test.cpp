@@ -24,7 +24,7 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend_test::bit_equal;
 using attend_test::max_rel_diff;
 namespace detail = attend::detail;
@@ -32,13 +32,13 @@ namespace detail = attend::detail;
 /// One case: q `[batch, heads, query_len, head_dim]`, k and v `[batch, kv_heads, key_len, dim]`, float storage,
 /// with the same values in double for the reference.
 struct storage_case {
-    index batch = 1, heads = 4, kv_heads = 2, query_len = 200, key_len = 1500, dim = 64;
+    index_t batch = 1, heads = 4, kv_heads = 2, query_len = 200, key_len = 1500, dim = 64;
     attend::tensor<float, 4> q, k, v;
     attend::tensor<double, 4> qd, kd, vd;
     attend::score_bias bias;
     attend::attention_shape shape;
 
-    storage_case(index L, index S, std::uint64_t seed) : query_len(L), key_len(S) {
+    storage_case(index_t L, index_t S, std::uint64_t seed) : query_len(L), key_len(S) {
         q.resize(batch, heads, L, dim);
         k.resize(batch, kv_heads, S, dim);
         v.resize(batch, kv_heads, S, dim);
@@ -79,7 +79,7 @@ double rounding_units(float got, double want, double scale) {
 template <class T, int Rank>
 double max_magnitude(const attend::tensor<T, Rank>& t) {
     double m = 0;
-    for (index n = 0; n < t.size(); ++n) m = std::max(m, std::abs(static_cast<double>(t.data()[n])));
+    for (index_t n = 0; n < t.size(); ++n) m = std::max(m, std::abs(static_cast<double>(t.data()[n])));
     return m;
 }
 
@@ -130,9 +130,9 @@ double forward_rounding_units(const storage_case& c, const detail::tile_config& 
     const auto got = tiled_forward_float<Acc>(c, mask, tiles, 2);
     double worst = 0;
     const double out_scale = max_magnitude(ref), lse_scale = max_magnitude(ref_lse);
-    for (index n = 0; n < ref.size(); ++n)
+    for (index_t n = 0; n < ref.size(); ++n)
         worst = std::max(worst, rounding_units(got.out.data()[n], ref.data()[n], out_scale));
-    for (index n = 0; n < ref_lse.size(); ++n)
+    for (index_t n = 0; n < ref_lse.size(); ++n)
         worst = std::max(worst, rounding_units(got.lse.data()[n], ref_lse.data()[n], lse_scale));
     return worst;
 }
@@ -162,7 +162,7 @@ TEST(StorageAccumulation, DecodeAndGemvPathsOfFloatStorageAccumulateInDouble) {
 }
 
 struct gradients {
-    attend::tensor<float, 4> dq, dk, dv;
+    attend::tensor<float, 4> d_query, d_key, d_value;
     attend::tensor<float, 2> bias_grad;
 };
 
@@ -170,9 +170,9 @@ template <class Acc>
 gradients tiled_backward_float(const storage_case& c, const detail::mask_tiles& mask, const forward_result& fwd,
                                const attend::tensor<float, 4>& d_out, double dropout, int threads) {
     gradients g;
-    g.dq.resize(c.q.dimensions());
-    g.dk.resize(c.k.dimensions());
-    g.dv.resize(c.v.dimensions());
+    g.d_query.resize(c.q.dimensions());
+    g.d_key.resize(c.k.dimensions());
+    g.d_value.resize(c.v.dimensions());
     g.bias_grad.resize(c.heads, c.query_len + c.key_len - 1);
     detail::backward_inputs<float> in;
     in.q = detail::as_view(c.q);
@@ -183,10 +183,10 @@ gradients tiled_backward_float(const storage_case& c, const detail::mask_tiles& 
     in.lse = fwd.lse.data();
     in.lse_dims = {c.batch, c.heads, c.query_len};
     detail::gradient_outputs<float> o;
-    o.dq = detail::as_mutable_view(g.dq);
-    o.dk = detail::as_mutable_view(g.dk);
-    o.dv = detail::as_mutable_view(g.dv);
-    o.score_bias_gradient = g.bias_grad.data();
+    o.d_query = detail::as_mutable_view(g.d_query);
+    o.d_key = detail::as_mutable_view(g.d_key);
+    o.d_value = detail::as_mutable_view(g.d_value);
+    o.d_score_bias = g.bias_grad.data();
     const auto p = c.params<Acc>(dropout);
     detail::tiled_backward<float, Acc>(in, c.shape, mask, p, o, detail::default_backward_tiling<float>(c.shape),
                                        threads);
@@ -220,24 +220,24 @@ TEST(StorageAccumulation, BackwardOfFloatStorageAccumulatesInDoubleDeterministic
         in.lse = lse_r.data();
         in.lse_dims = {c.batch, c.heads, c.query_len};
         detail::gradient_outputs<double> o;
-        o.dq = detail::as_mutable_view(dq);
-        o.dk = detail::as_mutable_view(dk);
-        o.dv = detail::as_mutable_view(dv);
-        o.score_bias_gradient = bias_grad.data();
+        o.d_query = detail::as_mutable_view(dq);
+        o.d_key = detail::as_mutable_view(dk);
+        o.d_value = detail::as_mutable_view(dv);
+        o.d_score_bias = bias_grad.data();
         detail::reference_backward(in, c.shape, static_cast<const detail::mask_tiles&>(mask), c.params<double>(dropout),
                                    o);
 
         const auto one = tiled_backward_float<double>(c, mask, fwd, d_out, dropout, 1);
         const auto two = tiled_backward_float<double>(c, mask, fwd, d_out, dropout, 2);
-        EXPECT_TRUE(bit_equal(one.dq, two.dq) && bit_equal(one.dk, two.dk) && bit_equal(one.dv, two.dv) &&
-                    bit_equal(one.bias_grad, two.bias_grad));
+        EXPECT_TRUE(bit_equal(one.d_query, two.d_query) && bit_equal(one.d_key, two.d_key) &&
+                    bit_equal(one.d_value, two.d_value) && bit_equal(one.bias_grad, two.bias_grad));
         // The float-stored lse and out move the gradients by about 2^-23 of their scale; accumulating in double
         // adds nothing visible, accumulating in float several times more (checked, so the bound tells them apart).
         const double limit = std::ldexp(1.0, -22);
         // Relative to the largest reference gradient, at least 1.
         const auto worst = [&](const gradients& g) {
-            return std::max({max_rel_diff(g.dq, dq, 1.0), max_rel_diff(g.dk, dk, 1.0), max_rel_diff(g.dv, dv, 1.0),
-                             max_rel_diff(g.bias_grad, bias_grad, 1.0)});
+            return std::max({max_rel_diff(g.d_query, dq, 1.0), max_rel_diff(g.d_key, dk, 1.0),
+                             max_rel_diff(g.d_value, dv, 1.0), max_rel_diff(g.bias_grad, bias_grad, 1.0)});
         };
         EXPECT_LE(worst(one), limit);
         EXPECT_GT(worst(tiled_backward_float<float>(c, mask, fwd, d_out, dropout, 1)), limit);

@@ -36,7 +36,7 @@
 namespace {
 
 using attend::alignment;
-using attend::index;
+using attend::index_t;
 using attend::detail::tile_config;
 using attend_test::bit_equal;
 
@@ -55,7 +55,7 @@ struct inputs {
 
 template <class T>
 attend::strided_view<const T> make_view(std::vector<T>& data, attend_test::rng& g, double amplitude, int rank,
-                                        bool split, index batch, index heads, index len, index dim) {
+                                        bool split, index_t batch, index_t heads, index_t len, index_t dim) {
     data.resize(static_cast<std::size_t>(batch * heads * len * dim));
     for (auto& x : data) x = static_cast<T>(amplitude * g.uniform(-1.0, 1.0));
     attend::strided_view<const T> view;
@@ -73,7 +73,7 @@ struct config {
     int rank = 4;
     bool split = false;
     bool strided_out = false;
-    index batch = 1, heads = 1, kv_heads = 1, query_len = 1, key_len = 1, head_dim = 1, value_dim = 1;
+    index_t batch = 1, heads = 1, kv_heads = 1, query_len = 1, key_len = 1, head_dim = 1, value_dim = 1;
     double q_amplitude = 1;
     attend::sdpa_options options;
     int threads = 1;
@@ -112,7 +112,7 @@ struct run_outputs {
 template <class T>
 run_outputs<T> make_outputs(const config& c, bool strided) {
     run_outputs<T> r;
-    const index rows = c.batch * c.heads * c.query_len;
+    const index_t rows = c.batch * c.heads * c.query_len;
     r.out_data.assign(static_cast<std::size_t>(rows * c.value_dim), std::numeric_limits<T>::quiet_NaN());
     if (strided) {
         r.o.out = attend::split_heads<T>(r.out_data.data(), c.batch, c.query_len, c.heads, c.value_dim);
@@ -133,7 +133,7 @@ run_outputs<T> make_outputs(const config& c, bool strided) {
 }
 
 template <class T>
-T out_at(const run_outputs<T>& r, index b, index h, index i, index d) {
+T out_at(const run_outputs<T>& r, index_t b, index_t h, index_t i, index_t d) {
     return r.o.out.row(b, h, i)[d];
 }
 
@@ -161,10 +161,10 @@ void compare(const config& c, const inputs<T>& in, const Mask& mask, tally& t) {
     const double tol = tolerance<T>();
     double ref_max = 0, diff = 0;
     bool nan = false;
-    for (index b = 0; b < s.batch; ++b)
-        for (index h = 0; h < s.heads; ++h)
-            for (index i = 0; i < s.query_len; ++i)
-                for (index d = 0; d < s.value_dim; ++d) {
+    for (index_t b = 0; b < s.batch; ++b)
+        for (index_t h = 0; h < s.heads; ++h)
+            for (index_t i = 0; i < s.query_len; ++i)
+                for (index_t d = 0; d < s.value_dim; ++d) {
                     const double a = out_at(ref, b, h, i, d), x = out_at(til, b, h, i, d);
                     nan = nan || std::isnan(x);
                     ref_max = std::max(ref_max, std::abs(a));
@@ -192,10 +192,10 @@ void compare(const config& c, const inputs<T>& in, const Mask& mask, tally& t) {
                 std::max(wdiff, std::abs(static_cast<double>(ref.weights[n]) - static_cast<double>(til.weights[n])));
         }
         EXPECT_LE(wdiff / std::max(1.0, wmax), tol) << "weights";
-        for (index b = 0; b < s.batch; ++b)
-            for (index h = 0; h < s.heads; ++h)
-                for (index i = 0; i < s.query_len; ++i)
-                    for (index j = 0; j < s.key_len; ++j)
+        for (index_t b = 0; b < s.batch; ++b)
+            for (index_t h = 0; h < s.heads; ++h)
+                for (index_t i = 0; i < s.query_len; ++i)
+                    for (index_t j = 0; j < s.key_len; ++j)
                         if (!call->mask.allowed(b, h, i, j) || call->mask.query_padded(b, i)) {
                             ASSERT_EQ(til.weights[static_cast<std::size_t>(
                                           ((b * s.heads + h) * s.query_len + i) * s.key_len + j)],
@@ -209,19 +209,19 @@ void compare(const config& c, const inputs<T>& in, const Mask& mask, tally& t) {
 // ---- masks --------------------------------------------------------------------------------------------------------
 
 /// Dims of a dense mask broadcasting to the scores: rank 2..score rank, each axis full or 1.
-std::vector<index> dense_dims(attend_test::rng& g, const config& c) {
-    const std::vector<index> score = c.rank == 4 ? std::vector<index>{c.batch, c.heads, c.query_len, c.key_len}
-                                                 : std::vector<index>{c.batch, c.query_len, c.key_len};
-    const auto rank = static_cast<std::size_t>(g.uniform_int(2, static_cast<index>(score.size())));
-    std::vector<index> dims(score.end() - static_cast<std::ptrdiff_t>(rank), score.end());
+std::vector<index_t> dense_dims(attend_test::rng& g, const config& c) {
+    const std::vector<index_t> score = c.rank == 4 ? std::vector<index_t>{c.batch, c.heads, c.query_len, c.key_len}
+                                                   : std::vector<index_t>{c.batch, c.query_len, c.key_len};
+    const auto rank = static_cast<std::size_t>(g.uniform_int(2, static_cast<index_t>(score.size())));
+    std::vector<index_t> dims(score.end() - static_cast<std::ptrdiff_t>(rank), score.end());
     for (auto& d : dims)
         if (g.bernoulli(0.3)) d = 1;
     return dims;
 }
 
 template <int Rank, class V>
-attend::tensor<V, Rank> dense_tensor(const std::vector<index>& dims) {
-    std::array<index, Rank> d{};
+attend::tensor<V, Rank> dense_tensor(const std::vector<index_t>& dims) {
+    std::array<index_t, Rank> d{};
     for (int a = 0; a < Rank; ++a) d[static_cast<std::size_t>(a)] = dims[static_cast<std::size_t>(a)];
     return attend::tensor<V, Rank>(d);
 }
@@ -232,7 +232,7 @@ void with_dense_boolean(attend_test::rng& g, const config& c, bool forbidden, F&
     const auto dims = dense_dims(g, c);
     const double density = g.uniform(0.3, 1.0);
     const auto fill = [&](auto& x) {
-        for (index n = 0; n < x.size(); ++n) x.data()[n] = g.bernoulli(density) != forbidden;
+        for (index_t n = 0; n < x.size(); ++n) x.data()[n] = g.bernoulli(density) != forbidden;
     };
     const auto make = [&](const auto& x) {
         if (forbidden) f(attend::to_allowed(attend_test::dense_mask<attend::forbidden_mask>(x)));
@@ -259,7 +259,7 @@ attend::additive_mask<T> dense_additive(attend_test::rng& g, const config& c) {
     const auto dims = dense_dims(g, c);
     const double forbid = g.uniform(0.0, 0.5), zero = g.uniform(0.0, 0.5);
     const auto fill = [&](auto& x) {
-        for (index n = 0; n < x.size(); ++n) {
+        for (index_t n = 0; n < x.size(); ++n) {
             const double u = g.uniform();
             x.data()[n] = u < forbid          ? -std::numeric_limits<T>::infinity()
                           : u < forbid + zero ? T(0)
@@ -281,8 +281,8 @@ attend::additive_mask<T> dense_additive(attend_test::rng& g, const config& c) {
     return attend::additive_mask<T>::from_values(x);
 }
 
-std::vector<index> lengths(attend_test::rng& g, index batch, index max) {
-    std::vector<index> n(static_cast<std::size_t>(batch));
+std::vector<index_t> lengths(attend_test::rng& g, index_t batch, index_t max) {
+    std::vector<index_t> n(static_cast<std::size_t>(batch));
     for (auto& x : n) x = g.bernoulli(0.2) ? max : g.uniform_int(0, max);
     return n;
 }
@@ -294,15 +294,15 @@ alignment any_alignment(attend_test::rng& g) {
 /// Any diagonal a rule takes: an alignment, one offset for every batch row (at times far outside the scores),
 /// one offset per row, or per-row key lengths (ONNX's nonpad_kv_seqlen).
 attend::diagonal any_diagonal(attend_test::rng& g, const config& c) {
-    const index reach = c.query_len + c.key_len;
+    const index_t reach = c.query_len + c.key_len;
     const auto offset = [&] {
-        if (g.bernoulli(0.1)) return g.bernoulli(0.5) ? std::numeric_limits<index>::max() : -reach * 1000;
+        if (g.bernoulli(0.1)) return g.bernoulli(0.5) ? std::numeric_limits<index_t>::max() : -reach * 1000;
         return g.uniform_int(-c.query_len, c.key_len);
     };
     switch (g.uniform_int(0, 4)) {
         case 0: return attend::diagonal_offset(offset());
         case 1: {
-            std::vector<index> offsets(static_cast<std::size_t>(c.batch));
+            std::vector<index_t> offsets(static_cast<std::size_t>(c.batch));
             for (auto& x : offsets) x = offset();
             return attend::diagonal_offsets(std::move(offsets));
         }
@@ -312,17 +312,17 @@ attend::diagonal any_diagonal(attend_test::rng& g, const config& c) {
 }
 
 attend::sliding_window_rule any_window(attend_test::rng& g, const config& c) {
-    const index span = std::max(c.query_len, c.key_len);
-    const index left = g.bernoulli(0.1) ? attend::unbounded : g.uniform_int(0, span / 2 + 2);
-    const index right = g.bernoulli(0.1) ? attend::unbounded : g.uniform_int(0, span / 4 + 1);
+    const index_t span = std::max(c.query_len, c.key_len);
+    const index_t left = g.bernoulli(0.1) ? attend::unbounded : g.uniform_int(0, span / 2 + 2);
+    const index_t right = g.bernoulli(0.1) ? attend::unbounded : g.uniform_int(0, span / 4 + 1);
     return attend::sliding_window(left, right, any_diagonal(g, c));
 }
 
-std::vector<index> block_lengths(attend_test::rng& g, index total) {
-    std::vector<index> n;
-    index left = total;
+std::vector<index_t> block_lengths(attend_test::rng& g, index_t total) {
+    std::vector<index_t> n;
+    index_t left = total;
     while (left > 0) {
-        const index x = std::min(left, g.uniform_int(0, total / 3 + 2));
+        const index_t x = std::min(left, g.uniform_int(0, total / 3 + 2));
         n.push_back(x);
         left -= x;
     }
@@ -385,8 +385,8 @@ void compare_random_mask(attend_test::rng& g, config& c, const inputs<T>& in, ta
 
 // ---- random configurations ----------------------------------------------------------------------------------------
 
-index pick(attend_test::rng& g, const std::vector<index>& values) {
-    return values[static_cast<std::size_t>(g.uniform_int(0, static_cast<index>(values.size()) - 1))];
+index_t pick(attend_test::rng& g, const std::vector<index_t>& values) {
+    return values[static_cast<std::size_t>(g.uniform_int(0, static_cast<index_t>(values.size()) - 1))];
 }
 
 template <class T>
@@ -396,14 +396,14 @@ void random_configuration(std::uint64_t seed, tally& t) {
     c.seed = seed;
     c.rank = g.bernoulli(0.2) ? 3 : 4;
     c.default_tiles = g.bernoulli(0.5);
-    const std::vector<index> sizes{1, 2, 7, 16, 31, 63, 64, 65, 100, 129, 257, 513, 1000};
+    const std::vector<index_t> sizes{1, 2, 7, 16, 31, 63, 64, 65, 100, 129, 257, 513, 1000};
     // Work (reference flops) stays bounded; tiny tiles get tiny problems.
     const double budget = c.default_tiles ? 4e6 : 2.5e5;
     for (int attempt = 0;; ++attempt) {
         c.batch = g.uniform_int(1, 3);
         c.heads = c.rank == 3 ? 1 : pick(g, {1, 2, 3, 4, 8});
-        std::vector<index> divisors;
-        for (index d = 1; d <= c.heads; ++d)
+        std::vector<index_t> divisors;
+        for (index_t d = 1; d <= c.heads; ++d)
             if (c.heads % d == 0) divisors.push_back(d);
         c.kv_heads = pick(g, divisors);
         c.query_len = pick(g, sizes);
@@ -484,10 +484,10 @@ TEST(TiledKernel, MatchesReferenceDouble) {
 /// The sizes the issue names, each against every other, with default tiles and a causal mask and without.
 TEST(TiledKernel, NamedSizesFloat) {
     tally t;
-    const std::vector<index> sizes{1, 7, 63, 65, 129, 1000};
+    const std::vector<index_t> sizes{1, 7, 63, 65, 129, 1000};
     std::uint64_t seed = 77;
-    for (index l : sizes)
-        for (index sk : sizes) {
+    for (index_t l : sizes)
+        for (index_t sk : sizes) {
             attend_test::rng g(seed++);
             config c;
             c.seed = seed;
@@ -547,8 +547,8 @@ struct random_call {
     attend::strided_view<const T> qv, kv, vv;
     attend::attention_shape s;
 
-    random_call(std::uint64_t seed, index batch, index heads, index kv_heads, index query_len, index key_len,
-                index head_dim, index value_dim, T q_scale = T(1))
+    random_call(std::uint64_t seed, index_t batch, index_t heads, index_t kv_heads, index_t query_len, index_t key_len,
+                index_t head_dim, index_t value_dim, T q_scale = T(1))
         : q(attend_test::random_tensor<T>(seed, batch, heads, query_len, head_dim) * q_scale),
           k(attend_test::random_tensor<T>(seed + 1, batch, kv_heads, key_len, head_dim)),
           v(attend_test::random_tensor<T>(seed + 2, batch, kv_heads, key_len, value_dim)),
@@ -580,7 +580,7 @@ void expect_weights_in_unit_range_at_huge_scores(T amplitude) {
     r.out = attend::detail::as_mutable_view(out);
     r.weights = w.data();
     attend::detail::tiled_attention(in.qv, in.kv, in.vv, in.s, call.mask, call.params, r, 1, tiles);
-    for (index n = 0; n < w.size(); ++n)
+    for (index_t n = 0; n < w.size(); ++n)
         ASSERT_TRUE(w.data()[n] >= T(0) && w.data()[n] <= T(1)) << "weight " << n << " is " << w.data()[n];
 }
 
@@ -590,7 +590,7 @@ void expect_weights_in_unit_range_at_huge_scores(T amplitude) {
 /// in float panels and (bf16, where the target has AVX-512 BF16) the pair kernels.
 template <class T>
 void expect_shared_blocks_change_no_bit() {
-    const index B = 2, H = 4, KH = 2, L = 150, S = 170, D = 32;
+    const index_t B = 2, H = 4, KH = 2, L = 150, S = 170, D = 32;
     const attend::tensor<T, 4> q = attend_test::random_tensor<float>(41, B, H, L, D).cast<T>();
     const attend::tensor<T, 4> k = attend_test::random_tensor<float>(42, B, KH, S, D).cast<T>();
     const attend::tensor<T, 4> v = attend_test::random_tensor<float>(43, B, KH, S, D).cast<T>();
@@ -608,8 +608,8 @@ void expect_shared_blocks_change_no_bit() {
     tiles.query_rows = 32;  // 16 queries of 2 heads a block: 10 blocks per (batch, kv head)
     tiles.key_tile = 64;
     std::vector<std::vector<T>> results;
-    for (const auto& [shared, threads] : {std::pair{index(1), 1}, std::pair{index(8), 1}, std::pair{index(3), 1},
-                                          std::pair{index(8), 2}, std::pair{index(4), 7}}) {
+    for (const auto& [shared, threads] : {std::pair{index_t(1), 1}, std::pair{index_t(8), 1}, std::pair{index_t(3), 1},
+                                          std::pair{index_t(8), 2}, std::pair{index_t(4), 7}}) {
         tiles.shared_blocks = shared;
         attend::tensor<T, 4> out(B, H, L, D), w(B, H, L, S);
         attend::tensor<float, 3> lse(B, H, L);
@@ -620,7 +620,7 @@ void expect_shared_blocks_change_no_bit() {
         attend::detail::tiled_attention(qv, kv, vv, s, call.mask, call.params, r, threads, tiles);
         std::vector<T> all(out.data(), out.data() + out.size());
         all.insert(all.end(), w.data(), w.data() + w.size());
-        for (index n = 0; n < lse.size(); ++n) all.push_back(static_cast<T>(lse.data()[n]));
+        for (index_t n = 0; n < lse.size(); ++n) all.push_back(static_cast<T>(lse.data()[n]));
         results.push_back(std::move(all));
     }
     for (std::size_t n = 1; n < results.size(); ++n)
@@ -669,10 +669,10 @@ TEST(TiledKernel, DecodePathBitIdenticalForAnyThreadCount) {
         o.kernel = attend::kernel::reference;
         const auto ref = attend::scaled_dot_product_attention(in.q, in.k, in.v, mask, o);
         double diff = 0, lse_diff = 0;
-        for (index n = 0; n < ref.out.size(); ++n)
+        for (index_t n = 0; n < ref.out.size(); ++n)
             diff =
                 std::max(diff, static_cast<double>(std::abs(ref.out.data()[n] - outs[0][static_cast<std::size_t>(n)])));
-        for (index n = 0; n < ref.lse.size(); ++n)
+        for (index_t n = 0; n < ref.lse.size(); ++n)
             lse_diff = std::max(lse_diff, std::abs(static_cast<double>(ref.lse.data()[n]) -
                                                    static_cast<double>(lses[0][static_cast<std::size_t>(n)])) /
                                               std::max(1.0, std::abs(static_cast<double>(ref.lse.data()[n]))));
@@ -684,8 +684,8 @@ TEST(TiledKernel, DecodePathBitIdenticalForAnyThreadCount) {
 /// Runs a decode-shaped call with check_finite on (the scan rides on the decode pass, within one chunk too) and off
 /// (no scan; a call within one chunk takes the block path) and expects the same bits of out and lse.
 template <class T, class Mask>
-void expect_check_finite_changes_no_bit(index heads, index kv_heads, index query_len, index key_len, const Mask& mask,
-                                        const attend::sdpa_options& options) {
+void expect_check_finite_changes_no_bit(index_t heads, index_t kv_heads, index_t query_len, index_t key_len,
+                                        const Mask& mask, const attend::sdpa_options& options) {
     const attend::tensor<T, 4> q = attend_test::random_tensor<float>(31, 2, heads, query_len, 16).cast<T>();
     const attend::tensor<T, 4> k = attend_test::random_tensor<float>(32, 2, kv_heads, key_len, 16).cast<T>();
     const attend::tensor<T, 4> v = attend_test::random_tensor<float>(33, 2, kv_heads, key_len, 12).cast<T>();
@@ -709,10 +709,10 @@ TEST(TiledKernel, CheckFiniteChangesNoBitOfADecodeWithinOneChunkOrBeyond) {
     modified.sinks = attend::attention_sinks({0.5, -1.0, 2.0, 0.0});
     const auto cases = [&](auto scalar) {
         using T = decltype(scalar);
-        for (const index key_len : {index(1), index(9), index(700), index(2048), index(2600)})
-            for (const index query_len : {index(1), index(3), index(16)}) {
+        for (const index_t key_len : {index_t(1), index_t(9), index_t(700), index_t(2048), index_t(2600)})
+            for (const index_t query_len : {index_t(1), index_t(3), index_t(16)}) {
                 SCOPED_TRACE(std::to_string(query_len) + " queries, " + std::to_string(key_len) + " keys");
-                const auto padding = attend::key_padding({key_len, std::max<index>(1, key_len / 3)});
+                const auto padding = attend::key_padding({key_len, std::max<index_t>(1, key_len / 3)});
                 expect_check_finite_changes_no_bit<T>(4, 1, query_len, key_len, attend::no_mask{}, plain);
                 expect_check_finite_changes_no_bit<T>(4, 2, query_len, key_len, padding, modified);
                 expect_check_finite_changes_no_bit<T>(4, 4, query_len, key_len,
@@ -741,7 +741,7 @@ TEST(TiledKernel, AutomaticIsTiled) {
     EXPECT_TRUE(bit_equal(automatic.out, tiled.out));
     EXPECT_TRUE(bit_equal(automatic.lse, tiled.lse));
     double diff = 0;
-    for (index n = 0; n < reference.out.size(); ++n)
+    for (index_t n = 0; n < reference.out.size(); ++n)
         diff = std::max(diff, std::abs(reference.out.data()[n] - tiled.out.data()[n]));
     EXPECT_LE(diff, 1e-12);
 }
@@ -797,7 +797,7 @@ TEST(TiledKernel, ScratchKeptFromEarlierCallsChangesNoBit) {
 
 /// q [1, 4, L, 64] of T over k and v [1, 2, S, 64]: causal (bottom right) or not, on `threads` threads.
 template <class T>
-void expect_sdpa_scratch_full_of_nan_changes_no_bit(index L, index S, bool causal, int threads) {
+void expect_sdpa_scratch_full_of_nan_changes_no_bit(index_t L, index_t S, bool causal, int threads) {
     const attend::tensor<T, 4> q = attend_test::random_tensor<float>(51, 1, 4, L, 64).cast<T>();
     const attend::tensor<T, 4> k = attend_test::random_tensor<float>(52, 1, 2, S, 64).cast<T>();
     const attend::tensor<T, 4> v = attend_test::random_tensor<float>(53, 1, 2, S, 64).cast<T>();
@@ -826,9 +826,9 @@ TEST(TiledKernel, ScratchFullOfNanChangesNoBit) {
     q8.append(attend_test::random_tensor<float>(54, 1, 2, 700, 64),
               attend_test::random_tensor<float>(55, 1, 2, 700, 64));
     attend::paged_kv_cache<float> paged(attend_test::paged_config(2, 64, 48, 40, 2));
-    const index id = paged.add_sequence(), other = paged.add_sequence();
-    for (index at = 0; at < 700; at += 48) {
-        const index n = std::min<index>(48, 700 - at);
+    const index_t id = paged.add_sequence(), other = paged.add_sequence();
+    for (index_t at = 0; at < 700; at += 48) {
+        const index_t n = std::min<index_t>(48, 700 - at);
         const attend::tensor<float, 4> kn =
             attend_test::random_tensor<float>(56 + static_cast<std::uint64_t>(at), 1, 2, n, 64);
         const attend::tensor<float, 4> vn =
@@ -836,7 +836,7 @@ TEST(TiledKernel, ScratchFullOfNanChangesNoBit) {
         paged.append(id, kn, vn);
         paged.append(other, kn, vn);
     }
-    for (const index L : {index(1), index(40)}) {
+    for (const index_t L : {index_t(1), index_t(40)}) {
         const attend::tensor<float, 4> q = attend_test::random_tensor<float>(58, 1, 4, L, 64);
         attend::sdpa_options o;
         o.threads = 2;
@@ -854,7 +854,7 @@ TEST(TiledKernel, ScratchFullOfNanChangesNoBit) {
 
 TEST(TiledKernel, KeptScratchStaysWithinItsLimits) {
     using attend::detail::scratch_blocks;
-    for (index len = 40; len <= 1400; len += 97) {  // many shapes: many sizes of blocks
+    for (index_t len = 40; len <= 1400; len += 97) {  // many shapes: many sizes of blocks
         const auto q = attend_test::random_tensor<float>(5, 1, 2, len, 64);
         const auto k = attend_test::random_tensor<float>(6, 1, 2, len, 64);
         attend::sdpa_options o;
@@ -883,11 +883,11 @@ TEST(TiledKernel, KeptScratchStaysWithinItsLimits) {
 TEST(TiledKernel, ParallelForRunsEveryUnitOnceAndRethrows) {
     for (int threads : {1, 2, 7}) {
         std::vector<int> hits(23, 0);
-        attend::detail::parallel_for(23, threads, [&](index unit, int) { ++hits[static_cast<std::size_t>(unit)]; });
+        attend::detail::parallel_for(23, threads, [&](index_t unit, int) { ++hits[static_cast<std::size_t>(unit)]; });
         EXPECT_EQ(std::count(hits.begin(), hits.end(), 1), 23);
     }
     EXPECT_THROW(attend::detail::parallel_for(10, 3,
-                                              [](index unit, int) {
+                                              [](index_t unit, int) {
                                                   if (unit == 4) throw std::runtime_error("unit 4");
                                               }),
                  std::runtime_error);

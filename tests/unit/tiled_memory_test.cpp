@@ -105,7 +105,7 @@ namespace {
 constexpr long long mib = 1024 * 1024;
 
 TEST(TiledMemory, LongSequenceAllocatesNoScoreMatrix) {
-    constexpr attend::index len = 16384, dim = 64;
+    constexpr attend::index_t len = 16384, dim = 64;
     const auto q = attend_test::random_tensor<float>(1, 1, 1, len, dim);
     const auto k = attend_test::random_tensor<float>(2, 1, 1, len, dim);
     const auto v = attend_test::random_tensor<float>(3, 1, 1, len, dim);
@@ -121,11 +121,11 @@ TEST(TiledMemory, LongSequenceAllocatesNoScoreMatrix) {
     const long long live_before = live_bytes.load();
     peak_bytes.store(live_before);
 #if defined(__OPTIMIZE__)
-    attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, out, o, nullptr, lse);
+    attend::scaled_dot_product_attention_into(q, k, v, attend::no_mask{}, o, out, nullptr, lse);
 #else
     // Unoptimized (debug, sanitizer) builds: the same call shape, with a band mask so it takes seconds, not minutes.
-    attend::scaled_dot_product_attention_into(q, k, v, attend::sliding_window(1024, 0, attend::alignment::top_left),
-                                              out, o, nullptr, lse);
+    attend::scaled_dot_product_attention_into(q, k, v, attend::sliding_window(1024, 0, attend::alignment::top_left), o,
+                                              out, nullptr, lse);
 #endif
     const long long extra = peak_bytes.load() - live_before;
     const long long rss_growth = peak_rss_bytes() - rss_before;
@@ -139,8 +139,8 @@ TEST(TiledMemory, LongSequenceAllocatesNoScoreMatrix) {
     EXPECT_LT(rss_growth, 64 * mib);
 #endif
     // The result is a real one: every lse is finite, every output row a convex combination of values in [-1, 1).
-    for (attend::index n = 0; n < lse.size(); ++n) ASSERT_TRUE(std::isfinite(lse.data()[n])) << n;
-    for (attend::index n = 0; n < out.size(); ++n) ASSERT_LE(std::abs(out.data()[n]), 1.0f) << n;
+    for (attend::index_t n = 0; n < lse.size(); ++n) ASSERT_TRUE(std::isfinite(lse.data()[n])) << n;
+    for (attend::index_t n = 0; n < out.size(); ++n) ASSERT_LE(std::abs(out.data()[n]), 1.0f) << n;
 }
 
 }  // namespace

@@ -17,7 +17,7 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend::tensor;
 using attend_test::bit_equal;
 using attend_test::expect_error;
@@ -37,7 +37,7 @@ void expect_same_parameters(const attend::multi_head_attention<T>& a, const atte
 TEST(TorchInterop, FreeFunctionsAndMembersAgreeForEveryLayout) {
     attend_test::rng g(7);
     for (int rep = 0; rep < attend_test::repeat(16); ++rep) {
-        const index heads = g.uniform_int(1, 4), head_dim = g.uniform_int(1, 3), E = heads * head_dim;
+        const index_t heads = g.uniform_int(1, 4), head_dim = g.uniform_int(1, 3), E = heads * head_dim;
         auto config = attend::mha_config{}.with_model_dim(E).with_heads(heads).with_bias(g.bernoulli(0.5));
         if (g.bernoulli(0.4)) config = config.with_key_dim(g.uniform_int(1, 7)).with_value_dim(g.uniform_int(1, 7));
         SCOPED_TRACE("rep " + std::to_string(rep));
@@ -58,7 +58,7 @@ TEST(TorchInterop, ZerosStartsEveryParameterAtZero) {
     const auto m = attend::multi_head_attention<float>::zeros(attend::mha_config{}.with_model_dim(6).with_heads(3));
     auto copy = m;
     for (const auto& span : copy.parameters())
-        for (index n = 0; n < span.size; ++n) EXPECT_EQ(span.data[n], 0.f) << span.name << ' ' << n;
+        for (index_t n = 0; n < span.size; ++n) EXPECT_EQ(span.data[n], 0.f) << span.name << ' ' << n;
     EXPECT_EQ(m.parameter_count(), 4 * 36 + 4 * 6);
 }
 

@@ -20,36 +20,36 @@
 
 namespace {
 
-using attend::index;
+using attend::index_t;
 using attend::detail::parallel_for;
 
 /// The units of one call, each with the worker that ran it and how often it ran.
 struct unit_record {
     std::vector<std::atomic<int>> runs, worker;
-    explicit unit_record(index units)
+    explicit unit_record(index_t units)
         : runs(static_cast<std::size_t>(units)), worker(static_cast<std::size_t>(units)) {}
-    void note(index unit, int w) {
+    void note(index_t unit, int w) {
         ++runs[static_cast<std::size_t>(unit)];
         worker[static_cast<std::size_t>(unit)] = w;
     }
     /// Every unit ran once, on worker worker_of(unit, workers).
     bool dealt_by_worker_of(int workers) const {
         for (std::size_t u = 0; u < runs.size(); ++u)
-            if (runs[u] != 1 || worker[u] != attend::detail::worker_of(static_cast<index>(u), workers)) return false;
+            if (runs[u] != 1 || worker[u] != attend::detail::worker_of(static_cast<index_t>(u), workers)) return false;
         return true;
     }
 };
 
 /// parallel_for(units, threads) recorded; true when every unit ran once on the worker worker_of gives it.
-bool runs_on_its_worker(index units, int threads) {
+bool runs_on_its_worker(index_t units, int threads) {
     unit_record r(units);
-    parallel_for(units, threads, [&](index unit, int w) { r.note(unit, w); });
-    return r.dealt_by_worker_of(static_cast<int>(std::min<index>(threads, units)));
+    parallel_for(units, threads, [&](index_t unit, int w) { r.note(unit, w); });
+    return r.dealt_by_worker_of(static_cast<int>(std::min<index_t>(threads, units)));
 }
 
 TEST(WorkerPool, EveryUnitRunsOnceOnItsWorkerForAnyThreadCount) {
     for (int threads = 1; threads <= 9; ++threads)
-        for (index units = 1; units <= 40; units += 3) EXPECT_TRUE(runs_on_its_worker(units, threads)) << threads;
+        for (index_t units = 1; units <= 40; units += 3) EXPECT_TRUE(runs_on_its_worker(units, threads)) << threads;
     // More workers than the pool keeps: the call starts its own threads.
     EXPECT_TRUE(runs_on_its_worker(100, attend::detail::worker_pool::max_helpers + 5));
 }
@@ -59,10 +59,10 @@ TEST(WorkerPool, UnitsOfRisingCostAreDealtEvenlyToTwoOrThreeWorkers) {
     // mean, where plain round robin gave the last worker the dearer unit of every round (2 workers, 8 units: 16
     // against 12).
     for (int workers = 2; workers <= 3; ++workers) {
-        const index units = 8 * workers;
-        std::vector<index> cost(static_cast<std::size_t>(workers), 0);
-        for (index u = 0; u < units; ++u) cost[static_cast<std::size_t>(attend::detail::worker_of(u, workers))] += u;
-        const index mean = units * (units - 1) / 2 / workers;
+        const index_t units = 8 * workers;
+        std::vector<index_t> cost(static_cast<std::size_t>(workers), 0);
+        for (index_t u = 0; u < units; ++u) cost[static_cast<std::size_t>(attend::detail::worker_of(u, workers))] += u;
+        const index_t mean = units * (units - 1) / 2 / workers;
         for (int w = 0; w < workers; ++w) EXPECT_EQ(cost[static_cast<std::size_t>(w)], mean) << workers << ' ' << w;
     }
 }
@@ -70,7 +70,7 @@ TEST(WorkerPool, UnitsOfRisingCostAreDealtEvenlyToTwoOrThreeWorkers) {
 TEST(WorkerPool, ALoopOfCallsRunsOnTheSameKeptThread) {
     std::vector<std::thread::id> helper;
     for (int call = 0; call < 50; ++call)
-        parallel_for(2, 2, [&](index unit, int) {
+        parallel_for(2, 2, [&](index_t unit, int) {
             if (unit == 1) helper.push_back(std::this_thread::get_id());
         });
     ASSERT_EQ(helper.size(), 50u);
@@ -85,7 +85,7 @@ TEST(WorkerPool, SleepingHelpersAndASleepingCallerAreWoken) {
     for (int call = 0; call < 4; ++call) {
         std::this_thread::sleep_for(past_spin);
         unit_record r(2);
-        parallel_for(2, 2, [&](index unit, int w) {
+        parallel_for(2, 2, [&](index_t unit, int w) {
             if (unit == 1) std::this_thread::sleep_for(past_spin);
             r.note(unit, w);
         });
@@ -110,7 +110,7 @@ TEST(WorkerPool, AUnitThatCallsParallelForCompletes) {
     // The inner calls find the pool held by the outer one (by the same thread, for worker 0's units).
     std::atomic<int> inner_wrong{0};
     unit_record outer(6);
-    parallel_for(6, 2, [&](index unit, int w) {
+    parallel_for(6, 2, [&](index_t unit, int w) {
         if (!runs_on_its_worker(5, 2)) ++inner_wrong;
         outer.note(unit, w);
     });
@@ -120,11 +120,11 @@ TEST(WorkerPool, AUnitThatCallsParallelForCompletes) {
 
 TEST(WorkerPool, AnExceptionOnAKeptThreadReachesTheCallerAndThePoolStaysUsable) {
     std::thread::id before, after;
-    parallel_for(2, 2, [&](index unit, int) {
+    parallel_for(2, 2, [&](index_t unit, int) {
         if (unit == 1) before = std::this_thread::get_id();
     });
     try {
-        parallel_for(6, 2, [](index unit, int) {
+        parallel_for(6, 2, [](index_t unit, int) {
             if (unit == 3) throw std::runtime_error("unit 3");
         });
         ADD_FAILURE() << "no exception";
@@ -132,7 +132,7 @@ TEST(WorkerPool, AnExceptionOnAKeptThreadReachesTheCallerAndThePoolStaysUsable) 
         EXPECT_STREQ(e.what(), "unit 3");
     }
     EXPECT_TRUE(runs_on_its_worker(9, 2));
-    parallel_for(2, 2, [&](index unit, int) {
+    parallel_for(2, 2, [&](index_t unit, int) {
         if (unit == 1) after = std::this_thread::get_id();
     });
     EXPECT_EQ(before, after);
@@ -140,16 +140,16 @@ TEST(WorkerPool, AnExceptionOnAKeptThreadReachesTheCallerAndThePoolStaysUsable) 
 
 TEST(WorkerPool, ReleaseScratchFreesTheKeptThreadsScratch) {
     // A kept thread's scratch (a scan's widened row, say) stays with that thread; release_scratch reaches it.
-    parallel_for(2, 2, [](index unit, int) {
+    parallel_for(2, 2, [](index_t unit, int) {
         if (unit == 1) attend::detail::aligned_vector<float> row(4096);
     });
     std::size_t helper_held = 0;
-    parallel_for(2, 2, [&](index unit, int) {
+    parallel_for(2, 2, [&](index_t unit, int) {
         if (unit == 1) helper_held = attend::detail::scratch_blocks::of_this_thread()->held_bytes();
     });
     EXPECT_GE(helper_held, 4096 * sizeof(float));
     EXPECT_GE(attend::release_scratch(), helper_held);
-    parallel_for(2, 2, [&](index unit, int) {
+    parallel_for(2, 2, [&](index_t unit, int) {
         if (unit == 1) helper_held = attend::detail::scratch_blocks::of_this_thread()->held_bytes();
     });
     EXPECT_EQ(helper_held, 0u);

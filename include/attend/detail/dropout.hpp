@@ -11,7 +11,7 @@
 namespace attend::detail {
 
 /// A uniform double in [0, 1) for one position of the weight tensor `[batch, heads, query_len, key_len]`.
-inline double dropout_uniform(std::uint64_t seed, index b, index h, index i, index j) {
+inline double dropout_uniform(std::uint64_t seed, index_t b, index_t h, index_t i, index_t j) {
     return counter_uniform(seed, 0x9e3779b97f4a7c15ULL, b, h, i, j);
 }
 
@@ -20,12 +20,12 @@ inline double dropout_uniform(std::uint64_t seed, index b, index h, index i, ind
 struct dropout_rule {
     std::uint64_t seed = 0;
     double probability = 0;
-    double keep_scale = 1;   ///< 1 / (1 - p), applied to kept weights
-    index query_offset = 0;  ///< position of the call's query 0 in the sequence the decisions are drawn for
-    index key_offset = 0;    ///< position of the call's key 0 in that sequence
+    double keep_scale = 1;     ///< 1 / (1 - p), applied to kept weights
+    index_t query_offset = 0;  ///< position of the call's query 0 in the sequence the decisions are drawn for
+    index_t key_offset = 0;    ///< position of the call's key 0 in that sequence
 
     bool active() const { return probability > 0; }
-    bool keep(index b, index h, index i, index j) const {
+    bool keep(index_t b, index_t h, index_t i, index_t j) const {
         return dropout_uniform(seed, b, h, i + query_offset, j + key_offset) >= probability;
     }
 
@@ -33,18 +33,18 @@ struct dropout_rule {
     /// [j0, j0 + n) of (b, h) become p / (1 - probability) where kept and 0 where dropped. Zeros stay zeros
     /// without drawing (forbidden keys cost nothing).
     template <class Acc>
-    void apply(Acc* p, index n, index b, index h, index i, index j0) const {
+    void apply(Acc* p, index_t n, index_t b, index_t h, index_t i, index_t j0) const {
         const Acc scale = static_cast<Acc>(keep_scale);
-        for (index j = 0; j < n; ++j)
+        for (index_t j = 0; j < n; ++j)
             if (p[j] != Acc(0)) p[j] = keep(b, h, i, j0 + j) ? p[j] * scale : Acc(0);
     }
 
     /// The factors apply multiplies by, 1 / (1 - probability) or 0, for every key of the run (the backward
     /// multiplies dP by the same factors).
     template <class Acc>
-    void factors(Acc* f, index n, index b, index h, index i, index j0) const {
+    void factors(Acc* f, index_t n, index_t b, index_t h, index_t i, index_t j0) const {
         const Acc scale = static_cast<Acc>(keep_scale);
-        for (index j = 0; j < n; ++j) f[j] = keep(b, h, i, j0 + j) ? scale : Acc(0);
+        for (index_t j = 0; j < n; ++j) f[j] = keep(b, h, i, j0 + j) ? scale : Acc(0);
     }
 };
 

@@ -42,9 +42,9 @@ namespace attend::detail {
 }
 
 template <class View>
-[[noreturn]] void throw_non_finite(const View& x, index b, index h, index i, index d, const char* name) {
-    const auto where = x.rank == 4 ? format_shape(std::array<index, 4>{b, h, i, d})
-                                   : format_shape(std::array<index, 3>{b, i, d});
+[[noreturn]] void throw_non_finite(const View& x, index_t b, index_t h, index_t i, index_t d, const char* name) {
+    const auto where = x.rank == 4 ? format_shape(std::array<index_t, 4>{b, h, i, d})
+                                   : format_shape(std::array<index_t, 3>{b, i, d});
     using T = row_scalar_t<View>;
     const auto value = static_cast<double>(static_cast<accumulator_t<T>>(x.row(b, h, i)[d]));
     throw_non_finite_at(concat(name, ' ', spell_view(x)), value, where);
@@ -52,7 +52,7 @@ template <class View>
 
 /// Whether row `row` of n values holds a NaN or an +-inf.
 template <class T>
-bool row_non_finite(const T* row, index n) {
+bool row_non_finite(const T* row, index_t n) {
     if constexpr (sizeof(T) == 2) {  // 16-bit: an all-ones exponent, found on the bits
         return any_non_finite_16(row, n);
     } else {
@@ -69,10 +69,10 @@ bool row_non_finite(const T* row, index n) {
 /// every unit runs again on this thread in order, so the error a call gets (the first bad element, the first
 /// allocation that fails) does not depend on the thread count.
 template <class Unit>
-void scan_units(index units, index elements, int threads, const Unit& unit) {
-    if (threads > 1 && elements >= (index(1) << 18)) {
-        std::vector<char> clean(static_cast<std::size_t>(std::max<index>(units, 0)), 0);
-        parallel_for(units, threads, [&](index n, int) {
+void scan_units(index_t units, index_t elements, int threads, const Unit& unit) {
+    if (threads > 1 && elements >= (index_t(1) << 18)) {
+        std::vector<char> clean(static_cast<std::size_t>(std::max<index_t>(units, 0)), 0);
+        parallel_for(units, threads, [&](index_t n, int) {
             try {
                 unit(n);
                 clean[static_cast<std::size_t>(n)] = 1;
@@ -81,7 +81,7 @@ void scan_units(index units, index elements, int threads, const Unit& unit) {
         });
         if (std::all_of(clean.begin(), clean.end(), [](char c) { return c != 0; })) return;
     }
-    for (index n = 0; n < units; ++n) unit(n);
+    for (index_t n = 0; n < units; ++n) unit(n);
 }
 
 /// check_finite of views that can hold NaN and inf.
@@ -89,13 +89,13 @@ template <class View>
 void check_finite_values(const View& x, const char* name, int threads) {
     using T = row_scalar_t<View>;
     using Acc = accumulator_t<T>;  // 16-bit values widen to float, exactly: NaN stays NaN, inf stays inf
-    const index heads = x.dims[0] * x.dims[1];
-    const auto scan = [&](index n) {  // throws at the head's first bad element
-        const index b = n / x.dims[1], h = n % x.dims[1];
-        for (index i = 0; i < x.dims[2]; ++i) {
+    const index_t heads = x.dims[0] * x.dims[1];
+    const auto scan = [&](index_t n) {  // throws at the head's first bad element
+        const index_t b = n / x.dims[1], h = n % x.dims[1];
+        for (index_t i = 0; i < x.dims[2]; ++i) {
             const T* row = x.row(b, h, i);
             if (!row_non_finite(row, x.dims[3])) continue;
-            for (index d = 0; d < x.dims[3]; ++d)
+            for (index_t d = 0; d < x.dims[3]; ++d)
                 if (!std::isfinite(static_cast<Acc>(row[d]))) throw_non_finite(x, b, h, i, d, name);
         }
     };
@@ -119,15 +119,15 @@ struct row_magnitudes {
 
 /// scan_magnitudes of quantized rows, exactly: per block |d| times the integer sum and maximum of |q|.
 template <class View>
-row_magnitudes scan_quantized_magnitudes(const View& x, index b, index h) {
+row_magnitudes scan_quantized_magnitudes(const View& x, index_t b, index_t h) {
     using Block = row_scalar_t<View>;
     row_magnitudes m;
-    for (index i = 0; i < x.dims[2]; ++i) {
+    for (index_t i = 0; i < x.dims[2]; ++i) {
         const Block* row = x.row(b, h, i);
         long double l1 = 0;
-        for (index k = 0; k < x.dims[3] / Block::size; ++k) {
+        for (index_t k = 0; k < x.dims[3] / Block::size; ++k) {
             int sum = 0, largest = 0;
-            for (index j = 0; j < Block::size; ++j) {
+            for (index_t j = 0; j < Block::size; ++j) {
                 const int q = block_integer(row[k], j), a = q < 0 ? -q : q;
                 sum += a;
                 largest = std::max(largest, a);
@@ -143,7 +143,7 @@ row_magnitudes scan_quantized_magnitudes(const View& x, index b, index h) {
 
 /// scan_magnitudes of views of float, double or a 16-bit type.
 template <class View>
-row_magnitudes scan_value_magnitudes(const View& x, index b, index h, const char* name) {
+row_magnitudes scan_value_magnitudes(const View& x, index_t b, index_t h, const char* name) {
     using T = row_scalar_t<View>;
     using Acc = accumulator_t<T>;  // 16-bit rows are summed in float: 4096 x 60000 overflows half, not float
     row_magnitudes m;
@@ -153,7 +153,7 @@ row_magnitudes scan_value_magnitudes(const View& x, index b, index h, const char
     if constexpr (!std::is_same_v<T, Acc>)
         allocating([&] { wide.resize(static_cast<std::size_t>(x.dims[3])); },
                    [&] {
-                       return allocation_text("the input scan's row", std::array<index, 1>{x.dims[3]}, sizeof(Acc));
+                       return allocation_text("the input scan's row", std::array<index_t, 1>{x.dims[3]}, sizeof(Acc));
                    },
                    "Use a smaller head_dim");
     // One pass a row on packets: |x| into the row's sum and into a largest-|x| packet that runs over all the rows,
@@ -161,12 +161,12 @@ row_magnitudes scan_value_magnitudes(const View& x, index b, index h, const char
     // compares, about a tenth of a 256-token causal prefill). The bound holds in any order of summation.
     using namespace Eigen::internal;
     using packet = typename packet_traits<Acc>::type;
-    constexpr index lanes = packet_traits<Acc>::size;
-    const index dim = x.dims[3];
+    constexpr index_t lanes = packet_traits<Acc>::size;
+    const index_t dim = x.dims[3];
     packet largest = pset1<packet>(Acc(0));
     Acc largest_tail = 0, max_l1 = 0;
     bool overflowed = false;
-    for (index i = 0; i < x.dims[2]; ++i) {
+    for (index_t i = 0; i < x.dims[2]; ++i) {
         const T* row = x.row(b, h, i);
         const Acc* values = nullptr;
         if constexpr (std::is_same_v<T, Acc>) {
@@ -176,7 +176,7 @@ row_magnitudes scan_value_magnitudes(const View& x, index b, index h, const char
             values = wide.data();
         }
         packet sums = pset1<packet>(Acc(0));
-        index d = 0;
+        index_t d = 0;
         for (; d + lanes <= dim; d += lanes) {
             const packet a = pabs(ploadu<packet>(values + d));
             sums = padd(sums, a);
@@ -204,14 +204,14 @@ row_magnitudes scan_value_magnitudes(const View& x, index b, index h, const char
 
 /// The largest |x_d| and row sums of |x_d| of one (batch, head) of any view (struct row_magnitudes).
 template <class View>
-row_magnitudes scan_magnitudes(const View& x, index b, index h, const char* name) {
+row_magnitudes scan_magnitudes(const View& x, index_t b, index_t h, const char* name) {
     if constexpr (quantized_rows_v<View>) return scan_quantized_magnitudes(x, b, h);
     else return scan_value_magnitudes(x, b, h, name);
 }
 
 /// Element d of row (b, h, i) of a view as the kernels see it (widened to Acc), in long double.
 template <class Acc, class View>
-long double element(const View& x, index b, index h, index i, index d) {
+long double element(const View& x, index_t b, index_t h, index_t i, index_t d) {
     if constexpr (quantized_rows_v<View>) {
         using Block = row_scalar_t<View>;
         const Block& block = x.row(b, h, i)[d / Block::size];
@@ -245,8 +245,8 @@ template <class Acc, class KeyMaxAbs>
 bool queries_fit(const std::vector<row_magnitudes>& queries, const attention_shape& s, Acc scale,
                  const KeyMaxAbs& key_max_abs) {
     const long double limit = static_cast<long double>(std::numeric_limits<Acc>::max()) / 2;
-    for (index b = 0; b < s.batch; ++b)
-        for (index h = 0; h < s.heads; ++h) {
+    for (index_t b = 0; b < s.batch; ++b)
+        for (index_t h = 0; h < s.heads; ++h) {
             const row_magnitudes& qm = queries[static_cast<std::size_t>(b * s.heads + h)];
             if (static_cast<long double>(scale) * qm.max_abs > limit ||
                 !pairs_fit(qm, key_max_abs(b, s.kv_head(h)), scale))
@@ -260,22 +260,22 @@ bool queries_fit(const std::vector<row_magnitudes>& queries, const attention_sha
 template <class Acc, class Rows>
 bool settled_by_format(const std::vector<row_magnitudes>& queries, const Rows& k, const attention_shape& s, Acc scale) {
     const long double bound = format_bound(k);
-    return bound > 0 && queries_fit(queries, s, scale, [&](index, index) { return bound; });
+    return bound > 0 && queries_fit(queries, s, scale, [&](index_t, index_t) { return bound; });
 }
 
 /// scan_magnitudes of every (batch, head) of x (q or k, strided or paged), in that order, a (batch, head) per unit
 /// of scan_units: a non-finite element is named as check_finite names it.
 template <class View>
 std::vector<row_magnitudes> head_magnitudes(const View& x, const char* name, int threads) {
-    const index heads = x.dims[0] * x.dims[1];
+    const index_t heads = x.dims[0] * x.dims[1];
     std::vector<row_magnitudes> m;
     allocating([&] { m.resize(static_cast<std::size_t>(heads)); },
                [&] {
                    return allocation_text("the input scan's per-head magnitudes",
-                                          std::array<index, 2>{x.dims[0], x.dims[1]}, sizeof(row_magnitudes));
+                                          std::array<index_t, 2>{x.dims[0], x.dims[1]}, sizeof(row_magnitudes));
                },
                "Split the call over the batch");
-    scan_units(heads, heads * x.dims[2] * x.dims[3], threads, [&](index n) {
+    scan_units(heads, heads * x.dims[2] * x.dims[3], threads, [&](index_t n) {
         m[static_cast<std::size_t>(n)] = scan_magnitudes(x, n / x.dims[1], n % x.dims[1], name);
     });
     return m;
@@ -292,9 +292,9 @@ void check_scores_fit(const strided_view<const T>& q, const std::vector<row_magn
     const long double limit = static_cast<long double>(std::numeric_limits<Acc>::max()) / 2;
     const long double sc = static_cast<long double>(scale), grow = std::max<long double>(1, sc);
     const std::vector<row_magnitudes> keys = head_magnitudes(k, "key", threads);
-    for (index b = 0; b < s.batch; ++b)
-        for (index h = 0; h < s.heads; ++h) {
-            const index kvh = s.kv_head(h);
+    for (index_t b = 0; b < s.batch; ++b)
+        for (index_t h = 0; h < s.heads; ++h) {
+            const index_t kvh = s.kv_head(h);
             const row_magnitudes qm = queries[static_cast<std::size_t>(b * s.heads + h)];
             const row_magnitudes km = keys[static_cast<std::size_t>(b * s.kv_heads + kvh)];
             if (sc * qm.max_abs > limit)
@@ -304,10 +304,10 @@ void check_scores_fit(const strided_view<const T>& q, const std::vector<row_magn
                                          ") leaves half the range of the scores' type (", static_cast<double>(limit),
                                          "); rescale the inputs"));
             if (pairs_fit(qm, km.max_abs, scale)) continue;
-            for (index i = 0; i < s.query_len; ++i)
-                for (index j = 0; j < s.key_len; ++j) {
+            for (index_t i = 0; i < s.query_len; ++i)
+                for (index_t j = 0; j < s.key_len; ++j) {
                     long double sum = 0;
-                    for (index d = 0; d < s.head_dim; ++d)
+                    for (index_t d = 0; d < s.head_dim; ++d)
                         sum += std::fabs(element<Acc>(q, b, h, i, d) * element<Acc>(k, b, kvh, j, d));
                     if (grow * sum > limit)
                         throw value_error("attend.value.score_overflow",
@@ -345,7 +345,7 @@ public:
 
     void verify(const std::vector<double>& key_max_abs, bool non_finite) const override {
         if (non_finite) return scan_now(1);  // finds the first bad element and names it
-        if (!queries_fit(queries_, s_, scale_, [&](index b, index kvh) {
+        if (!queries_fit(queries_, s_, scale_, [&](index_t b, index_t kvh) {
                 return static_cast<long double>(key_max_abs[static_cast<std::size_t>(b * s_.kv_heads + kvh)]);
             }))
             scan_now(1);
@@ -373,9 +373,10 @@ double magnitude_of_bits(Bits b) {
 /// Throws value_error `attend.value.quantized_range` for row (b, h, i) of x, which holds a value beyond what a
 /// Block can hold, naming the first one.
 template <class Block, class T>
-[[noreturn]] void refuse_quantized_range(const strided_view<const T>& x, const char* name, index b, index h, index i) {
+[[noreturn]] void refuse_quantized_range(const strided_view<const T>& x, const char* name, index_t b, index_t h,
+                                         index_t i) {
     constexpr double limit = block_format<Block>::max_magnitude;
-    index d = 0;
+    index_t d = 0;
     double value = 0;
     for (; d < x.dims[3]; ++d) {
         value = static_cast<double>(static_cast<accumulator_t<T>>(x.row(b, h, i)[d]));
@@ -383,7 +384,7 @@ template <class Block, class T>
     }
     throw value_error("attend.value.quantized_range",
                       concat(name, ' ', spell_view(x), " holds ", value, " at ",
-                             format_shape(std::array<index, 4>{b, h, i, d}), ", beyond the ", limit, " an ",
+                             format_shape(std::array<index_t, 4>{b, h, i, d}), ", beyond the ", limit, " an ",
                              block_format<Block>::name, " block with an fp16 scale can hold"));
 }
 
@@ -399,15 +400,15 @@ void check_quantizable(const strided_view<const T>& x, const char* name) {
     constexpr double limit = block_format<Block>::max_magnitude;
     const auto infinity = bits_of(std::numeric_limits<T>::infinity());
     std::remove_const_t<decltype(infinity)> largest = 0;
-    for (index b = 0; b < x.dims[0]; ++b)
-        for (index h = 0; h < x.dims[1]; ++h)
-            for (index i = 0; i < x.dims[2]; ++i)
+    for (index_t b = 0; b < x.dims[0]; ++b)
+        for (index_t h = 0; h < x.dims[1]; ++h)
+            for (index_t i = 0; i < x.dims[2]; ++i)
                 largest = std::max(largest, largest_magnitude_bits(x.row(b, h, i), x.dims[3]));
     if (largest < infinity && magnitude_of_bits<T>(largest) <= limit) return;
     check_finite(x, name);  // throws if a value is NaN or +-inf
-    for (index b = 0; b < x.dims[0]; ++b)
-        for (index h = 0; h < x.dims[1]; ++h)
-            for (index i = 0; i < x.dims[2]; ++i)
+    for (index_t b = 0; b < x.dims[0]; ++b)
+        for (index_t h = 0; h < x.dims[1]; ++h)
+            for (index_t i = 0; i < x.dims[2]; ++i)
                 if (magnitude_of_bits<T>(largest_magnitude_bits(x.row(b, h, i), x.dims[3])) > limit)
                     refuse_quantized_range<Block>(x, name, b, h, i);
 }

@@ -37,7 +37,7 @@ using const_tile_map = Eigen::Map<const row_matrix<T>, 0, Eigen::OuterStride<>>;
 
 /// A `[len, dim]` slice of a strided view as a row-major matrix with the view's row stride.
 template <class T>
-auto matrix_of(const strided_view<T>& x, index b, index h) {
+auto matrix_of(const strided_view<T>& x, index_t b, index_t h) {
     using plain = row_matrix<std::remove_const_t<T>>;
     using map = Eigen::Map<std::conditional_t<std::is_const_v<T>, const plain, plain>, 0, Eigen::OuterStride<>>;
     return map(x.row(b, h, 0), x.dims[2], x.dims[3], Eigen::OuterStride<>(x.strides[2]));
@@ -86,7 +86,7 @@ struct kernel_params {
     /// Not null: check_finite's scan of k and v is left to the forward kernel (deferred_kv_scan); null: done.
     const deferred_kv_scan* kv_scan = nullptr;
     bool has_sinks() const { return !sinks.empty(); }
-    T sink(index head) const { return sinks[static_cast<std::size_t>(head)]; }
+    T sink(index_t head) const { return sinks[static_cast<std::size_t>(head)]; }
 };
 
 /// The inputs of a backward call as strided views, so multi-head attention can pass heads of its projected
@@ -97,18 +97,18 @@ template <class T>
 struct backward_inputs {
     strided_view<const T> q, k, v, out, d_out;
     const accumulator_t<T>* lse = nullptr;
-    std::array<index, 3> lse_dims{};  ///< batch, heads, query_len (rank-2 lse `[batch, query_len]`: heads = 1)
-    int lse_rank = 3;                 ///< rank of the lse the caller passed (2 or 3), for messages
+    std::array<index_t, 3> lse_dims{};  ///< batch, heads, query_len (rank-2 lse `[batch, query_len]`: heads = 1)
+    int lse_rank = 3;                   ///< rank of the lse the caller passed (2 or 3), for messages
 };
 
-/// Where the gradients go. dq, dk, dv are overwritten (not accumulated into) and must not overlap each other
-/// or the inputs. score_bias_gradient, when not null, is contiguous `[heads, query_len + key_len - 1]` and is
-/// written only when the call has a score_bias; sink_gradient, when not null, `[heads]`, only when it has sinks.
+/// Where the gradients go. d_query, d_key, d_value are overwritten (not accumulated into) and must not overlap each other
+/// or the inputs. d_score_bias, when not null, is contiguous `[heads, query_len + key_len - 1]` and is
+/// written only when the call has a score_bias; d_sinks, when not null, `[heads]`, only when it has sinks.
 template <class T>
 struct gradient_outputs {
-    strided_view<T> dq, dk, dv;
-    T* score_bias_gradient = nullptr;
-    T* sink_gradient = nullptr;
+    strided_view<T> d_query, d_key, d_value;
+    T* d_score_bias = nullptr;
+    T* d_sinks = nullptr;
 };
 
 }  // namespace attend::detail

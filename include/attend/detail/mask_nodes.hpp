@@ -31,12 +31,12 @@ enum class tile_class {
 
 /// Queries [query_begin, query_end) x keys [key_begin, key_end) of one (batch, head).
 struct tile {
-    index batch = 0;
-    index head = 0;
-    index query_begin = 0;
-    index query_end = 0;
-    index key_begin = 0;
-    index key_end = 0;
+    index_t batch = 0;
+    index_t head = 0;
+    index_t query_begin = 0;
+    index_t query_end = 0;
+    index_t key_begin = 0;
+    index_t key_end = 0;
 };
 
 namespace detail {
@@ -66,19 +66,19 @@ inline tile_class complement(tile_class a) {
 
 /// Writes -inf into a row of a score tile outside the allowed key interval [lo, hi).
 template <class T>
-void forbid_outside(T* row, index key_begin, index key_end, index lo, index hi) {
-    const index cut_lo = std::clamp(lo, key_begin, key_end);
-    const index cut_hi = std::clamp(hi, cut_lo, key_end);
+void forbid_outside(T* row, index_t key_begin, index_t key_end, index_t lo, index_t hi) {
+    const index_t cut_lo = std::clamp(lo, key_begin, key_end);
+    const index_t cut_hi = std::clamp(hi, cut_lo, key_end);
     std::fill(row, row + (cut_lo - key_begin), minus_infinity<T>());
     std::fill(row + (cut_hi - key_begin), row + (key_end - key_begin), minus_infinity<T>());
 }
 
 /// Generic application through allowed(): for unions and complements, whose tiles are rare and small.
 template <class Node, class T>
-void apply_by_position(const Node& node, const tile& t, T* scores, index ld) {
-    for (index i = t.query_begin; i < t.query_end; ++i) {
+void apply_by_position(const Node& node, const tile& t, T* scores, index_t ld) {
+    for (index_t i = t.query_begin; i < t.query_end; ++i) {
         T* row = scores + (i - t.query_begin) * ld;
-        for (index j = t.key_begin; j < t.key_end; ++j)
+        for (index_t j = t.key_begin; j < t.key_end; ++j)
             if (!node.allowed(t.batch, t.head, i, j)) row[j - t.key_begin] = minus_infinity<T>();
     }
 }
@@ -87,14 +87,14 @@ void apply_by_position(const Node& node, const tile& t, T* scores, index ld) {
 /// the interval and in how they classify a tile exactly; the application is shared.
 template <class Rule>
 struct interval_rule {
-    bool allowed(index b, index, index i, index j) const {
+    bool allowed(index_t b, index_t, index_t i, index_t j) const {
         const auto [lo, hi] = self().interval(b, i);
         return lo <= j && j < hi;
     }
-    bool query_padded(index, index) const { return false; }
+    bool query_padded(index_t, index_t) const { return false; }
     template <class T>
-    void apply(const tile& t, T* scores, index ld) const {
-        for (index i = t.query_begin; i < t.query_end; ++i) {
+    void apply(const tile& t, T* scores, index_t ld) const {
+        for (index_t i = t.query_begin; i < t.query_end; ++i) {
             const auto [lo, hi] = self().interval(t.batch, i);
             forbid_outside(scores + (i - t.query_begin) * ld, t.key_begin, t.key_end, lo, hi);
         }
@@ -109,13 +109,14 @@ private:
 /// [-query_len, key_len], which changes no row (an edge below -query_len leaves no row a key before 0 to cut, one
 /// above key_len no key to reach) and keeps every sum in range, whatever offsets and sizes the caller gave.
 struct bound_band : interval_rule<bound_band> {
-    std::array<index, 2> edges{};                                        ///< {low, high} of every batch row
-    std::shared_ptr<const std::vector<std::array<index, 2>>> per_batch;  ///< [batch] {low, high}, or null
-    index key_len = 0;
+    std::array<index_t, 2> edges{};                                        ///< {low, high} of every batch row
+    std::shared_ptr<const std::vector<std::array<index_t, 2>>> per_batch;  ///< [batch] {low, high}, or null
+    index_t key_len = 0;
 
     /// The band of `left` keys before and `right` after diagonal `d` of a call with query_len queries.
-    static bound_band around(const bound_diagonal& d, index left, index right, index query_len, index key_len_) {
-        const auto edges_of = [&](index offset) -> std::array<index, 2> {
+    static bound_band around(const bound_diagonal& d, index_t left, index_t right, index_t query_len,
+                             index_t key_len_) {
+        const auto edges_of = [&](index_t offset) -> std::array<index_t, 2> {
             // An unbounded side is no bound at all, not offset -+ the largest index.
             return {left == unbounded ? -query_len
                                       : std::clamp(saturating_difference(offset, left), -query_len, key_len_),
@@ -126,20 +127,20 @@ struct bound_band : interval_rule<bound_band> {
         band.key_len = key_len_;
         band.edges = edges_of(d.offset);
         if (d.per_batch) {
-            std::vector<std::array<index, 2>> rows;
+            std::vector<std::array<index_t, 2>> rows;
             rows.reserve(d.per_batch->size());
-            for (index offset : *d.per_batch) rows.push_back(edges_of(offset));
-            band.per_batch = std::make_shared<const std::vector<std::array<index, 2>>>(std::move(rows));
+            for (index_t offset : *d.per_batch) rows.push_back(edges_of(offset));
+            band.per_batch = std::make_shared<const std::vector<std::array<index_t, 2>>>(std::move(rows));
         }
         return band;
     }
 
-    std::array<index, 2> interval(index b, index i) const {
+    std::array<index_t, 2> interval(index_t b, index_t i) const {
         const auto& e = per_batch ? (*per_batch)[static_cast<std::size_t>(b)] : edges;
-        return {std::max<index>(0, i + e[0]), std::min(key_len, i + e[1] + 1)};
+        return {std::max<index_t>(0, i + e[0]), std::min(key_len, i + e[1] + 1)};
     }
     tile_class classify(const tile& t) const {
-        const index first = t.query_begin, last = t.query_end - 1;
+        const index_t first = t.query_begin, last = t.query_end - 1;
         const auto first_row = interval(t.batch, first), last_row = interval(t.batch, last);
         // The interval slides right by one per row, so the first row has the lowest bounds and the last the highest.
         if (last_row[1] <= t.key_begin || first_row[0] >= t.key_end) return tile_class::empty;
@@ -151,13 +152,13 @@ struct bound_band : interval_rule<bound_band> {
 /// Keys j < prefix_len, or j <= i + offset (bidirectional over the prefix, causal after it). Offsets are clamped
 /// to [-query_len, key_len], as bound_band's edges.
 struct bound_prefix_lm : interval_rule<bound_prefix_lm> {
-    index prefix_len = 0;
+    index_t prefix_len = 0;
     bound_diagonal diagonal;  ///< the causal part's diagonal, per batch row
-    index query_len = 0;
-    index key_len = 0;
+    index_t query_len = 0;
+    index_t key_len = 0;
 
-    std::array<index, 2> interval(index b, index i) const {
-        const index offset = std::clamp(diagonal.offset_of(b), -query_len, key_len);
+    std::array<index_t, 2> interval(index_t b, index_t i) const {
+        const index_t offset = std::clamp(diagonal.offset_of(b), -query_len, key_len);
         return {0, std::min(key_len, std::max(prefix_len, i + offset + 1))};
     }
     tile_class classify(const tile& t) const {
@@ -169,11 +170,11 @@ struct bound_prefix_lm : interval_rule<bound_prefix_lm> {
 
 /// Keys j < lengths[b]: the rest of each sequence is padding.
 struct bound_key_padding : interval_rule<bound_key_padding> {
-    std::shared_ptr<const std::vector<index>> lengths;
+    std::shared_ptr<const std::vector<index_t>> lengths;
 
-    std::array<index, 2> interval(index b, index) const { return {0, (*lengths)[static_cast<std::size_t>(b)]}; }
+    std::array<index_t, 2> interval(index_t b, index_t) const { return {0, (*lengths)[static_cast<std::size_t>(b)]}; }
     tile_class classify(const tile& t) const {
-        const index n = interval(t.batch, 0)[1];
+        const index_t n = interval(t.batch, 0)[1];
         if (n <= t.key_begin) return tile_class::empty;
         if (n >= t.key_end) return tile_class::full;
         return tile_class::mixed;
@@ -182,15 +183,15 @@ struct bound_key_padding : interval_rule<bound_key_padding> {
 
 /// Queries i >= lengths[b] are padding: they see nothing and their output rows are zero.
 struct bound_query_padding : interval_rule<bound_query_padding> {
-    std::shared_ptr<const std::vector<index>> lengths;
-    index key_len = 0;
+    std::shared_ptr<const std::vector<index_t>> lengths;
+    index_t key_len = 0;
 
-    std::array<index, 2> interval(index b, index i) const {
+    std::array<index_t, 2> interval(index_t b, index_t i) const {
         return {0, i < (*lengths)[static_cast<std::size_t>(b)] ? key_len : 0};
     }
-    bool query_padded(index b, index i) const { return i >= (*lengths)[static_cast<std::size_t>(b)]; }
+    bool query_padded(index_t b, index_t i) const { return i >= (*lengths)[static_cast<std::size_t>(b)]; }
     tile_class classify(const tile& t) const {
-        const index n = (*lengths)[static_cast<std::size_t>(t.batch)];
+        const index_t n = (*lengths)[static_cast<std::size_t>(t.batch)];
         if (n <= t.query_begin) return tile_class::empty;
         if (n >= t.query_end) return tile_class::full;
         return tile_class::mixed;
@@ -199,19 +200,19 @@ struct bound_query_padding : interval_rule<bound_query_padding> {
 
 /// Packed variable-length sequences: query i sees the keys of its own sequence only.
 struct bound_block_diagonal : interval_rule<bound_block_diagonal> {
-    std::shared_ptr<const std::vector<index>> starts;  ///< sequence s is [starts[s], starts[s + 1])
+    std::shared_ptr<const std::vector<index_t>> starts;  ///< sequence s is [starts[s], starts[s + 1])
 
-    index block_of(index position) const {
+    index_t block_of(index_t position) const {
         const auto& s = *starts;
-        return static_cast<index>(std::upper_bound(s.begin(), s.end(), position) - s.begin()) - 1;
+        return static_cast<index_t>(std::upper_bound(s.begin(), s.end(), position) - s.begin()) - 1;
     }
-    std::array<index, 2> interval(index, index i) const {
+    std::array<index_t, 2> interval(index_t, index_t i) const {
         const auto s = static_cast<std::size_t>(block_of(i));
         return {(*starts)[s], (*starts)[s + 1]};
     }
     tile_class classify(const tile& t) const {
-        const index q_first = block_of(t.query_begin), q_last = block_of(t.query_end - 1);
-        const index k_first = block_of(t.key_begin), k_last = block_of(t.key_end - 1);
+        const index_t q_first = block_of(t.query_begin), q_last = block_of(t.query_end - 1);
+        const index_t k_first = block_of(t.key_begin), k_last = block_of(t.key_end - 1);
         if (q_last < k_first || k_last < q_first) return tile_class::empty;
         if (q_first == q_last && k_first == k_last && q_first == k_first) return tile_class::full;
         return tile_class::mixed;
@@ -222,32 +223,32 @@ struct bound_block_diagonal : interval_rule<bound_block_diagonal> {
 /// [query_begin[n], query_end[n]) see keys in [key_begin[n], key_end[n]), inside a band around the segment's own
 /// diagonal when windowed. Offsets are ascending, so a position's segment is a binary search.
 struct packed_layout {
-    std::vector<index> query_slots;  ///< [segments + 1] slot offsets along the query axis (cu_seqlens_q)
-    std::vector<index> query_end;    ///< [segments] end of the real queries of each slot
-    std::vector<index> key_begin;    ///< [segments] first key of each segment
-    std::vector<index> key_end;      ///< [segments] end of the real keys of each segment
-    std::vector<index> diagonal;     ///< [segments] key on the diagonal of the segment's first query slot
-    index left = 0, right = 0;       ///< the band around each diagonal (capped, so nothing overflows)
+    std::vector<index_t> query_slots;  ///< [segments + 1] slot offsets along the query axis (cu_seqlens_q)
+    std::vector<index_t> query_end;    ///< [segments] end of the real queries of each slot
+    std::vector<index_t> key_begin;    ///< [segments] first key of each segment
+    std::vector<index_t> key_end;      ///< [segments] end of the real keys of each segment
+    std::vector<index_t> diagonal;     ///< [segments] key on the diagonal of the segment's first query slot
+    index_t left = 0, right = 0;       ///< the band around each diagonal (capped, so nothing overflows)
 };
 
 struct bound_packed_segments : interval_rule<bound_packed_segments> {
     std::shared_ptr<const packed_layout> layout;
 
     /// The segment whose slot holds query i, or -1 outside every slot.
-    index segment_of(index i) const {
+    index_t segment_of(index_t i) const {
         const auto& slots = layout->query_slots;
-        const auto n = static_cast<index>(std::upper_bound(slots.begin(), slots.end(), i) - slots.begin()) - 1;
-        return n < 0 || n + 1 >= static_cast<index>(slots.size()) ? -1 : n;
+        const auto n = static_cast<index_t>(std::upper_bound(slots.begin(), slots.end(), i) - slots.begin()) - 1;
+        return n < 0 || n + 1 >= static_cast<index_t>(slots.size()) ? -1 : n;
     }
-    bool query_padded(index, index i) const {
-        const index n = segment_of(i);
+    bool query_padded(index_t, index_t i) const {
+        const index_t n = segment_of(i);
         return n < 0 || i >= layout->query_end[static_cast<std::size_t>(n)];
     }
-    std::array<index, 2> interval(index b, index i) const {
+    std::array<index_t, 2> interval(index_t b, index_t i) const {
         if (query_padded(b, i)) return {0, 0};
         const auto n = static_cast<std::size_t>(segment_of(i));
         const packed_layout& l = *layout;
-        const index diagonal = l.diagonal[n] + (i - l.query_slots[n]);
+        const index_t diagonal = l.diagonal[n] + (i - l.query_slots[n]);
         return {std::max(l.key_begin[n], diagonal - l.left), std::min(l.key_end[n], diagonal + l.right + 1)};
     }
     /// Exact both ways. Within a segment, row i's keys are [max(kb, d - left), min(ke, d + right + 1)) with its
@@ -257,17 +258,17 @@ struct bound_packed_segments : interval_rule<bound_packed_segments> {
     tile_class classify(const tile& t) const {
         const packed_layout& l = *layout;
         if (t.query_begin >= l.query_slots.back()) return tile_class::empty;  // past the last slot: all padding
-        const index first = std::max<index>(0, segment_of(t.query_begin));
-        index last = segment_of(t.query_end - 1);
-        if (last < 0) last = static_cast<index>(l.query_end.size()) - 1;
+        const index_t first = std::max<index_t>(0, segment_of(t.query_begin));
+        index_t last = segment_of(t.query_end - 1);
+        if (last < 0) last = static_cast<index_t>(l.query_end.size()) - 1;
         bool any = false,
              all = !query_padded(t.batch, t.query_begin) && !query_padded(t.batch, t.query_end - 1) && first == last;
-        for (index n = first; n <= last && !any; ++n) {
+        for (index_t n = first; n <= last && !any; ++n) {
             const auto u = static_cast<std::size_t>(n);
-            const index q0 = std::max(t.query_begin, l.query_slots[u]), q1 = std::min(t.query_end, l.query_end[u]);
+            const index_t q0 = std::max(t.query_begin, l.query_slots[u]), q1 = std::min(t.query_end, l.query_end[u]);
             if (q0 >= q1) continue;
-            const index d0 = l.diagonal[u] + (q0 - l.query_slots[u]), d1 = d0 + (q1 - 1 - q0);
-            const index a = std::max(l.key_begin[u], t.key_begin), b = std::min(l.key_end[u], t.key_end);
+            const index_t d0 = l.diagonal[u] + (q0 - l.query_slots[u]), d1 = d0 + (q1 - 1 - q0);
+            const index_t a = std::max(l.key_begin[u], t.key_begin), b = std::min(l.key_end[u], t.key_end);
             any = a < b && d1 + l.right + 1 > a && d0 - l.left < b;
             all = all && l.key_begin[u] <= t.key_begin && t.key_end <= l.key_end[u] && d1 - l.left <= t.key_begin &&
                   d0 + l.right + 1 >= t.key_end;
@@ -279,26 +280,26 @@ struct bound_packed_segments : interval_rule<bound_packed_segments> {
 
 /// Every position allowed: what a call without a mask binds to.
 struct bound_everything {
-    bool allowed(index, index, index, index) const { return true; }
-    bool query_padded(index, index) const { return false; }
+    bool allowed(index_t, index_t, index_t, index_t) const { return true; }
+    bool query_padded(index_t, index_t) const { return false; }
     tile_class classify(const tile&) const { return tile_class::full; }
     template <class T>
-    void apply(const tile&, T*, index) const {}
+    void apply(const tile&, T*, index_t) const {}
 };
 
 /// Whether bytes p[0], p[stride], ..., p[(n - 1) stride] include a nonzero one and a zero one.
 struct byte_kinds_found {
     bool nonzero = false, zero = false;
 };
-inline byte_kinds_found byte_kinds(const std::uint8_t* p, index n, index stride) {
+inline byte_kinds_found byte_kinds(const std::uint8_t* p, index_t n, index_t stride) {
     std::uint8_t any = 0, none = 0;  // OR of the bytes, OR of (byte == 0): reductions the compiler vectorizes
     if (stride == 1) {
-        for (index j = 0; j < n; ++j) {
+        for (index_t j = 0; j < n; ++j) {
             any = static_cast<std::uint8_t>(any | p[j]);
             none = static_cast<std::uint8_t>(none | (p[j] == 0));
         }
     } else {
-        for (index j = 0; j < n; ++j) {
+        for (index_t j = 0; j < n; ++j) {
             any = static_cast<std::uint8_t>(any | p[j * stride]);
             none = static_cast<std::uint8_t>(none | (p[j * stride] == 0));
         }
@@ -311,24 +312,24 @@ inline byte_kinds_found byte_kinds(const std::uint8_t* p, index n, index stride)
 /// key_end are forbidden (an ONNX mask shorter than key_len); it is key_len otherwise.
 struct bound_dense_boolean {
     const std::uint8_t* data = nullptr;
-    std::array<index, 4> strides{};
-    index key_end = std::numeric_limits<index>::max();
+    std::array<index_t, 4> strides{};
+    index_t key_end = std::numeric_limits<index_t>::max();
     bool inverted = false;
 
-    bool allowed(index b, index h, index i, index j) const {
+    bool allowed(index_t b, index_t h, index_t i, index_t j) const {
         return j < key_end &&
                (data[b * strides[0] + h * strides[1] + i * strides[2] + j * strides[3]] != 0) != inverted;
     }
-    bool query_padded(index, index) const { return false; }
+    bool query_padded(index_t, index_t) const { return false; }
     /// Row by row, each row's bytes in one branch-free pass (vectorized where the key axis is contiguous), stopping
     /// at the first row that shows both kinds: the kernels classify every tile of every head, and most tiles of a
     /// block-diagonal or padded mask are wholly one kind, so they are read to the end.
     tile_class classify(const tile& t) const {
-        const index stored_end = std::min(t.key_end, key_end);
+        const index_t stored_end = std::min(t.key_end, key_end);
         if (stored_end <= t.key_begin) return tile_class::empty;
         bool nonzero = false, zero = false;
         const std::uint8_t* row = data + t.batch * strides[0] + t.head * strides[1] + t.key_begin * strides[3];
-        for (index i = t.query_begin; i < t.query_end && !(nonzero && zero); ++i) {
+        for (index_t i = t.query_begin; i < t.query_end && !(nonzero && zero); ++i) {
             const auto kinds = byte_kinds(row + i * strides[2], stored_end - t.key_begin, strides[3]);
             nonzero = nonzero || kinds.nonzero;
             zero = zero || kinds.zero;
@@ -339,7 +340,7 @@ struct bound_dense_boolean {
         return any_forbidden ? tile_class::mixed : tile_class::full;
     }
     template <class T>
-    void apply(const tile& t, T* scores, index ld) const {
+    void apply(const tile& t, T* scores, index_t ld) const {
         apply_by_position(*this, t, scores, ld);
     }
 };
@@ -349,19 +350,19 @@ struct bound_dense_boolean {
 template <class V>
 struct bound_dense_additive {
     const V* data = nullptr;
-    std::array<index, 4> strides{};
-    index key_end = std::numeric_limits<index>::max();
+    std::array<index_t, 4> strides{};
+    index_t key_end = std::numeric_limits<index_t>::max();
 
-    V value(index b, index h, index i, index j) const {
+    V value(index_t b, index_t h, index_t i, index_t j) const {
         if (j >= key_end) return minus_infinity<V>();
         return data[b * strides[0] + h * strides[1] + i * strides[2] + j * strides[3]];
     }
-    bool allowed(index b, index h, index i, index j) const { return value(b, h, i, j) != minus_infinity<V>(); }
-    bool query_padded(index, index) const { return false; }
+    bool allowed(index_t b, index_t h, index_t i, index_t j) const { return value(b, h, i, j) != minus_infinity<V>(); }
+    bool query_padded(index_t, index_t) const { return false; }
     tile_class classify(const tile& t) const {
         bool all_forbidden = true, all_zero = true;
-        for (index i = t.query_begin; i < t.query_end; ++i)
-            for (index j = t.key_begin; j < t.key_end; ++j) {
+        for (index_t i = t.query_begin; i < t.query_end; ++i)
+            for (index_t j = t.key_begin; j < t.key_end; ++j) {
                 const V x = value(t.batch, t.head, i, j);
                 all_forbidden = all_forbidden && x == minus_infinity<V>();
                 all_zero = all_zero && x == V(0);
@@ -374,11 +375,11 @@ struct bound_dense_additive {
     /// row that the empty-row check saw as allowed; at the high end a large bias (1e300 on float scores, two float
     /// max() added) never turns into +inf, whose softmax is NaN.
     template <class T>
-    void apply(const tile& t, T* scores, index ld) const {
+    void apply(const tile& t, T* scores, index_t ld) const {
         constexpr T lowest = std::numeric_limits<T>::lowest(), highest = std::numeric_limits<T>::max();
-        for (index i = t.query_begin; i < t.query_end; ++i) {
+        for (index_t i = t.query_begin; i < t.query_end; ++i) {
             T* row = scores + (i - t.query_begin) * ld;
-            for (index j = t.key_begin; j < t.key_end; ++j) {
+            for (index_t j = t.key_begin; j < t.key_end; ++j) {
                 const V x = value(t.batch, t.head, i, j);
                 T& s = row[j - t.key_begin];
                 if (x == minus_infinity<V>()) {
@@ -399,14 +400,16 @@ template <class A, class B>
 struct bound_intersection {
     A a;
     B b;
-    bool allowed(index bb, index h, index i, index j) const { return a.allowed(bb, h, i, j) && b.allowed(bb, h, i, j); }
-    bool query_padded(index bb, index i) const { return a.query_padded(bb, i) || b.query_padded(bb, i); }
+    bool allowed(index_t bb, index_t h, index_t i, index_t j) const {
+        return a.allowed(bb, h, i, j) && b.allowed(bb, h, i, j);
+    }
+    bool query_padded(index_t bb, index_t i) const { return a.query_padded(bb, i) || b.query_padded(bb, i); }
     tile_class classify(const tile& t) const {
         const tile_class first = a.classify(t);
         return first == tile_class::empty ? first : intersect(first, b.classify(t));
     }
     template <class T>
-    void apply(const tile& t, T* scores, index ld) const {
+    void apply(const tile& t, T* scores, index_t ld) const {
         a.apply(t, scores, ld);
         b.apply(t, scores, ld);
     }
@@ -417,14 +420,16 @@ template <class A, class B>
 struct bound_union {
     A a;
     B b;
-    bool allowed(index bb, index h, index i, index j) const { return a.allowed(bb, h, i, j) || b.allowed(bb, h, i, j); }
-    bool query_padded(index bb, index i) const { return a.query_padded(bb, i) && b.query_padded(bb, i); }
+    bool allowed(index_t bb, index_t h, index_t i, index_t j) const {
+        return a.allowed(bb, h, i, j) || b.allowed(bb, h, i, j);
+    }
+    bool query_padded(index_t bb, index_t i) const { return a.query_padded(bb, i) && b.query_padded(bb, i); }
     tile_class classify(const tile& t) const {
         const tile_class first = a.classify(t);
         return first == tile_class::full ? first : unite(first, b.classify(t));
     }
     template <class T>
-    void apply(const tile& t, T* scores, index ld) const {
+    void apply(const tile& t, T* scores, index_t ld) const {
         apply_by_position(*this, t, scores, ld);
     }
 };
@@ -433,11 +438,11 @@ struct bound_union {
 template <class A>
 struct bound_complement {
     A a;
-    bool allowed(index b, index h, index i, index j) const { return !a.allowed(b, h, i, j); }
-    bool query_padded(index, index) const { return false; }
+    bool allowed(index_t b, index_t h, index_t i, index_t j) const { return !a.allowed(b, h, i, j); }
+    bool query_padded(index_t, index_t) const { return false; }
     tile_class classify(const tile& t) const { return complement(a.classify(t)); }
     template <class T>
-    void apply(const tile& t, T* scores, index ld) const {
+    void apply(const tile& t, T* scores, index_t ld) const {
         apply_by_position(*this, t, scores, ld);
     }
 };
@@ -449,10 +454,10 @@ class mask_tiles {
 public:
     virtual ~mask_tiles() = default;
     virtual tile_class classify(const tile& t) const = 0;
-    virtual void apply(const tile& t, float* scores, index ld) const = 0;
-    virtual void apply(const tile& t, double* scores, index ld) const = 0;
-    virtual bool allowed(index b, index h, index i, index j) const = 0;
-    virtual bool query_padded(index b, index i) const = 0;
+    virtual void apply(const tile& t, float* scores, index_t ld) const = 0;
+    virtual void apply(const tile& t, double* scores, index_t ld) const = 0;
+    virtual bool allowed(index_t b, index_t h, index_t i, index_t j) const = 0;
+    virtual bool query_padded(index_t b, index_t i) const = 0;
 };
 
 /// A bound mask behind mask_tiles; holds a reference, so it lives no longer than the call it serves.
@@ -461,10 +466,10 @@ class erased_mask final : public mask_tiles {
 public:
     explicit erased_mask(const Bound& bound) : bound_(bound) {}
     tile_class classify(const tile& t) const override { return bound_.classify(t); }
-    void apply(const tile& t, float* scores, index ld) const override { bound_.apply(t, scores, ld); }
-    void apply(const tile& t, double* scores, index ld) const override { bound_.apply(t, scores, ld); }
-    bool allowed(index b, index h, index i, index j) const override { return bound_.allowed(b, h, i, j); }
-    bool query_padded(index b, index i) const override { return bound_.query_padded(b, i); }
+    void apply(const tile& t, float* scores, index_t ld) const override { bound_.apply(t, scores, ld); }
+    void apply(const tile& t, double* scores, index_t ld) const override { bound_.apply(t, scores, ld); }
+    bool allowed(index_t b, index_t h, index_t i, index_t j) const override { return bound_.allowed(b, h, i, j); }
+    bool query_padded(index_t b, index_t i) const override { return bound_.query_padded(b, i); }
 
 private:
     const Bound& bound_;

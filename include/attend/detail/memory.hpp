@@ -175,7 +175,7 @@ struct memory_range {
 
 /// The range of `size` contiguous elements at `data`.
 template <class T>
-memory_range range_of(const T* data, index size) {
+memory_range range_of(const T* data, index_t size) {
     if (data == nullptr || size <= 0) return {};
     const auto begin = reinterpret_cast<std::uintptr_t>(data);
     return {begin, begin + static_cast<std::uintptr_t>(size) * sizeof(T)};
@@ -188,7 +188,7 @@ memory_range range_of(const strided_view<T>& v) {
     std::uintptr_t below = 0, above = 0;  // elements before and after v.data
     for (std::size_t a = 0; a < 4; ++a) {
         if (v.dims[a] <= 0) return {};
-        const index reach = (v.dims[a] - 1) * v.strides[a];
+        const index_t reach = (v.dims[a] - 1) * v.strides[a];
         if (reach < 0) below += static_cast<std::uintptr_t>(-reach);
         else above += static_cast<std::uintptr_t>(reach);
     }
@@ -209,9 +209,9 @@ named_range named(const char* name, const strided_view<T>& v) {
 }
 
 template <class T, std::size_t N>
-named_range named(const char* name, const T* data, const std::array<index, N>& dims) {
+named_range named(const char* name, const T* data, const std::array<index_t, N>& dims) {
     static_assert(N <= 4, "shapes of rank 4 at most");
-    index size = 1;
+    index_t size = 1;
     shape_words words{{}, N};
     for (std::size_t a = 0; a < N; ++a) {
         size *= dims[a];

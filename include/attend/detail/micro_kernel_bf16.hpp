@@ -40,17 +40,17 @@ inline constexpr bool bf16_dot_products = ATTEND_BF16_DOT_PRODUCTS != 0;
 /// Sizes of the pair micro-tiles: rows x 32 columns (two packets of 16 float lanes), 24 accumulators, which with
 /// two loads and a broadcast fit AVX-512's 32 vector registers.
 struct bf16_tile {
-    static constexpr index lanes = 16;
-    static constexpr index cols = 32;  ///< keys per key panel, value columns per block
-    static constexpr index rows = 12;  ///< query rows per micro-tile
+    static constexpr index_t lanes = 16;
+    static constexpr index_t cols = 32;  ///< keys per key panel, value columns per block
+    static constexpr index_t rows = 12;  ///< query rows per micro-tile
     /// 32-bit words (pairs) of a key tile's panels: keys rounded up to whole panels, times head_dim / 2.
-    static index key_panel_words(index keys, index head_dim) {
+    static index_t key_panel_words(index_t keys, index_t head_dim) {
         return (keys + cols - 1) / cols * cols * (head_dim / 2);
     }
     /// Words of a value tile's blocks: keys rounded up to pairs, times value_dim (whole blocks only).
-    static index value_panel_words(index keys, index value_dim) { return (keys + 1) / 2 * value_dim; }
+    static index_t value_panel_words(index_t keys, index_t value_dim) { return (keys + 1) / 2 * value_dim; }
     /// Words of a row of P rounded to pairs: keys rounded up to pairs, halved (a zero after an odd last key).
-    static index probability_row_words(index keys) { return (keys + 1) / 2; }
+    static index_t probability_row_words(index_t keys) { return (keys + 1) / 2; }
 };
 
 /// Scratch of the pair path, in 32-bit words (pairs of bf16): empty unless a call takes it.
@@ -64,14 +64,16 @@ struct pair_scratch {
 // The pair path's functions, declared for every target: the tiled kernel names them in branches that targets
 // without AVX-512 BF16 discard at compile time, and only those with it define them (below).
 inline std::uint32_t pair_at(const Eigen::bfloat16* x);
-inline void pack_key_pairs(const Eigen::bfloat16* keys, index ld, index nk, index head_dim, std::uint32_t* panels);
-inline void pack_value_pairs(const Eigen::bfloat16* v, index ld, index nk, index dv, std::uint32_t* panels);
-inline void round_to_pairs(const float* p, index ldp, index rows, index nk, std::uint32_t* out, index ldo);
+inline void pack_key_pairs(const Eigen::bfloat16* keys, index_t ld, index_t nk, index_t head_dim,
+                           std::uint32_t* panels);
+inline void pack_value_pairs(const Eigen::bfloat16* v, index_t ld, index_t nk, index_t dv, std::uint32_t* panels);
+inline void round_to_pairs(const float* p, index_t ldp, index_t rows, index_t nk, std::uint32_t* out, index_t ldo);
 template <class Epilogue>
-void scores_from_key_pairs(const std::uint32_t* q, index ldq, index rows, index head_dim, const std::uint32_t* panels,
-                           index nk, float scale, float* scores, index lds, const Epilogue& epilogue);
-inline void accumulate_from_value_pairs(const std::uint32_t* p, index ldp, index rows, index nk, index dv,
-                                        const std::uint32_t* blocks, index block_stride, float* acc, index lda);
+void scores_from_key_pairs(const std::uint32_t* q, index_t ldq, index_t rows, index_t head_dim,
+                           const std::uint32_t* panels, index_t nk, float scale, float* scores, index_t lds,
+                           const Epilogue& epilogue);
+inline void accumulate_from_value_pairs(const std::uint32_t* p, index_t ldp, index_t rows, index_t nk, index_t dv,
+                                        const std::uint32_t* blocks, index_t block_stride, float* acc, index_t lda);
 
 #if ATTEND_BF16_DOT_PRODUCTS
 
@@ -88,21 +90,22 @@ inline std::uint32_t pair_at(const Eigen::bfloat16* x) {
 /// word (x, c) is key c's dimensions 2x and 2x + 1, so a packet loads one pair of dimensions of 16 consecutive keys.
 /// The last panel is padded with zero keys. Squares of 16 keys x 16 pairs are transposed in registers, as floats
 /// (Eigen's ptranspose moves 32-bit lanes, whatever they hold), where the rows are a whole number of words apart.
-inline void pack_key_pairs(const Eigen::bfloat16* keys, index ld, index nk, index head_dim, std::uint32_t* panels) {
-    constexpr index lanes = bf16_tile::lanes, nr = bf16_tile::cols;
-    const index pairs = head_dim / 2, square_pairs = pairs / lanes * lanes;
-    for (index p0 = 0; p0 < nk; p0 += nr) {
+inline void pack_key_pairs(const Eigen::bfloat16* keys, index_t ld, index_t nk, index_t head_dim,
+                           std::uint32_t* panels) {
+    constexpr index_t lanes = bf16_tile::lanes, nr = bf16_tile::cols;
+    const index_t pairs = head_dim / 2, square_pairs = pairs / lanes * lanes;
+    for (index_t p0 = 0; p0 < nk; p0 += nr) {
         std::uint32_t* panel = panels + p0 * pairs;
-        for (index c0 = 0; c0 < nr; c0 += lanes) {
-            const index present = std::clamp<index>(nk - p0 - c0, 0, lanes);
+        for (index_t c0 = 0; c0 < nr; c0 += lanes) {
+            const index_t present = std::clamp<index_t>(nk - p0 - c0, 0, lanes);
             const Eigen::bfloat16* first = keys + (p0 + c0) * ld;
-            index x = 0;
+            index_t x = 0;
             if (present == lanes && ld % 2 == 0)  // words of 16 keys x 16 pairs: a float transpose of the bits
                 for (; x < square_pairs; x += lanes)
                     transpose_square<float>(reinterpret_cast<const float*>(first + 2 * x), ld / 2,
                                             reinterpret_cast<float*>(panel + x * nr + c0), nr);
             for (; x < pairs; ++x)
-                for (index c = 0; c < lanes; ++c)
+                for (index_t c = 0; c < lanes; ++c)
                     panel[x * nr + c0 + c] = c < present ? pair_at(first + c * ld + 2 * x) : 0u;
         }
     }
@@ -111,8 +114,8 @@ inline void pack_key_pairs(const Eigen::bfloat16* keys, index ld, index nk, inde
 /// Values [nk, dv] bf16 (rows at `ld`, dv a multiple of 32) into column blocks of 32, block b at
 /// panels + b * ((nk + 1) / 2) * 32 words, [pairs of keys, 32]: word (j, e) is values 2j and 2j + 1 of column e (a
 /// zero value after an odd last key).
-inline void pack_value_pairs(const Eigen::bfloat16* v, index ld, index nk, index dv, std::uint32_t* panels) {
-    const index pairs = (nk + 1) / 2;
+inline void pack_value_pairs(const Eigen::bfloat16* v, index_t ld, index_t nk, index_t dv, std::uint32_t* panels) {
+    const index_t pairs = (nk + 1) / 2;
     // Interleaves 32 columns of two rows into 32 words: the first 16 from columns 0..15, the next from 16..31.
     alignas(64) static constexpr std::uint16_t first_half[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
                                                                  37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
@@ -121,9 +124,9 @@ inline void pack_value_pairs(const Eigen::bfloat16* v, index ld, index nk, index
                                                                   53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
                                                                   27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
     const __m512i lo_index = _mm512_load_si512(first_half), hi_index = _mm512_load_si512(second_half);
-    for (index e0 = 0; e0 < dv; e0 += bf16_tile::cols) {
+    for (index_t e0 = 0; e0 < dv; e0 += bf16_tile::cols) {
         std::uint32_t* block = panels + (e0 / bf16_tile::cols) * pairs * bf16_tile::cols;
-        for (index j = 0; j < pairs; ++j) {
+        for (index_t j = 0; j < pairs; ++j) {
             const __m512i even = _mm512_loadu_si512(v + 2 * j * ld + e0);
             const __m512i odd = 2 * j + 1 < nk ? _mm512_loadu_si512(v + (2 * j + 1) * ld + e0) : _mm512_setzero_si512();
             _mm512_storeu_si512(block + j * bf16_tile::cols, _mm512_permutex2var_epi16(even, lo_index, odd));
@@ -133,7 +136,7 @@ inline void pack_value_pairs(const Eigen::bfloat16* v, index ld, index nk, index
 }
 
 /// Masks of the first n of 32 lanes (n from 1 to 32) over two packets of 16: the low packet's and the high one's.
-inline std::pair<__mmask16, __mmask16> first_lanes(index n) {
+inline std::pair<__mmask16, __mmask16> first_lanes(index_t n) {
     return {static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << n) - 1),
             static_cast<__mmask16>(n >= 32   ? 0xffff
                                    : n <= 16 ? 0
@@ -142,17 +145,17 @@ inline std::pair<__mmask16, __mmask16> first_lanes(index n) {
 
 /// rows x nk floats (rows at `ldp`) rounded to bf16 (to nearest even) into pairs: row r at out + r * ldo words,
 /// (nk + 1) / 2 words, a zero after an odd last column.
-inline void round_to_pairs(const float* p, index ldp, index rows, index nk, std::uint32_t* out, index ldo) {
-    for (index r = 0; r < rows; ++r) {
+inline void round_to_pairs(const float* p, index_t ldp, index_t rows, index_t nk, std::uint32_t* out, index_t ldo) {
+    for (index_t r = 0; r < rows; ++r) {
         const float* src = p + r * ldp;
         std::uint32_t* dst = out + r * ldo;
-        for (index j = 0; j < nk; j += 32) {
-            const index n = std::min<index>(32, nk - j);
+        for (index_t j = 0; j < nk; j += 32) {
+            const index_t n = std::min<index_t>(32, nk - j);
             const auto [lo_mask, hi_mask] = first_lanes(n);
             const __m512 lo = _mm512_maskz_loadu_ps(lo_mask, src + j),
                          hi = _mm512_maskz_loadu_ps(hi_mask, src + j + 16);
             const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // lo in the low half
-            const index words = (n + 1) / 2;
+            const index_t words = (n + 1) / 2;
             _mm512_mask_storeu_epi32(dst + j / 2, static_cast<__mmask16>(words >= 16 ? 0xffff : (1u << words) - 1),
                                      both);
         }
@@ -163,12 +166,12 @@ namespace micro {
 
 /// Rows x 32 scores of one key panel: out[r, c] = epilogue(scale * sum over pairs x of q-pair[r, x] . panel[x, c]).
 template <int Rows, class Epilogue>
-void score_pairs(const std::uint32_t* q, index ldq, index pairs, const std::uint32_t* panel, float scale, float* out,
-                 index ldo, const Epilogue& epilogue) {
+void score_pairs(const std::uint32_t* q, index_t ldq, index_t pairs, const std::uint32_t* panel, float scale,
+                 float* out, index_t ldo, const Epilogue& epilogue) {
     __m512 lo[Rows], hi[Rows];
     ATTEND_UNROLL_FULLY
     for (int r = 0; r < Rows; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
-    for (index x = 0; x < pairs; ++x) {
+    for (index_t x = 0; x < pairs; ++x) {
         const __m512bh k0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + x * bf16_tile::cols));
         const __m512bh k1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + x * bf16_tile::cols + 16));
         ATTEND_UNROLL_FULLY
@@ -188,15 +191,15 @@ void score_pairs(const std::uint32_t* q, index ldq, index pairs, const std::uint
 
 /// acc[r, 0 : 32) += sum over pairs j of p-pair[r, j] . block[j, 0 : 32).
 template <int Rows>
-void accumulate_pairs(const std::uint32_t* p, index ldp, index pairs, const std::uint32_t* block, float* acc,
-                      index lda) {
+void accumulate_pairs(const std::uint32_t* p, index_t ldp, index_t pairs, const std::uint32_t* block, float* acc,
+                      index_t lda) {
     __m512 c0[Rows], c1[Rows];
     ATTEND_UNROLL_FULLY
     for (int r = 0; r < Rows; ++r) {
         c0[r] = _mm512_loadu_ps(acc + r * lda);
         c1[r] = _mm512_loadu_ps(acc + r * lda + 16);
     }
-    for (index j = 0; j < pairs; ++j) {
+    for (index_t j = 0; j < pairs; ++j) {
         const __m512bh v0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(block + j * bf16_tile::cols));
         const __m512bh v1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(block + j * bf16_tile::cols + 16));
         ATTEND_UNROLL_FULLY
@@ -215,12 +218,12 @@ void accumulate_pairs(const std::uint32_t* p, index ldp, index pairs, const std:
 
 /// The kernels above for a row group of 1 to bf16_tile::rows rows, so its size is a constant inside them.
 template <class Epilogue>
-auto score_pairs_for(index rows) {
+auto score_pairs_for(index_t rows) {
     constexpr auto table = by_row_count(std::make_integer_sequence<int, bf16_tile::rows>{},
                                         [](auto n) { return &score_pairs<decltype(n)::value, Epilogue>; });
     return table[static_cast<std::size_t>(rows - 1)];
 }
-inline auto accumulate_pairs_for(index rows) {
+inline auto accumulate_pairs_for(index_t rows) {
     constexpr auto table = by_row_count(std::make_integer_sequence<int, bf16_tile::rows>{},
                                         [](auto n) { return &accumulate_pairs<decltype(n)::value>; });
     return table[static_cast<std::size_t>(rows - 1)];
@@ -232,20 +235,21 @@ inline auto accumulate_pairs_for(index rows) {
 /// packed by pack_key_pairs, each packet through `epilogue` before it is stored; a partial last panel goes through
 /// a panel-sized buffer, so nothing is written past column nk.
 template <class Epilogue>
-void scores_from_key_pairs(const std::uint32_t* q, index ldq, index rows, index head_dim, const std::uint32_t* panels,
-                           index nk, float scale, float* scores, index lds, const Epilogue& epilogue) {
+void scores_from_key_pairs(const std::uint32_t* q, index_t ldq, index_t rows, index_t head_dim,
+                           const std::uint32_t* panels, index_t nk, float scale, float* scores, index_t lds,
+                           const Epilogue& epilogue) {
     using bt = bf16_tile;
-    const index pairs = head_dim / 2;
+    const index_t pairs = head_dim / 2;
     alignas(64) float edge[bt::rows * bt::cols];
-    for (index p0 = 0; p0 < nk; p0 += bt::cols) {
+    for (index_t p0 = 0; p0 < nk; p0 += bt::cols) {
         const std::uint32_t* panel = panels + p0 * pairs;
-        const index n = std::min(bt::cols, nk - p0);
-        for_each_row_group(rows, bt::rows, [&](index r0, index m) {
+        const index_t n = std::min(bt::cols, nk - p0);
+        for_each_row_group(rows, bt::rows, [&](index_t r0, index_t m) {
             float* out = n == bt::cols ? scores + r0 * lds + p0 : edge;
-            const index ldo = n == bt::cols ? lds : bt::cols;
+            const index_t ldo = n == bt::cols ? lds : bt::cols;
             micro::score_pairs_for<Epilogue>(m)(q + r0 * ldq, ldq, pairs, panel, scale, out, ldo, epilogue);
             if (n < bt::cols)
-                for (index r = 0; r < m; ++r)
+                for (index_t r = 0; r < m; ++r)
                     std::copy(edge + r * bt::cols, edge + r * bt::cols + n, scores + (r0 + r) * lds + p0);
         });
     }
@@ -254,14 +258,14 @@ void scores_from_key_pairs(const std::uint32_t* q, index ldq, index rows, index 
 /// acc[rows, dv] (rows at `lda`) += p-pairs[rows, (nk + 1) / 2] (rows at `ldp` words) times the values packed by
 /// pack_value_pairs (blocks `block_stride` words apart, starting at an even key). Keys go by in slices whose block
 /// part stays in L1 while every row group reads it (16 KiB).
-inline void accumulate_from_value_pairs(const std::uint32_t* p, index ldp, index rows, index nk, index dv,
-                                        const std::uint32_t* blocks, index block_stride, float* acc, index lda) {
+inline void accumulate_from_value_pairs(const std::uint32_t* p, index_t ldp, index_t rows, index_t nk, index_t dv,
+                                        const std::uint32_t* blocks, index_t block_stride, float* acc, index_t lda) {
     using bt = bf16_tile;
-    const index pairs = (nk + 1) / 2, slice = 16384 / static_cast<index>(4 * bt::cols);
-    for (index j0 = 0; j0 < pairs; j0 += slice) {
-        const index nj = std::min(slice, pairs - j0);
-        for (index e = 0; e < dv; e += bt::cols)
-            for_each_row_group(rows, bt::rows, [&](index r0, index m) {
+    const index_t pairs = (nk + 1) / 2, slice = 16384 / static_cast<index_t>(4 * bt::cols);
+    for (index_t j0 = 0; j0 < pairs; j0 += slice) {
+        const index_t nj = std::min(slice, pairs - j0);
+        for (index_t e = 0; e < dv; e += bt::cols)
+            for_each_row_group(rows, bt::rows, [&](index_t r0, index_t m) {
                 micro::accumulate_pairs_for(m)(p + r0 * ldp + j0, ldp, nj,
                                                blocks + (e / bt::cols) * block_stride + j0 * bt::cols,
                                                acc + r0 * lda + e, lda);

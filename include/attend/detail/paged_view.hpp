@@ -21,14 +21,14 @@ namespace attend::detail {
 /// does not follow, the tiled kernel copies the run into its scratch (the same values either way).
 template <class T>
 struct paged_view {
-    const T* pool = nullptr;       ///< block storage `[kv_heads, pool_blocks, block_size, dim]`
-    const index* table = nullptr;  ///< the sequence's block table
-    std::array<index, 4> dims{};   ///< 1, kv_heads, len, dim
-    index block_size = 1;
-    index pool_blocks = 1;  ///< blocks per head in the pool
+    const T* pool = nullptr;         ///< block storage `[kv_heads, pool_blocks, block_size, dim]`
+    const index_t* table = nullptr;  ///< the sequence's block table
+    std::array<index_t, 4> dims{};   ///< 1, kv_heads, len, dim
+    index_t block_size = 1;
+    index_t pool_blocks = 1;  ///< blocks per head in the pool
     int rank = 4;
 
-    const T* row(index /*batch: always 0*/, index h, index i) const {
+    const T* row(index_t /*batch: always 0*/, index_t h, index_t i) const {
         return pool + ((h * pool_blocks + table[i / block_size]) * block_size + i % block_size) * row_units<T>(dims[3]);
     }
 };
@@ -36,12 +36,12 @@ struct paged_view {
 /// How many of rows [i, i + n) of a (batch, head) follow row i at row_stride(x), row i included: all of them in a
 /// strided view; in a paged view, up to the first block that does not follow the one before it in the pool.
 template <class T>
-index rows_following(const strided_view<T>&, index, index n) {
+index_t rows_following(const strided_view<T>&, index_t, index_t n) {
     return n;
 }
 template <class T>
-index rows_following(const paged_view<T>& x, index i, index n) {
-    index b = i / x.block_size, end = (b + 1) * x.block_size;
+index_t rows_following(const paged_view<T>& x, index_t i, index_t n) {
+    index_t b = i / x.block_size, end = (b + 1) * x.block_size;
     while (end < i + n && x.table[b + 1] == x.table[b] + 1) {
         ++b;
         end += x.block_size;
@@ -52,33 +52,33 @@ index rows_following(const paged_view<T>& x, index i, index n) {
 /// True when rows [i, i + n) of a (batch, head), n >= 1, follow each other at row_stride(x): always for a strided
 /// view; for a paged view when the blocks they span are consecutive in the pool.
 template <class View>
-bool rows_contiguous(const View& x, index i, index n) {
+bool rows_contiguous(const View& x, index_t i, index_t n) {
     return rows_following(x, i, n) == n;
 }
 
 /// Rows from i on that are packed one after another (row stride == dim), so they copy as one span: to the end
 /// of a dense view (one row of a strided one), or of a block.
 template <class T>
-index packed_rows(const strided_view<T>& x, index i) {
+index_t packed_rows(const strided_view<T>& x, index_t i) {
     return x.strides[2] == x.dims[3] ? x.dims[2] - i : 1;
 }
 template <class T>
-index packed_rows(const paged_view<T>& x, index i) {
+index_t packed_rows(const paged_view<T>& x, index_t i) {
     return x.block_size - i % x.block_size;
 }
 
 template <class T>
-index row_stride(const strided_view<T>& x) {
+index_t row_stride(const strided_view<T>& x) {
     return x.strides[2];
 }
 template <class T>
-index row_stride(const paged_view<T>& x) {
+index_t row_stride(const paged_view<T>& x) {
     return row_units<T>(x.dims[3]);
 }
 
 /// Batch row n of x `[batch, heads, len, dim]`, its first `rows` rows: `[1, heads, rows, dim]`.
 template <class T>
-strided_view<T> batch_rows(const strided_view<T>& x, index n, index rows) {
+strided_view<T> batch_rows(const strided_view<T>& x, index_t n, index_t rows) {
     strided_view<T> v = x;
     v.data = x.data + n * x.strides[0];
     v.dims[0] = 1;

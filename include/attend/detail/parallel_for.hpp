@@ -57,12 +57,12 @@ public:
     template <class Body>
     explicit unit_body(Body& body)
         : body_(const_cast<void*>(static_cast<const void*>(&body))),
-          call_([](void* b, index unit, int worker) { (*static_cast<Body*>(b))(unit, worker); }) {}
-    void operator()(index unit, int worker) const { call_(body_, unit, worker); }
+          call_([](void* b, index_t unit, int worker) { (*static_cast<Body*>(b))(unit, worker); }) {}
+    void operator()(index_t unit, int worker) const { call_(body_, unit, worker); }
 
 private:
     void* body_;
-    void (*call_)(void*, index, int);
+    void (*call_)(void*, index_t, int);
 };
 
 /// The worker that runs unit u of a call with `workers` workers: one unit of each round of `workers` units, dealt
@@ -70,8 +70,8 @@ private:
 /// cost, such as the query blocks of a causal mask, then even out: plain round robin gave the last worker the
 /// dearer unit of every round (2 workers, the 8 query blocks of a causal head, block b doing b + 1/2 tiles of
 /// work: 18 against 14 tiles; dealt this way, 16 and 16).
-inline int worker_of(index unit, int workers) {
-    const index round = unit / workers, at = unit % workers;
+inline int worker_of(index_t unit, int workers) {
+    const index_t round = unit / workers, at = unit % workers;
     return static_cast<int>(round % 2 == 0 ? at : workers - 1 - at);
 }
 
@@ -80,14 +80,14 @@ inline int worker_of(index unit, int workers) {
 /// worker 0; the others are the process's kept threads (worker_pool) or, when those are busy with another
 /// call, std::threads started for this call and joined before it returns. Which thread runs a worker changes
 /// nothing it computes. The first exception a worker throws is rethrown here after every worker has stopped.
-inline void run_units(index units, int threads, const unit_body& body) {
+inline void run_units(index_t units, int threads, const unit_body& body) {
     if (units <= 0) return;
-    const int workers = static_cast<int>(std::min<index>(std::max(threads, 1), units));
+    const int workers = static_cast<int>(std::min<index_t>(std::max(threads, 1), units));
     std::vector<std::exception_ptr> errors(static_cast<std::size_t>(workers));
     const auto work = [&](int worker) noexcept {
         try {
             eigen_single_thread_scope single;
-            for (index unit = 0; unit < units; ++unit)
+            for (index_t unit = 0; unit < units; ++unit)
                 if (worker_of(unit, workers) == worker) body(unit, worker);
         } catch (...) {
             errors[static_cast<std::size_t>(worker)] = std::current_exception();
@@ -120,7 +120,7 @@ inline void run_units(index units, int threads, const unit_body& body) {
 
 /// run_units over any callable body(unit, worker).
 template <class Body>
-void parallel_for(index units, int threads, Body&& body) {
+void parallel_for(index_t units, int threads, Body&& body) {
     run_units(units, threads, unit_body(body));
 }
 

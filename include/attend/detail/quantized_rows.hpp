@@ -27,18 +27,18 @@ namespace attend {
 /// 32 values x ~ scale * values[j]: ggml's block_q8_0 (`ggml_half d; int8_t qs[32]`), byte for byte, so a
 /// llama.cpp q8_0 K or V cache maps onto these blocks.
 struct q8_0_block {
-    static constexpr index size = 32;  ///< values per block
-    Eigen::half scale;                 ///< d
-    std::int8_t values[size];          ///< q, in [-127, 127]
+    static constexpr index_t size = 32;  ///< values per block
+    Eigen::half scale;                   ///< d
+    std::int8_t values[size];            ///< q, in [-127, 127]
 };
 static_assert(sizeof(q8_0_block) == 34, "attend: q8_0_block must have ggml's 34-byte layout");
 
 /// 32 values x ~ scale * (q_j - 8), q_j in [0, 15]: ggml's block_q4_0 (`ggml_half d; uint8_t qs[16]`), byte for
 /// byte: value j < 16 in the low four bits of nibbles[j], value j + 16 in its high four bits.
 struct q4_0_block {
-    static constexpr index size = 32;  ///< values per block
-    Eigen::half scale;                 ///< d
-    std::uint8_t nibbles[size / 2];    ///< qs
+    static constexpr index_t size = 32;  ///< values per block
+    Eigen::half scale;                   ///< d
+    std::uint8_t nibbles[size / 2];      ///< qs
 };
 static_assert(sizeof(q4_0_block) == 18, "attend: q4_0_block must have ggml's 18-byte layout");
 
@@ -49,8 +49,8 @@ template <class T>
 inline constexpr bool is_quantized_block_v = std::is_same_v<T, q8_0_block> || std::is_same_v<T, q4_0_block>;
 
 /// Value j of a block as its integer: x ~ scale * block_integer(b, j).
-inline int block_integer(const q8_0_block& b, index j) { return b.values[j]; }
-inline int block_integer(const q4_0_block& b, index j) {
+inline int block_integer(const q8_0_block& b, index_t j) { return b.values[j]; }
+inline int block_integer(const q4_0_block& b, index_t j) {
     const int byte = b.nibbles[j % (q4_0_block::size / 2)];
     return (j < q4_0_block::size / 2 ? byte & 15 : byte >> 4) - 8;
 }
@@ -80,12 +80,12 @@ struct block_format<q4_0_block> {
 template <class Block>
 struct quantized_view {
     const Block* data = nullptr;
-    std::array<index, 4> dims{};     ///< batch, heads, len, dim (values; dim is a multiple of 32)
-    std::array<index, 3> strides{};  ///< blocks
+    std::array<index_t, 4> dims{};     ///< batch, heads, len, dim (values; dim is a multiple of 32)
+    std::array<index_t, 3> strides{};  ///< blocks
     int rank = 4;
 
     /// The first block of row (b, h, i).
-    const Block* row(index b, index h, index i) const {
+    const Block* row(index_t b, index_t h, index_t i) const {
         return data + b * strides[0] + h * strides[1] + i * strides[2];
     }
 };
@@ -103,7 +103,7 @@ constexpr bool quantized_rows_v = is_quantized_block_v<row_scalar_t<View>>;
 
 /// Elements of T that hold a row of `dim` values: dim, or dim / 32 blocks.
 template <class T>
-constexpr index row_units(index dim) {
+constexpr index_t row_units(index_t dim) {
     if constexpr (is_quantized_block_v<T>) return dim / T::size;
     else return dim;
 }
@@ -111,13 +111,13 @@ constexpr index row_units(index dim) {
 /// Rows of a quantized view always follow each other at one stride (paged_view.hpp's rows_following for the
 /// others).
 template <class Block>
-index rows_following(const quantized_view<Block>&, index, index n) {
+index_t rows_following(const quantized_view<Block>&, index_t, index_t n) {
     return n;
 }
 
 /// The blocks from a row of a quantized view to the next (paged_view.hpp's row_stride for the others).
 template <class Block>
-index row_stride(const quantized_view<Block>& x) {
+index_t row_stride(const quantized_view<Block>& x) {
     return x.strides[2];
 }
 
@@ -125,7 +125,7 @@ index row_stride(const quantized_view<Block>& x) {
 /// float row copied first had its 16-byte stores read back by 32-byte loads on AVX2, which a store cannot forward:
 /// the q4_0 append in packets took 1.39 x as long as a value at a time there.)
 template <class T>
-const float* block_values(const T* x, index size, float* buffer) {
+const float* block_values(const T* x, index_t size, float* buffer) {
     if constexpr (std::is_same_v<T, float>) {
         return x;
     } else {
@@ -183,26 +183,26 @@ auto rounded_q4(const Packet& y) {
 /// made an append of 2048 positions (8 kv heads, head_dim 128) take 14 times as long as a float cache's (Zen 5). The
 /// same bytes as a value at a time (q8_cache_test).
 template <class T>
-void quantize_q8_0(const T* x, index dim, q8_0_block* out) {
+void quantize_q8_0(const T* x, index_t dim, q8_0_block* out) {
     using namespace Eigen::internal;
     using packet = typename packet_traits<float>::type;
-    constexpr index lanes = packet_traits<float>::size, size = q8_0_block::size;
+    constexpr index_t lanes = packet_traits<float>::size, size = q8_0_block::size;
     constexpr bool in_packets = packet_traits<float>::Vectorizable && size % lanes == 0;
     alignas(64) float buffer[size];  // a block widened, for rows not of float
-    for (index b = 0; b < dim / size; ++b) {
+    for (index_t b = 0; b < dim / size; ++b) {
         const float* values = block_values(x + b * size, size, buffer);
         float amax = 0;
         if constexpr (in_packets) {
             packet largest = pset1<packet>(0.0f);
-            for (index j = 0; j < size; j += lanes) largest = pmax(largest, pabs(ploadu<packet>(values + j)));
+            for (index_t j = 0; j < size; j += lanes) largest = pmax(largest, pabs(ploadu<packet>(values + j)));
             amax = predux_max(largest);
         } else {
-            for (index j = 0; j < size; ++j) amax = std::max(amax, std::abs(values[j]));
+            for (index_t j = 0; j < size; ++j) amax = std::max(amax, std::abs(values[j]));
         }
         const float inverse = stored_scale(amax / 127.0f, amax, 127.5f, out[b].scale);
         std::int8_t* q = out[b].values;
         if constexpr (in_packets) {
-            for (index j = 0; j < size; j += lanes) {
+            for (index_t j = 0; j < size; j += lanes) {
                 const auto integers = rounded_q8(pmul(ploadu<packet>(values + j), pset1<packet>(inverse)));
 #if defined(EIGEN_VECTORIZE_AVX512)
                 if constexpr (lanes == 16) {
@@ -212,10 +212,10 @@ void quantize_q8_0(const T* x, index dim, q8_0_block* out) {
 #endif
                 alignas(64) std::int32_t wide[lanes];
                 pstore(wide, integers);
-                for (index l = 0; l < lanes; ++l) q[j + l] = static_cast<std::int8_t>(wide[l]);
+                for (index_t l = 0; l < lanes; ++l) q[j + l] = static_cast<std::int8_t>(wide[l]);
             }
         } else {
-            for (index j = 0; j < size; ++j) {
+            for (index_t j = 0; j < size; ++j) {
                 const float y = std::round(values[j] * inverse);  // half away from zero, as ggml
                 q[j] = static_cast<std::int8_t>(std::clamp(y, -127.0f, 127.0f));
             }
@@ -235,13 +235,13 @@ void quantize_q8_0(const T* x, index dim, q8_0_block* out) {
 /// joined into bytes in registers where the target can: an append 0.51 of its time a value at a time (2048
 /// positions, Zen 4). The same bytes as a value at a time (q4_cache_test).
 template <class T>
-void quantize_q4_0(const T* x, index dim, q4_0_block* out) {
+void quantize_q4_0(const T* x, index_t dim, q4_0_block* out) {
     using namespace Eigen::internal;
     using packet = typename packet_traits<float>::type;
-    constexpr index lanes = packet_traits<float>::size, size = q4_0_block::size, half_block = size / 2;
+    constexpr index_t lanes = packet_traits<float>::size, size = q4_0_block::size, half_block = size / 2;
     constexpr bool in_packets = packet_traits<float>::Vectorizable && half_block % lanes == 0;
     alignas(64) float buffer[size];  // a block widened, for rows not of float
-    for (index b = 0; b < dim / size; ++b) {
+    for (index_t b = 0; b < dim / size; ++b) {
         const float* values = block_values(x + b * size, size, buffer);
         float extreme = 0;  // m: the first value of largest magnitude; +0 for a block of zeros (d = -0, as ggml)
         if constexpr (in_packets) {
@@ -250,7 +250,7 @@ void quantize_q4_0(const T* x, index dim, q4_0_block* out) {
             // made the append slower than a value at a time). Where both signs reach the largest magnitude, the
             // first of them (rare: a search); a block of zeros +0, whatever the signs of the zeros max and min saw.
             packet largest = ploadu<packet>(values), smallest = largest;
-            for (index j = lanes; j < size; j += lanes) {
+            for (index_t j = lanes; j < size; j += lanes) {
                 largest = pmax(largest, ploadu<packet>(values + j));
                 smallest = pmin(smallest, ploadu<packet>(values + j));
             }
@@ -260,20 +260,20 @@ void quantize_q4_0(const T* x, index dim, q4_0_block* out) {
             if (high == -low) {
                 extreme = 0;
                 if (high > 0) {
-                    index first = 0;
+                    index_t first = 0;
                     while (values[first] != high && values[first] != low) ++first;
                     extreme = values[first];
                 }
             }
         } else {
-            for (index j = 0; j < size; ++j)
+            for (index_t j = 0; j < size; ++j)
                 if (std::abs(values[j]) > std::abs(extreme)) extreme = values[j];
         }
         // scale 0: inverse 0, every integer 8, the value zero
         const float inverse = stored_scale(extreme / -8.0f, std::abs(extreme), 8.5f, out[b].scale);
         std::uint8_t* bytes = out[b].nibbles;
         if constexpr (in_packets) {
-            const auto integers = [&](index j) {  // values [j, j + lanes) as integers in [0, 15]
+            const auto integers = [&](index_t j) {  // values [j, j + lanes) as integers in [0, 15]
                 return rounded_q4(pmul(ploadu<packet>(values + j), pset1<packet>(inverse)));
             };
 #if defined(EIGEN_VECTORIZE_AVX512)
@@ -284,14 +284,14 @@ void quantize_q4_0(const T* x, index dim, q4_0_block* out) {
             }
 #endif
             alignas(64) std::int32_t wide[size];
-            for (index j = 0; j < size; j += lanes) pstore(wide + j, integers(j));
-            for (index j = 0; j < half_block; ++j)
+            for (index_t j = 0; j < size; j += lanes) pstore(wide + j, integers(j));
+            for (index_t j = 0; j < half_block; ++j)
                 bytes[j] = static_cast<std::uint8_t>(wide[j] | (wide[j + half_block] << 4));
         } else {
             const auto integer = [&](float value) {
                 return static_cast<std::uint8_t>(std::clamp(static_cast<int>(value * inverse + 8.5f), 0, 15));
             };
-            for (index j = 0; j < half_block; ++j)
+            for (index_t j = 0; j < half_block; ++j)
                 bytes[j] = static_cast<std::uint8_t>(integer(values[j]) | (integer(values[j + half_block]) << 4));
         }
     }
@@ -299,7 +299,7 @@ void quantize_q4_0(const T* x, index dim, q4_0_block* out) {
 
 /// A row quantized into blocks of type Block (quantize_q8_0 or quantize_q4_0).
 template <class Block, class T>
-void quantize_row(const T* x, index dim, Block* out) {
+void quantize_row(const T* x, index_t dim, Block* out) {
     if constexpr (std::is_same_v<Block, q8_0_block>) quantize_q8_0(x, dim, out);
     else quantize_q4_0(x, dim, out);
 }
@@ -308,18 +308,18 @@ void quantize_row(const T* x, index dim, Block* out) {
 /// dims[3] values per row, into dst: exactly (a scale of 11 significant bits times an integer of at most 8 bits is
 /// a float without rounding).
 template <class Acc, class View>
-void widen_rows(const View& x, index b, index h, index i, index n, Acc* dst) {
+void widen_rows(const View& x, index_t b, index_t h, index_t i, index_t n, Acc* dst) {
     using Block = row_scalar_t<View>;
     static_assert(is_quantized_block_v<Block>, "widen_rows reads quantized rows");
-    const index blocks = x.dims[3] / Block::size;
-    for (index r = 0; r < n; ++r) {
+    const index_t blocks = x.dims[3] / Block::size;
+    for (index_t r = 0; r < n; ++r) {
         const Block* row = x.row(b, h, i + r);
-        for (index k = 0; k < blocks; ++k) {
+        for (index_t k = 0; k < blocks; ++k) {
             float scale;
             widen(&row[k].scale, 1, &scale);
             const auto d = static_cast<Acc>(scale);
             Acc* out = dst + (r * blocks + k) * Block::size;
-            for (index j = 0; j < Block::size; ++j) out[j] = d * static_cast<Acc>(block_integer(row[k], j));
+            for (index_t j = 0; j < Block::size; ++j) out[j] = d * static_cast<Acc>(block_integer(row[k], j));
         }
     }
 }
@@ -340,7 +340,7 @@ void check_view_sizes(const quantized_view<Block>&, const char*) {}
 /// The memory a quantized view spans, for the aliasing check of the `_into` forms (strides are >= 0).
 template <class Block>
 named_range named(const char* name, const quantized_view<Block>& v) {
-    index last = 0;  // the block after the last one
+    index_t last = 0;  // the block after the last one
     for (std::size_t a = 0; a < 3; ++a) {
         if (v.dims[a] <= 0) return {name, words_of(v), {}};
         last += (v.dims[a] - 1) * v.strides[a];

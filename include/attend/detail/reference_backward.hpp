@@ -22,7 +22,7 @@ namespace attend::detail {
 template <class T>
 void reference_gradients(const backward_inputs<T>& in, const attention_shape& s, const mask_tiles& mask,
                          const kernel_params<T>& p, const gradient_outputs<T>& o) {
-    const index L = s.query_len, S = s.key_len, diagonals = L + S - 1;
+    const index_t L = s.query_len, S = s.key_len, diagonals = L + S - 1;
     const bool bias = p.bias && !p.bias->empty();
     const bool capped = p.softcap > 0 || p.score_mod;  // a modifier whose slope is not 1: keep the slope
     row_matrix<T> probs, dropped, dp, slope;           // allocated before the first write to an output
@@ -36,34 +36,33 @@ void reference_gradients(const backward_inputs<T>& in, const attention_shape& s,
         [&] {
             return allocation_text(capped ? "the reference backward's score matrices (4 x query_len x key_len)"
                                           : "the reference backward's score matrices (3 x query_len x key_len)",
-                                   std::array<index, 3>{capped ? 4 : 3, L, S}, sizeof(T));
+                                   std::array<index_t, 3>{capped ? 4 : 3, L, S}, sizeof(T));
         },
         "kernel::reference materializes the scores of one (batch, head); the tiled backward needs O(threads x tile)");
-    for (index b = 0; b < s.batch; ++b) {
-        for (index h = 0; h < s.heads; ++h) matrix_of(o.dq, b, h).setZero();
-        for (index h = 0; h < s.kv_heads; ++h) {
-            matrix_of(o.dk, b, h).setZero();
-            matrix_of(o.dv, b, h).setZero();
+    for (index_t b = 0; b < s.batch; ++b) {
+        for (index_t h = 0; h < s.heads; ++h) matrix_of(o.d_query, b, h).setZero();
+        for (index_t h = 0; h < s.kv_heads; ++h) {
+            matrix_of(o.d_key, b, h).setZero();
+            matrix_of(o.d_value, b, h).setZero();
         }
     }
-    if (o.score_bias_gradient && bias)
-        std::fill(o.score_bias_gradient, o.score_bias_gradient + s.heads * diagonals, T(0));
-    const bool sinks = p.has_sinks() && o.sink_gradient;
-    if (sinks) std::fill(o.sink_gradient, o.sink_gradient + s.heads, T(0));
+    if (o.d_score_bias && bias) std::fill(o.d_score_bias, o.d_score_bias + s.heads * diagonals, T(0));
+    const bool sinks = p.has_sinks() && o.d_sinks;
+    if (sinks) std::fill(o.d_sinks, o.d_sinks + s.heads, T(0));
     std::vector<T> sink_probability(sinks ? static_cast<std::size_t>(L) : 0);  // [query_len] of one (batch, head)
     if (L == 0) return;
     const T keep_scale = static_cast<T>(p.dropout.keep_scale);
-    for (index b = 0; b < s.batch; ++b)
-        for (index h = 0; h < s.heads; ++h) {
-            const index kvh = s.kv_head(h);
+    for (index_t b = 0; b < s.batch; ++b)
+        for (index_t h = 0; h < s.heads; ++h) {
+            const index_t kvh = s.kv_head(h);
             const auto q = matrix_of(in.q, b, h), k = matrix_of(in.k, b, kvh), v = matrix_of(in.v, b, kvh);
             const auto d_out = matrix_of(in.d_out, b, h);
             probs.noalias() = q * k.transpose();
             probs *= p.scale;
             if (capped) slope.setOnes();
             if (p.softcap > 0)  // s -> c tanh(s / c), whose derivative is 1 - tanh(s / c)^2
-                for (index i = 0; i < L; ++i)
-                    for (index j = 0; j < S; ++j) {
+                for (index_t i = 0; i < L; ++i)
+                    for (index_t j = 0; j < S; ++j) {
                         const T t = std::tanh(probs(i, j) / p.softcap);
                         probs(i, j) = p.softcap * t;
                         slope(i, j) = 1 - t * t;
@@ -71,7 +70,7 @@ void reference_gradients(const backward_inputs<T>& in, const attention_shape& s,
             if (p.score_mod) p.score_mod->apply(tile{b, h, 0, L, 0, S}, probs.data(), S, slope.data());
             if (bias) p.bias->add_tile(h, 0, 0, L, S, L, S, probs.data(), S);
             mask.apply(tile{b, h, 0, L, 0, S}, probs.data(), S);
-            for (index i = 0; i < L; ++i) {
+            for (index_t i = 0; i < L; ++i) {
                 auto row = probs.row(i);
                 const bool padded = mask.query_padded(b, i);
                 const T row_max = padded || S == 0 ? minus_infinity<T>() : row.maxCoeff();
@@ -82,7 +81,7 @@ void reference_gradients(const backward_inputs<T>& in, const attention_shape& s,
                     continue;
                 }
                 // std::exp: forbidden probabilities must be exactly 0 (see reference_kernel.hpp).
-                for (index j = 0; j < S; ++j) row(j) = std::exp(row(j) - max);
+                for (index_t j = 0; j < S; ++j) row(j) = std::exp(row(j) - max);
                 const T sink = p.has_sinks() ? std::exp(p.sink(h) - max) : T(0);  // the sink's share, unnormalized
                 const T sum = row.sum() + sink;
                 row /= sum;
@@ -90,26 +89,27 @@ void reference_gradients(const backward_inputs<T>& in, const attention_shape& s,
             }
             dropped = probs;
             if (p.dropout.active())
-                for (index i = 0; i < L; ++i)
-                    for (index j = 0; j < S; ++j)
+                for (index_t i = 0; i < L; ++i)
+                    for (index_t j = 0; j < S; ++j)
                         dropped(i, j) = p.dropout.keep(b, h, i, j) ? probs(i, j) * keep_scale : T(0);
-            matrix_of(o.dv, b, kvh).noalias() += dropped.transpose() * d_out;
+            matrix_of(o.d_value, b, kvh).noalias() += dropped.transpose() * d_out;
             dp.noalias() = d_out * v.transpose();  // d loss / d (dropped weights)
             if (p.dropout.active())
-                for (index i = 0; i < L; ++i)
-                    for (index j = 0; j < S; ++j) dp(i, j) = p.dropout.keep(b, h, i, j) ? dp(i, j) * keep_scale : T(0);
-            for (index i = 0; i < L; ++i) {  // dS = P * (dP - rowsum(P * dP)), in place of dP
+                for (index_t i = 0; i < L; ++i)
+                    for (index_t j = 0; j < S; ++j)
+                        dp(i, j) = p.dropout.keep(b, h, i, j) ? dp(i, j) * keep_scale : T(0);
+            for (index_t i = 0; i < L; ++i) {  // dS = P * (dP - rowsum(P * dP)), in place of dP
                 const T delta = probs.row(i).dot(dp.row(i));
                 dp.row(i) = (probs.row(i).array() * (dp.row(i).array() - delta)).matrix();
                 // The sink is a score whose dP is 0 (it has no value): d sink = p_sink (0 - delta).
-                if (sinks) o.sink_gradient[h] -= sink_probability[static_cast<std::size_t>(i)] * delta;
+                if (sinks) o.d_sinks[h] -= sink_probability[static_cast<std::size_t>(i)] * delta;
             }
-            if (o.score_bias_gradient && bias)
-                for (index i = 0; i < L; ++i)
-                    for (index j = 0; j < S; ++j) o.score_bias_gradient[h * diagonals + j - i + L - 1] += dp(i, j);
+            if (o.d_score_bias && bias)
+                for (index_t i = 0; i < L; ++i)
+                    for (index_t j = 0; j < S; ++j) o.d_score_bias[h * diagonals + j - i + L - 1] += dp(i, j);
             if (capped) dp = (dp.array() * slope.array()).matrix();  // d loss / d (scaled q.k)
-            matrix_of(o.dq, b, h).noalias() = p.scale * (dp * k);
-            matrix_of(o.dk, b, kvh).noalias() += p.scale * (dp.transpose() * q);
+            matrix_of(o.d_query, b, h).noalias() = p.scale * (dp * k);
+            matrix_of(o.d_key, b, kvh).noalias() += p.scale * (dp.transpose() * q);
         }
 }
 

@@ -24,17 +24,17 @@ template <class T>
 void reference_forward(const strided_view<const T>& q, const strided_view<const T>& k, const strided_view<const T>& v,
                        const attention_shape& s, const mask_tiles& mask, const kernel_params<T>& p,
                        const attention_outputs<T>& o) {
-    const index L = s.query_len, S = s.key_len;
+    const index_t L = s.query_len, S = s.key_len;
     row_matrix<T> scores =
         allocating([&] { return row_matrix<T>(L, S); },
                    [&] {
-                       return allocation_text("the reference kernel's scores", std::array<index, 2>{L, S}, sizeof(T));
+                       return allocation_text("the reference kernel's scores", std::array<index_t, 2>{L, S}, sizeof(T));
                    },
                    "kernel::reference materializes the scores [query_len, key_len] of one "
                    "(batch, head); kernel::tiled needs O(threads x tile)");
-    for (index b = 0; b < s.batch; ++b)
-        for (index h = 0; h < s.heads; ++h) {
-            const index kvh = s.kv_head(h);
+    for (index_t b = 0; b < s.batch; ++b)
+        for (index_t h = 0; h < s.heads; ++h) {
+            const index_t kvh = s.kv_head(h);
             auto out = matrix_of(o.out, b, h);
             if (L == 0) continue;
             scores.noalias() = matrix_of(q, b, h) * matrix_of(k, b, kvh).transpose();
@@ -43,7 +43,7 @@ void reference_forward(const strided_view<const T>& q, const strided_view<const 
             if (p.score_mod) p.score_mod->apply(tile{b, h, 0, L, 0, S}, scores.data(), S, nullptr);
             if (p.bias && !p.bias->empty()) p.bias->add_tile(h, 0, 0, L, S, L, S, scores.data(), S);
             mask.apply(tile{b, h, 0, L, 0, S}, scores.data(), S);
-            for (index i = 0; i < L; ++i) {
+            for (index_t i = 0; i < L; ++i) {
                 auto row = scores.row(i);
                 const bool padded = mask.query_padded(b, i);
                 const T row_max = padded || S == 0 ? -std::numeric_limits<T>::infinity() : row.maxCoeff();
@@ -59,13 +59,13 @@ void reference_forward(const strided_view<const T>& q, const strided_view<const 
                 }
                 // std::exp, not Eigen's vectorized exp: that one returns ~3e-39 for -inf in some builds, and a
                 // forbidden weight must be exactly 0.
-                for (index j = 0; j < S; ++j) row(j) = std::exp(row(j) - max);
+                for (index_t j = 0; j < S; ++j) row(j) = std::exp(row(j) - max);
                 const T sum = row.sum() + (p.has_sinks() ? std::exp(p.sink(h) - max) : T(0));
                 if (lse) *lse = max + std::log(sum);
                 row /= sum;
                 if (weights && !p.weights_after_dropout) std::copy(row.data(), row.data() + S, weights);
                 if (p.dropout.active())
-                    for (index j = 0; j < S; ++j)
+                    for (index_t j = 0; j < S; ++j)
                         row(j) = p.dropout.keep(b, h, i, j) ? row(j) * static_cast<T>(p.dropout.keep_scale) : T(0);
                 if (weights && p.weights_after_dropout) std::copy(row.data(), row.data() + S, weights);
             }

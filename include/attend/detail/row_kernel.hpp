@@ -40,14 +40,14 @@ namespace attend::detail {
 template <class Acc>
 using row_packet = typename Eigen::internal::packet_traits<Acc>::type;
 template <class Acc>
-inline constexpr index row_lanes = Eigen::internal::packet_traits<Acc>::size;
+inline constexpr index_t row_lanes = Eigen::internal::packet_traits<Acc>::size;
 /// The stored type of the rows row_at(j) points to (a value type or a quantized block).
 template <class RowAt>
-using stored_row_t = std::remove_const_t<std::remove_pointer_t<decltype(std::declval<const RowAt&>()(index{0}))>>;
+using stored_row_t = std::remove_const_t<std::remove_pointer_t<decltype(std::declval<const RowAt&>()(index_t{0}))>>;
 
 /// Element x of a stored row (of values or of quantized blocks), widened exactly.
 template <class Acc, class S>
-Acc widened_at(const S* row, index x) {
+Acc widened_at(const S* row, index_t x) {
     if constexpr (is_quantized_block_v<S>) {
         const S& b = row[x / S::size];
         float scale;
@@ -62,10 +62,10 @@ Acc widened_at(const S* row, index x) {
 /// registers where the target has one (bf16: a shift; fp16: F16C; int8: a sign extension and a scale), else
 /// through widen.hpp's loops and a small buffer.
 template <class Acc, class S>
-row_packet<Acc> load_widened(const S* row, index x) {
+row_packet<Acc> load_widened(const S* row, index_t x) {
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
-    constexpr index lanes = row_lanes<Acc>;
+    constexpr index_t lanes = row_lanes<Acc>;
     if constexpr (std::is_same_v<S, Acc>) {
         return ploadu<packet>(row + x);
     } else {
@@ -125,7 +125,7 @@ template <class Acc>
 row_packet<Acc> widened_q8(const std::int8_t* q, const row_packet<Acc>& scale) {
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
-    constexpr index lanes = row_lanes<Acc>;
+    constexpr index_t lanes = row_lanes<Acc>;
     static_assert(q8_0_block::size % lanes == 0, "a packet never straddles two q8_0 blocks");
     if constexpr (std::is_same_v<Acc, float>) {
 #if defined(EIGEN_VECTORIZE_AVX512)
@@ -139,7 +139,7 @@ row_packet<Acc> widened_q8(const std::int8_t* q, const row_packet<Acc>& scale) {
 #endif
     }
     alignas(64) Acc buffer[lanes];
-    for (index j = 0; j < lanes; ++j) buffer[j] = static_cast<Acc>(q[j]);
+    for (index_t j = 0; j < lanes; ++j) buffer[j] = static_cast<Acc>(q[j]);
     return pmul(scale, pload<packet>(buffer));
 }
 
@@ -166,11 +166,11 @@ struct q4_bytes<float> {
 /// integers, then d n - 8 d in one multiply-add, exact (d n and d (n - 8) are floats; a subtraction and a multiply
 /// had been one more instruction per packet).
 template <class Acc>
-row_packet<Acc> widened_q4(const q4_bytes<Acc>& bytes, index first, const row_packet<Acc>& scale,
+row_packet<Acc> widened_q4(const q4_bytes<Acc>& bytes, index_t first, const row_packet<Acc>& scale,
                            const row_packet<Acc>& offset) {
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
-    constexpr index lanes = row_lanes<Acc>, half_block = q4_0_block::size / 2;
+    constexpr index_t lanes = row_lanes<Acc>, half_block = q4_0_block::size / 2;
     static_assert(half_block % lanes == 0 || lanes > half_block, "a packet never straddles two nibble halves");
 #if defined(EIGEN_VECTORIZE_AVX512)
     if constexpr (std::is_same_v<Acc, float> && lanes == 16) {
@@ -188,7 +188,7 @@ row_packet<Acc> widened_q4(const q4_bytes<Acc>& bytes, index first, const row_pa
 #endif
     {
         alignas(64) Acc buffer[lanes];
-        for (index j = 0; j < lanes; ++j) buffer[j] = static_cast<Acc>(block_integer(*bytes.block, first + j) + 8);
+        for (index_t j = 0; j < lanes; ++j) buffer[j] = static_cast<Acc>(block_integer(*bytes.block, first + j) + 8);
         return pmadd(pload<packet>(buffer), scale, offset);
     }
 }
@@ -199,12 +199,12 @@ row_packet<Acc> widened_q4(const q4_bytes<Acc>& bytes, index first, const row_pa
 /// query row and key tile: an in-order sum through the 16-bit types' conversions one at a time had been 9 % of a
 /// bf16 backward (Zen 5).
 template <class Acc, class S>
-Acc dot_of_rows(const S* a, const S* b, index n) {
+Acc dot_of_rows(const S* a, const S* b, index_t n) {
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
-    constexpr index lanes = row_lanes<Acc>;
+    constexpr index_t lanes = row_lanes<Acc>;
     packet first = pset1<packet>(Acc(0)), second = first;
-    index x = 0;
+    index_t x = 0;
     for (; x + 2 * lanes <= n; x += 2 * lanes) {
         first = pmadd(load_widened<Acc>(a, x), load_widened<Acc>(b, x), first);
         second = pmadd(load_widened<Acc>(a, x + lanes), load_widened<Acc>(b, x + lanes), second);
@@ -223,9 +223,9 @@ Acc dot_of_rows(const S* a, const S* b, index n) {
 template <class Acc, class S>
 struct widening_row {
     const S* row = nullptr;
-    void start(const S* r, index /*first*/, index /*count*/) { row = r; }
-    row_packet<Acc> packet(index x) const { return load_widened<Acc>(row, x); }
-    Acc element(index x) const { return widened_at<Acc>(row, x); }
+    void start(const S* r, index_t /*first*/, index_t /*count*/) { row = r; }
+    row_packet<Acc> packet(index_t x) const { return load_widened<Acc>(row, x); }
+    Acc element(index_t x) const { return widened_at<Acc>(row, x); }
 };
 
 /// A row of quantized blocks (q8_0, q4_0): each block's scale is widened once, by the first packet asked for in it,
@@ -241,11 +241,11 @@ struct widening_block_row {
     row_packet<Acc> scale{};
     row_packet<Acc> offset{};  ///< q4_0: -8 times the scale
     q4_bytes<Acc> nibbles{};   ///< q4_0: the block's bytes
-    void start(const Block* r, index /*first*/, index /*count*/) {
+    void start(const Block* r, index_t /*first*/, index_t /*count*/) {
         row = r;
         block = nullptr;
     }
-    row_packet<Acc> packet(index x) {
+    row_packet<Acc> packet(index_t x) {
         const Block* b = row + x / Block::size;
         if (b != block) {
             scale = broadcast_scale<Acc>(b->scale);
@@ -258,7 +258,7 @@ struct widening_block_row {
         if constexpr (std::is_same_v<Block, q8_0_block>) return widened_q8<Acc>(b->values + x % Block::size, scale);
         else return widened_q4<Acc>(nibbles, x % Block::size, scale, offset);
     }
-    Acc element(index x) const { return widened_at<Acc>(row, x); }
+    Acc element(index_t x) const { return widened_at<Acc>(row, x); }
 };
 template <class Acc>
 struct widening_row<Acc, q8_0_block> : widening_block_row<Acc, q8_0_block> {};
@@ -315,7 +315,7 @@ EIGEN_ALWAYS_INLINE void lane_sums_tree(const __m512 (&a)[N], __m512 (&w)[(N + 1
 /// by one masked store, where moving 16 sums one by one took about 30 shuffles and stores. Returns that packet
 /// (lanes past Rows x Keys repeat sums of it).
 template <int Rows, int Keys>
-EIGEN_ALWAYS_INLINE __m512 store_sums_by_rows(const __m512 (&a)[Rows * Keys], float* out, index ld) {
+EIGEN_ALWAYS_INLINE __m512 store_sums_by_rows(const __m512 (&a)[Rows * Keys], float* out, index_t ld) {
     static_assert(Rows * Keys <= 16, "one packet of sums");
     __m512 w[1];
     lane_sums_tree<Rows * Keys>(a, w);
@@ -476,22 +476,22 @@ struct row_scan<float> {
 /// or inf (the kernels' own notes do not tell a bad value from an overflow): no widened copy. `first` is a whole
 /// number of packets. `magnitude`: keys (their largest |k| too).
 template <class Acc, class RowOf>
-void scan_columns(index n, index first, index count, const RowOf& row_of, bool magnitude, row_scan<Acc>& scan) {
-    constexpr index lanes = row_lanes<Acc>;
-    const index whole = first + count / lanes * lanes, end = first + count;
+void scan_columns(index_t n, index_t first, index_t count, const RowOf& row_of, bool magnitude, row_scan<Acc>& scan) {
+    constexpr index_t lanes = row_lanes<Acc>;
+    const index_t whole = first + count / lanes * lanes, end = first + count;
     row_scan<Acc> seen;
     widening_row<Acc, stored_row_t<RowOf>> row;
-    for (index j = 0; j < n; ++j) {
+    for (index_t j = 0; j < n; ++j) {
         row.start(row_of(j), first, count);
-        for (index x = first; x < whole; x += lanes) seen.note(row.packet(x), magnitude);
-        for (index x = whole; x < end; ++x) seen.note(row.element(x), magnitude);
+        for (index_t x = first; x < whole; x += lanes) seen.note(row.packet(x), magnitude);
+        for (index_t x = whole; x < end; ++x) seen.note(row.element(x), magnitude);
     }
     scan.merge(seen);
 }
 
 /// scan_columns of whole rows of `dim` values.
 template <class Acc, class RowOf>
-void scan_rows(index n, index dim, const RowOf& row_of, bool magnitude, row_scan<Acc>& scan) {
+void scan_rows(index_t n, index_t dim, const RowOf& row_of, bool magnitude, row_scan<Acc>& scan) {
     scan_columns(n, 0, dim, row_of, magnitude, scan);
 }
 
@@ -506,7 +506,7 @@ void scan_rows(index n, index dim, const RowOf& row_of, bool magnitude, row_scan
 template <class Acc, class S>
 struct stored_scan {
     static constexpr bool on_bits = false;
-    void note_row(const S*, index) {}
+    void note_row(const S*, index_t) {}
     void fold_into(row_scan<Acc>&) const {}
 };
 #if defined(EIGEN_VECTORIZE_AVX512) && defined(__AVX512BW__)
@@ -515,9 +515,9 @@ struct stored_scan<float, Eigen::half> {
     static constexpr bool on_bits = true;
     __m512i largest = _mm512_setzero_si512();
 
-    void note_row(const Eigen::half* row, index n) {
+    void note_row(const Eigen::half* row, index_t n) {
         const __m512i magnitude = _mm512_set1_epi16(0x7fff);
-        index x = 0;
+        index_t x = 0;
         for (; x + 32 <= n; x += 32)
             largest = _mm512_max_epu16(largest, _mm512_and_si512(_mm512_loadu_si512(row + x), magnitude));
         if (x < n) {  // the last n - x < 32 values; the lanes past them load as 0
@@ -550,8 +550,8 @@ constexpr int floor_log2(int n) { return n > 1 ? 1 + floor_log2(n / 2) : 0; }
 
 /// Bytes of a stored row of `dim` values.
 template <class S>
-constexpr index row_bytes(index dim) {
-    return row_units<S>(dim) * static_cast<index>(sizeof(S));
+constexpr index_t row_bytes(index_t dim) {
+    return row_units<S>(dim) * static_cast<index_t>(sizeof(S));
 }
 
 /// The rows a row kernel reads after its own: `rows` rows from `first`, `stride` bytes apart. A tile's keys go on
@@ -559,10 +559,10 @@ constexpr index row_bytes(index dim) {
 /// out, so the reads of the next pass are in flight when it starts. Decode from memory, 1 thread, versions
 /// alternated on Zen 5: fp32 0.97 and bf16 0.94 of the time of passes that started cold; from L3 (1024 keys) 1.03.
 struct row_run {
-    static constexpr index most = 64;  ///< the farthest the prefetch asks past a kernel's rows (row_prefetch)
+    static constexpr index_t most = 64;  ///< the farthest the prefetch asks past a kernel's rows (row_prefetch)
     const char* first = nullptr;
-    index stride = 0;
-    index rows = 0;
+    index_t stride = 0;
+    index_t rows = 0;
 };
 
 /// How far ahead the row kernels ask the memory system for stored rows of type S, and where to (a hint; no effect
@@ -579,7 +579,7 @@ template <class S>
 class row_prefetch {
 public:
     /// For rows of `bytes` bytes.
-    explicit row_prefetch(index bytes)
+    explicit row_prefetch(index_t bytes)
         : bytes_(bytes),
           near_(rows_in(sixteen_bit ? 8192 : 4096, row_run::most / 2)),
           far_(also_into_l2 ? std::max(rows_in(8192, row_run::most), near_ + 1) : 0) {}
@@ -588,7 +588,7 @@ public:
     /// float and double rows there only into L2 (into L1 as well, alternated against this: the contiguous fp32
     /// decode took 0.97 of the time, but a paged one of interleaved 16-row blocks 1.08 to 1.10).
     template <class RowAt>
-    EIGEN_ALWAYS_INLINE void ask_past(const RowAt& row_at, index j, index end, const row_run& then) const {
+    EIGEN_ALWAYS_INLINE void ask_past(const RowAt& row_at, index_t j, index_t end, const row_run& then) const {
         ask_row<3>(row_at, j + near_, end, also_into_l2 ? row_run{} : then);
         if constexpr (also_into_l2) ask_row<2>(row_at, j + far_, end, then);
     }
@@ -596,14 +596,14 @@ public:
 private:
     static constexpr bool also_into_l2 = std::is_same_v<S, float> || std::is_same_v<S, double>;
     static constexpr bool sixteen_bit = std::is_same_v<S, Eigen::half> || std::is_same_v<S, Eigen::bfloat16>;
-    index bytes_, near_, far_;
+    index_t bytes_, near_, far_;
 
-    index rows_in(index span, index most) const {
-        return std::clamp<index>(span / std::max<index>(bytes_, 1), 1, most);
+    index_t rows_in(index_t span, index_t most) const {
+        return std::clamp<index_t>(span / std::max<index_t>(bytes_, 1), 1, most);
     }
 
     template <int Locality, class RowAt>
-    EIGEN_ALWAYS_INLINE void ask_row(const RowAt& row_at, index i, index end, const row_run& then) const {
+    EIGEN_ALWAYS_INLINE void ask_row(const RowAt& row_at, index_t i, index_t end, const row_run& then) const {
         if (i < end) ask<Locality>(row_at(i), bytes_);
         else if (i - end < then.rows) ask<Locality>(then.first + (i - end) * then.stride, bytes_);
     }
@@ -612,9 +612,9 @@ private:
     /// always, like ask_past: GCC takes a function whose only effect is a prefetch for one without effects, and a
     /// call to one that is not inlined before its interprocedural passes is removed, with the prefetch.
     template <int Locality>
-    EIGEN_ALWAYS_INLINE static void ask(const void* row, index bytes) {
+    EIGEN_ALWAYS_INLINE static void ask(const void* row, index_t bytes) {
 #if defined(__GNUC__)
-        for (index b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(row) + b, 0, Locality);
+        for (index_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(row) + b, 0, Locality);
 #else
         (void)row;
         (void)bytes;
@@ -631,15 +631,15 @@ inline constexpr int score_keys = std::clamp((register_budget - 2) / (Rows + 1),
 /// scores[r, j0 + i] for i < Keys, Rows rows; see scores. Not forced inline: forced, the fp32 decode from memory
 /// ran about a quarter slower on an Emerald Rapids Xeon (alternating runs), and no storage type gained.
 template <int Rows, int Keys, bool Scan, class Acc, class KeyRow, class Stored>
-EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index j0, index nk, const KeyRow& key_row,
-                                       Acc* out, index lds, row_scan<Acc>& seen, row_scan<Acc>& scores_seen,
-                                       stored_scan<Acc, Stored>& on_bits, const row_prefetch<Stored>& prefetch,
-                                       const row_run& then) {
+EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index_t ldq, index_t dim, index_t j0, index_t nk,
+                                       const KeyRow& key_row, Acc* out, index_t lds, row_scan<Acc>& seen,
+                                       row_scan<Acc>& scores_seen, stored_scan<Acc, Stored>& on_bits,
+                                       const row_prefetch<Stored>& prefetch, const row_run& then) {
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
-    constexpr index lanes = row_lanes<Acc>;
+    constexpr index_t lanes = row_lanes<Acc>;
     static_assert(Keys >= 1 && Keys <= 4, "ATTEND_IN_REGISTERS below is spelled out for 1 to 4 keys");
-    const index whole = dim / lanes * lanes;
+    const index_t whole = dim / lanes * lanes;
     using stored = Stored;
     constexpr bool note_packets = Scan && !stored_scan<Acc, Stored>::on_bits;
     constexpr bool note_pairs = Scan && keys_in_pairs<Acc, Stored>;  // NaN then told by the scores
@@ -653,7 +653,7 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
     packet acc[Rows * Keys];  // row r, key i at r * Keys + i
     ATTEND_UNROLL_FULLY
     for (int n = 0; n < Rows * Keys; ++n) acc[n] = pset1<packet>(Acc(0));
-    for (index x = 0; x < whole; x += lanes) {
+    for (index_t x = 0; x < whole; x += lanes) {
         packet kx[Keys];
         ATTEND_UNROLL_FULLY
         for (int i = 0; i < Keys; ++i) kx[i] = k[i].packet(x);
@@ -696,7 +696,7 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
         Acc sum[Rows];
         ATTEND_UNROLL_FULLY
         for (int r = 0; r < Rows; ++r) sum[r] = sums[r * Keys + i];
-        for (index x = whole; x < dim; ++x) {
+        for (index_t x = whole; x < dim; ++x) {
             const Acc kx = k[i].element(x);
             if constexpr (note_packets) seen.note(kx, true);
             for (int r = 0; r < Rows; ++r) sum[r] += q[r * ldq + x] * kx;
@@ -711,14 +711,14 @@ EIGEN_STRONG_INLINE void score_keys_at(const Acc* q, index ldq, index dim, index
 /// scores[r, j] for Rows rows against nk keys, key j's row at key_row(j), score_keys<Rows> keys at a time; with
 /// Scan, also note the keys in `scan` (gathered in registers, merged once). The prefetch runs on into `then`.
 template <int Rows, bool Scan, class Acc, class KeyRow>
-void scores(const Acc* q, index ldq, index dim, index nk, const KeyRow& key_row, Acc* out, index lds,
+void scores(const Acc* q, index_t ldq, index_t dim, index_t nk, const KeyRow& key_row, Acc* out, index_t lds,
             row_scan<Acc>* scan, const row_run& then) {
     constexpr int keys = score_keys<Rows>;
     row_scan<Acc> seen, scores_seen;
     using stored = stored_row_t<KeyRow>;
     stored_scan<Acc, stored> on_bits;
     const row_prefetch<stored> prefetch(row_bytes<stored>(dim));
-    index j = 0;
+    index_t j = 0;
     for (; j + keys <= nk; j += keys)
         score_keys_at<Rows, keys, Scan>(q, ldq, dim, j, nk, key_row, out, lds, seen, scores_seen, on_bits, prefetch,
                                         then);
@@ -792,7 +792,7 @@ private:
 /// with ColumnPairs, in the order of bf16_column_pairs.
 template <bool Load, bool ColumnPairs, int Packets, class Acc>
 EIGEN_ALWAYS_INLINE void move_accumulators(Acc* row, row_packet<Acc> (&c)[Packets]) {
-    constexpr index lanes = row_lanes<Acc>;
+    constexpr index_t lanes = row_lanes<Acc>;
 #if defined(EIGEN_VECTORIZE_AVX512)
     if constexpr (ColumnPairs) {
         ATTEND_UNROLL_FULLY
@@ -811,8 +811,8 @@ EIGEN_ALWAYS_INLINE void move_accumulators(Acc* row, row_packet<Acc> (&c)[Packet
 }
 /// Columns [e0, e0 + Packets lanes) of a stored value row widened, in the accumulators' order.
 template <bool ColumnPairs, int Packets, class Acc, class S>
-EIGEN_ALWAYS_INLINE void widen_values(const S* row, index e0, row_packet<Acc> (&vx)[Packets]) {
-    constexpr index lanes = row_lanes<Acc>;
+EIGEN_ALWAYS_INLINE void widen_values(const S* row, index_t e0, row_packet<Acc> (&vx)[Packets]) {
+    constexpr index_t lanes = row_lanes<Acc>;
 #if defined(EIGEN_VECTORIZE_AVX512)
     if constexpr (ColumnPairs) {
         ATTEND_UNROLL_FULLY
@@ -836,18 +836,18 @@ EIGEN_ALWAYS_INLINE void widen_values(const S* row, index e0, row_packet<Acc> (&
 /// through scan_columns, which tells the two apart. (The sums are noted here, in registers: handed to a function by
 /// reference, they had been kept in memory through the loop.)
 template <int Rows, int Packets, bool Scan, class Acc, class ValueRow>
-void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const ValueRow& value_row, index e0,
-                        index dv, Acc* acc, index lda, row_scan<Acc>* scan, const row_run& then) {
+void accumulate_columns(const Acc* p, index_t ldp, index_t nk, index_t readable, const ValueRow& value_row, index_t e0,
+                        index_t dv, Acc* acc, index_t lda, row_scan<Acc>* scan, const row_run& then) {
     using namespace Eigen::internal;
     using packet = row_packet<Acc>;
-    constexpr index lanes = row_lanes<Acc>;
+    constexpr index_t lanes = row_lanes<Acc>;
     using stored = stored_row_t<ValueRow>;
     constexpr bool column_pairs = bf16_column_pairs_for<Acc, stored, Packets>();
     packet c[Rows][Packets];
     ATTEND_UNROLL_FULLY
     for (int r = 0; r < Rows; ++r) move_accumulators<true, column_pairs, Packets, Acc>(acc + r * lda + e0, c[r]);
     const row_prefetch<stored> prefetch(row_bytes<stored>(dv));
-    for (index j = 0; j < nk; ++j) {
+    for (index_t j = 0; j < nk; ++j) {
         // The first column group reads V; its prefetch runs on into the next slice (rows up to `readable`).
         if (e0 == 0) prefetch.ask_past(value_row, j, readable, then);
         packet vx[Packets];
@@ -876,8 +876,8 @@ void accumulate_columns(const Acc* p, index ldp, index nk, index readable, const
 template <class ValueRow>
 struct rows_from {
     const ValueRow* value_row;
-    index first;
-    auto operator()(index j) const { return (*value_row)(first + j); }
+    index_t first;
+    auto operator()(index_t j) const { return (*value_row)(first + j); }
 };
 
 /// The column-group widths, in packets, that accumulate instantiates for Rows rows: the powers of two below the
@@ -889,7 +889,7 @@ struct group_widths {
     static constexpr int count = floor_log2(widest) + ((widest & (widest - 1)) != 0 ? 2 : 1);
     static constexpr int at(int n) { return n + 1 < count ? 1 << n : widest; }
     /// The index of the widest instantiated width that is at most `packets` (at least 1).
-    static int at_most(index packets) {
+    static int at_most(index_t packets) {
         int n = count - 1;
         while (n > 0 && at(n) > packets) --n;
         return n;
@@ -905,29 +905,29 @@ struct group_widths {
 /// decode from memory took 0.94 of the time at 1 thread and 0.95 at 2, fp16, q8_0 and q4_0 0.96 (Zen 4, versions
 /// alternated); 32 KiB was no faster for 16-bit values and slower for float ones.
 template <int Rows, bool Scan, class Acc, class ValueRow>
-void accumulate(const Acc* p, index ldp, index nk, index dv, const ValueRow& value_row, Acc* acc, index lda,
+void accumulate(const Acc* p, index_t ldp, index_t nk, index_t dv, const ValueRow& value_row, Acc* acc, index_t lda,
                 row_scan<Acc>* scan, const row_run& then) {
     using widths = group_widths<Rows>;
-    constexpr index lanes = row_lanes<Acc>;
+    constexpr index_t lanes = row_lanes<Acc>;
     constexpr auto by_width = micro::by_row_count(std::make_integer_sequence<int, widths::count>{}, [](auto n) {
         return &accumulate_columns<Rows, widths::at(decltype(n)::value - 1), Scan, Acc, rows_from<ValueRow>>;
     });
-    const index packets = dv / lanes, whole = packets * lanes;
-    const index groups = (packets + widths::widest - 1) / widths::widest;
-    const index even = groups > 0 ? (packets + groups - 1) / groups : 0;
+    const index_t packets = dv / lanes, whole = packets * lanes;
+    const index_t groups = (packets + widths::widest - 1) / widths::widest;
+    const index_t even = groups > 0 ? (packets + groups - 1) / groups : 0;
     using stored = stored_row_t<ValueRow>;
-    const index slice = std::max<index>(8, 16384 / std::max<index>(row_bytes<stored>(dv), 1));
-    for (index j0 = 0; j0 < nk; j0 += slice) {
-        const index nj = std::min(slice, nk - j0);
+    const index_t slice = std::max<index_t>(8, 16384 / std::max<index_t>(row_bytes<stored>(dv), 1));
+    for (index_t j0 = 0; j0 < nk; j0 += slice) {
+        const index_t nj = std::min(slice, nk - j0);
         const rows_from<ValueRow> sliced{&value_row, j0};
-        for (index i = 0; i < packets;) {
+        for (index_t i = 0; i < packets;) {
             const int n = widths::at_most(std::min(even, packets - i));
             by_width[static_cast<std::size_t>(n)](p + j0, ldp, nj, nk - j0, sliced, i * lanes, dv, acc, lda, scan,
                                                   then);
             i += widths::at(n);
         }
-        for (index e = whole; e < dv; ++e)
-            for (index j = 0; j < nj; ++j) {
+        for (index_t e = whole; e < dv; ++e)
+            for (index_t j = 0; j < nj; ++j) {
                 const Acc ve = widened_at<Acc>(value_row(j0 + j), e);
                 if constexpr (Scan) scan->note(ve, false);
                 for (int r = 0; r < Rows; ++r) acc[r * lda + e] += p[r * ldp + j0 + j] * ve;
@@ -945,8 +945,8 @@ using rows::row_run;
 template <class View>
 struct rows_of {
     const View* view;
-    index batch, head, first;
-    auto operator()(index j) const { return view->row(batch, head, first + j); }
+    index_t batch, head, first;
+    auto operator()(index_t j) const { return view->row(batch, head, first + j); }
 };
 
 /// rows_of a view whose rows lie one stride apart (strided and quantized views): the first row's address and the
@@ -957,13 +957,13 @@ struct rows_of {
 template <class T>
 struct linear_rows {
     template <class View>
-    linear_rows(const View* view, index batch, index head, index first)
+    linear_rows(const View* view, index_t batch, index_t head, index_t first)
         : row0(view->row(batch, head, first)), stride(row_stride(*view)) {}
-    T* operator()(index j) const { return row0 + j * stride; }
+    T* operator()(index_t j) const { return row0 + j * stride; }
 
 private:
     T* row0;
-    index stride;
+    index_t stride;
 };
 template <class T>
 struct rows_of<strided_view<T>> : linear_rows<T> {
@@ -975,11 +975,11 @@ struct rows_of<quantized_view<Block>> : linear_rows<const Block> {
 };
 
 /// The row kernels for 1 to row_kernel_rows rows, the count a constant inside them; `scan` null for no scan.
-inline constexpr index row_kernel_rows = 8;
+inline constexpr index_t row_kernel_rows = 8;
 
 /// The instance of a row kernel for `rows` rows, with or without the scan: Kernel::get<Rows, Scan>() names it.
 template <class Kernel>
-auto row_kernel_for(index rows, bool scan) {
+auto row_kernel_for(index_t rows, bool scan) {
     constexpr auto plain = micro::by_row_count(std::make_integer_sequence<int, row_kernel_rows>{}, [](auto n) {
         return Kernel::template get<decltype(n)::value, false>();
     });
@@ -1005,14 +1005,14 @@ struct accumulate_kernel {
 
 /// rows::scores for `rows` rows; `then`: the rows read next (row_run).
 template <class Acc, class KeyRow>
-void scores_of_rows(index rows, const Acc* q, index ldq, index dim, index nk, const KeyRow& key_row, Acc* out,
-                    index lds, row_scan<Acc>* scan, const row_run& then = {}) {
+void scores_of_rows(index_t rows, const Acc* q, index_t ldq, index_t dim, index_t nk, const KeyRow& key_row, Acc* out,
+                    index_t lds, row_scan<Acc>* scan, const row_run& then = {}) {
     row_kernel_for<score_kernel<Acc, KeyRow>>(rows, scan != nullptr)(q, ldq, dim, nk, key_row, out, lds, scan, then);
 }
 /// rows::accumulate for `rows` rows; `then`: the rows read next (row_run).
 template <class Acc, class ValueRow>
-void accumulate_rows(index rows, const Acc* p, index ldp, index nk, index dv, const ValueRow& value_row, Acc* acc,
-                     index lda, row_scan<Acc>* scan, const row_run& then = {}) {
+void accumulate_rows(index_t rows, const Acc* p, index_t ldp, index_t nk, index_t dv, const ValueRow& value_row,
+                     Acc* acc, index_t lda, row_scan<Acc>* scan, const row_run& then = {}) {
     row_kernel_for<accumulate_kernel<Acc, ValueRow>>(rows, scan != nullptr)(p, ldp, nk, dv, value_row, acc, lda, scan,
                                                                             then);
 }

@@ -34,11 +34,11 @@ namespace attend::detail {
 
 /// A contiguous run of scores as an Eigen array, for Eigen's vectorized reductions.
 template <class T>
-Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> row_array(T* x, index n) {
+Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> row_array(T* x, index_t n) {
     return Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>(x, n);
 }
 template <class T>
-Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> row_array(const T* x, index n) {
+Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> row_array(const T* x, index_t n) {
     return Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(x, n);
 }
 
@@ -47,12 +47,12 @@ Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> row_array(const T* x, index
 /// by one. Eigen's maxCoeff took an unaligned row's head element by element through memory, which was half of the
 /// online softmax's own time in an fp32 prefill (perf annotate).
 template <class T>
-T max_of(const T* x, index n) {
+T max_of(const T* x, index_t n) {
     using namespace Eigen::internal;
     using packet = typename packet_traits<T>::type;
-    constexpr index lanes = packet_traits<T>::size;
+    constexpr index_t lanes = packet_traits<T>::size;
     T m = x[0];
-    index j = 0;
+    index_t j = 0;
     if (n >= lanes) {
         packet a = ploadu<packet>(x), b = a, c = a, d = a;
         for (j = lanes; j + 4 * lanes <= n; j += 4 * lanes) {
@@ -192,14 +192,14 @@ private:
 /// NoneAboveShift: the caller knows no x[j] exceeds shift (shift is their row's maximum), so packet_exp leaves out its
 /// upper clamp (the same bits).
 template <class T, bool NoneAboveShift = false>
-T exp_shifted_sum(T* x, index n, T shift) {
+T exp_shifted_sum(T* x, index_t n, T shift) {
     using namespace Eigen::internal;
     using packet = typename packet_traits<T>::type;
-    constexpr index lanes = packet_traits<T>::size;
+    constexpr index_t lanes = packet_traits<T>::size;
     constexpr T tiny = std::numeric_limits<T>::min();
     const packet by = pset1<packet>(shift);
     packet sums = pset1<packet>(T(0));
-    index j = 0;
+    index_t j = 0;
     if constexpr (std::is_same_v<T, float>) {
         const packet_exp<NoneAboveShift> exp;
         packet more = sums;
@@ -237,7 +237,7 @@ T exp_shifted_sum(T* x, index n, T shift) {
 
 /// exp_shifted_sum without the sum.
 template <class T, bool NoneAboveShift = false>
-void exp_shifted(T* x, index n, T shift) {
+void exp_shifted(T* x, index_t n, T shift) {
     exp_shifted_sum<T, NoneAboveShift>(x, n, shift);
 }
 
@@ -314,12 +314,12 @@ using capped_tanh = capped_tanh_packets<false>;
 /// f on every packet of a contiguous run of float scores, in place: two packets at a time (two independent
 /// chains: the polynomials are long), the tail through a packet-sized buffer.
 template <class F>
-void cap_runs(float* x, index n, const F& f) {
+void cap_runs(float* x, index_t n, const F& f) {
     using packet = typename F::value;
     using Eigen::internal::ploadu;
     using Eigen::internal::pstoreu;
-    constexpr index lanes = Eigen::internal::packet_traits<float>::size;
-    index j = 0;
+    constexpr index_t lanes = Eigen::internal::packet_traits<float>::size;
+    index_t j = 0;
     for (; j + 2 * lanes <= n; j += 2 * lanes) {
         const packet a = f(ploadu<packet>(x + j));
         const packet b = f(ploadu<packet>(x + j + lanes));
@@ -338,7 +338,7 @@ void cap_runs(float* x, index n, const F& f) {
 /// Soft-capping c tanh(s / c) of a contiguous run of scores, in place: float through capped_tanh_packets;
 /// double through Eigen's (scalar, exact to the last bit or so) tanh and the two scalings.
 template <class T>
-void soft_cap(T* x, index n, T cap) {
+void soft_cap(T* x, index_t n, T cap) {
     if constexpr (std::is_same_v<T, float>) {
         if (capped_tanh::folds(cap)) cap_runs(x, n, capped_tanh(cap));
         else cap_runs(x, n, capped_tanh_packets<true>(cap));
@@ -389,14 +389,15 @@ public:
     /// `capped` (products_with_cap); afterwards they hold the scores: capped, bias added, forbidden entries -inf
     /// (all of them for an empty tile, none for a full one). With `slope` (same layout), the backward also gets
     /// d score / d dot product of the modifiers there (only when modifies_scores()).
-    void finish_tile(const tile& t, tile_class c, Acc* scores, index ld, bool capped, Acc* slope = nullptr) const {
-        const index rows = t.query_end - t.query_begin, cols = t.key_end - t.key_begin;
+    void finish_tile(const tile& t, tile_class c, Acc* scores, index_t ld, bool capped, Acc* slope = nullptr) const {
+        const index_t rows = t.query_end - t.query_begin, cols = t.key_end - t.key_begin;
         if (c == tile_class::empty) {
-            for (index r = 0; r < rows; ++r) std::fill(scores + r * ld, scores + r * ld + cols, minus_infinity<Acc>());
+            for (index_t r = 0; r < rows; ++r)
+                std::fill(scores + r * ld, scores + r * ld + cols, minus_infinity<Acc>());
             return;
         }
         if (softcap_ > 0)
-            for (index r = 0; r < rows; ++r) {
+            for (index_t r = 0; r < rows; ++r) {
                 // c tanh(s / c); for the backward its derivative 1 - tanh^2, from the capped score itself, so the
                 // forward and the backward see the same scores.
                 if (!capped) soft_cap(scores + r * ld, cols, softcap_);
@@ -405,7 +406,7 @@ public:
             }
         if (mod_) {  // the user's function; its derivative multiplies into the slope (1 without a cap)
             if (slope && softcap_ <= 0)
-                for (index r = 0; r < rows; ++r) std::fill(slope + r * ld, slope + r * ld + cols, Acc(1));
+                for (index_t r = 0; r < rows; ++r) std::fill(slope + r * ld, slope + r * ld + cols, Acc(1));
             mod_->apply(t, scores, ld, slope);
         }
         if (bias_) bias_->add_tile(t.head, t.query_begin, t.key_begin, rows, cols, query_len_, key_len_, scores, ld);
@@ -414,20 +415,20 @@ public:
 
     /// d loss / d dot product from d loss / d score in place, `grad` times the `slope` finish_tile gave (layout
     /// as finish_tile's scores); a no-op without score modifiers. Bias and mask have derivative 1.
-    void to_dot_product_gradient(index rows, index cols, Acc* grad, const Acc* slope, index ld) const {
+    void to_dot_product_gradient(index_t rows, index_t cols, Acc* grad, const Acc* slope, index_t ld) const {
         if (!modifies_scores()) return;
-        for (index r = 0; r < rows; ++r) row_array(grad + r * ld, cols) *= row_array(slope + r * ld, cols);
+        for (index_t r = 0; r < rows; ++r) row_array(grad + r * ld, cols) *= row_array(slope + r * ld, cols);
     }
 
     /// Adds the tile's score gradient `grad` (layout as finish_tile's scores) to the bias gradient of its head,
     /// one sum per key - query diagonal: `diagonals` holds `[query_len + key_len - 1]`, entry n for
     /// key - query = n - (query_len - 1).
-    void add_bias_gradient(const tile& t, const Acc* grad, index ld, Acc* diagonals) const {
-        const index rows = t.query_end - t.query_begin, cols = t.key_end - t.key_begin;
-        for (index r = 0; r < rows; ++r) {
+    void add_bias_gradient(const tile& t, const Acc* grad, index_t ld, Acc* diagonals) const {
+        const index_t rows = t.query_end - t.query_begin, cols = t.key_end - t.key_begin;
+        for (index_t r = 0; r < rows; ++r) {
             Acc* diagonal = diagonals + (t.key_begin - t.query_begin - r + query_len_ - 1);
             const Acc* g = grad + r * ld;
-            for (index j = 0; j < cols; ++j) diagonal[j] += g[j];
+            for (index_t j = 0; j < cols; ++j) diagonal[j] += g[j];
         }
     }
 
@@ -437,7 +438,7 @@ private:
     const score_tiles* mod_ = nullptr;
     Acc scale_ = 1;
     Acc softcap_ = 0;
-    index query_len_ = 0, key_len_ = 0;
+    index_t query_len_ = 0, key_len_ = 0;
 };
 
 /// The online softmax of a block of rows (FlashAttention-2): per row a running max m, a running sum l of
@@ -447,14 +448,14 @@ template <class Acc>
 class online_softmax {
 public:
     online_softmax() = default;
-    explicit online_softmax(index rows)
+    explicit online_softmax(index_t rows)
         : max_(static_cast<std::size_t>(rows)),
           sum_(static_cast<std::size_t>(rows)),
           new_max_(static_cast<std::size_t>(rows)),
           rescale_(static_cast<std::size_t>(rows)) {}
 
     /// Rows [0, rows): m = -inf, l = 0.
-    void reset(index rows) {
+    void reset(index_t rows) {
         std::fill(max_.begin(), max_.begin() + rows, minus_infinity<Acc>());
         std::fill(sum_.begin(), sum_.begin() + rows, Acc(0));
     }
@@ -465,12 +466,12 @@ public:
     /// row's probabilities right after them, while the row is still in L1 (dropout, the pair path's rounding to
     /// bf16: one pass over a tile from L2 fewer). The caller then multiplies the probabilities by V into acc.
     template <class Then>
-    void absorb(Acc* scores, index ld, index r0, index rows, index nk, Acc* acc, index dv, const Then& then) {
+    void absorb(Acc* scores, index_t ld, index_t r0, index_t rows, index_t nk, Acc* acc, index_t dv, const Then& then) {
         // New running max per row, and the rescale factor exp(old max - new max) for all rows in one vectorized
         // exp: exp(-inf) = 0 when the row had no allowed key before; exp(0) = 1 when the max stays. (A row at a
         // time, its maximum and exponentials while it is in L1, took 1.09 x the time of a bf16 prefill on
         // Emerald Rapids: each row's exponentials then wait for its maximum's reduction.)
-        for (index r = 0; r < rows; ++r) {
+        for (index_t r = 0; r < rows; ++r) {
             const auto u = static_cast<std::size_t>(r0 + r);
             const Acc tile_max = max_of(scores + r * ld, nk);
             const Acc m = max_[u];
@@ -478,7 +479,7 @@ public:
             rescale_[u] = m == minus_infinity<Acc>() ? minus_infinity<Acc>() : m - new_max_[u];
         }
         exp_shifted<Acc, true>(rescale_.data() + r0, rows, Acc(0));  // old max - new max: at most 0
-        for (index r = 0; r < rows; ++r) {
+        for (index_t r = 0; r < rows; ++r) {
             const auto u = static_cast<std::size_t>(r0 + r);
             Acc* row = scores + r * ld;
             const Acc m_new = new_max_[u];
@@ -500,7 +501,7 @@ public:
     /// accumulator (dv values at acc) rescaled by exp(m_old - m), l = l exp(m_old - m) + exp(z - m). Absorbed once
     /// per row, by the pass over the first key range, so a split over keys counts it once. Afterwards the row is
     /// never empty: a row whose keys are all forbidden has all its mass on the sink, out 0 and lse z.
-    void absorb_sink(index r, Acc z, Acc* acc, index dv) {
+    void absorb_sink(index_t r, Acc z, Acc* acc, index_t dv) {
         const auto u = static_cast<std::size_t>(r);
         const Acc m = max_[u];
         if (m == minus_infinity<Acc>() || z > m) {
@@ -514,20 +515,20 @@ public:
     }
 
     /// Row r has no probability mass: every key forbidden (or every weight underflowed to 0).
-    bool empty(index r) const {
+    bool empty(index_t r) const {
         return max_[static_cast<std::size_t>(r)] == minus_infinity<Acc>() || !(sum_[static_cast<std::size_t>(r)] > 0);
     }
-    Acc max(index r) const { return max_[static_cast<std::size_t>(r)]; }
-    Acc sum(index r) const { return sum_[static_cast<std::size_t>(r)]; }
+    Acc max(index_t r) const { return max_[static_cast<std::size_t>(r)]; }
+    Acc sum(index_t r) const { return sum_[static_cast<std::size_t>(r)]; }
     /// log sum exp of the row's scores; only for rows that are not empty.
-    Acc lse(index r) const { return max(r) + std::log(sum(r)); }
+    Acc lse(index_t r) const { return max(r) + std::log(sum(r)); }
     /// Marks row r empty (a padded query), so later passes see a zero row.
-    void clear(index r) { max_[static_cast<std::size_t>(r)] = minus_infinity<Acc>(); }
+    void clear(index_t r) { max_[static_cast<std::size_t>(r)] = minus_infinity<Acc>(); }
 
     /// Writes row r's normalized result acc / l into `out` (dv values, converted to the storage type once) and
     /// returns its lse; a zero row and -inf for an empty row.
     template <class Storage>
-    Acc normalize_into(index r, const Acc* acc, index dv, Storage* out) const {
+    Acc normalize_into(index_t r, const Acc* acc, index_t dv, Storage* out) const {
         if (empty(r)) {
             std::fill(out, out + dv, Storage(0));
             return minus_infinity<Acc>();
@@ -536,13 +537,13 @@ public:
         // Straight into out when it holds Acc (through the runs below, a 256-token fp32 prefill took 1.008 of the
         // time); otherwise divided in Acc and rounded a run at a time (narrow: in registers where the target can).
         if constexpr (std::is_same_v<Storage, Acc>) {
-            for (index d = 0; d < dv; ++d) out[d] = acc[d] / l;
+            for (index_t d = 0; d < dv; ++d) out[d] = acc[d] / l;
         } else {
-            constexpr index run = 64;
+            constexpr index_t run = 64;
             Acc quotient[run];
-            for (index d0 = 0; d0 < dv; d0 += run) {
-                const index n = std::min(run, dv - d0);
-                for (index d = 0; d < n; ++d) quotient[d] = acc[d0 + d] / l;
+            for (index_t d0 = 0; d0 < dv; d0 += run) {
+                const index_t n = std::min(run, dv - d0);
+                for (index_t d = 0; d < n; ++d) quotient[d] = acc[d0 + d] / l;
                 narrow(quotient, n, out + d0);
             }
         }

@@ -29,8 +29,8 @@ namespace attend::detail {
 /// Tile sizes of the tiled backward: a tile is block_q queries x block_k keys of one (batch, head). They depend
 /// on the shape only, never on the thread count.
 struct backward_tiling {
-    index block_q = 64;
-    index block_k = 64;
+    index_t block_q = 64;
+    index_t block_k = 64;
 };
 
 /// The default tiling, by measurement (fp32, batch 1, 8 heads, head_dim 64, L = S = 1024 and 2048, one thread,
@@ -99,23 +99,23 @@ struct backward_workspace {
 /// about target_units units exist, as long as the extra dQ partials (one dq-sized buffer per chunk after the
 /// first) stay within `partial_budget` bytes. A function of the shape only: the same decomposition, hence the
 /// same bits, for any thread count.
-inline index backward_key_chunks(const attention_shape& s, index key_tiles, std::size_t scalar_bytes) {
-    constexpr index target_units = 16;
+inline index_t backward_key_chunks(const attention_shape& s, index_t key_tiles, std::size_t scalar_bytes) {
+    constexpr index_t target_units = 16;
     constexpr double partial_budget = 16.0 * 1024 * 1024;
-    const index pairs = s.batch * s.kv_heads;
+    const index_t pairs = s.batch * s.kv_heads;
     if (pairs == 0 || pairs >= target_units || key_tiles <= 1 || s.query_len == 0) return 1;
-    const index wanted = std::min(key_tiles, (target_units + pairs - 1) / pairs);
+    const index_t wanted = std::min(key_tiles, (target_units + pairs - 1) / pairs);
     const double dq_bytes = static_cast<double>(s.batch) * static_cast<double>(s.heads) *
                             static_cast<double>(s.query_len) * static_cast<double>(s.head_dim) *
                             static_cast<double>(scalar_bytes);
     const double affordable = 1.0 + std::floor(partial_budget / std::max(dq_bytes, 1.0));
-    return std::max<index>(1, std::min<index>(wanted, static_cast<index>(std::min(affordable, 1e9))));
+    return std::max<index_t>(1, std::min<index_t>(wanted, static_cast<index_t>(std::min(affordable, 1e9))));
 }
 
 /// The tiled backward (FlashAttention-2's backward on the micro-kernels of micro_kernel.hpp); P is recomputed tile by
 /// tile from lse, never stored (from an exact max and sum instead for the rare rows whose |lse| is too large for that,
 /// see imprecise_lse). Memory beyond inputs and outputs: O(threads x tile) of workspace, the dQ partials of a key split
-/// (at most 16 MiB, see backward_key_chunks), only with a score_bias and a score_bias_gradient output one
+/// (at most 16 MiB, see backward_key_chunks), only with a score_bias and a d_score_bias output one
 /// `[group, query_len + key_len - 1]` row of partial sums per unit, and only when some |lse| is huge two
 /// `[batch, heads, query_len]` vectors of row statistics; never O(query_len x key_len).
 ///
@@ -147,18 +147,18 @@ public:
     }
 
     void run(int threads) {
-        const bool bias_grad = pipe_.has_bias() && o_.score_bias_gradient;
+        const bool bias_grad = pipe_.has_bias() && o_.d_score_bias;
         if (s_.batch == 0) {  // nothing to attend; the bias gradient is still an output, and it is zero
-            if (bias_grad) std::fill(o_.score_bias_gradient, o_.score_bias_gradient + s_.heads * diagonals_, Grad(0));
-            if (p_.has_sinks() && o_.sink_gradient) std::fill(o_.sink_gradient, o_.sink_gradient + s_.heads, Grad(0));
+            if (bias_grad) std::fill(o_.d_score_bias, o_.d_score_bias + s_.heads * diagonals_, Grad(0));
+            if (p_.has_sinks() && o_.d_sinks) std::fill(o_.d_sinks, o_.d_sinks + s_.heads, Grad(0));
             return;
         }
-        const index units = s_.batch * s_.kv_heads * chunks_;
-        const index dq_size = s_.batch * s_.heads * s_.query_len * s_.head_dim;
-        const index partial_buffers = staged_dq ? chunks_ : chunks_ - 1;
-        const int workers = static_cast<int>(std::min<index>(std::max(threads, 1), units));
+        const index_t units = s_.batch * s_.kv_heads * chunks_;
+        const index_t dq_size = s_.batch * s_.heads * s_.query_len * s_.head_dim;
+        const index_t partial_buffers = staged_dq ? chunks_ : chunks_ - 1;
+        const int workers = static_cast<int>(std::min<index_t>(std::max(threads, 1), units));
         std::vector<backward_workspace<Acc>> ws;
-        const index rows = s_.batch * s_.heads * s_.query_len;
+        const index_t rows = s_.batch * s_.heads * s_.query_len;
         const bool exact = std::any_of(in_.lse, in_.lse + rows, [](Lse l) { return imprecise_lse(l); });
         allocating(
             [&] {
@@ -175,17 +175,18 @@ public:
                     ws.emplace_back(t_, s_, p_.dropout.active(), staged_inputs, pipe_.modifies_scores());
             },
             [&] {
-                const index tile = t_.block_q * t_.block_k,
-                            dims = t_.block_k * (2 * s_.head_dim + s_.value_dim) +
-                                   micro_tile<Acc>::panel_elements(t_.block_k, s_.head_dim) + t_.block_k * s_.head_dim +
-                                   micro_tile<Acc>::panel_elements(t_.block_k, s_.value_dim) +
-                                   t_.block_q * (s_.head_dim + s_.value_dim);
-                const index tiles = pipe_.modifies_scores() ? 5 : 4;
+                const index_t tile = t_.block_q * t_.block_k,
+                              dims = t_.block_k * (2 * s_.head_dim + s_.value_dim) +
+                                     micro_tile<Acc>::panel_elements(t_.block_k, s_.head_dim) +
+                                     t_.block_k * s_.head_dim +
+                                     micro_tile<Acc>::panel_elements(t_.block_k, s_.value_dim) +
+                                     t_.block_q * (s_.head_dim + s_.value_dim);
+                const index_t tiles = pipe_.modifies_scores() ? 5 : 4;
                 return allocation_text("the tiled backward's scratch (workers x elements)",
-                                       std::array<index, 2>{workers, tiles * tile + dims}, sizeof(Acc)) +
+                                       std::array<index_t, 2>{workers, tiles * tile + dims}, sizeof(Acc)) +
                        allocation_text(" and dq partials (partial buffers x batch x heads x query_len x head_dim)",
-                                       std::array<index, 5>{partial_buffers, s_.batch, s_.heads, s_.query_len,
-                                                            s_.head_dim},
+                                       std::array<index_t, 5>{partial_buffers, s_.batch, s_.heads, s_.query_len,
+                                                              s_.head_dim},
                                        sizeof(Acc));
             },
             "Fewer threads need less scratch");
@@ -193,12 +194,12 @@ public:
         // units than run_unit when the query tiles outnumber the key chunks).
         exact_statistics(ws, workers);
         parallel_for(units, workers,
-                     [&](index unit, int worker) { run_unit(ws[static_cast<std::size_t>(worker)], unit); });
+                     [&](index_t unit, int worker) { run_unit(ws[static_cast<std::size_t>(worker)], unit); });
         if (partial_buffers > 0 && s_.query_len > 0)
             parallel_for(s_.batch * s_.heads, threads,
-                         [&](index bh, int) { add_partials(bh / s_.heads, bh % s_.heads); });
+                         [&](index_t bh, int) { add_partials(bh / s_.heads, bh % s_.heads); });
         if (bias_grad) reduce_bias_gradient();
-        if (p_.has_sinks() && o_.sink_gradient) sink_gradient();
+        if (p_.has_sinks() && o_.d_sinks) sum_sink_gradient();
     }
 
 private:
@@ -210,41 +211,42 @@ private:
 
     /// dq rows of head h for chunk c, in Acc: the caller's dq for chunk 0 (when it is stored in Acc), a partial
     /// buffer otherwise.
-    tile_map<Acc> dq_rows(index b, index h, index c, index query_begin, index rows) {
+    tile_map<Acc> dq_rows(index_t b, index_t h, index_t c, index_t query_begin, index_t rows) {
         if constexpr (!staged_dq)
             if (c == 0)
-                return tile_map<Acc>(o_.dq.row(b, h, query_begin), rows, s_.head_dim,
-                                     Eigen::OuterStride<>(o_.dq.strides[2]));
-        const index buffer = staged_dq ? c : c - 1;
+                return tile_map<Acc>(o_.d_query.row(b, h, query_begin), rows, s_.head_dim,
+                                     Eigen::OuterStride<>(o_.d_query.strides[2]));
+        const index_t buffer = staged_dq ? c : c - 1;
         Acc* base = partials_.data() + ((buffer * s_.batch + b) * s_.heads + h) * s_.query_len * s_.head_dim;
         return tile_map<Acc>(base + query_begin * s_.head_dim, rows, s_.head_dim, Eigen::OuterStride<>(s_.head_dim));
     }
 
-    void run_unit(backward_workspace<Acc>& w, index unit) {
-        const index c = unit % chunks_, pair = unit / chunks_;
-        const index b = pair / s_.kv_heads, kvh = pair % s_.kv_heads;
+    void run_unit(backward_workspace<Acc>& w, index_t unit) {
+        const index_t c = unit % chunks_, pair = unit / chunks_;
+        const index_t b = pair / s_.kv_heads, kvh = pair % s_.kv_heads;
         if (c == 0 && !staged_dq)
-            for (index hh = 0; hh < group_; ++hh) dq_rows(b, kvh * group_ + hh, 0, 0, s_.query_len).setZero();
+            for (index_t hh = 0; hh < group_; ++hh) dq_rows(b, kvh * group_ + hh, 0, 0, s_.query_len).setZero();
         Acc* bias_grad = bias_partials_.empty() ? nullptr : bias_partials_.data() + unit * group_ * diagonals_;
-        const index first = c * tiles_per_chunk_, last = std::min(key_tiles_, first + tiles_per_chunk_);
-        for (index kt = first; kt < last; ++kt) {
-            const index k0 = kt * t_.block_k, k1 = std::min(s_.key_len, k0 + t_.block_k), nk = k1 - k0;
+        const index_t first = c * tiles_per_chunk_, last = std::min(key_tiles_, first + tiles_per_chunk_);
+        for (index_t kt = first; kt < last; ++kt) {
+            const index_t k0 = kt * t_.block_k, k1 = std::min(s_.key_len, k0 + t_.block_k), nk = k1 - k0;
             load_keys(w, b, kvh, k0, nk);
             pack_for_gradients(w, b, kvh, k0, nk);
             w.dk.topRows(nk).setZero();
             w.dv.topRows(nk).setZero();
-            for (index hh = 0; hh < group_; ++hh) {
-                const index h = kvh * group_ + hh;
-                for (index qt = 0; qt < query_tiles_; ++qt) {
-                    const index q0 = qt * t_.block_q, q1 = std::min(s_.query_len, q0 + t_.block_q);
+            for (index_t hh = 0; hh < group_; ++hh) {
+                const index_t h = kvh * group_ + hh;
+                for (index_t qt = 0; qt < query_tiles_; ++qt) {
+                    const index_t q0 = qt * t_.block_q, q1 = std::min(s_.query_len, q0 + t_.block_q);
                     const tile t{b, h, q0, q1, k0, k1};
                     const tile_class cls = mask_.classify(t);
                     if (cls == tile_class::empty) continue;
                     run_tile(w, t, c, cls, bias_grad ? bias_grad + hh * diagonals_ : nullptr);
                 }
             }
-            tile_map<Grad> dk(o_.dk.row(b, kvh, k0), nk, s_.head_dim, Eigen::OuterStride<>(o_.dk.strides[2]));
-            tile_map<Grad> dv(o_.dv.row(b, kvh, k0), nk, s_.value_dim, Eigen::OuterStride<>(o_.dv.strides[2]));
+            tile_map<Grad> dk(o_.d_key.row(b, kvh, k0), nk, s_.head_dim, Eigen::OuterStride<>(o_.d_key.strides[2]));
+            tile_map<Grad> dv(o_.d_value.row(b, kvh, k0), nk, s_.value_dim,
+                              Eigen::OuterStride<>(o_.d_value.strides[2]));
             dk = (pipe_.scale() * w.dk.topRows(nk)).template cast<Grad>();
             dv = w.dv.topRows(nk).template cast<Grad>();
         }
@@ -252,14 +254,14 @@ private:
 
     /// scale * K of the key tile [k0, k0 + nk) into w.keys, and packed for the scores (w.key_panels): the scale
     /// folded into the operand that both the scores and dQ use. Once per key tile, for every query tile.
-    void load_keys(backward_workspace<Acc>& w, index b, index kvh, index k0, index nk) const {
+    void load_keys(backward_workspace<Acc>& w, index_t b, index_t kvh, index_t k0, index_t nk) const {
         const_tile_map<Storage> keys(in_.k.row(b, kvh, k0), nk, s_.head_dim, Eigen::OuterStride<>(in_.k.strides[2]));
         w.keys.topRows(nk) = pipe_.scale() * keys.template cast<Acc>();
         pack_key_panels(w.keys.data(), s_.head_dim, nk, s_.head_dim, w.key_panels.data());
     }
 
     /// The key tile's other packed operands: scale * K for dQ += dS (scale * K), V for dP = dO Vᵀ.
-    void pack_for_gradients(backward_workspace<Acc>& w, index b, index kvh, index k0, index nk) const {
+    void pack_for_gradients(backward_workspace<Acc>& w, index_t b, index_t kvh, index_t k0, index_t nk) const {
         pack_value_panels(w.keys.data(), s_.head_dim, nk, s_.head_dim, w.key_columns.data());
         const auto values = rows_as_accumulator<Acc>(in_.v, b, kvh, k0, nk, w.value_stage.data());
         pack_key_panels(values.data(), values.outerStride(), nk, s_.value_dim, w.value_panels.data());
@@ -267,13 +269,13 @@ private:
 
     /// One tile t (queries of head t.head against the key tile of w.keys and the packed panels, key chunk c);
     /// adds to w.dk, w.dv and the dq rows.
-    void run_tile(backward_workspace<Acc>& w, const tile& t, index c, tile_class cls, Acc* bias_grad) {
-        const index b = t.batch, h = t.head, q0 = t.query_begin, k0 = t.key_begin;
-        const index nq = t.query_end - q0, nk = t.key_end - k0, ld = t_.block_k, dv = s_.value_dim;
+    void run_tile(backward_workspace<Acc>& w, const tile& t, index_t c, tile_class cls, Acc* bias_grad) {
+        const index_t b = t.batch, h = t.head, q0 = t.query_begin, k0 = t.key_begin;
+        const index_t nq = t.query_end - q0, nk = t.key_end - k0, ld = t_.block_k, dv = s_.value_dim;
         const Lse* lse = in_.lse + (b * s_.heads + h) * s_.query_len;
-        const index row0 = (b * s_.heads + h) * s_.query_len + q0;
+        const index_t row0 = (b * s_.heads + h) * s_.query_len + q0;
         bool any = false, normalize = false;
-        for (index r = 0; r < nq; ++r) {  // lse -inf: the forward's zero row, whose gradients are zero
+        for (index_t r = 0; r < nq; ++r) {  // lse -inf: the forward's zero row, whose gradients are zero
             const Acc l = static_cast<Acc>(lse[q0 + r]);
             const auto u = static_cast<std::size_t>(r), row = static_cast<std::size_t>(row0 + r);
             any = any || l != minus_infinity<Acc>();
@@ -283,7 +285,7 @@ private:
             normalize = normalize || w.inv_sum[u] != Acc(1);
         }
         if (!any) return;
-        for (index r = 0; r < nq; ++r) {
+        for (index_t r = 0; r < nq; ++r) {
             w.delta[static_cast<std::size_t>(r)] =
                 dot_of_rows<Acc>(in_.out.row(b, h, q0 + r), in_.d_out.row(b, h, q0 + r), dv);
         }
@@ -293,18 +295,18 @@ private:
         // P = exp(scale q k^T + bias + mask - lse), the forward's probabilities, recomputed (exp(s - max) / sum
         // for the rows of exact_statistics).
         tile_scores(w, t, cls, queries, pipe_.modifies_scores() ? w.slope.data() : nullptr);
-        for (index r = 0; r < nq; ++r) exp_shifted(w.probs.data() + r * ld, nk, w.lse[static_cast<std::size_t>(r)]);
+        for (index_t r = 0; r < nq; ++r) exp_shifted(w.probs.data() + r * ld, nk, w.lse[static_cast<std::size_t>(r)]);
         if (normalize)
-            for (index r = 0; r < nq; ++r) probs.row(r) *= w.inv_sum[static_cast<std::size_t>(r)];
+            for (index_t r = 0; r < nq; ++r) probs.row(r) *= w.inv_sum[static_cast<std::size_t>(r)];
         // dV += P'^T dO; dP = dO V^T (then masked and rescaled by dropout).
         const bool drop = p_.dropout.active();
         if (drop) {
-            for (index r = 0; r < nq; ++r) p_.dropout.factors(w.keep.data() + r * ld, nk, b, h, q0 + r, k0);
+            for (index_t r = 0; r < nq; ++r) p_.dropout.factors(w.keep.data() + r * ld, nk, b, h, q0 + r, k0);
             w.dropped.topLeftCorner(nq, nk) = (probs.array() * w.keep.topLeftCorner(nq, nk).array()).matrix();
         }
         // The transposed products read P', dS by columns (row stride 1, column stride ld).
         pack_value_panels(d_out.data(), d_out.outerStride(), nq, dv, w.d_out_columns.data());
-        accumulate_from_values((drop ? w.dropped : w.probs).data(), index(1), ld, nk, nq, d_out.data(),
+        accumulate_from_values((drop ? w.dropped : w.probs).data(), index_t(1), ld, nk, nq, d_out.data(),
                                d_out.outerStride(), dv, w.d_out_columns.data(), nq * micro_tile<Acc>::cols, w.dv.data(),
                                dv);
         scores_from_panels(d_out.data(), d_out.outerStride(), nq, dv, w.value_panels.data(), nk, w.grad.data(), ld);
@@ -313,19 +315,20 @@ private:
         pipe_.to_dot_product_gradient(nq, nk, w.grad.data(), w.slope.data(), ld);
         // dQ += dS (scale K); dK += dS^T Q (scaled once per key tile in run_unit).
         auto dq = dq_rows(b, h, c, q0, nq);
-        accumulate_from_values(w.grad.data(), ld, index(1), nq, nk, w.keys.data(), s_.head_dim, s_.head_dim,
+        accumulate_from_values(w.grad.data(), ld, index_t(1), nq, nk, w.keys.data(), s_.head_dim, s_.head_dim,
                                w.key_columns.data(), nk * micro_tile<Acc>::cols, dq.data(), dq.outerStride());
         pack_value_panels(queries.data(), queries.outerStride(), nq, s_.head_dim, w.query_columns.data());
-        accumulate_from_values(w.grad.data(), index(1), ld, nk, nq, queries.data(), queries.outerStride(), s_.head_dim,
-                               w.query_columns.data(), nq * micro_tile<Acc>::cols, w.dk.data(), s_.head_dim);
+        accumulate_from_values(w.grad.data(), index_t(1), ld, nk, nq, queries.data(), queries.outerStride(),
+                               s_.head_dim, w.query_columns.data(), nq * micro_tile<Acc>::cols, w.dk.data(),
+                               s_.head_dim);
     }
 
     /// dS = P * (dP - delta) row by row, in place of dP in w.grad (dP first multiplied by the dropout factors):
     /// the one place the backward differentiates the softmax. (run_tile then takes dS to the bias gradient and,
     /// through the score modifiers' slope, to the dot products.)
-    void score_gradient(backward_workspace<Acc>& w, index nq, index nk, bool drop) const {
-        const index ld = t_.block_k;
-        for (index r = 0; r < nq; ++r) {
+    void score_gradient(backward_workspace<Acc>& w, index_t nq, index_t nk, bool drop) const {
+        const index_t ld = t_.block_k;
+        for (index_t r = 0; r < nq; ++r) {
             Eigen::Map<Eigen::Array<Acc, 1, Eigen::Dynamic>> g(w.grad.data() + r * ld, nk);
             const Eigen::Map<const Eigen::Array<Acc, 1, Eigen::Dynamic>> pr(w.probs.data() + r * ld, nk);
             const Acc delta = w.delta[static_cast<std::size_t>(r)];
@@ -348,7 +351,7 @@ private:
     /// modifiers' slope into `slope` when not null). One function for both passes, so both see the same bits.
     void tile_scores(backward_workspace<Acc>& w, const tile& t, tile_class cls, const const_tile_map<Acc>& queries,
                      Acc* slope = nullptr) const {
-        const index nq = t.query_end - t.query_begin, nk = t.key_end - t.key_begin;
+        const index_t nq = t.query_end - t.query_begin, nk = t.key_end - t.key_begin;
         const bool capped = pipe_.products_with_cap([&](const auto& epilogue) {
             scores_from_panels(queries.data(), queries.outerStride(), nq, s_.head_dim, w.key_panels.data(), nk,
                                w.probs.data(), t_.block_k, epilogue);
@@ -370,36 +373,36 @@ private:
     /// the scores run_tile computes (same tiles, same function). A no-op when no row needs it.
     void exact_statistics(std::vector<backward_workspace<Acc>>& ws, int threads) {
         if (row_shift_.empty()) return;
-        const index units = s_.batch * s_.heads * query_tiles_;
-        parallel_for(units, threads, [&](index unit, int worker) {
+        const index_t units = s_.batch * s_.heads * query_tiles_;
+        parallel_for(units, threads, [&](index_t unit, int worker) {
             auto& w = ws[static_cast<std::size_t>(worker)];
-            const index qt = unit % query_tiles_, bh = unit / query_tiles_, b = bh / s_.heads, h = bh % s_.heads;
-            const index q0 = qt * t_.block_q, q1 = std::min(s_.query_len, q0 + t_.block_q), nq = q1 - q0;
-            const index row0 = bh * s_.query_len + q0, ld = t_.block_k;
+            const index_t qt = unit % query_tiles_, bh = unit / query_tiles_, b = bh / s_.heads, h = bh % s_.heads;
+            const index_t q0 = qt * t_.block_q, q1 = std::min(s_.query_len, q0 + t_.block_q), nq = q1 - q0;
+            const index_t row0 = bh * s_.query_len + q0, ld = t_.block_k;
             if (std::none_of(in_.lse + row0, in_.lse + row0 + nq, [](Lse l) { return imprecise_lse(l); })) return;
-            for (index r = 0; r < nq; ++r) {  // running max and sum, starting from the sink when there is one
+            for (index_t r = 0; r < nq; ++r) {  // running max and sum, starting from the sink when there is one
                 w.lse[static_cast<std::size_t>(r)] = p_.has_sinks() ? p_.sink(h) : minus_infinity<Acc>();
                 w.delta[static_cast<std::size_t>(r)] = p_.has_sinks() ? Acc(1) : Acc(0);
             }
-            for (index k0 = 0; k0 < s_.key_len; k0 += t_.block_k) {
-                const index k1 = std::min(s_.key_len, k0 + t_.block_k), nk = k1 - k0;
+            for (index_t k0 = 0; k0 < s_.key_len; k0 += t_.block_k) {
+                const index_t k1 = std::min(s_.key_len, k0 + t_.block_k), nk = k1 - k0;
                 const tile t{b, h, q0, q1, k0, k1};
                 const tile_class cls = mask_.classify(t);
                 if (cls == tile_class::empty) continue;
                 load_keys(w, b, h / group_, k0, nk);
                 tile_scores(w, t, cls, query_rows(w, t));
-                for (index r = 0; r < nq; ++r) {
+                for (index_t r = 0; r < nq; ++r) {
                     const Acc* x = w.probs.data() + r * ld;
                     Acc& max = w.lse[static_cast<std::size_t>(r)];
                     Acc& sum = w.delta[static_cast<std::size_t>(r)];
                     const Acc m = std::max(max, *std::max_element(x, x + nk));
                     if (m == minus_infinity<Acc>()) continue;
                     sum *= std::exp(max - m);  // exp(-inf) = 0 while the row had no allowed key
-                    for (index j = 0; j < nk; ++j) sum += std::exp(x[j] - m);
+                    for (index_t j = 0; j < nk; ++j) sum += std::exp(x[j] - m);
                     max = m;
                 }
             }
-            for (index r = 0; r < nq; ++r) {
+            for (index_t r = 0; r < nq; ++r) {
                 const auto row = static_cast<std::size_t>(row0 + r), u = static_cast<std::size_t>(r);
                 if (!imprecise_lse(in_.lse[row]) || !(w.delta[u] > 0)) continue;
                 row_shift_[row] = w.lse[u];
@@ -409,23 +412,23 @@ private:
     }
 
     /// dq of (b, h): its chunks added in chunk order (and rounded to the gradients' type once when staged).
-    void add_partials(index b, index h) {
+    void add_partials(index_t b, index_t h) {
         auto dq = dq_rows(b, h, 0, 0, s_.query_len);
-        for (index c = 1; c < chunks_; ++c) dq += dq_rows(b, h, c, 0, s_.query_len);
+        for (index_t c = 1; c < chunks_; ++c) dq += dq_rows(b, h, c, 0, s_.query_len);
         if constexpr (staged_dq)
-            tile_map<Grad>(o_.dq.row(b, h, 0), s_.query_len, s_.head_dim, Eigen::OuterStride<>(o_.dq.strides[2])) =
-                dq.template cast<Grad>();
+            tile_map<Grad>(o_.d_query.row(b, h, 0), s_.query_len, s_.head_dim,
+                           Eigen::OuterStride<>(o_.d_query.strides[2])) = dq.template cast<Grad>();
     }
 
     /// d loss / d sink of every head: -sum over its rows of p_sink * rowsum(d_out * out) (sinks.hpp), p_sink =
     /// exp(sink - lse), or exp(sink - max) / sum for the rows exact_statistics recomputed; rows with lse -inf
     /// (padded queries) add nothing. Summed in (batch, query) order, so the same bits for any thread count.
-    void sink_gradient() const {
-        for (index h = 0; h < s_.heads; ++h) {
+    void sum_sink_gradient() const {
+        for (index_t h = 0; h < s_.heads; ++h) {
             const Acc z = p_.sink(h);
             Acc sum = 0;
-            for (index b = 0; b < s_.batch; ++b)
-                for (index i = 0; i < s_.query_len; ++i) {
+            for (index_t b = 0; b < s_.batch; ++b)
+                for (index_t i = 0; i < s_.query_len; ++i) {
                     const auto row = static_cast<std::size_t>((b * s_.heads + h) * s_.query_len + i);
                     const Acc lse = static_cast<Acc>(in_.lse[row]);
                     if (lse == minus_infinity<Acc>()) continue;
@@ -434,20 +437,20 @@ private:
                     const Acc delta = dot_of_rows<Acc>(in_.out.row(b, h, i), in_.d_out.row(b, h, i), s_.value_dim);
                     sum -= std::exp(z - shift) * inv_sum * delta;
                 }
-            o_.sink_gradient[h] = static_cast<Grad>(sum);
+            o_.d_sinks[h] = static_cast<Grad>(sum);
         }
     }
 
     /// The score_bias gradient of every head: the units' partial sums added in unit order.
     void reduce_bias_gradient() const {
-        Grad* out = o_.score_bias_gradient;
-        for (index h = 0; h < s_.heads; ++h) {
-            const index kvh = h / group_, hh = h % group_;
-            for (index n = 0; n < diagonals_; ++n) {
+        Grad* out = o_.d_score_bias;
+        for (index_t h = 0; h < s_.heads; ++h) {
+            const index_t kvh = h / group_, hh = h % group_;
+            for (index_t n = 0; n < diagonals_; ++n) {
                 Acc sum = 0;
-                for (index b = 0; b < s_.batch; ++b)
-                    for (index c = 0; c < chunks_; ++c) {
-                        const index unit = (b * s_.kv_heads + kvh) * chunks_ + c;
+                for (index_t b = 0; b < s_.batch; ++b)
+                    for (index_t c = 0; c < chunks_; ++c) {
+                        const index_t unit = (b * s_.kv_heads + kvh) * chunks_ + c;
                         sum += bias_partials_[static_cast<std::size_t>((unit * group_ + hh) * diagonals_ + n)];
                     }
                 out[h * diagonals_ + n] = static_cast<Grad>(sum);
@@ -462,7 +465,7 @@ private:
     const kernel_params<Acc>& p_;
     const gradient_outputs<Grad>& o_;
     backward_tiling t_;
-    index group_ = 1, diagonals_ = 0, key_tiles_ = 0, query_tiles_ = 0, chunks_ = 1, tiles_per_chunk_ = 1;
+    index_t group_ = 1, diagonals_ = 0, key_tiles_ = 0, query_tiles_ = 0, chunks_ = 1, tiles_per_chunk_ = 1;
     aligned_vector<Acc> row_shift_;  ///< [batch, heads, query_len]: lse, or the row max (exact_statistics); or empty
     aligned_vector<Acc>
         row_inv_sum_;               ///< [batch, heads, query_len]: 1, or 1 / the row sum (exact_statistics); or empty

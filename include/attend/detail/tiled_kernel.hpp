@@ -59,21 +59,21 @@ namespace attend::detail {
 /// Tile sizes of the tiled kernel. They depend only on the call's shape, never on the thread count, which is
 /// part of why results are bit-identical for any thread count.
 struct tile_config {
-    index query_rows = 128;     ///< rows of a query block: the group's heads x queries per head (about)
-    index key_tile = 512;       ///< keys per tile
-    index trim_step = 32;       ///< a mixed tile drops empty key columns from both ends in steps of this many
-    index slab_rows = 32;       ///< a mixed tile is processed in slabs of this many queries of one head
-    index gemv_rows = 8;        ///< slabs of at most this many rows (<= 8) use the row kernels, not the micro-kernels
-    index decode_queries = 16;  ///< query_len at or below which keys are split into chunks (decode path)
-    index decode_chunk = 2048;  ///< keys per chunk of the decode path
-    index shared_blocks = 8;    ///< query blocks of one (batch, kv head) a unit runs over each packed K and V tile
+    index_t query_rows = 128;     ///< rows of a query block: the group's heads x queries per head (about)
+    index_t key_tile = 512;       ///< keys per tile
+    index_t trim_step = 32;       ///< a mixed tile drops empty key columns from both ends in steps of this many
+    index_t slab_rows = 32;       ///< a mixed tile is processed in slabs of this many queries of one head
+    index_t gemv_rows = 8;        ///< slabs of at most this many rows (<= 8) use the row kernels, not the micro-kernels
+    index_t decode_queries = 16;  ///< query_len at or below which keys are split into chunks (decode path)
+    index_t decode_chunk = 2048;  ///< keys per chunk of the decode path
+    index_t shared_blocks = 8;    ///< query blocks of one (batch, kv head) a unit runs over each packed K and V tile
 };
 
 /// Rows of a tiled_runner's query blocks for shape s: every query head of a kv head, times as many queries as
 /// c.query_rows holds (at least one).
-inline index block_rows(const attention_shape& s, const tile_config& c) {
-    const index group = s.group_size();
-    return group * std::max<index>(1, std::min(s.query_len, (c.query_rows + group - 1) / group));
+inline index_t block_rows(const attention_shape& s, const tile_config& c) {
+    const index_t group = s.group_size();
+    return group * std::max<index_t>(1, std::min(s.query_len, (c.query_rows + group - 1) / group));
 }
 
 /// Tile sizes chosen by measurement (bench/README.md has the sweep, `attend_bench --benchmark_filter=tiled_tiles`),
@@ -116,17 +116,17 @@ tile_config default_tile_config(const attention_shape& s) {
 /// converted (one conversion per tile or slice, shared by every query row of the block; 16-bit rows widen to float
 /// in widen.hpp's vectorized loops; quantized rows exactly, widen_rows). Which of the two it is never changes a result: the same values reach the same products.
 template <class Acc, class Rows>
-const_tile_map<Acc> rows_as_accumulator(const Rows& x, index b, index h, index j0, index n, Acc* stage) {
+const_tile_map<Acc> rows_as_accumulator(const Rows& x, index_t b, index_t h, index_t j0, index_t n, Acc* stage) {
     using Storage = row_scalar_t<Rows>;
-    const index cols = x.dims[3];
+    const index_t cols = x.dims[3];
     if constexpr (is_quantized_block_v<Storage>) {
         widen_rows(x, b, h, j0, n, stage);
     } else {
         if constexpr (std::is_same_v<Acc, Storage>)
             if (n > 0 && rows_contiguous(x, j0, n))
                 return const_tile_map<Acc>(x.row(b, h, j0), n, cols, Eigen::OuterStride<>(row_stride(x)));
-        for (index r = 0; r < n;) {  // run by run of rows packed one after another (a block, a dense view)
-            const index run = std::min(n - r, packed_rows(x, j0 + r));
+        for (index_t r = 0; r < n;) {  // run by run of rows packed one after another (a block, a dense view)
+            const index_t run = std::min(n - r, packed_rows(x, j0 + r));
             widen(x.row(b, h, j0 + r), run * cols, stage + r * cols);
             r += run;
         }
@@ -137,7 +137,7 @@ const_tile_map<Acc> rows_as_accumulator(const Rows& x, index b, index h, index j
 /// Rows [i, i + n) of (b, h) of keys or values, at most row_run::most of them and as far as they follow each other
 /// at one stride: where a row kernel's prefetch runs on to after its own rows.
 template <class View>
-row_run run_of_rows(const View& x, index b, index h, index i, index n) {
+row_run run_of_rows(const View& x, index_t b, index_t h, index_t i, index_t n) {
     if (n <= 0) return {};
     n = rows_following(x, i, std::min(n, row_run::most));
     const auto* first = reinterpret_cast<const char*>(x.row(b, h, i));
@@ -154,9 +154,9 @@ struct kv_findings {
     bool active = false;
     Acc key_max_abs = 0;
     bool non_finite = false;
-    index scanned_to = 0;
+    index_t scanned_to = 0;
 
-    void reset(bool on, index key_begin) {
+    void reset(bool on, index_t key_begin) {
         active = on;
         key_max_abs = 0;
         non_finite = false;
@@ -176,7 +176,7 @@ template <class Acc>
 row_scan<Acc> scan_of(const const_tile_map<Acc>& x, bool magnitude) {
     row_scan<Acc> seen;
     scan_rows(
-        x.rows(), x.cols(), [&](index j) { return x.data() + j * x.outerStride(); }, magnitude, seen);
+        x.rows(), x.cols(), [&](index_t j) { return x.data() + j * x.outerStride(); }, magnitude, seen);
     return seen;
 }
 
@@ -199,7 +199,7 @@ struct tiled_workspace {
     /// Which keys or values the panels hold (batch -1: none), and the tile being streamed, whose keys and values
     /// are packed whole the first time a slab of it needs them, so every slab of the tile reads the same panels.
     struct key_range {
-        index batch = -1, kv_head = 0, begin = 0, end = 0;
+        index_t batch = -1, kv_head = 0, begin = 0, end = 0;
         bool operator==(const key_range& o) const {
             return batch == o.batch && kv_head == o.kv_head && begin == o.begin && end == o.end;
         }
@@ -213,10 +213,10 @@ struct tiled_workspace {
         aligned_vector<std::uint32_t> pair_queries;
     };
     std::vector<block_state> parked;  ///< [blocks per unit]; the current block's slot holds spare buffers
-    index current = 0;                ///< the block whose state queries, acc, softmax and pairs.queries hold
+    index_t current = 0;              ///< the block whose state queries, acc, softmax and pairs.queries hold
 
     /// Makes queries, acc, softmax and pairs.queries block g's (of the unit's blocks; allocated by park).
-    void switch_to(index g) {
+    void switch_to(index_t g) {
         if (g == current) return;
         swap_state(parked[static_cast<std::size_t>(current)]);
         swap_state(parked[static_cast<std::size_t>(g)]);
@@ -224,7 +224,7 @@ struct tiled_workspace {
     }
 
     /// Room for `blocks` blocks' states of `rows` rows, each as large as this workspace's own.
-    void park(index blocks, index rows) {
+    void park(index_t blocks, index_t rows) {
         parked.resize(static_cast<std::size_t>(blocks));
         for (std::size_t g = 1; g < parked.size(); ++g) {
             parked[g].queries.resize(queries.size());
@@ -237,8 +237,8 @@ struct tiled_workspace {
     /// `panels`: whether any slab can take the micro-kernels (more than gemv_rows rows); a decode's blocks never do,
     /// and leave the panels empty. `bf16_pairs`: whether they take the bf16 pair kernels instead (then the float
     /// panels stay empty).
-    tiled_workspace(index rows, index head_dim, index key_tile, index value_dim, index group, bool stage, bool panels,
-                    bool bf16_pairs)
+    tiled_workspace(index_t rows, index_t head_dim, index_t key_tile, index_t value_dim, index_t group, bool stage,
+                    bool panels, bool bf16_pairs)
         : queries(static_cast<std::size_t>(rows * head_dim)),
           scores(static_cast<std::size_t>(rows * key_tile)),
           acc(static_cast<std::size_t>(rows * value_dim)),
@@ -283,7 +283,7 @@ public:
         // Fewer keys than a tile are one tile whatever its size, so the scratch is sized for them (to 64 keys, a
         // whole number of micro-kernel panels): zeroing a full tile's scores and panels had been a tenth of a
         // 64-token prefill. No bit changes.
-        c_.key_tile = std::min(c_.key_tile, std::max<index>(64, (s.key_len + 63) / 64 * 64));
+        c_.key_tile = std::min(c_.key_tile, std::max<index_t>(64, (s.key_len + 63) / 64 * 64));
     }
 
     void run(int threads) {
@@ -308,17 +308,17 @@ private:
 
     // ---- work units -------------------------------------------------------------------------------------------
     struct block {
-        index batch, kv_head, query_begin, queries;
+        index_t batch, kv_head, query_begin, queries;
     };
-    block block_of(index n) const {  // n in [0, batch * kv_heads * query_blocks)
-        const index qb = n % query_blocks_, bg = n / query_blocks_;
-        const index q0 = qb * block_queries_;
+    block block_of(index_t n) const {  // n in [0, batch * kv_heads * query_blocks)
+        const index_t qb = n % query_blocks_, bg = n / query_blocks_;
+        const index_t q0 = qb * block_queries_;
         return {bg / s_.kv_heads, bg % s_.kv_heads, q0, std::min(block_queries_, s_.query_len - q0)};
     }
-    index block_count() const { return s_.batch * s_.kv_heads * query_blocks_; }
+    index_t block_count() const { return s_.batch * s_.kv_heads * query_blocks_; }
     /// Query head and query position of row r of a block (its rows are stacked head after head).
-    index head_of(const block& blk, index r) const { return blk.kv_head * group_ + r / blk.queries; }
-    index query_of(const block& blk, index r) const { return blk.query_begin + r % blk.queries; }
+    index_t head_of(const block& blk, index_t r) const { return blk.kv_head * group_ + r / blk.queries; }
+    index_t query_of(const block& blk, index_t r) const { return blk.query_begin + r % blk.queries; }
 
     /// Whether a slab can have more than gemv_rows rows, and so use the packed panels (a slab has at most a
     /// block's rows).
@@ -331,8 +331,8 @@ private:
                                         std::is_same_v<Rows, strided_view<const Eigen::bfloat16>>;
     bool uses_pairs() const { return pair_target && uses_panels() && bf16_pairs_for(s_.head_dim, s_.value_dim); }
 
-    std::vector<tiled_workspace<Acc>> workspaces(index units, int threads) const {
-        const int workers = static_cast<int>(std::min<index>(std::max(threads, 1), units));
+    std::vector<tiled_workspace<Acc>> workspaces(index_t units, int threads) const {
+        const int workers = static_cast<int>(std::min<index_t>(std::max(threads, 1), units));
         return allocating(
             [&] {
                 std::vector<tiled_workspace<Acc>> w;
@@ -343,17 +343,17 @@ private:
                 return w;
             },
             [&] {
-                const index panels =
+                const index_t panels =
                     !uses_panels() ? 0
                     : uses_pairs()  // words, as many bytes as floats
                         ? rows_ * (s_.head_dim / 2 + bf16_tile::probability_row_words(c_.key_tile)) +
                               bf16_tile::key_panel_words(c_.key_tile, s_.head_dim) +
                               bf16_tile::value_panel_words(c_.key_tile, s_.value_dim)
                         : micro_tile<Acc>::panel_elements(c_.key_tile, s_.head_dim) + c_.key_tile * s_.value_dim;
-                const index per_worker = rows_ * (s_.head_dim + c_.key_tile + s_.value_dim + 4) +
-                                         (uses_stage() ? c_.key_tile * (s_.head_dim + s_.value_dim) : 0) + panels;
+                const index_t per_worker = rows_ * (s_.head_dim + c_.key_tile + s_.value_dim + 4) +
+                                           (uses_stage() ? c_.key_tile * (s_.head_dim + s_.value_dim) : 0) + panels;
                 return allocation_text("the tiled kernel's scratch (workers x elements)",
-                                       std::array<index, 2>{workers, per_worker}, sizeof(Acc));
+                                       std::array<index_t, 2>{workers, per_worker}, sizeof(Acc));
             },
             "Fewer threads need less scratch");
     }
@@ -363,19 +363,19 @@ private:
     /// c.shared_blocks, fewer where the units would be too few to keep `threads` threads busy. A block's sums are
     /// the same whatever unit it is in, so this changes no bit. (Zen 5, fp32, L = S 1024 to 4096, D 64 / 128,
     /// alternated: 8 blocks 0.93 to 0.99 of the time of one, 4 blocks 0.96 to 0.99.)
-    index blocks_per_unit(int threads) const {
+    index_t blocks_per_unit(int threads) const {
         if (!uses_panels()) return 1;
-        index together = std::max<index>(1, std::min(c_.shared_blocks, query_blocks_));
-        const index wanted = threads > 1 ? 2 * index{threads} : 1;
+        index_t together = std::max<index_t>(1, std::min(c_.shared_blocks, query_blocks_));
+        const index_t wanted = threads > 1 ? 2 * index_t{threads} : 1;
         while (together > 1 && s_.batch * s_.kv_heads * ((query_blocks_ + together - 1) / together) < wanted)
             together = (together + 1) / 2;
         return together;
     }
 
     void run_blocks(int threads) {
-        const index together = blocks_per_unit(threads);
-        const index runs = (query_blocks_ + together - 1) / together;  // units per (batch, kv head)
-        const index units = s_.batch * s_.kv_heads * runs;
+        const index_t together = blocks_per_unit(threads);
+        const index_t runs = (query_blocks_ + together - 1) / together;  // units per (batch, kv head)
+        const index_t units = s_.batch * s_.kv_heads * runs;
         auto ws = workspaces(units, threads);
         if (together > 1)
             allocating(
@@ -384,27 +384,27 @@ private:
                 },
                 [&] {
                     return allocation_text("the tiled kernel's parked query blocks (workers x blocks x elements)",
-                                           std::array<index, 3>{static_cast<index>(ws.size()), together - 1,
-                                                                rows_ * (s_.head_dim + s_.value_dim + 4)},
+                                           std::array<index_t, 3>{static_cast<index_t>(ws.size()), together - 1,
+                                                                  rows_ * (s_.head_dim + s_.value_dim + 4)},
                                            sizeof(Acc));
                 },
                 "Fewer threads need less scratch");
-        parallel_for(units, threads, [&](index unit, int worker) {
+        parallel_for(units, threads, [&](index_t unit, int worker) {
             auto& w = ws[static_cast<std::size_t>(worker)];
-            const index first = unit / runs * query_blocks_ + unit % runs * together;
-            const index count = std::min(together, (unit / runs + 1) * query_blocks_ - first);
-            const auto blk = [&](index g) { return block_of(first + g); };
-            for (index g = 0; g < count; ++g) {
+            const index_t first = unit / runs * query_blocks_ + unit % runs * together;
+            const index_t count = std::min(together, (unit / runs + 1) * query_blocks_ - first);
+            const auto blk = [&](index_t g) { return block_of(first + g); };
+            for (index_t g = 0; g < count; ++g) {
                 w.switch_to(g);
                 load_queries(w, blk(g));
                 start_stream(w, blk(g));
             }
-            for (index k0 = 0; k0 < s_.key_len; k0 += c_.key_tile)
-                for (index g = 0; g < count; ++g) {
+            for (index_t k0 = 0; k0 < s_.key_len; k0 += c_.key_tile)
+                for (index_t g = 0; g < count; ++g) {
                     w.switch_to(g);
                     stream_range(w, blk(g), k0, std::min(s_.key_len, k0 + c_.key_tile), s_.key_len);
                 }
-            for (index g = 0; g < count; ++g) {
+            for (index_t g = 0; g < count; ++g) {
                 w.switch_to(g);
                 end_stream(w, blk(g), 0, s_.key_len);
                 finish_rows(w, blk(g));
@@ -414,9 +414,9 @@ private:
     }
 
     void run_decode(int threads) {
-        const index chunks = (s_.key_len + c_.decode_chunk - 1) / c_.decode_chunk;
-        const index blocks = block_count(), units = blocks * chunks;
-        const index dv = s_.value_dim;
+        const index_t chunks = (s_.key_len + c_.decode_chunk - 1) / c_.decode_chunk;
+        const index_t blocks = block_count(), units = blocks * chunks;
+        const index_t dv = s_.value_dim;
         // Partial results of every (block, chunk), normalized: out = acc / sum, lse = max + log(sum).
         aligned_vector<Acc> part_out, part_lse;
         allocating(
@@ -426,40 +426,40 @@ private:
             },
             [&] {
                 return allocation_text("the decode path's partial outputs (units x rows x (value_dim + 1))",
-                                       std::array<index, 3>{units, rows_, dv + 1}, sizeof(Acc));
+                                       std::array<index_t, 3>{units, rows_, dv + 1}, sizeof(Acc));
             },
             "Split the call over the batch");
         std::vector<kv_findings<Acc>> found(p_.kv_scan ? static_cast<std::size_t>(units) : 0);
         auto ws = workspaces(units, threads);
-        parallel_for(units, threads, [&](index unit, int worker) {
+        parallel_for(units, threads, [&](index_t unit, int worker) {
             auto& w = ws[static_cast<std::size_t>(worker)];
             const block blk = block_of(unit / chunks);
-            const index chunk = unit % chunks;
-            const index k0 = chunk * c_.decode_chunk, k1 = std::min(s_.key_len, k0 + c_.decode_chunk);
+            const index_t chunk = unit % chunks;
+            const index_t k0 = chunk * c_.decode_chunk, k1 = std::min(s_.key_len, k0 + c_.decode_chunk);
             w.found.reset(p_.kv_scan != nullptr, k0);
             load_queries(w, blk);
             stream_keys(w, blk, k0, k1);
             if (w.found.active) found[static_cast<std::size_t>(unit)] = w.found;
-            const index rows = group_ * blk.queries;
-            for (index r = 0; r < rows; ++r)
+            const index_t rows = group_ * blk.queries;
+            for (index_t r = 0; r < rows; ++r)
                 part_lse[static_cast<std::size_t>(unit * rows_ + r)] =
                     w.softmax.normalize_into(r, w.acc.data() + r * dv, dv, part_out.data() + (unit * rows_ + r) * dv);
         });
         if (p_.kv_scan) verify_scan(found, chunks);  // throws before the first output is written
         // Combine the chunks of each block in chunk order, one block per unit; a single chunk is only copied out,
         // which is not worth starting threads for.
-        parallel_for(blocks, chunks > 1 ? threads : 1, [&](index n, int) {
+        parallel_for(blocks, chunks > 1 ? threads : 1, [&](index_t n, int) {
             const block blk = block_of(n);
-            const index rows = group_ * blk.queries;
-            for (index r = 0; r < rows; ++r) {
+            const index_t rows = group_ * blk.queries;
+            for (index_t r = 0; r < rows; ++r) {
                 Acc* first = part_out.data() + (n * chunks * rows_ + r) * dv;
                 Acc lse = part_lse[static_cast<std::size_t>(n * chunks * rows_ + r)];
-                for (index c = 1; c < chunks; ++c) {
-                    const index at = (n * chunks + c) * rows_ + r;
+                for (index_t c = 1; c < chunks; ++c) {
+                    const index_t at = (n * chunks + c) * rows_ + r;
                     lse = merge_row(first, lse, part_out.data() + at * dv, part_lse[static_cast<std::size_t>(at)],
                                     first, dv);
                 }
-                const index h = head_of(blk, r), i = query_of(blk, r);
+                const index_t h = head_of(blk, r), i = query_of(blk, r);
                 if (mask_.query_padded(blk.batch, i)) lse = minus_infinity<Acc>();
                 write_merged_row(blk.batch, h, i, lse == minus_infinity<Acc>() ? nullptr : first, lse);
             }
@@ -468,10 +468,10 @@ private:
 
     /// Hands what the decode units found to the deferred scan: the largest |k| per (batch, kv head), whether any
     /// key or value was not finite.
-    void verify_scan(const std::vector<kv_findings<Acc>>& found, index chunks) const {
+    void verify_scan(const std::vector<kv_findings<Acc>>& found, index_t chunks) const {
         std::vector<double> key_max_abs(static_cast<std::size_t>(s_.batch * s_.kv_heads), 0.0);
         bool non_finite = false;
-        for (index unit = 0; unit < static_cast<index>(found.size()); ++unit) {
+        for (index_t unit = 0; unit < static_cast<index_t>(found.size()); ++unit) {
             const block blk = block_of(unit / chunks);
             double& m = key_max_abs[static_cast<std::size_t>(blk.batch * s_.kv_heads + blk.kv_head)];
             m = std::max(m, static_cast<double>(found[static_cast<std::size_t>(unit)].key_max_abs));
@@ -482,13 +482,14 @@ private:
 
     /// Keys and values [w.found.scanned_to, upto) of the block's (batch, kv head) read for the scan alone: the
     /// decode pass skipped them (an empty tile, the trimmed end of a mixed one).
-    void scan_skipped(tiled_workspace<Acc>& w, const block& blk, index upto) const {
+    void scan_skipped(tiled_workspace<Acc>& w, const block& blk, index_t upto) const {
         if (upto > w.found.scanned_to) scan_in_place(w, blk, w.found.scanned_to, upto, true, true);
         w.found.scanned_to = std::max(w.found.scanned_to, upto);
     }
 
     /// Notes keys and / or values [j0, j1) of the block's (batch, kv head) in w.found, read where they are stored.
-    void scan_in_place(tiled_workspace<Acc>& w, const block& blk, index j0, index j1, bool keys, bool values) const {
+    void scan_in_place(tiled_workspace<Acc>& w, const block& blk, index_t j0, index_t j1, bool keys,
+                       bool values) const {
         row_scan<Acc> seen_keys, seen_values;
         if (keys) {
             scan_rows(j1 - j0, s_.head_dim, rows_of<Rows>{&k_, blk.batch, blk.kv_head, j0}, true, seen_keys);
@@ -502,14 +503,14 @@ private:
 
     /// Row (b, h, i) of out from a merged, normalized row (Acc, value_dim long; nullptr for a zero row), rounded
     /// to the storage type once, and its lse.
-    void write_merged_row(index b, index h, index i, const Acc* row, Acc lse) const {
+    void write_merged_row(index_t b, index_t h, index_t i, const Acc* row, Acc lse) const {
         Storage* out = o_.out.row(b, h, i);
         if (row) narrow(row, s_.value_dim, out);
         else std::fill(out, out + s_.value_dim, Storage(0));
         write_lse(b, h, i, row ? lse : minus_infinity<Acc>());
     }
 
-    void write_lse(index b, index h, index i, Acc lse) const {
+    void write_lse(index_t b, index_t h, index_t i, Acc lse) const {
         // In the storage's accumulation type: float for 16-bit storage (and for float storage accumulated in double).
         if (o_.lse) o_.lse[(b * s_.heads + h) * s_.query_len + i] = static_cast<accumulator_t<Storage>>(lse);
     }
@@ -518,17 +519,17 @@ private:
     /// The block's query rows, head after head, times the scale (folded in once instead of per score); for the pair
     /// kernels also as stored, in pairs.
     void load_queries(tiled_workspace<Acc>& w, const block& blk) const {
-        const index d = s_.head_dim;
+        const index_t d = s_.head_dim;
         const Acc scale = pipe_.scale();
-        for (index hh = 0; hh < group_; ++hh)
-            for (index r = 0; r < blk.queries; ++r) {
+        for (index_t hh = 0; hh < group_; ++hh)
+            for (index_t r = 0; r < blk.queries; ++r) {
                 const Storage* src = q_.row(blk.batch, blk.kv_head * group_ + hh, blk.query_begin + r);
                 Acc* dst = w.queries.data() + (hh * blk.queries + r) * d;
                 widen(src, d, dst);
-                for (index x = 0; x < d; ++x) dst[x] *= scale;
+                for (index_t x = 0; x < d; ++x) dst[x] *= scale;
                 if constexpr (pair_target)  // as stored: the pair kernels scale the products
                     if (uses_pairs())
-                        for (index x = 0; x < d / 2; ++x)
+                        for (index_t x = 0; x < d / 2; ++x)
                             w.pairs.queries[static_cast<std::size_t>((hh * blk.queries + r) * (d / 2) + x)] =
                                 pair_at(src + 2 * x);
             }
@@ -538,15 +539,15 @@ private:
     /// block (offsets from blk.query_begin), either whole heads or part of one head, so its rows are contiguous:
     /// row r of the block is head r / blk.queries, query r % blk.queries.
     struct slab {
-        index head_begin, head_end, query_begin, query_end;
-        index first_row(const block& blk) const { return head_begin * blk.queries + query_begin; }
-        index rows(const block& blk) const {
+        index_t head_begin, head_end, query_begin, query_end;
+        index_t first_row(const block& blk) const { return head_begin * blk.queries + query_begin; }
+        index_t rows(const block& blk) const {
             return (head_end - head_begin - 1) * blk.queries + (query_end - query_begin);
         }
     };
     slab whole(const block& blk) const { return {0, group_, 0, blk.queries}; }
 
-    tile query_tile(const block& blk, const slab& sl, index hh, index k0, index k1) const {
+    tile query_tile(const block& blk, const slab& sl, index_t hh, index_t k0, index_t k1) const {
         return tile{
             blk.batch, blk.kv_head * group_ + hh, blk.query_begin + sl.query_begin, blk.query_begin + sl.query_end, k0,
             k1};
@@ -554,9 +555,9 @@ private:
 
     /// Classifies the slab's per-head tiles over keys [k0, k1) into w.classes; returns empty when all are empty,
     /// full when all are full, mixed otherwise.
-    tile_class classify(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index k0, index k1) const {
+    tile_class classify(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index_t k0, index_t k1) const {
         bool any_empty = false, any_full = false, any_mixed = false;
-        for (index hh = sl.head_begin; hh < sl.head_end; ++hh) {
+        for (index_t hh = sl.head_begin; hh < sl.head_end; ++hh) {
             const tile_class c = mask_.classify(query_tile(blk, sl, hh, k0, k1));
             w.classes[static_cast<std::size_t>(hh)] = c;
             any_empty = any_empty || c == tile_class::empty;
@@ -568,8 +569,8 @@ private:
         return tile_class::mixed;
     }
 
-    bool all_empty(const block& blk, const slab& sl, index k0, index k1) const {
-        for (index hh = sl.head_begin; hh < sl.head_end; ++hh)
+    bool all_empty(const block& blk, const slab& sl, index_t k0, index_t k1) const {
+        for (index_t hh = sl.head_begin; hh < sl.head_end; ++hh)
             if (mask_.classify(query_tile(blk, sl, hh, k0, k1)) != tile_class::empty) return false;
         return true;
     }
@@ -577,8 +578,8 @@ private:
     /// What to pack for keys [k0, k1) of the block's (batch, kv head): the whole tile being streamed when [k0, k1)
     /// lies in it at a multiple of `step` keys from its start (every slab of a mixed tile then reads the panels
     /// packed for the first), exactly [k0, k1) otherwise.
-    typename tiled_workspace<Acc>::key_range pack_range(const tiled_workspace<Acc>& w, const block& blk, index k0,
-                                                        index k1, index step) const {
+    typename tiled_workspace<Acc>::key_range pack_range(const tiled_workspace<Acc>& w, const block& blk, index_t k0,
+                                                        index_t k1, index_t step) const {
         const auto& t = w.tile;
         const bool in_tile = t.batch == blk.batch && t.kv_head == blk.kv_head && t.begin <= k0 && k1 <= t.end &&
                              (k0 - t.begin) % step == 0;
@@ -586,11 +587,11 @@ private:
     }
 
     /// Keys [k0, k1) packed for scores_from_panels: a pointer into w.key_panels (see pack_range).
-    const Acc* key_panels(tiled_workspace<Acc>& w, const block& blk, index k0, index k1) const {
+    const Acc* key_panels(tiled_workspace<Acc>& w, const block& blk, index_t k0, index_t k1) const {
         ATTEND_ASSERT(uses_panels());
         const auto want = pack_range(w, blk, k0, k1, micro_tile<Acc>::cols);
         if (!(w.packed_keys == want)) {
-            const index n = want.end - want.begin;
+            const index_t n = want.end - want.begin;
             const auto keys = rows_as_accumulator<Acc>(k_, blk.batch, blk.kv_head, want.begin, n, w.key_stage.data());
             pack_key_panels(keys.data(), keys.outerStride(), n, s_.head_dim, w.key_panels.data());
             if (w.found.active) w.found.keys(scan_of(keys, true));
@@ -601,12 +602,13 @@ private:
 
     /// acc += P V over keys [k0, k1) for `rows` rows from r0: V's whole column blocks from w.value_panels (packed
     /// as pack_range says), its last value_dim % cols columns read in place.
-    void accumulate_values(tiled_workspace<Acc>& w, const block& blk, index r0, index rows, index k0, index k1) const {
-        const index dv = s_.value_dim, ld = c_.key_tile, nk = k1 - k0;
+    void accumulate_values(tiled_workspace<Acc>& w, const block& blk, index_t r0, index_t rows, index_t k0,
+                           index_t k1) const {
+        const index_t dv = s_.value_dim, ld = c_.key_tile, nk = k1 - k0;
         ATTEND_ASSERT(uses_panels());
         const auto want = pack_range(w, blk, k0, k1, 1);
         if (!(w.packed_values == want)) {
-            const index n = want.end - want.begin;
+            const index_t n = want.end - want.begin;
             const auto values =
                 rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, want.begin, n, w.value_stage.data());
             pack_value_panels(values.data(), values.outerStride(), n, dv, w.value_panels.data());
@@ -614,24 +616,24 @@ private:
             w.packed_values = want;
         }
         const Acc* in_place = nullptr;
-        index ldv = dv;
+        index_t ldv = dv;
         if (dv % micro_tile<Acc>::cols != 0) {
             const auto values = rows_as_accumulator<Acc>(v_, blk.batch, blk.kv_head, k0, nk, w.value_stage.data());
             in_place = values.data();
             ldv = values.outerStride();
         }
-        const index panel_stride = (want.end - want.begin) * micro_tile<Acc>::cols;
-        accumulate_from_values(w.scores.data() + r0 * ld, ld, index(1), rows, nk, in_place, ldv, dv,
+        const index_t panel_stride = (want.end - want.begin) * micro_tile<Acc>::cols;
+        accumulate_from_values(w.scores.data() + r0 * ld, ld, index_t(1), rows, nk, in_place, ldv, dv,
                                w.value_panels.data() + (k0 - want.begin) * micro_tile<Acc>::cols, panel_stride,
                                w.acc.data() + r0 * dv, dv);
     }
 
     /// The pair path's versions of key_panels, compute_scores' products and accumulate_values (uses_pairs()): keys
     /// and values packed from their bf16 rows into pairs, P rounded to bf16 pairs. Compiled only for pair_target.
-    const std::uint32_t* key_pairs(tiled_workspace<Acc>& w, const block& blk, index k0, index k1) const {
+    const std::uint32_t* key_pairs(tiled_workspace<Acc>& w, const block& blk, index_t k0, index_t k1) const {
         const auto want = pack_range(w, blk, k0, k1, bf16_tile::cols);
         if (!(w.packed_keys == want)) {
-            const index n = want.end - want.begin;
+            const index_t n = want.end - want.begin;
             if constexpr (pair_target)
                 pack_key_pairs(k_.row(blk.batch, blk.kv_head, want.begin), row_stride(k_), n, s_.head_dim,
                                w.pairs.keys.data());
@@ -640,10 +642,11 @@ private:
         }
         return w.pairs.keys.data() + (k0 - want.begin) * (s_.head_dim / 2);
     }
-    bool pair_scores(tiled_workspace<Acc>& w, const block& blk, index r0, index rows, index k0, index k1) const {
+    bool pair_scores(tiled_workspace<Acc>& w, const block& blk, index_t r0, index_t rows, index_t k0,
+                     index_t k1) const {
         if constexpr (pair_target) {
             const std::uint32_t* panels = key_pairs(w, blk, k0, k1);
-            const index pairs = s_.head_dim / 2;
+            const index_t pairs = s_.head_dim / 2;
             return pipe_.products_with_cap([&](const auto& epilogue) {
                 scores_on_pair_path(w.pairs.queries.data() + r0 * pairs, pairs, rows, s_.head_dim, panels, k1 - k0,
                                     pipe_.scale(), w.scores.data() + r0 * c_.key_tile, c_.key_tile, epilogue);
@@ -652,24 +655,24 @@ private:
         return false;
     }
     /// Row r's probabilities (nk at p) rounded to bf16 pairs for accumulate_value_pairs, as the softmax leaves them.
-    void round_probability_pairs(tiled_workspace<Acc>& w, index r, const Acc* p, index nk) const {
+    void round_probability_pairs(tiled_workspace<Acc>& w, index_t r, const Acc* p, index_t nk) const {
         if constexpr (pair_target) {
-            const index ldp = bf16_tile::probability_row_words(c_.key_tile);
+            const index_t ldp = bf16_tile::probability_row_words(c_.key_tile);
             round_to_pairs(p, c_.key_tile, 1, nk, w.pairs.probabilities.data() + r * ldp, ldp);
         }
     }
-    void accumulate_value_pairs(tiled_workspace<Acc>& w, const block& blk, index r0, index rows, index k0,
-                                index k1) const {
+    void accumulate_value_pairs(tiled_workspace<Acc>& w, const block& blk, index_t r0, index_t rows, index_t k0,
+                                index_t k1) const {
         if constexpr (pair_target) {
             const auto want = pack_range(w, blk, k0, k1, 2);  // pairs of keys from the packed range's start
-            const index n = want.end - want.begin;
+            const index_t n = want.end - want.begin;
             if (!(w.packed_values == want)) {
                 pack_value_pairs(v_.row(blk.batch, blk.kv_head, want.begin), row_stride(v_), n, s_.value_dim,
                                  w.pairs.values.data());
                 if (w.found.active) scan_in_place(w, blk, want.begin, want.end, false, true);
                 w.packed_values = want;
             }
-            const index ldp = bf16_tile::probability_row_words(c_.key_tile);
+            const index_t ldp = bf16_tile::probability_row_words(c_.key_tile);
             accumulate_on_pair_path(w.pairs.probabilities.data() + r0 * ldp, ldp, rows, k1 - k0, s_.value_dim,
                                     w.pairs.values.data() + (k0 - want.begin) / 2 * bf16_tile::cols,
                                     (n + 1) / 2 * bf16_tile::cols, w.acc.data() + r0 * s_.value_dim, s_.value_dim);
@@ -680,9 +683,9 @@ private:
     /// the tile's packed keys (the row kernels for a few rows, which read K straight from its rows where the
     /// micro-kernel would first pack it), then the score pipeline per head. Needs w.classes from classify on the same slab and keys.
     /// `then`: the rows read next, where the row kernels' prefetch runs on to.
-    void compute_scores(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index k0, index k1,
+    void compute_scores(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index_t k0, index_t k1,
                         const row_run& then) const {
-        const index r0 = sl.first_row(blk), rows = sl.rows(blk), nk = k1 - k0, ld = c_.key_tile;
+        const index_t r0 = sl.first_row(blk), rows = sl.rows(blk), nk = k1 - k0, ld = c_.key_tile;
         const_tile_map<Acc> queries(w.queries.data() + r0 * s_.head_dim, rows, s_.head_dim,
                                     Eigen::OuterStride<>(s_.head_dim));
         tile_map<Acc> scores(w.scores.data() + r0 * ld, rows, nk, Eigen::OuterStride<>(ld));
@@ -703,7 +706,7 @@ private:
                                    epilogue);
             });
         }
-        for (index hh = sl.head_begin; hh < sl.head_end; ++hh)
+        for (index_t hh = sl.head_begin; hh < sl.head_end; ++hh)
             pipe_.finish_tile(query_tile(blk, sl, hh, k0, k1), w.classes[static_cast<std::size_t>(hh)],
                               w.scores.data() + (hh * blk.queries + sl.query_begin) * ld, ld, capped);
     }
@@ -716,31 +719,31 @@ private:
     /// the slab, not with the block. The forward pass and the weights' second pass
     /// both take these steps, so a score reaches the weights with the bits it had in the softmax.
     template <class Step>
-    void for_each_step(tiled_workspace<Acc>& w, const block& blk, index key_begin, index key_end,
+    void for_each_step(tiled_workspace<Acc>& w, const block& blk, index_t key_begin, index_t key_end,
                        const Step& step) const {
-        const auto trimmed_step = [&](const slab& sl, index k0, index k1, bool mixed) {
+        const auto trimmed_step = [&](const slab& sl, index_t k0, index_t k1, bool mixed) {
             if (trim(w, blk, sl, k0, k1, mixed)) step(sl, k0, k1);
         };
         const slab all = whole(blk);
-        for (index k0 = key_begin; k0 < key_end; k0 += c_.key_tile) {
-            const index k1 = std::min(key_end, k0 + c_.key_tile);
+        for (index_t k0 = key_begin; k0 < key_end; k0 += c_.key_tile) {
+            const index_t k1 = std::min(key_end, k0 + c_.key_tile);
             const tile_class c = classify(w, blk, all, k0, k1);
             if (c == tile_class::empty) continue;
             w.tile = {blk.batch, blk.kv_head, k0, k1};
             if (c == tile_class::mixed && blk.queries > c_.slab_rows) {
                 // Runs of trim_step-wide key strips: strips full for the whole block go through one block-wide
                 // step (the part of a causal tile left of the diagonal), the others through slabs.
-                for (index a = k0; a < k1;) {
+                for (index_t a = k0; a < k1;) {
                     const bool full = classify(w, blk, all, a, std::min(k1, a + c_.trim_step)) == tile_class::full;
-                    index b = std::min(k1, a + c_.trim_step);
+                    index_t b = std::min(k1, a + c_.trim_step);
                     while (b < k1 &&
                            (classify(w, blk, all, b, std::min(k1, b + c_.trim_step)) == tile_class::full) == full)
                         b = std::min(k1, b + c_.trim_step);
                     if (full) {
                         trimmed_step(all, a, b, false);
                     } else {
-                        for (index hh = 0; hh < group_; ++hh)
-                            for (index q = 0; q < blk.queries; q += c_.slab_rows)
+                        for (index_t hh = 0; hh < group_; ++hh)
+                            for (index_t q = 0; q < blk.queries; q += c_.slab_rows)
                                 trimmed_step(slab{hh, hh + 1, q, std::min(blk.queries, q + c_.slab_rows)}, a, b, true);
                     }
                     a = b;
@@ -753,7 +756,7 @@ private:
 
     /// A step's keys [k0, k1) for the slab: when mixed, without the key strips at either end no row of the slab may
     /// see; false if it may see none. Leaves w.classes classified for the slab and the keys that are left.
-    bool trim(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index& k0, index& k1, bool mixed) const {
+    bool trim(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index_t& k0, index_t& k1, bool mixed) const {
         if (mixed) {
             const tile_class c = classify(w, blk, sl, k0, k1);
             if (c == tile_class::empty) return false;
@@ -771,7 +774,7 @@ private:
     /// The online softmax over keys [key_begin, key_end) (for_each_step): leaves w.acc (unnormalized, dropout
     /// applied) and w.softmax (max and the undropped normalizer, with the sinks when key_begin is 0) for the
     /// block's rows.
-    void stream_keys(tiled_workspace<Acc>& w, const block& blk, index key_begin, index key_end) const {
+    void stream_keys(tiled_workspace<Acc>& w, const block& blk, index_t key_begin, index_t key_end) const {
         start_stream(w, blk);
         stream_range(w, blk, key_begin, key_end, key_end);
         end_stream(w, blk, key_begin, key_end);
@@ -780,38 +783,40 @@ private:
     /// stream_keys in parts: the block's accumulators and softmax state emptied; keys [k0, k1) of a stream that
     /// ends at key_end (k0 on a key tile's edge, so the steps are those of the whole stream); the end.
     void start_stream(tiled_workspace<Acc>& w, const block& blk) const {
-        const index rows = group_ * blk.queries;
+        const index_t rows = group_ * blk.queries;
         std::fill(w.acc.begin(), w.acc.begin() + rows * s_.value_dim, Acc(0));
         w.softmax.reset(rows);
     }
-    void stream_range(tiled_workspace<Acc>& w, const block& blk, index k0, index k1, index key_end) const {
+    void stream_range(tiled_workspace<Acc>& w, const block& blk, index_t k0, index_t k1, index_t key_end) const {
         for_each_step(w, blk, k0, k1,
-                      [&](const slab& sl, index a, index b) { stream_tile(w, blk, sl, a, b, key_end); });
+                      [&](const slab& sl, index_t a, index_t b) { stream_tile(w, blk, sl, a, b, key_end); });
     }
-    void end_stream(tiled_workspace<Acc>& w, const block& blk, index key_begin, index key_end) const {
-        const index rows = group_ * blk.queries, dv = s_.value_dim;
+    void end_stream(tiled_workspace<Acc>& w, const block& blk, index_t key_begin, index_t key_end) const {
+        const index_t rows = group_ * blk.queries, dv = s_.value_dim;
         if (w.found.active) scan_skipped(w, blk, key_end);
         // The sinks join the softmax of the first key range only, so the decode path's chunks count them once.
         if (key_begin == 0 && p_.has_sinks())
-            for (index r = 0; r < rows; ++r)
+            for (index_t r = 0; r < rows; ++r)
                 w.softmax.absorb_sink(r, p_.sink(head_of(blk, r)), w.acc.data() + r * dv, dv);
     }
 
     /// One step of the online softmax: the slab's rows against keys [k0, k1) (as for_each_step trimmed them) of a
     /// stream that ends at key_end.
-    void stream_tile(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index k0, index k1,
-                     index key_end) const {
-        const index r0 = sl.first_row(blk), rows = sl.rows(blk), nk = k1 - k0, ld = c_.key_tile, dv = s_.value_dim;
+    void stream_tile(tiled_workspace<Acc>& w, const block& blk, const slab& sl, index_t k0, index_t k1,
+                     index_t key_end) const {
+        const index_t r0 = sl.first_row(blk), rows = sl.rows(blk), nk = k1 - k0, ld = c_.key_tile, dv = s_.value_dim;
         if (w.found.active) scan_skipped(w, blk, k0);
         // A few rows read K and V in place (the row kernels): their prefetch runs on from the keys into their
         // values, and from them into the next keys.
         const bool in_place = rows <= c_.gemv_rows;
         compute_scores(w, blk, sl, k0, k1, in_place ? run_of_rows(v_, blk.batch, blk.kv_head, k0, nk) : row_run{});
         const bool pairs = !in_place && uses_pairs();
-        w.softmax.absorb(w.scores.data() + r0 * ld, ld, r0, rows, nk, w.acc.data() + r0 * dv, dv, [&](index r, Acc* p) {
-            if (p_.dropout.active()) p_.dropout.apply(p, nk, blk.batch, head_of(blk, r), query_of(blk, r), k0);
-            if (pairs) round_probability_pairs(w, r, p, nk);
-        });
+        w.softmax.absorb(w.scores.data() + r0 * ld, ld, r0, rows, nk, w.acc.data() + r0 * dv, dv,
+                         [&](index_t r, Acc* p) {
+                             if (p_.dropout.active())
+                                 p_.dropout.apply(p, nk, blk.batch, head_of(blk, r), query_of(blk, r), k0);
+                             if (pairs) round_probability_pairs(w, r, p, nk);
+                         });
         tile_map<Acc> acc(w.acc.data() + r0 * dv, rows, dv, Eigen::OuterStride<>(dv));
         const_tile_map<Acc> probabilities(w.scores.data() + r0 * ld, rows, nk, Eigen::OuterStride<>(ld));
         if (in_place) {
@@ -831,9 +836,9 @@ private:
     /// out = acc / sum, lse = max + log(sum); zero rows and lse -inf for padded queries and empty rows. Marks
     /// padded rows empty in w.softmax, so write_weights writes zeros there.
     void finish_rows(tiled_workspace<Acc>& w, const block& blk) const {
-        const index rows = group_ * blk.queries, dv = s_.value_dim;
-        for (index r = 0; r < rows; ++r) {
-            const index h = head_of(blk, r), i = query_of(blk, r);
+        const index_t rows = group_ * blk.queries, dv = s_.value_dim;
+        for (index_t r = 0; r < rows; ++r) {
+            const index_t h = head_of(blk, r), i = query_of(blk, r);
             if (mask_.query_padded(blk.batch, i)) w.softmax.clear(r);
             Storage* out = o_.out.row(blk.batch, h, i);
             write_lse(blk.batch, h, i, w.softmax.normalize_into(r, w.acc.data() + r * dv, dv, out));
@@ -845,21 +850,21 @@ private:
     /// softmax: a single allowed key gets weight 1 exactly. Not exp(S - lse): lse rounded in T would cost |lse| ulps
     /// of relative accuracy when scores are large.
     void write_weights(tiled_workspace<Acc>& w, const block& blk) const {
-        const index rows = group_ * blk.queries, ld = c_.key_tile, S = s_.key_len;
+        const index_t rows = group_ * blk.queries, ld = c_.key_tile, S = s_.key_len;
         const bool drop = p_.weights_after_dropout && p_.dropout.active();
-        const auto weights_row = [&](index r) {
+        const auto weights_row = [&](index_t r) {
             return o_.weights + ((blk.batch * s_.heads + head_of(blk, r)) * s_.query_len + query_of(blk, r)) * S;
         };
-        for (index r = 0; r < rows; ++r) std::fill(weights_row(r), weights_row(r) + S, Storage(0));
-        for_each_step(w, blk, 0, S, [&](const slab& sl, index k0, index k1) {
+        for (index_t r = 0; r < rows; ++r) std::fill(weights_row(r), weights_row(r) + S, Storage(0));
+        for_each_step(w, blk, 0, S, [&](const slab& sl, index_t k0, index_t k1) {
             compute_scores(w, blk, sl, k0, k1, row_run{});
-            const index r0 = sl.first_row(blk), nk = k1 - k0;
-            for (index r = r0; r < r0 + sl.rows(blk); ++r) {
+            const index_t r0 = sl.first_row(blk), nk = k1 - k0;
+            for (index_t r = r0; r < r0 + sl.rows(blk); ++r) {
                 if (w.softmax.empty(r)) continue;
                 Acc* p = w.scores.data() + r * ld;
                 exp_shifted<Acc, true>(p, nk, w.softmax.max(r));  // the softmax's own scores: none above its max
                 const Acc l = w.softmax.sum(r);
-                for (index j = 0; j < nk; ++j) p[j] /= l;
+                for (index_t j = 0; j < nk; ++j) p[j] /= l;
                 if (drop) p_.dropout.apply(p, nk, blk.batch, head_of(blk, r), query_of(blk, r), k0);
                 narrow(p, nk, weights_row(r) + k0);
             }
@@ -875,10 +880,10 @@ private:
     const kernel_params<Acc>& p_;
     const attention_outputs<Storage>& o_;
     tile_config c_;
-    index group_ = 1;          ///< query heads per kv head
-    index block_queries_ = 1;  ///< queries per head in a block
-    index query_blocks_ = 1;   ///< blocks per (batch, kv head)
-    index rows_ = 1;           ///< rows of a full block: group_ * block_queries_
+    index_t group_ = 1;          ///< query heads per kv head
+    index_t block_queries_ = 1;  ///< queries per head in a block
+    index_t query_blocks_ = 1;   ///< blocks per (batch, kv head)
+    index_t rows_ = 1;           ///< rows of a full block: group_ * block_queries_
 };
 
 /// The tiled forward kernel: `Storage` in memory, arithmetic in `Acc`, keys and values as `Rows` (strided_view or

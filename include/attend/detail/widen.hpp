@@ -23,8 +23,8 @@ namespace attend::detail {
 
 /// dst[j] = src[j] for j < n, converted (float to double, or a copy).
 template <class S, class A>
-void widen(const S* src, index n, A* dst) {
-    for (index j = 0; j < n; ++j) dst[j] = static_cast<A>(src[j]);
+void widen(const S* src, index_t n, A* dst) {
+    for (index_t j = 0; j < n; ++j) dst[j] = static_cast<A>(src[j]);
 }
 
 /// The bits of a 16-, 32- or 64-bit value as an unsigned integer of its width. With the sign cleared, their integer
@@ -41,8 +41,8 @@ auto bits_of(T x) {
 }
 
 /// bfloat16 is the upper half of a float: shift the bits up.
-inline void widen(const Eigen::bfloat16* src, index n, float* dst) {
-    for (index j = 0; j < n; ++j) {
+inline void widen(const Eigen::bfloat16* src, index_t n, float* dst) {
+    for (index_t j = 0; j < n; ++j) {
         const std::uint32_t bits = static_cast<std::uint32_t>(bits_of(src[j])) << 16;
         std::memcpy(dst + j, &bits, 4);
     }
@@ -51,8 +51,8 @@ inline void widen(const Eigen::bfloat16* src, index n, float* dst) {
 /// fp16 to float: F16C eight at a time where the target has it; otherwise the exponent is rebiased in integer
 /// arithmetic (infinities and NaN keep an all-ones exponent, subnormals are renormalized through one float
 /// subtraction), branch-free so the loop vectorizes.
-inline void widen(const Eigen::half* src, index n, float* dst) {
-    index j = 0;
+inline void widen(const Eigen::half* src, index_t n, float* dst) {
+    index_t j = 0;
 #if defined(__F16C__)
     for (; j + 8 <= n; j += 8) {
         const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j));
@@ -84,8 +84,8 @@ inline void widen(const Eigen::half* src, index n, float* dst) {
 
 /// dst[j] = src[j] rounded to S once (to nearest even), for j < n: the outputs' way back to the storage type.
 template <class A, class S>
-void narrow(const A* src, index n, S* dst) {
-    for (index j = 0; j < n; ++j) dst[j] = static_cast<S>(src[j]);
+void narrow(const A* src, index_t n, S* dst) {
+    for (index_t j = 0; j < n; ++j) dst[j] = static_cast<S>(src[j]);
 }
 
 /// float to fp16, to nearest even: F16C eight at a time where the target has it, else Eigen's conversion. Eigen 3.4
@@ -93,8 +93,8 @@ void narrow(const A* src, index n, S* dst) {
 /// rounded every output value in integer arithmetic, one at a time: 4 % of an fp16 prefill's time (Zen 5). The same
 /// bits as Eigen's rounding for every value but NaN, which stays NaN (F16C keeps the payload's upper bits, where
 /// Eigen's integer path writes 0x7e00).
-inline void narrow(const float* src, index n, Eigen::half* dst) {
-    index j = 0;
+inline void narrow(const float* src, index_t n, Eigen::half* dst) {
+    index_t j = 0;
 #if defined(__F16C__)
     for (; j + 8 <= n; j += 8)
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(src + j), 0));
@@ -108,8 +108,8 @@ inline void narrow(const float* src, index n, Eigen::half* dst) {
 
 /// float to bfloat16, to nearest even, NaN as Eigen's conversion makes it (0x7fc0 with the sign): Eigen's own
 /// rounding, branch-free so the loop vectorizes (Eigen's call per value does not).
-inline void narrow(const float* src, index n, Eigen::bfloat16* dst) {
-    for (index j = 0; j < n; ++j) {
+inline void narrow(const float* src, index_t n, Eigen::bfloat16* dst) {
+    for (index_t j = 0; j < n; ++j) {
         std::uint32_t u;
         std::memcpy(&u, src + j, 4);
         const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
@@ -121,17 +121,17 @@ inline void narrow(const float* src, index n, Eigen::bfloat16* dst) {
 
 /// The largest bits of |x| over n values (bits_of with the sign cleared): an unsigned max the compiler vectorizes.
 template <class T>
-auto largest_magnitude_bits(const T* x, index n) {
+auto largest_magnitude_bits(const T* x, index_t n) {
     using bits = decltype(bits_of(T{}));
     constexpr bits magnitude = std::numeric_limits<bits>::max() >> 1;  // all but the sign bit
     bits largest = 0;
-    for (index j = 0; j < n; ++j) largest = std::max(largest, static_cast<bits>(bits_of(x[j]) & magnitude));
+    for (index_t j = 0; j < n; ++j) largest = std::max(largest, static_cast<bits>(bits_of(x[j]) & magnitude));
     return largest;
 }
 
 /// Whether any of n 16-bit values is NaN or +-inf: an all-ones exponent, so magnitude bits at or above it.
 template <class T>
-bool any_non_finite_16(const T* x, index n) {
+bool any_non_finite_16(const T* x, index_t n) {
     const std::uint16_t exponent = std::is_same_v<T, Eigen::half> ? 0x7c00 : 0x7f80;
     return largest_magnitude_bits(x, n) >= exponent;
 }

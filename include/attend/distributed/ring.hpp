@@ -60,10 +60,10 @@ struct ring_options {
 /// What one rank did in one call. Everything but compute_seconds is deterministic (a function of shapes, mask and
 /// layout only).
 struct ring_statistics {
-    index blocks_computed = 0;    ///< (query run, key run) blocks computed on this rank
-    index blocks_skipped = 0;     ///< blocks the mask leaves empty, neither computed nor (when no later rank needs
+    index_t blocks_computed = 0;  ///< (query run, key run) blocks computed on this rank
+    index_t blocks_skipped = 0;   ///< blocks the mask leaves empty, neither computed nor (when no later rank needs
                                   ///< the shard) received
-    index shards_sent = 0;        ///< K / V shards (with their gradients, backward) sent to the next rank
+    index_t shards_sent = 0;      ///< K / V shards (with their gradients, backward) sent to the next rank
     std::int64_t bytes_sent = 0;  ///< every byte this rank sent
     double compute_seconds = 0;   ///< wall time in this rank's block computations and merges (not in waits):
                                   ///< the work balance of a sharding, as time
@@ -81,9 +81,9 @@ struct ring_attention_result {
 /// This rank's gradients: dq like its q, dk / dv like its k / v, each over the whole sequence's loss.
 template <class T>
 struct ring_gradients {
-    tensor<T, 4> dq;             ///< like this rank's q
-    tensor<T, 4> dk;             ///< like this rank's k
-    tensor<T, 4> dv;             ///< like this rank's v
+    tensor<T, 4> d_query;        ///< like this rank's q
+    tensor<T, 4> d_key;          ///< like this rank's k
+    tensor<T, 4> d_value;        ///< like this rank's v
     ring_statistics statistics;  ///< what this rank did
 };
 
@@ -212,7 +212,7 @@ void compute_while_progressing(F& compute, std::initializer_list<request_set*> t
 struct ring_geometry {
     int rank = 0;
     int ranks = 1;
-    index batch = 0, heads = 0, kv_heads = 0, head_dim = 0, value_dim = 0;
+    index_t batch = 0, heads = 0, kv_heads = 0, head_dim = 0, value_dim = 0;
     shard_layout queries{sharding::contiguous, {0}};
     shard_layout keys{sharding::contiguous, {0}};
     attention_shape global;
@@ -233,7 +233,7 @@ struct ring_geometry {
 };
 
 /// Multiply-adds of one step's attention without a mask (an upper bound: masked tiles are skipped).
-inline double step_work(const ring_geometry& g, index query_len, index key_len, bool computing) {
+inline double step_work(const ring_geometry& g, index_t query_len, index_t key_len, bool computing) {
     return computing
                ? double(g.batch * g.heads) * double(query_len) * double(key_len) * double(g.head_dim + g.value_dim)
                : 0;
@@ -341,7 +341,7 @@ ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm com
                                      spell([](const rank_summary& x) {
                                          return concat("head_dim ", x.head_dim, " value_dim ", x.value_dim);
                                      })));
-    std::vector<index> query_lengths, key_lengths;
+    std::vector<index_t> query_lengths, key_lengths;
     for (const rank_summary& s : all) {
         query_lengths.push_back(s.query_len);
         key_lengths.push_back(s.key_len);
@@ -416,53 +416,53 @@ struct ring_plan {
 template <class T>
 class run_of {
 public:
-    run_of(const T* data, std::array<index, 4> dims, const shard_segment& run) : source_(data), dims_(dims) {
+    run_of(const T* data, std::array<index_t, 4> dims, const shard_segment& run) : source_(data), dims_(dims) {
         dims_[2] = run.length;
         if (run.local_begin == 0 && run.length == dims[2]) return;
-        copy_ = const_tensor_view<T, 4>(data, dims).slice(std::array<index, 4>{0, 0, run.local_begin, 0}, dims_);
+        copy_ = const_tensor_view<T, 4>(data, dims).slice(std::array<index_t, 4>{0, 0, run.local_begin, 0}, dims_);
     }
     const_tensor_view<T, 4> operator*() const { return {copy_.size() ? copy_.data() : source_, dims_}; }
 
 private:
     const T* source_;
-    std::array<index, 4> dims_;
+    std::array<index_t, 4> dims_;
     tensor<T, 4> copy_;
 };
 
 /// Lse (`[batch, heads, len]`) rows of one run.
 template <class T>
-tensor<T, 3> lse_run(const T* data, std::array<index, 3> dims, const shard_segment& run) {
+tensor<T, 3> lse_run(const T* data, std::array<index_t, 3> dims, const shard_segment& run) {
     const const_tensor_view<T, 3> whole(data, dims);
-    std::array<index, 3> extent = dims;
+    std::array<index_t, 3> extent = dims;
     extent[2] = run.length;
-    return whole.slice(std::array<index, 3>{0, 0, run.local_begin}, extent);
+    return whole.slice(std::array<index_t, 3>{0, 0, run.local_begin}, extent);
 }
 
 /// f(part row, dest row, dim) for each row of part `[batch, heads, run.length, dim]` and its row [run.local_begin
 /// + i] of a `[batch, heads, len, dim]` buffer.
 template <class A, class D, class F>
-void for_each_run_row(const tensor<A, 4>& part, D* dest, index len, const shard_segment& run, F&& f) {
-    const index batch = part.dimension(0), heads = part.dimension(1), dim = part.dimension(3);
-    for (index b = 0; b < batch; ++b)
-        for (index h = 0; h < heads; ++h)
-            for (index i = 0; i < run.length; ++i)
+void for_each_run_row(const tensor<A, 4>& part, D* dest, index_t len, const shard_segment& run, F&& f) {
+    const index_t batch = part.dimension(0), heads = part.dimension(1), dim = part.dimension(3);
+    for (index_t b = 0; b < batch; ++b)
+        for (index_t h = 0; h < heads; ++h)
+            for (index_t i = 0; i < run.length; ++i)
                 f(part.data() + ((b * heads + h) * run.length + i) * dim,
                   dest + ((b * heads + h) * len + run.local_begin + i) * dim, dim);
 }
 
 /// dest rows of the run += part.
 template <class T>
-void add_run(const tensor<T, 4>& part, T* dest, index len, const shard_segment& run) {
-    for_each_run_row(part, dest, len, run, [](const T* from, T* to, index dim) {
-        for (index d = 0; d < dim; ++d) to[d] += from[d];
+void add_run(const tensor<T, 4>& part, T* dest, index_t len, const shard_segment& run) {
+    for_each_run_row(part, dest, len, run, [](const T* from, T* to, index_t dim) {
+        for (index_t d = 0; d < dim; ++d) to[d] += from[d];
     });
 }
 
 /// dest rows of the run = part, rounded once to the storage type D (a copy when D is part's type).
 template <class A, class D>
-void round_run(const tensor<A, 4>& part, D* dest, index len, const shard_segment& run) {
+void round_run(const tensor<A, 4>& part, D* dest, index_t len, const shard_segment& run) {
     for_each_run_row(part, dest, len, run,
-                     [](const A* from, D* to, index dim) { attend::detail::narrow(from, dim, to); });
+                     [](const A* from, D* to, index_t dim) { attend::detail::narrow(from, dim, to); });
 }
 
 /// The options of one block call: the ring's, evaluated with empty rows allowed (a row empty in one block may
@@ -491,13 +491,13 @@ void finish_agreement(MPI_Comm comm, const std::optional<captured_error>& error,
                       const Bound& mask, const tensor<T, 3>* lse, const ring_options& o) {
     agree_on_errors(comm, error);
     if (o.empty_rows != attend::empty_rows::error) return;
-    const index total = g.global.query_len;
+    const index_t total = g.global.query_len;
     std::int64_t first = std::numeric_limits<std::int64_t>::max();
     for (const shard_segment& run : g.queries.segments(g.rank))
-        for (index b = 0; b < g.batch; ++b)
-            for (index h = 0; h < g.heads; ++h)
-                for (index i = 0; i < run.length; ++i) {
-                    const index position = run.global_begin + i;
+        for (index_t b = 0; b < g.batch; ++b)
+            for (index_t h = 0; h < g.heads; ++h)
+                for (index_t i = 0; i < run.length; ++i) {
+                    const index_t position = run.global_begin + i;
                     if ((*lse)(b, h, run.local_begin + i) == -std::numeric_limits<T>::infinity() &&
                         !mask.query_padded(b, position))
                         first = std::min<std::int64_t>(first, (b * g.heads + h) * total + position);
@@ -505,7 +505,7 @@ void finish_agreement(MPI_Comm comm, const std::optional<captured_error>& error,
     std::int64_t lowest = first;
     MPI_Allreduce(&first, &lowest, 1, MPI_INT64_T, MPI_MIN, comm);
     if (lowest == std::numeric_limits<std::int64_t>::max()) return;
-    const index position = lowest % total, bh = lowest / total;
+    const index_t position = lowest % total, bh = lowest / total;
     throw mask_error("attend.mask.empty_row",
                      concat("query ", position, " of batch ", bh / g.heads, ", head ", bh % g.heads,
                             " has no allowed key, so softmax is undefined; fix the mask, mark padded "
@@ -576,8 +576,8 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
     const detail::ring_geometry g = detail::agree_on_geometry(q, k, v, comm, options, noop);
 
     ring_attention_result<T> result;
-    const index query_len = g.queries.shard_length(g.rank);
-    const std::array<index, 4> q_dims{g.batch, g.heads, query_len, g.head_dim};
+    const index_t query_len = g.queries.shard_length(g.rank);
+    const std::array<index_t, 4> q_dims{g.batch, g.heads, query_len, g.head_dim};
     const auto& query_runs = g.queries.segments(g.rank);
     std::vector<std::optional<partial_attention<Acc, 4>>> partial(query_runs.size());
     std::vector<Acc> widened_q;  // 16-bit queries in float, so every block's out stays unrounded
@@ -624,8 +624,8 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
             ++result.statistics.shards_sent;
             result.statistics.bytes_sent += static_cast<std::int64_t>(current.size() * sizeof(S));
         }
-        const index key_len = g.keys.shard_length(shard);
-        const std::array<index, 4> k_dims{g.batch, g.kv_heads, key_len, g.head_dim},
+        const index_t key_len = g.keys.shard_length(shard);
+        const std::array<index_t, 4> k_dims{g.batch, g.kv_heads, key_len, g.head_dim},
             v_dims{g.batch, g.kv_heads, key_len, g.value_dim};
         const S* values = current.data() + g.batch * g.kv_heads * key_len * g.head_dim;
         const auto compute = [&] {
@@ -668,8 +668,8 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
                 if (!partial[qi]) continue;
                 const shard_segment& run = query_runs[qi];
                 detail::round_run(partial[qi]->out, result.out.data(), query_len, run);
-                result.lse.slice(std::array<index, 3>{0, 0, run.local_begin},
-                                 std::array<index, 3>{g.batch, g.heads, run.length}) = partial[qi]->lse;
+                result.lse.slice(std::array<index_t, 3>{0, 0, run.local_begin},
+                                 std::array<index_t, 3>{g.batch, g.heads, run.length}) = partial[qi]->lse;
             }
         });
     detail::finish_agreement(comm, error, g, *bound, &result.lse, options);
@@ -692,9 +692,9 @@ auto ring_attention(const Q& q, const K& k, const V& v, MPI_Comm comm, const rin
 /// 16-bit storage: out and d_out in it, lse the forward's float; each block's gradients are computed in float, dK /
 /// dV accumulators travel and sum in float, and dq, dk, dv are rounded once at the end, so they are the float
 /// ring's gradients on the widened inputs, rounded. `ring_attention_backward<float>(...)` returns them unrounded.
-template <class Gradient = void, class Q, class K, class V, class Out, class Lse, class DOut, class Mask>
+template <class Gradient = void, class Q, class K, class V, class Mask, class Out, class Lse, class DOut>
 ring_gradients<detail::gradient_of<Gradient, attend::detail::scalar_of<Q>>> ring_attention_backward(
-    const Q& q, const K& k, const V& v, const Out& out, const Lse& lse, const DOut& d_out, const Mask& mask,
+    const Q& q, const K& k, const V& v, const Mask& mask, const Out& out, const Lse& lse, const DOut& d_out,
     MPI_Comm user_comm, const ring_options& options = {}) {
     attend::detail::require_mask<Mask>();
     detail::require_one_storage<Q, K, V>();
@@ -713,9 +713,9 @@ ring_gradients<detail::gradient_of<Gradient, attend::detail::scalar_of<Q>>> ring
                   "attend: ring_attention_backward<G> gives gradients in the inputs' type or, for 16-bit inputs, "
                   "in float");
     const auto local_checks = [&](const attention_shape& s) {
-        const std::array<index, 4> expected{s.batch, s.heads, s.query_len, s.value_dim};
+        const std::array<index_t, 4> expected{s.batch, s.heads, s.query_len, s.value_dim};
         const auto check = [&](const auto& x, const char* id, const char* what) {
-            std::array<index, 4> got{};
+            std::array<index_t, 4> got{};
             for (std::size_t a = 0; a < 4; ++a) got[a] = x.dimensions()[a];
             if (got != expected)
                 throw shape_error(id, detail::concat(what, ' ', detail::format_shape(got), " != expected ",
@@ -723,7 +723,7 @@ ring_gradients<detail::gradient_of<Gradient, attend::detail::scalar_of<Q>>> ring
         };
         check(out, "attend.shape.backward_out", "out");
         check(d_out, "attend.shape.backward_d_out", "d_out");
-        const std::array<index, 3> lse_expected{s.batch, s.heads, s.query_len},
+        const std::array<index_t, 3> lse_expected{s.batch, s.heads, s.query_len},
             lse_got{lse.dimensions()[0], lse.dimensions()[1], lse.dimensions()[2]};
         if (lse_got != lse_expected)
             throw shape_error("attend.shape.backward_lse",
@@ -736,10 +736,10 @@ ring_gradients<detail::gradient_of<Gradient, attend::detail::scalar_of<Q>>> ring
 
     ring_gradients<G> result;
     tensor<Acc, 4> dq;  // summed over the key shards in the accumulation type, rounded once at the end
-    const index query_len = g.queries.shard_length(g.rank), own_keys = g.keys.shard_length(g.rank);
-    const std::array<index, 4> q_dims{g.batch, g.heads, query_len, g.head_dim},
+    const index_t query_len = g.queries.shard_length(g.rank), own_keys = g.keys.shard_length(g.rank);
+    const std::array<index_t, 4> q_dims{g.batch, g.heads, query_len, g.head_dim},
         o_dims{g.batch, g.heads, query_len, g.value_dim};
-    const std::array<index, 3> lse_dims{g.batch, g.heads, query_len};
+    const std::array<index_t, 3> lse_dims{g.batch, g.heads, query_len};
     const auto& query_runs = g.queries.segments(g.rank);
     struct query_rows {
         detail::run_of<T> q, out, d_out;
@@ -811,10 +811,10 @@ ring_gradients<detail::gradient_of<Gradient, attend::detail::scalar_of<Q>>> ring
                                         detail::tag_accumulator, comm);
         }
 
-        const index key_len = g.keys.shard_length(shard);
-        const std::array<index, 4> k_dims{g.batch, g.kv_heads, key_len, g.head_dim},
+        const index_t key_len = g.keys.shard_length(shard);
+        const std::array<index_t, 4> k_dims{g.batch, g.kv_heads, key_len, g.head_dim},
             v_dims{g.batch, g.kv_heads, key_len, g.value_dim};
-        const index k_elements = g.batch * g.kv_heads * key_len * g.head_dim;
+        const index_t k_elements = g.batch * g.kv_heads * key_len * g.head_dim;
         const T* values = current.data() + k_elements;
         accumulator.assign(grad_elements(shard), Acc(0));
         bool contributed = false;
@@ -839,9 +839,10 @@ ring_gradients<detail::gradient_of<Gradient, attend::detail::scalar_of<Q>>> ring
                             block_dk(g.batch, g.kv_heads, key_run.length, g.head_dim),
                             block_dv(g.batch, g.kv_heads, key_run.length, g.value_dim);
                         scaled_dot_product_attention_backward_into(
-                            *r.q, *keys, *vals, *r.out, r.lse, *r.d_out,
-                            detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin), block_dq,
-                            block_dk, block_dv, detail::block_options(options, query_run, key_run, false));
+                            *r.q, *keys, *vals,
+                            detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin), *r.out, r.lse,
+                            *r.d_out, detail::block_options(options, query_run, key_run, false), block_dq, block_dk,
+                            block_dv);
                         detail::add_run(block_dq, dq.data(), query_len, query_run);
                         detail::add_run(block_dk, accumulator.data(), key_len, key_run);
                         detail::add_run(block_dv, accumulator.data() + k_elements, key_len, key_run);
@@ -878,14 +879,14 @@ ring_gradients<detail::gradient_of<Gradient, attend::detail::scalar_of<Q>>> ring
     home.wait();
     if (!error)
         error = detail::capture_errors([&] {
-            const index k_elements = g.batch * g.kv_heads * own_keys * g.head_dim;
-            const auto rounded = [](tensor<G, 4>& to, const Acc* from, std::array<index, 4> dims) {
+            const index_t k_elements = g.batch * g.kv_heads * own_keys * g.head_dim;
+            const auto rounded = [](tensor<G, 4>& to, const Acc* from, std::array<index_t, 4> dims) {
                 to.resize(dims);
                 attend::detail::narrow(from, to.size(), to.data());
             };
-            rounded(result.dq, dq.data(), q_dims);
-            rounded(result.dk, own_gradient.data(), {g.batch, g.kv_heads, own_keys, g.head_dim});
-            rounded(result.dv, own_gradient.data() + k_elements, {g.batch, g.kv_heads, own_keys, g.value_dim});
+            rounded(result.d_query, dq.data(), q_dims);
+            rounded(result.d_key, own_gradient.data(), {g.batch, g.kv_heads, own_keys, g.head_dim});
+            rounded(result.d_value, own_gradient.data() + k_elements, {g.batch, g.kv_heads, own_keys, g.value_dim});
         });
     const tensor<Acc, 3> lse_copy = const_tensor_view<Acc, 3>(lse.data(), lse_dims);
     detail::finish_agreement(comm, error, g, *bound, &lse_copy, options);

@@ -25,9 +25,9 @@ enum class sharding {
 /// One contiguous run of a shard: `length` positions of the full sequence starting at `global_begin`, stored at
 /// rows `local_begin ..` of the shard.
 struct shard_segment {
-    index global_begin = 0;  ///< first position in the full sequence
-    index local_begin = 0;   ///< first row in the shard
-    index length = 0;        ///< positions in the run
+    index_t global_begin = 0;  ///< first position in the full sequence
+    index_t local_begin = 0;   ///< first row in the shard
+    index_t length = 0;        ///< positions in the run
 };
 
 /// The shards of a sequence of total() positions over ranks() ranks. With zigzag, a shard of n positions is its
@@ -37,15 +37,15 @@ class shard_layout {
 public:
     /// From the shard length of every rank (the length of rank r at position r). Throws value_error
     /// attend.value.shard_lengths when the list is empty or a length is negative.
-    shard_layout(sharding kind, std::vector<index> shard_lengths)
+    shard_layout(sharding kind, std::vector<index_t> shard_lengths)
         : kind_(kind), lengths_(std::move(shard_lengths)), segments_(lengths_.size()) {
         if (lengths_.empty()) throw value_error("attend.value.shard_lengths", "a shard layout needs at least one rank");
         for (std::size_t r = 0; r < lengths_.size(); ++r)
             if (lengths_[r] < 0)
                 throw value_error("attend.value.shard_lengths",
                                   attend::detail::concat("shard length ", lengths_[r], " of rank ", r, " is negative"));
-        index position = 0;
-        const auto add = [&](std::size_t r, index local_begin, index length) {
+        index_t position = 0;
+        const auto add = [&](std::size_t r, index_t local_begin, index_t length) {
             if (length > 0) segments_[r].push_back(shard_segment{position, local_begin, length});
             position += length;
         };
@@ -61,36 +61,36 @@ public:
     /// Shard lengths that split `total` positions as evenly as `kind` allows: contiguous runs differ by at most
     /// one; zigzag chunks (2 * ranks of them) differ by at most one. Throws value_error attend.value.shard_lengths
     /// for ranks < 1 or total < 0.
-    static std::vector<index> balanced_lengths(sharding kind, index total, int ranks) {
+    static std::vector<index_t> balanced_lengths(sharding kind, index_t total, int ranks) {
         if (ranks < 1 || total < 0)
             throw value_error("attend.value.shard_lengths",
                               attend::detail::concat("cannot split ", total, " positions over ", ranks, " ranks"));
-        const auto n = static_cast<index>(ranks);
-        std::vector<index> lengths(static_cast<std::size_t>(ranks));
+        const auto n = static_cast<index_t>(ranks);
+        std::vector<index_t> lengths(static_cast<std::size_t>(ranks));
         if (kind == sharding::contiguous) {
-            for (index r = 0; r < n; ++r) lengths[static_cast<std::size_t>(r)] = total / n + (r < total % n ? 1 : 0);
+            for (index_t r = 0; r < n; ++r) lengths[static_cast<std::size_t>(r)] = total / n + (r < total % n ? 1 : 0);
         } else {
-            const auto chunk = [&](index c) { return total / (2 * n) + (c < total % (2 * n) ? 1 : 0); };
-            for (index r = 0; r < n; ++r) lengths[static_cast<std::size_t>(r)] = chunk(r) + chunk(2 * n - 1 - r);
+            const auto chunk = [&](index_t c) { return total / (2 * n) + (c < total % (2 * n) ? 1 : 0); };
+            for (index_t r = 0; r < n; ++r) lengths[static_cast<std::size_t>(r)] = chunk(r) + chunk(2 * n - 1 - r);
         }
         return lengths;
     }
 
     sharding kind() const { return kind_; }                          ///< contiguous or zigzag
     int ranks() const { return static_cast<int>(lengths_.size()); }  ///< ranks sharing the sequence
-    index total() const { return total_; }                           ///< positions of the full sequence
+    index_t total() const { return total_; }                         ///< positions of the full sequence
     /// Positions `rank` holds.
-    index shard_length(int rank) const { return lengths_.at(static_cast<std::size_t>(rank)); }
+    index_t shard_length(int rank) const { return lengths_.at(static_cast<std::size_t>(rank)); }
     /// The runs of `rank`'s shard in local order (zero-length runs omitted).
     const std::vector<shard_segment>& segments(int rank) const { return segments_.at(static_cast<std::size_t>(rank)); }
 
 private:
-    index first_run(std::size_t r) const { return lengths_[r] - lengths_[r] / 2; }
+    index_t first_run(std::size_t r) const { return lengths_[r] - lengths_[r] / 2; }
 
     sharding kind_;
-    std::vector<index> lengths_;
+    std::vector<index_t> lengths_;
     std::vector<std::vector<shard_segment>> segments_;
-    index total_ = 0;
+    index_t total_ = 0;
 };
 
 /// Rank `rank`'s shard of a full tensor whose axis 2 is the sequence (`[batch, heads, len, dim]` or lse
@@ -108,7 +108,7 @@ tensor<T, Rank> take_shard(const tensor<T, Rank>& full, const shard_layout& layo
     dims[2] = layout.shard_length(rank);
     tensor<T, Rank> shard(dims);
     for (const shard_segment& s : layout.segments(rank)) {
-        std::array<index, Rank> from{}, to{}, extent = dims;
+        std::array<index_t, Rank> from{}, to{}, extent = dims;
         from[2] = s.global_begin;
         to[2] = s.local_begin;
         extent[2] = s.length;
@@ -138,7 +138,7 @@ tensor<T, Rank> join_shards(const std::vector<tensor<T, Rank>>& shards, const sh
                                                      attend::detail::format_shape(shard.dimensions()), " != expected ",
                                                      attend::detail::format_shape(expected)));
         for (const shard_segment& s : layout.segments(r)) {
-            std::array<index, Rank> from{}, to{}, extent = dims;
+            std::array<index_t, Rank> from{}, to{}, extent = dims;
             from[2] = s.local_begin;
             to[2] = s.global_begin;
             extent[2] = s.length;

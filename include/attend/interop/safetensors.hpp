@@ -33,11 +33,11 @@ namespace attend {
 
 /// One tensor of a safetensors file as its header describes it.
 struct safetensors_entry {
-    std::string name;          ///< as in the header, e.g. "out_proj.weight"
-    std::string dtype;         ///< "F32", "F64", "BF16", ... as written in the file
-    std::vector<index> shape;  ///< row-major dims; empty for a scalar
-    std::uint64_t begin = 0;   ///< first byte in the data section
-    std::uint64_t end = 0;     ///< one past the last byte
+    std::string name;            ///< as in the header, e.g. "out_proj.weight"
+    std::string dtype;           ///< "F32", "F64", "BF16", ... as written in the file
+    std::vector<index_t> shape;  ///< row-major dims; empty for a scalar
+    std::uint64_t begin = 0;     ///< first byte in the data section
+    std::uint64_t end = 0;       ///< one past the last byte
 };
 
 namespace detail {
@@ -164,7 +164,7 @@ public:
                                               "; attend reads F16, BF16, F32 and F64 (convert the tensor before "
                                               "saving it)"));
         const std::uint64_t bytes = detail::safetensors_dtype_bytes(e.dtype);
-        std::array<index, static_cast<std::size_t>(Rank)> dims{};
+        std::array<index_t, static_cast<std::size_t>(Rank)> dims{};
         for (std::size_t a = 0; a < dims.size(); ++a) dims[a] = e.shape[a];  // (no copy call: Rank may be 0)
         tensor<T, Rank> t;
         const char* hint = "The tensor is as large as the file says; read it on a machine with more memory";
@@ -178,7 +178,7 @@ public:
         if (!in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size())))
             fail_io(detail::concat("cannot read the ", raw.size(), " bytes of tensor \"", name,
                                    "\" (was the file changed since it was opened?)"));
-        for (index n = 0; n < t.size(); ++n)
+        for (index_t n = 0; n < t.size(); ++n)
             t.data()[n] = detail::read_element<T>(raw.data(), bytes, brain, static_cast<std::uint64_t>(n));
         return t;
     }
@@ -255,14 +255,14 @@ private:
         std::uint64_t count = element_bytes;
         for (const auto& d : shape->items) {
             std::uint64_t n = 0;
-            if (!detail::json_to_u64(d, n) || n > static_cast<std::uint64_t>(std::numeric_limits<index>::max()))
+            if (!detail::json_to_u64(d, n) || n > static_cast<std::uint64_t>(std::numeric_limits<index_t>::max()))
                 bad(detail::concat("shape entry ", d.text, " is not an integer in [0, 2^63)"));
             if (n != 0 && count > std::numeric_limits<std::uint64_t>::max() / n)
                 throw format_error("attend.format.data_offsets",
                                    detail::concat(where(), ": tensor \"", name,
                                                   "\": the byte count of its shape overflows 64 bits"));
             count *= n;
-            e.shape.push_back(static_cast<index>(n));
+            e.shape.push_back(static_cast<index_t>(n));
         }
         if (!detail::json_to_u64(offsets->items[0], e.begin) || !detail::json_to_u64(offsets->items[1], e.end))
             bad("data_offsets are not two non-negative integers");

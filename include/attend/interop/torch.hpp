@@ -62,9 +62,9 @@ torch_mha_parameters<T> torch_layout(bool packed, const tensor<T, 2>& wq, const 
 }
 
 template <class T, int R>
-void expect_torch_shape(const tensor<T, R>& t, const std::array<index, R>& expected, const char* name,
+void expect_torch_shape(const tensor<T, R>& t, const std::array<index_t, R>& expected, const char* name,
                         const char* meaning) {
-    std::array<index, R> got{};
+    std::array<index_t, R> got{};
     for (std::size_t a = 0; a < got.size(); ++a) got[a] = t.dimension(a);
     if (got != expected)
         throw shape_error("attend.shape.torch_weight",
@@ -82,8 +82,8 @@ void expect_torch_absent(const tensor<T, R>& t, const char* name, const char* wh
 /// Every shape of `p` against the module `c` describes (resolved), before anything is copied.
 template <class T>
 void check_torch_parameters(const mha_config& c, bool packed, const torch_mha_parameters<T>& p) {
-    const index E = c.model_dim, D = c.model_dim / c.heads;
-    const index q_rows = c.heads * D, kv_rows = c.kv_heads * D;
+    const index_t E = c.model_dim, D = c.model_dim / c.heads;
+    const index_t q_rows = c.heads * D, kv_rows = c.kv_heads * D;
     const bool separate = p.q_proj_weight.size() != 0 || p.k_proj_weight.size() != 0 || p.v_proj_weight.size() != 0;
     const auto shape_of = [](const auto& t) { return format_shape(t.dimensions()); };
     if (p.in_proj_weight.size() != 0) {

@@ -5,5 +5,5 @@
 auto ring_backward_of_bf16(MPI_Comm comm) {
     attend::tensor<Eigen::bfloat16, 4> q(1, 2, 4, 8), k(1, 2, 4, 8), v(1, 2, 4, 8), out(1, 2, 4, 8), d_out(1, 2, 4, 8);
     attend::tensor<float, 3> lse(1, 2, 4);
-    return attend::distributed::ring_attention_backward(q, k, v, out, lse, d_out, attend::no_mask{}, comm);
+    return attend::distributed::ring_attention_backward(q, k, v, attend::no_mask{}, out, lse, d_out, comm);
 }

@@ -17,8 +17,8 @@ namespace attend::distributed::detail {
 template <class Bound>
 struct bound_block {
     const Bound* global = nullptr;
-    index query_begin = 0;
-    index key_begin = 0;
+    index_t query_begin = 0;
+    index_t key_begin = 0;
 
     tile to_global(const tile& t) const {
         return tile{t.batch,
@@ -28,13 +28,13 @@ struct bound_block {
                     t.key_begin + key_begin,
                     t.key_end + key_begin};
     }
-    bool allowed(index b, index h, index i, index j) const {
+    bool allowed(index_t b, index_t h, index_t i, index_t j) const {
         return global->allowed(b, h, i + query_begin, j + key_begin);
     }
-    bool query_padded(index b, index i) const { return global->query_padded(b, i + query_begin); }
+    bool query_padded(index_t b, index_t i) const { return global->query_padded(b, i + query_begin); }
     tile_class classify(const tile& t) const { return global->classify(to_global(t)); }
     template <class T>
-    void apply(const tile& t, T* scores, index ld) const {
+    void apply(const tile& t, T* scores, index_t ld) const {
         global->apply(to_global(t), scores, ld);  // apply writes relative to the tile's corner: same memory
     }
 };
@@ -50,7 +50,7 @@ struct block_mask : std::conditional_t<Additive, attend::detail::additive_term, 
 
 /// The block of `global` (a mask bound to the full `[batch, heads, total, total]` scores) at the given corner.
 template <class Mask, class Bound>
-auto block_of(const Bound& global, index query_begin, index key_begin) {
+auto block_of(const Bound& global, index_t query_begin, index_t key_begin) {
     return block_mask<Bound, attend::detail::is_additive_v<Mask>, Mask::has_query_padding>{
         {}, bound_block<Bound>{&global, query_begin, key_begin}};
 }
@@ -58,9 +58,9 @@ auto block_of(const Bound& global, index query_begin, index key_begin) {
 /// True when the global mask allows no position of queries [q0, q1) x keys [k0, k1) in any (batch, head):
 /// the block is skipped, and a shard whose blocks are all empty on a rank is not sent there.
 template <class Bound>
-bool block_is_empty(const Bound& global, index batch, index heads, index q0, index q1, index k0, index k1) {
-    for (index b = 0; b < batch; ++b)
-        for (index h = 0; h < heads; ++h)
+bool block_is_empty(const Bound& global, index_t batch, index_t heads, index_t q0, index_t q1, index_t k0, index_t k1) {
+    for (index_t b = 0; b < batch; ++b)
+        for (index_t h = 0; h < heads; ++h)
             if (global.classify(tile{b, h, q0, q1, k0, k1}) != tile_class::empty) return false;
     return true;
 }
