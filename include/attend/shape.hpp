@@ -97,10 +97,10 @@ void check_view_sizes(const strided_view<T>& x, const char* name) {
 /// axis must step past everything the smaller ones span.
 template <class T>
 void check_output_strides(const strided_view<T>& x, const char* name) {
-    std::array<int, 4> axes{0, 1, 2, 3};
-    std::sort(axes.begin(), axes.end(), [&](int a, int b) { return x.strides[a] < x.strides[b]; });
+    std::array<std::size_t, 4> axes{0, 1, 2, 3};
+    std::sort(axes.begin(), axes.end(), [&](std::size_t a, std::size_t b) { return x.strides[a] < x.strides[b]; });
     index_t span = 1;  // one past the largest offset the smaller axes reach
-    for (const int a : axes) {
+    for (const std::size_t a : axes) {
         if (x.dims[a] <= 1) continue;
         if (x.strides[a] < span || product_overflows(x.strides[a], x.dims[a] - 1) ||
             sum_overflows(span, x.strides[a] * (x.dims[a] - 1)))
