@@ -249,7 +249,8 @@ void call_overhead(benchmark::State& state) {
 template <class Block>
 void decode_quantized(benchmark::State& state, index_t keys = decode_keys) {
     problem<float> p(decode_heads, decode_kv_heads, 1, keys, decode_dim);
-    attend::quantized_kv_cache<Block> cache(1, decode_kv_heads, keys, decode_dim, decode_dim);
+    attend::quantized_kv_cache<Block> cache(
+        attend::kv_cache_config{}.with_kv_heads(decode_kv_heads).with_capacity(keys).with_head_dim(decode_dim));
     cache.append(p.k, p.v);
     attend::sdpa_options o;
     o.kernel = attend::kernel::tiled;
@@ -275,7 +276,7 @@ template <class Cache>
 void append(benchmark::State& state) {
     const index_t kv_heads = 8, len = 2048, dim = 128;
     problem<float> p(kv_heads, kv_heads, 1, len, dim);
-    Cache cache(1, kv_heads, len, dim, dim);
+    Cache cache(attend::kv_cache_config{}.with_kv_heads(kv_heads).with_capacity(len).with_head_dim(dim));
     for (auto _ : state) {
         cache.clear();
         cache.append(p.k, p.v);

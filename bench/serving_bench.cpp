@@ -137,7 +137,10 @@ void contiguous_decode_q8(benchmark::State& state) {
     per_sequence_queries s(p);
     std::vector<attend::q8_kv_cache> caches;
     for (index_t n = 0; n < serving_sequences; ++n) {
-        caches.emplace_back(1, serving_kv_heads, serving_length(n), serving_dim, serving_dim);
+        caches.emplace_back(attend::kv_cache_config{}
+                                .with_kv_heads(serving_kv_heads)
+                                .with_capacity(serving_length(n))
+                                .with_head_dim(serving_dim));
         caches.back().append(p.keys[static_cast<std::size_t>(n)], p.values[static_cast<std::size_t>(n)]);
     }
     const auto o = decode_options(static_cast<int>(state.range(0)));

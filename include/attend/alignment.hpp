@@ -30,6 +30,16 @@ struct bound_diagonal {
 
     index_t offset_of(index_t b) const { return per_batch ? (*per_batch)[static_cast<std::size_t>(b)] : offset; }
 };
+/// The window_left of a Hugging Face config's `sliding_window: W` (W keys, the query's own included): W - 1.
+/// Throws mask_error attend.mask.window_from_config for W <= 0.
+inline index_t window_left_from_config(index_t window_keys) {
+    if (window_keys <= 0)
+        throw mask_error("attend.mask.window_from_config",
+                         concat("a window from a config's sliding_window: ", window_keys,
+                                " needs at least 1 key (the query's own)"));
+    return window_keys - 1;
+}
+
 }  // namespace detail
 
 /// The diagonal of a rule: query i of batch row b sees "its" key at i + offset(b). Build it from an alignment

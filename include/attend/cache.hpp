@@ -11,12 +11,46 @@
 #include <type_traits>
 #include <vector>
 
+#include "detail/input_scan.hpp"
 #include "detail/memory.hpp"
+#include "detail/widen.hpp"
 #include "error.hpp"
 #include "shape.hpp"
 #include "tensor.hpp"
 
 namespace attend {
+
+/// Sizes of a contiguous cache (kv_cache, quantized_kv_cache), named as they are set:
+/// `kv_cache_config{}.with_batch(2).with_kv_heads(8).with_capacity(4096).with_head_dim(128)`; the setters return
+/// a copy, as mha_config's do. value_dim = 0 means head_dim.
+struct kv_cache_config {
+    index_t batch = 1;      ///< sequences
+    index_t kv_heads = 1;   ///< key/value heads
+    index_t capacity = 0;   ///< positions the cache holds, fixed for its lifetime
+    index_t head_dim = 0;   ///< width of a cached key
+    index_t value_dim = 0;  ///< width of a cached value; 0: head_dim
+
+    /// A copy with batch set.
+    constexpr kv_cache_config with_batch(index_t n) const { return with(&kv_cache_config::batch, n); }
+    /// A copy with kv_heads set.
+    constexpr kv_cache_config with_kv_heads(index_t n) const { return with(&kv_cache_config::kv_heads, n); }
+    /// A copy with capacity set.
+    constexpr kv_cache_config with_capacity(index_t n) const { return with(&kv_cache_config::capacity, n); }
+    /// A copy with head_dim set.
+    constexpr kv_cache_config with_head_dim(index_t n) const { return with(&kv_cache_config::head_dim, n); }
+    /// A copy with value_dim set (0: head_dim).
+    constexpr kv_cache_config with_value_dim(index_t n) const { return with(&kv_cache_config::value_dim, n); }
+
+    /// value_dim with its 0 default resolved.
+    constexpr index_t resolved_value_dim() const { return value_dim == 0 ? head_dim : value_dim; }
+
+private:
+    constexpr kv_cache_config with(index_t kv_cache_config::*field, index_t value) const {
+        kv_cache_config c = *this;
+        c.*field = value;
+        return c;
+    }
+};
 
 namespace detail {
 
@@ -73,6 +107,27 @@ inline void check_cache_sizes(const cache_sizes& c) {
                                  c[2], ", head_dim ", c[3], ", value_dim ", c[4]));
 }
 
+/// The sizes of a contiguous cache, resolved (value_dim 0 is head_dim) and checked once for both cache kinds:
+/// value_error attend.value.size for a size < 1, shape_error attend.shape.overflow when the storage of `what`
+/// would overflow Eigen::Index.
+struct cache_extent {
+    index_t batch_, kv_heads_, capacity_, head_dim_, value_dim_;
+
+    cache_extent(const kv_cache_config& c, const char* what)
+        : batch_(c.batch),
+          kv_heads_(c.kv_heads),
+          capacity_(c.capacity),
+          head_dim_(c.head_dim),
+          value_dim_(c.resolved_value_dim()) {
+        check_cache_sizes({batch_, kv_heads_, capacity_, head_dim_, value_dim_});
+        if (product_overflows(batch_, kv_heads_, capacity_, head_dim_) ||
+            product_overflows(batch_, kv_heads_, capacity_, value_dim_))
+            throw shape_error("attend.shape.overflow",
+                              concat(what, " storage [", batch_, ',', kv_heads_, ',', capacity_, ',',
+                                     std::max(head_dim_, value_dim_), "] overflows Eigen::Index"));
+    }
+};
+
 }  // namespace detail
 
 /// Keys `[batch, kv_heads, length, head_dim]` and values `[batch, kv_heads, length, value_dim]` of the positions
@@ -80,23 +135,20 @@ inline void check_cache_sizes(const cache_sizes& c) {
 /// T may be 16-bit (Eigen::half, Eigen::bfloat16): the cache then takes half the bytes of a float one, and
 /// attention over it accumulates in float (float queries over a 16-bit cache are a supported call).
 template <class T>
-class kv_cache {
+class kv_cache : private detail::cache_extent {
     static_assert(is_storage_type_v<T>,
                   "attend: kv_cache<T> is defined for float, double, Eigen::half and "
                   "Eigen::bfloat16");
 
+    static constexpr bool is_16bit = std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>;
+
 public:
-    /// An empty cache for `capacity` positions. Throws value_error `attend.value.size` if a size is < 1,
+    /// An empty cache for `config.capacity` positions. Throws value_error `attend.value.size` if a size is < 1,
     /// shape_error `attend.shape.overflow` if the storage size overflows Eigen::Index and resource_error
     /// `attend.resource.allocation` if the storage cannot be allocated.
-    kv_cache(index_t batch, index_t kv_heads, index_t capacity, index_t head_dim, index_t value_dim)
-        : batch_(batch), kv_heads_(kv_heads), capacity_(capacity), head_dim_(head_dim), value_dim_(value_dim) {
-        detail::check_cache_sizes({batch, kv_heads, capacity, head_dim, value_dim});
-        if (detail::product_overflows(batch, kv_heads, capacity, head_dim) ||
-            detail::product_overflows(batch, kv_heads, capacity, value_dim))
-            throw shape_error("attend.shape.overflow",
-                              detail::concat("kv_cache storage [", batch, ',', kv_heads, ',', capacity, ',',
-                                             std::max(head_dim, value_dim), "] overflows Eigen::Index"));
+    explicit kv_cache(const kv_cache_config& config) : cache_extent(config, "kv_cache") {
+        const index_t batch = batch_, kv_heads = kv_heads_, capacity = capacity_, head_dim = head_dim_,
+                      value_dim = value_dim_;
         detail::allocating(
             [&] {
                 keys_.assign(static_cast<std::size_t>(batch * kv_heads * capacity * head_dim), T(0));
@@ -122,30 +174,44 @@ public:
     index_t remaining() const { return capacity_ - length_; }
 
     /// Appends L positions: k_new `[batch, kv_heads, L, head_dim]`, v_new `[batch, kv_heads, L, value_dim]`
-    /// (attend::tensor, a TensorMap of one, or a strided_view such as split_heads of a projected buffer).
+    /// (attend::tensor, a TensorMap of one, or a strided_view such as split_heads of a projected buffer), of T or,
+    /// for a 16-bit cache, of float (rounded to T once, to nearest even, as a 16-bit module's projections are).
     /// Throws shape_error `attend.shape.cache` if a shape does not fit the cache, position_error
     /// `attend.position.cache_full` if length() + L > capacity(), shape_error `attend.shape.negative` if a size of
     /// k_new or v_new is negative, shape_error `attend.shape.aliasing` if k_new or
-    /// v_new lies in the cache's own storage (appending writes there while reading them); nothing is appended then.
+    /// v_new lies in the cache's own storage (appending writes there while reading them), and for float into a
+    /// 16-bit cache value_error `attend.value.non_finite` for NaN, inf or a value T rounds to inf (beyond fp16's
+    /// 65504); nothing is appended then.
     template <class K, class V>
     void append(const K& k_new, const V& v_new) {
-        static_assert(std::is_same_v<detail::scalar_of<K>, T> && std::is_same_v<detail::scalar_of<V>, T>,
-                      "attend: kv_cache<T>::append takes keys and values of scalar type T");
+        using In = detail::scalar_of<K>;
+        static_assert(std::is_same_v<detail::scalar_of<V>, In> &&
+                          (std::is_same_v<In, T> || (is_16bit && std::is_same_v<In, float>)),
+                      "attend: kv_cache<T>::append takes keys and values of scalar type T, or float for an "
+                      "Eigen::half or Eigen::bfloat16 cache (rounded once)");
         const auto k = detail::as_view(k_new);
         const auto v = detail::as_view(v_new);
         check_append(k, v);
+        if constexpr (!std::is_same_v<In, T>) {
+            detail::check_finite(k, "new keys");
+            detail::check_finite(v, "new values");
+            detail::check_rounds_finite<T>(k, "new keys");
+            detail::check_rounds_finite<T>(v, "new values");
+        }
         const index_t L = k.dims[2];
         for (index_t b = 0; b < batch_; ++b)
             for (index_t h = 0; h < kv_heads_; ++h)
                 for (index_t i = 0; i < L; ++i) {
-                    std::copy(k.row(b, h, i), k.row(b, h, i) + head_dim_, key_row(b, h, length_ + i));
-                    std::copy(v.row(b, h, i), v.row(b, h, i) + value_dim_, value_row(b, h, length_ + i));
+                    detail::narrow(k.row(b, h, i), head_dim_, key_row(b, h, length_ + i));
+                    detail::narrow(v.row(b, h, i), value_dim_, value_row(b, h, length_ + i));
                 }
         length_ += L;
     }
 
-    /// Throws what append(k_new, v_new) would throw for views of these shapes, and changes nothing.
-    void check_append(const strided_view<const T>& k, const strided_view<const T>& v) const {
+    /// Throws what append(k_new, v_new) would throw for views of these shapes (the shape, capacity and aliasing
+    /// checks), and changes nothing.
+    template <class In>
+    void check_append(const strided_view<const In>& k, const strided_view<const In>& v) const {
         detail::check_append_shapes(k, v, {batch_, kv_heads_, capacity_, head_dim_, value_dim_});
         check_fits(k.dims[2]);
         const std::array<index_t, 4> keys_dims{batch_, kv_heads_, capacity_, head_dim_};
@@ -195,7 +261,6 @@ private:
         return values_.data() + ((b * kv_heads_ + h) * capacity_ + i) * value_dim_;
     }
 
-    index_t batch_, kv_heads_, capacity_, head_dim_, value_dim_;
     index_t length_ = 0;
     std::vector<T> keys_;
     std::vector<T> values_;

@@ -483,11 +483,7 @@ inline sliding_window_rule sliding_window(index_t left, index_t right, diagonal 
 /// query's own included, so key j > i' - W) on diagonal `d`: sliding_window(W - 1, 0, d), without the off-by-one.
 /// Throws mask_error attend.mask.window_from_config for W <= 0.
 inline sliding_window_rule sliding_window_from_config(index_t window_keys, diagonal d) {
-    if (window_keys <= 0)
-        throw mask_error("attend.mask.window_from_config",
-                         detail::concat("sliding_window_from_config(", window_keys,
-                                        ") needs a window of at least 1 key (the query's own)"));
-    return sliding_window(window_keys - 1, 0, std::move(d));
+    return sliding_window(detail::window_left_from_config(window_keys), 0, std::move(d));
 }
 
 /// Prefix LM: every query sees the first prefix_len keys, and the rest causally (j <= i + offset as in causal).

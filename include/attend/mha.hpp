@@ -613,27 +613,25 @@ public:
         return p;
     }
 
-    /// An empty cache sized for this module: `[batch, kv_heads, capacity, head_dim]` keys and values, in the
-    /// module's type or, for a float module, in Eigen::half or Eigen::bfloat16 (`make_cache<Eigen::half>(...)`:
-    /// half the bytes; forward_cached rounds the new keys and values into it once).
+    /// An empty cache sized for this module: `[batch, kv_heads, capacity, head_dim]` keys and values stored as
+    /// Storage: the module's type; for a float module also Eigen::half or Eigen::bfloat16 (`make_cache<Eigen::half>`:
+    /// half the bytes; forward_cached rounds the new keys and values into it once); for a float, fp16 or bf16
+    /// module also q8_0_block or q4_0_block (an int8 / int4 quantized_kv_cache, head_dim a multiple of 32: value_error
+    /// `attend.value.quantized_dim` otherwise). One function for every storage, as paged_kv_cache<Storage> is one type.
     template <class Storage = T>
-    kv_cache<Storage> make_cache(index_t batch, index_t capacity) const {
-        detail::require_cache_storage<T, Storage>();
-        return kv_cache<Storage>(batch, config_.kv_heads, capacity, head_dim(), head_dim());
-    }
-
-    /// An empty int8 (q8_0) cache sized for this module, for forward_cached: a float, fp16 or bf16 module (its
-    /// queries read the cache, widened to float), and head_dim a multiple of 32 (value_error
-    /// `attend.value.quantized_dim` otherwise).
-    q8_kv_cache make_q8_cache(index_t batch, index_t capacity) const {
-        detail::require_quantized_cache<T>();
-        return q8_kv_cache(batch, config_.kv_heads, capacity, head_dim(), head_dim());
-    }
-
-    /// An empty int4 (q4_0) cache sized for this module, as make_q8_cache (q8_cache.hpp: its coarser bound).
-    q4_kv_cache make_q4_cache(index_t batch, index_t capacity) const {
-        detail::require_quantized_cache<T>();
-        return q4_kv_cache(batch, config_.kv_heads, capacity, head_dim(), head_dim());
+    auto make_cache(index_t batch, index_t capacity) const {
+        const auto sizes = kv_cache_config{}
+                               .with_batch(batch)
+                               .with_kv_heads(config_.kv_heads)
+                               .with_capacity(capacity)
+                               .with_head_dim(head_dim());
+        if constexpr (detail::is_quantized_block_v<Storage>) {
+            detail::require_quantized_cache<T>();
+            return quantized_kv_cache<Storage>(sizes);
+        } else {
+            detail::require_cache_storage<T, Storage>();
+            return kv_cache<Storage>(sizes);
+        }
     }
 
     /// Attention of query `[batch, query_len, model_dim]` over key `[batch, key_len, key_dim]` and value
@@ -692,7 +690,7 @@ public:
         return forward_cached(x, cache, no_mask{}, options);
     }
 
-    /// forward_cached over an int8 (q8_0) or int4 (q4_0) cache (make_q8_cache, make_q4_cache; float and 16-bit
+    /// forward_cached over an int8 (q8_0) or int4 (q4_0) cache (make_cache<q8_0_block>, make_cache<q4_0_block>; float and 16-bit
     /// modules): the new keys and values are quantized as they are appended, and the queries attend over what the
     /// cache holds (q8_cache.hpp's bounds). Throws what its append throws (value_error
     /// `attend.value.quantized_range` for a projected key or value beyond the cache's max_magnitude) before anything
@@ -807,7 +805,7 @@ private:
             const auto kv = cache.key_blocks(id), vv = cache.value_blocks(id);
             const attention_shape s = shape_of(t, kv.dims[2]);
             const auto call =
-                detail::check_call(qv, kv, vv, s, detail::cached_rule(cache.window(), kv.dims[2]), attention);
+                detail::check_call(qv, kv, vv, s, detail::cached_rule(cache.window_left(), kv.dims[2]), attention);
             if (t == 0) continue;
             detail::attention_outputs<T> out;
             out.out = split_heads(o.data(), 1, t, H, D);

@@ -26,10 +26,12 @@
 #include <sys/mman.h>
 #endif
 
+#include "alignment.hpp"
 #include "detail/input_scan.hpp"
 #include "detail/memory.hpp"
 #include "detail/paged_view.hpp"
 #include "detail/quantized_rows.hpp"
+#include "detail/widen.hpp"
 #include "error.hpp"
 #include "shape.hpp"
 #include "tensor.hpp"
@@ -66,10 +68,45 @@ struct paged_cache_config {
     index_t blocks = 0;         ///< blocks in the pool: 2 x blocks x kv_heads x block_size x dim scalars, all allocated
                                 ///< at construction
     index_t max_sequences = 1;  ///< sequence slots: ids 0 .. max_sequences - 1
-    /// > 0: a rolling window (Mistral, Gemma local layers): a query at position p sees positions p - window + 1 to
-    /// p, attention adds sliding_window(window - 1, 0), and each append hands back the blocks that only hold
-    /// positions no later query can see. 0: every position is kept.
-    index_t window = 0;
+    /// A rolling window (Mistral, Gemma local layers) in sliding_window's convention: a query at position p sees
+    /// positions p - window_left to p, attention adds sliding_window(window_left, 0, bottom_right), and each append
+    /// hands back the blocks that only hold positions no later query can see. unbounded (the default): every
+    /// position is kept. From a Hugging Face config's `sliding_window: W` (W keys, the query's own included) use
+    /// with_window_from_config(W), which sets W - 1.
+    index_t window_left = unbounded;
+
+    /// A copy with kv_heads set.
+    constexpr paged_cache_config with_kv_heads(index_t n) const { return with(&paged_cache_config::kv_heads, n); }
+    /// A copy with head_dim set.
+    constexpr paged_cache_config with_head_dim(index_t n) const { return with(&paged_cache_config::head_dim, n); }
+    /// A copy with value_dim set (0: head_dim).
+    constexpr paged_cache_config with_value_dim(index_t n) const { return with(&paged_cache_config::value_dim, n); }
+    /// A copy with block_size set.
+    constexpr paged_cache_config with_block_size(index_t n) const { return with(&paged_cache_config::block_size, n); }
+    /// A copy with the pool's block count set.
+    constexpr paged_cache_config with_blocks(index_t n) const { return with(&paged_cache_config::blocks, n); }
+    /// A copy with max_sequences set.
+    constexpr paged_cache_config with_max_sequences(index_t n) const {
+        return with(&paged_cache_config::max_sequences, n);
+    }
+    /// A copy with a rolling window of `left` positions before each query (sliding_window's left).
+    constexpr paged_cache_config with_window(index_t left) const {
+        return with(&paged_cache_config::window_left, left);
+    }
+    /// A copy with Hugging Face's `sliding_window: W` (W positions, the query's own included) as window_left
+    /// W - 1. Throws mask_error attend.mask.window_from_config for W <= 0.
+    paged_cache_config with_window_from_config(index_t sliding_window) const {
+        return with_window(detail::window_left_from_config(sliding_window));
+    }
+    /// Keys a query sees under the rolling window, itself included; 0 without a window.
+    constexpr index_t window_keys() const { return window_left == unbounded ? 0 : window_left + 1; }
+
+private:
+    constexpr paged_cache_config with(index_t paged_cache_config::*field, index_t value) const {
+        paged_cache_config c = *this;
+        c.*field = value;
+        return c;
+    }
 };
 
 template <class T>
@@ -104,6 +141,7 @@ class paged_kv_cache {
                   "attend: paged_kv_cache<T> is defined for float, double, Eigen::half, Eigen::bfloat16, q8_0_block "
                   "(int8) and q4_0_block (int4)");
     static constexpr bool quantized = detail::is_quantized_block_v<T>;
+    static constexpr bool is_16bit = std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>;
 
 public:
     /// An empty cache. Throws value_error `attend.value.size` if kv_heads, head_dim, block_size, blocks or
@@ -145,8 +183,10 @@ public:
     index_t value_dim() const { return c_.value_dim; }       ///< width of a cached value
     index_t block_size() const { return c_.block_size; }     ///< positions per block
     index_t blocks() const { return c_.blocks; }             ///< blocks in the pool
-    index_t window() const { return c_.window; }             ///< rolling window, 0: none
-    index_t free_blocks() const { return free_count_; }      ///< blocks no sequence holds
+    index_t window_left() const {
+        return c_.window_left;
+    }                                                    ///< rolling window, positions before a query; unbounded: none
+    index_t free_blocks() const { return free_count_; }  ///< blocks no sequence holds
     /// The block every dropped position maps to (rolling window): all zeros, never written, held by no one.
     index_t zero_block() const { return c_.blocks; }
     /// Bytes of key and value storage the pool holds (allocated once, at construction, the zero block included).
@@ -267,7 +307,8 @@ public:
 
     /// Appends new_tokens[n] positions to sequence ids[n] (ragged: each its own count): its first new_tokens[n]
     /// rows of k_new `[ids.size(), kv_heads, max new tokens, head_dim]` and v_new `[..., value_dim]`
-    /// (attend::tensor, TensorMap or strided_view), of T, or for a quantized pool of float, double, Eigen::half or
+    /// (attend::tensor, TensorMap or strided_view), of T, for a 16-bit pool also of float (rounded once, a value
+    /// rounding to inf is `attend.value.non_finite`), or for a quantized pool of float, double, Eigen::half or
     /// Eigen::bfloat16 (quantized as they are stored). With a rolling window, the blocks that hold only positions
     /// the first new token cannot see are handed back after the new blocks are taken. Throws value_error
     /// `attend.value.sequence`, shape_error `attend.shape.sequences` (list sizes, a count outside [0, max new
@@ -281,9 +322,11 @@ public:
                 const std::vector<index_t>& new_tokens) {
         using In = detail::scalar_of<K>;
         static_assert(std::is_same_v<detail::scalar_of<V>, In> &&
-                          (std::is_same_v<In, T> || (quantized && is_storage_type_v<In>)),
+                          (std::is_same_v<In, T> || (quantized && is_storage_type_v<In>) ||
+                           (is_16bit && std::is_same_v<In, float>)),
                       "attend: paged_kv_cache<T>::append takes keys and values of scalar type T (a quantized pool: "
-                      "float, double, Eigen::half or Eigen::bfloat16, one type for both)");
+                      "float, double, Eigen::half or Eigen::bfloat16; a 16-bit pool: also float, rounded once; one "
+                      "type for both)");
         const auto k = detail::as_view(k_new), v = detail::as_view(v_new);
         // Every allocation of the call (lists, messages) fails as a typed error; the cache changes only in commit.
         detail::allocating([&] { append_views(ids, k, v, new_tokens); },
@@ -308,13 +351,13 @@ public:
     /// query at position `position` of sequence `id` would see.
     void check_window(index_t id, index_t position) const {
         const sequence& s = checked(id);
-        if (c_.window == 0 || s.dropped_blocks == 0) return;
-        const index_t first_needed = position - c_.window + 1;
+        if (c_.window_keys() == 0 || s.dropped_blocks == 0) return;
+        const index_t first_needed = position - c_.window_left;
         if (first_needed < s.dropped_blocks * c_.block_size)
             throw position_error(
                 "attend.position.window",
                 detail::concat("a query at position ", position, " of sequence ", id, " sees positions from ",
-                               std::max<index_t>(0, first_needed), " (window ", c_.window,
+                               std::max<index_t>(0, first_needed), " (window_left ", c_.window_left,
                                "), but the rolling window has already dropped positions below ",
                                s.dropped_blocks * c_.block_size,
                                "; only the tokens of the last append can be rolled back or attended again"));
@@ -384,12 +427,12 @@ private:
     static paged_cache_config resolved(paged_cache_config c) {
         if (c.value_dim == 0) c.value_dim = c.head_dim;
         if (c.kv_heads < 1 || c.head_dim < 1 || c.value_dim < 1 || c.block_size < 1 || c.blocks < 1 ||
-            c.max_sequences < 1 || c.window < 0)
+            c.max_sequences < 1 || c.window_left < 0)
             throw value_error("attend.value.size",
-                              detail::concat("paged_kv_cache sizes must be >= 1 (window >= 0), got kv_heads ",
+                              detail::concat("paged_kv_cache sizes must be >= 1 (window_left >= 0), got kv_heads ",
                                              c.kv_heads, ", head_dim ", c.head_dim, ", value_dim ", c.value_dim,
                                              ", block_size ", c.block_size, ", blocks ", c.blocks, ", max_sequences ",
-                                             c.max_sequences, ", window ", c.window));
+                                             c.max_sequences, ", window_left ", c.window_left));
         if constexpr (quantized)
             if (c.head_dim % T::size != 0 || c.value_dim % T::size != 0)
                 throw value_error("attend.value.quantized_dim",
@@ -612,21 +655,25 @@ private:
     /// Throws value_error `attend.value.non_finite` for a NaN or +-inf in x, and into a quantized pool
     /// `attend.value.quantized_range` for a magnitude its blocks cannot hold.
     static void check_values(const strided_view<const In>& x, const char* name) {
-        if constexpr (is_quantized_block_v<T>) check_quantizable<T>(x, name);
-        else check_finite(x, name);
+        if constexpr (is_quantized_block_v<T>) {
+            check_quantizable<T>(x, name);
+        } else {
+            check_finite(x, name);
+            if constexpr (!std::is_same_v<In, T>) check_rounds_finite<T>(x, name);
+        }
     }
 
     /// Stores a new row of `dim` values: copied, or quantized into a quantized pool.
     static void store_row(const In* row, index_t dim, T* to) {
         if constexpr (is_quantized_block_v<T>) quantize_row(row, dim, to);
-        else std::copy(row, row + dim, to);
+        else narrow(row, dim, to);
     }
 
     /// Leading blocks, of a sequence of this length with this many blocks dropped, that hold only positions a
     /// token appended next cannot see.
     index_t droppable(index_t length, index_t dropped_blocks) const {
-        if (c_.window() == 0) return 0;
-        const index_t first_needed = length - c_.window() + 1;
+        if (c_.window_left() == unbounded) return 0;
+        const index_t first_needed = length - c_.window_left();
         return first_needed <= 0 ? 0 : first_needed / c_.block_size() - dropped_blocks;
     }
 

@@ -39,7 +39,7 @@ namespace attend {
 /// over it, and fp16 or bf16 ones (widened to float, the output rounded once):
 /// `scaled_dot_product_attention(q, cache.keys(), cache.values(), mask, options)`, and `_into`.
 template <class Block>
-class quantized_kv_cache {
+class quantized_kv_cache : private detail::cache_extent {
     static_assert(detail::is_quantized_block_v<Block>,
                   "attend: quantized_kv_cache<Block> takes q8_0_block or q4_0_block");
 
@@ -47,23 +47,18 @@ public:
     /// The largest |value| a block can hold: 127 (q8_0) or 8 (q4_0) x fp16's largest scale.
     static constexpr double max_magnitude = detail::block_format<Block>::max_magnitude;
 
-    /// An empty cache for `capacity` positions. Throws value_error `attend.value.size` if a size is < 1,
+    /// An empty cache for `config.capacity` positions. Throws value_error `attend.value.size` if a size is < 1,
     /// `attend.value.quantized_dim` if head_dim or value_dim is not a multiple of 32 (the block size), shape_error
     /// `attend.shape.overflow` if the storage size overflows Eigen::Index and resource_error
     /// `attend.resource.allocation` if it cannot be allocated.
-    quantized_kv_cache(index_t batch, index_t kv_heads, index_t capacity, index_t head_dim, index_t value_dim)
-        : batch_(batch), kv_heads_(kv_heads), capacity_(capacity), head_dim_(head_dim), value_dim_(value_dim) {
-        detail::check_cache_sizes({batch, kv_heads, capacity, head_dim, value_dim});
+    explicit quantized_kv_cache(const kv_cache_config& config) : cache_extent(config, "quantized_kv_cache") {
+        const index_t batch = batch_, kv_heads = kv_heads_, capacity = capacity_, head_dim = head_dim_,
+                      value_dim = value_dim_;
         if (head_dim % Block::size != 0 || value_dim % Block::size != 0)
             throw value_error("attend.value.quantized_dim",
                               detail::concat("an ", detail::block_format<Block>::name,
                                              " cache stores blocks of 32 values: head_dim ", head_dim,
                                              " and value_dim ", value_dim, " must be multiples of 32"));
-        if (detail::product_overflows(batch, kv_heads, capacity, head_dim) ||
-            detail::product_overflows(batch, kv_heads, capacity, value_dim))
-            throw shape_error("attend.shape.overflow",
-                              detail::concat("quantized_kv_cache storage [", batch, ',', kv_heads, ',', capacity, ',',
-                                             std::max(head_dim, value_dim), "] overflows Eigen::Index"));
         detail::allocating(
             [&] {
                 keys_.resize(static_cast<std::size_t>(batch * kv_heads * capacity * (head_dim / Block::size)));
@@ -164,7 +159,6 @@ private:
         return values_.data() + ((b * kv_heads_ + h) * capacity_ + i) * (value_dim_ / Block::size);
     }
 
-    index_t batch_, kv_heads_, capacity_, head_dim_, value_dim_;
     index_t length_ = 0;
     std::vector<Block> keys_;
     std::vector<Block> values_;

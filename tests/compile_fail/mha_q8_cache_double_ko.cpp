@@ -6,7 +6,7 @@
 
 auto attend_double_module_over_an_int8_cache() {
     const attend::multi_head_attention<double> m(attend::mha_config{64, 2});
-    attend::q8_kv_cache cache(1, 2, 4, 32, 32);
+    attend::q8_kv_cache cache(attend::kv_cache_config{}.with_kv_heads(2).with_capacity(4).with_head_dim(32));
     attend::tensor<double, 3> x(1, 1, 64);
     return m.forward_cached(x, cache);
 }

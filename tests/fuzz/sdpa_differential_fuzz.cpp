@@ -740,7 +740,12 @@ void check_quantized_cache(const attend::tensor<float, 4>& q, const attend::tens
         return p;
     };
     const attend::tensor<float, 4> qp = padded(q), kp = padded(k), vp = padded(v);
-    cache_type cache(k.dimension(0), k.dimension(1), k.dimension(2), kp.dimension(3), vp.dimension(3));
+    cache_type cache(attend::kv_cache_config{}
+                         .with_batch(k.dimension(0))
+                         .with_kv_heads(k.dimension(1))
+                         .with_capacity(k.dimension(2))
+                         .with_head_dim(kp.dimension(3))
+                         .with_value_dim(vp.dimension(3)));
     std::optional<std::string> refusal;  // the keys are checked first, each for finiteness first
     for (const auto* x : {&k, &v}) {
         const float* first = x->data();

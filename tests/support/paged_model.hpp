@@ -34,18 +34,18 @@ std::string describe(const Parts&... parts) {
     return text.str();
 }
 
-/// A paged cache's sizes in one line (value_dim = head_dim).
+/// A paged cache's sizes in one line (value_dim = head_dim); `window` > 0 is a config's sliding_window (W keys, the
+/// query's own included), 0 none.
 inline attend::paged_cache_config paged_config(attend::index_t kv_heads, attend::index_t head_dim,
                                                attend::index_t block_size, attend::index_t blocks,
                                                attend::index_t max_sequences = 1, attend::index_t window = 0) {
-    attend::paged_cache_config c;
-    c.kv_heads = kv_heads;
-    c.head_dim = head_dim;
-    c.block_size = block_size;
-    c.blocks = blocks;
-    c.max_sequences = max_sequences;
-    c.window = window;
-    return c;
+    const auto c = attend::paged_cache_config{}
+                       .with_kv_heads(kv_heads)
+                       .with_head_dim(head_dim)
+                       .with_block_size(block_size)
+                       .with_blocks(blocks)
+                       .with_max_sequences(max_sequences);
+    return window > 0 ? c.with_window_from_config(window) : c;
 }
 
 /// Everything a paged cache shows: free blocks, every block's reference count, and per sequence its length,
@@ -138,7 +138,12 @@ struct plain_caches {
     std::map<attend::index_t, plain_cache_t<Stored>> of;
 
     plain_cache_t<Stored>& add(attend::index_t id) {
-        return of.insert_or_assign(id, plain_cache_t<Stored>(1, kv_heads, capacity, head_dim, head_dim)).first->second;
+        return of
+            .insert_or_assign(
+                id,
+                plain_cache_t<Stored>(
+                    attend::kv_cache_config{}.with_kv_heads(kv_heads).with_capacity(capacity).with_head_dim(head_dim)))
+            .first->second;
     }
 };
 

@@ -35,8 +35,9 @@ attend::index_t quantized_as_by_hand(const attend::tensor<float, 4>& k, attend::
                                      const ByHand& by_hand) {
     using attend::index_t;
     const index_t rows = k.dimension(2), dim = k.dimension(3);
-    attend::quantized_kv_cache<Block> from_float(1, 1, rows, dim, dim), from_double(1, 1, rows, dim, dim),
-        from_bf16(1, 1, rows, dim, dim);
+    attend::quantized_kv_cache<Block> from_float(attend::kv_cache_config{}.with_capacity(rows).with_head_dim(dim)),
+        from_double(attend::kv_cache_config{}.with_capacity(rows).with_head_dim(dim)),
+        from_bf16(attend::kv_cache_config{}.with_capacity(rows).with_head_dim(dim));
     from_float.append(k, k);
     from_double.append(attend::tensor<double, 4>(k.cast<double>()), attend::tensor<double, 4>(k.cast<double>()));
     const attend::tensor<Eigen::bfloat16, 4> k16 = k.cast<Eigen::bfloat16>();

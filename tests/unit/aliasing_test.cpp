@@ -229,7 +229,7 @@ TEST(BackwardAliasing, InterleavedHeadsOfOneBufferCountAsOverlappingBecauseTheCh
 // ---- kv_cache ---------------------------------------------------------------------------------------------------
 
 TEST(KvCacheAliasing, AppendingTheCachesOwnKeysIsRejectedAndAppendsNothing) {
-    attend::kv_cache<float> cache(1, 2, 8, 4, 4);
+    attend::kv_cache<float> cache(attend::kv_cache_config{}.with_kv_heads(2).with_capacity(8).with_head_dim(4));
     const auto k = attend_test::random_tensor<float>(1, 1, 2, 3, 4);
     const auto v = attend_test::random_tensor<float>(2, 1, 2, 3, 4);
     cache.append(k, v);
@@ -244,7 +244,8 @@ TEST(KvCacheAliasing, AppendingTheCachesOwnKeysIsRejectedAndAppendsNothing) {
 }
 
 TEST(KvCacheAliasing, AppendingFromAnotherCacheIsAccepted) {
-    attend::kv_cache<float> a(1, 2, 8, 4, 4), b(1, 2, 8, 4, 4);
+    attend::kv_cache<float> a(attend::kv_cache_config{}.with_kv_heads(2).with_capacity(8).with_head_dim(4)),
+        b(attend::kv_cache_config{}.with_kv_heads(2).with_capacity(8).with_head_dim(4));
     const auto k = attend_test::random_tensor<float>(1, 1, 2, 3, 4);
     const auto v = attend_test::random_tensor<float>(2, 1, 2, 3, 4);
     a.append(k, v);

@@ -171,7 +171,10 @@ TEST(AllocationFailure, AKvCacheLargerThanAVectorCanHoldIsAResourceError) {
     // 2^62 positions of one float: within Eigen::Index, past std::vector's max_size, so the standard library
     // throws std::length_error before asking the allocator (this holds under every sanitizer and kernel policy).
     const std::string message = attend_test::expect_error<attend::resource_error>(
-        [] { attend::kv_cache<float> cache(1, 1, index_t(1) << 62, 1, 1); }, "attend.resource.allocation");
+        [] {
+            attend::kv_cache<float> cache(attend::kv_cache_config{}.with_capacity(index_t(1) << 62).with_head_dim(1));
+        },
+        "attend.resource.allocation");
     EXPECT_NE(
         message.find(
             "kv_cache storage (keys and values x batch x kv_heads x capacity x dim) [2,1,1,4611686018427387904,1]"),

@@ -59,7 +59,8 @@ tensor<T, 3> slice_tokens(const tensor<T, 3>& x, index_t begin, index_t len) {
 // kv_cache
 
 TEST(KvCache, AppendsIntoFixedStorageAndViewsStayValid) {
-    attend::kv_cache<double> c(2, 3, 7, 4, 5);
+    attend::kv_cache<double> c(
+        attend::kv_cache_config{}.with_batch(2).with_kv_heads(3).with_capacity(7).with_head_dim(4).with_value_dim(5));
     EXPECT_EQ(c.length(), 0);
     EXPECT_EQ(c.capacity(), 7);
     EXPECT_EQ(c.remaining(), 7);
@@ -104,7 +105,7 @@ TEST(KvCache, AppendsIntoFixedStorageAndViewsStayValid) {
 TEST(KvCache, AppendsStridedViewsOfAProjectedBuffer) {
     // The projected keys of 2 tokens [batch 1, len 2, kv_heads 2 * head_dim 3], heads read through split_heads.
     std::vector<float> projected{0, 1, 2, 10, 11, 12, 100, 101, 102, 110, 111, 112};
-    attend::kv_cache<float> c(1, 2, 4, 3, 3);
+    attend::kv_cache<float> c(attend::kv_cache_config{}.with_kv_heads(2).with_capacity(4).with_head_dim(3));
     const auto view = attend::split_heads(static_cast<const float*>(projected.data()), 1, 2, 2, 3);
     c.append(view, view);
     EXPECT_EQ(c.keys().row(0, 1, 0)[0], 10.f);   // head 1 of token 0
@@ -113,7 +114,7 @@ TEST(KvCache, AppendsStridedViewsOfAProjectedBuffer) {
 }
 
 TEST(KvCache, OverflowIsAPositionErrorAndAppendsNothing) {
-    attend::kv_cache<float> c(1, 2, 5, 3, 3);
+    attend::kv_cache<float> c(attend::kv_cache_config{}.with_kv_heads(2).with_capacity(5).with_head_dim(3));
     c.append(attend_test::random_tensor<float>(1, 1, 2, 4, 3), attend_test::random_tensor<float>(2, 1, 2, 4, 3));
     const auto before = snapshot(c);
     const auto msg = expect_error<attend::position_error>(
@@ -137,7 +138,8 @@ TEST(KvCache, OverflowIsAPositionErrorAndAppendsNothing) {
 }
 
 TEST(KvCache, ShapeErrorsAppendNothing) {
-    attend::kv_cache<double> c(2, 2, 6, 4, 3);
+    attend::kv_cache<double> c(
+        attend::kv_cache_config{}.with_batch(2).with_kv_heads(2).with_capacity(6).with_head_dim(4).with_value_dim(3));
     c.append(attend_test::random_tensor<double>(1, 2, 2, 1, 4), attend_test::random_tensor<double>(2, 2, 2, 1, 3));
     const auto before = snapshot(c);
     const auto k = attend_test::random_tensor<double>(3, 2, 2, 2, 4),
@@ -159,7 +161,7 @@ TEST(KvCache, ShapeErrorsAppendNothing) {
 }
 
 TEST(KvCache, TruncateForgetsTrailingPositionsAndRejectsGrowth) {
-    attend::kv_cache<float> cache(1, 1, 6, 2, 2);
+    attend::kv_cache<float> cache(attend::kv_cache_config{}.with_capacity(6).with_head_dim(2));
     attend::tensor<float, 4> kv(1, 1, 4, 2);
     for (index_t n = 0; n < kv.size(); ++n) kv.data()[n] = static_cast<float>(n);
     cache.append(kv, kv);
@@ -177,9 +179,18 @@ TEST(KvCache, TruncateForgetsTrailingPositionsAndRejectsGrowth) {
 }
 
 TEST(KvCache, SizesMustBePositive) {
-    expect_error<attend::value_error>([] { attend::kv_cache<float>(0, 1, 1, 1, 1); }, "attend.value.size");
-    expect_error<attend::value_error>([] { attend::kv_cache<float>(1, 1, 0, 1, 1); }, "attend.value.size");
-    expect_error<attend::value_error>([] { attend::kv_cache<float>(1, 1, 1, 1, -2); }, "attend.value.size");
+    expect_error<attend::value_error>(
+        [] {
+            attend::kv_cache<float>(
+                attend::kv_cache_config{}.with_batch(0).with_kv_heads(1).with_capacity(1).with_head_dim(1));
+        },
+        "attend.value.size");
+    expect_error<attend::value_error>(
+        [] { attend::kv_cache<float>(attend::kv_cache_config{}.with_capacity(0).with_head_dim(1)); },
+        "attend.value.size");
+    expect_error<attend::value_error>(
+        [] { attend::kv_cache<float>(attend::kv_cache_config{}.with_capacity(1).with_head_dim(1).with_value_dim(-2)); },
+        "attend.value.size");
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -330,7 +341,9 @@ TEST(ForwardCached, ErrorsLeaveTheCacheUnchanged) {
         [&] { m.forward_cached(attend_test::random_tensor<double>(7, 2, 1, 6), cache); }, "attend.shape.model_dim");
     EXPECT_TRUE(contains(msg, "[2,1,6]") && contains(msg, "[2,1,8]")) << msg;
     unchanged();
-    auto wrong = attend::kv_cache<double>(2, 2, 4, 4, 4);  // kv_heads 2, module has 1
+    auto wrong = attend::kv_cache<double>(
+        attend::kv_cache_config{}.with_batch(2).with_kv_heads(2).with_capacity(4).with_head_dim(
+            4));  // kv_heads 2, module has 1
     expect_error<attend::shape_error>([&] { m.forward_cached(slice_tokens(x, 0, 1), wrong); }, "attend.shape.cache");
     EXPECT_EQ(wrong.length(), 0);
     expect_error<attend::shape_error>([&] { m.forward_cached(attend_test::random_tensor<double>(7, 3, 1, 8), cache); },
@@ -421,9 +434,12 @@ void expect_cache_holds_stored_projections_read_as_floats(MakeCache&& make_cache
         d.module.forward_cached(slice_tokens(x, pos, n), exact, d.options);
         pos += n;
     }
-    attend::kv_cache<float> widened(batch, kv_heads, total, 32, 32);  // a float cache of the stored values
+    attend::kv_cache<float> widened(
+        attend::kv_cache_config{}.with_batch(batch).with_kv_heads(kv_heads).with_capacity(total).with_head_dim(
+            32));  // a float cache of the stored values
     if constexpr (std::is_same_v<Cache, attend::q8_kv_cache> || std::is_same_v<Cache, attend::q4_kv_cache>) {
-        Cache quantized(batch, kv_heads, total, 32, 32);
+        Cache quantized(
+            attend::kv_cache_config{}.with_batch(batch).with_kv_heads(kv_heads).with_capacity(total).with_head_dim(32));
         quantized.append(exact.keys(), exact.values());
         EXPECT_EQ(attend_test::state_of(stored), attend_test::state_of(quantized));
         widened.append(attend_test::dequantized(stored, true), attend_test::dequantized(stored, false));
@@ -459,13 +475,19 @@ void expect_cache_holds_stored_projections_read_as_floats(MakeCache&& make_cache
 
 TEST(ForwardCachedQ8, TheCacheHoldsTheQuantizedProjectionsAndQueriesReadItAsFloatsOfItsValues) {
     expect_cache_holds_stored_projections_read_as_floats<attend::q8_kv_cache>(
-        [](const auto& m, index_t batch, index_t capacity) { return m.make_q8_cache(batch, capacity); }, 31, 2e-2);
+        [](const auto& m, index_t batch, index_t capacity) {
+            return m.template make_cache<attend::q8_0_block>(batch, capacity);
+        },
+        31, 2e-2);
 }
 
 TEST(ForwardCachedQ4, TheCacheHoldsTheQuantizedProjectionsAndQueriesReadItAsFloatsOfItsValues) {
     // One int4 key and value in 32 positions is off by up to 3 / 16 of its block's largest magnitude.
     expect_cache_holds_stored_projections_read_as_floats<attend::q4_kv_cache>(
-        [](const auto& m, index_t batch, index_t capacity) { return m.make_q4_cache(batch, capacity); }, 33, 0.1);
+        [](const auto& m, index_t batch, index_t capacity) {
+            return m.template make_cache<attend::q4_0_block>(batch, capacity);
+        },
+        33, 0.1);
 }
 
 TEST(ForwardCached16, AFloatModulesSixteenBitCacheHoldsTheProjectionsRoundedOnceAndIsReadAsFloats) {
@@ -503,7 +525,7 @@ TEST(ForwardCached16, AProjectionBeyondFp16IsRefusedBeforeTheCacheChanges) {
 TEST(ForwardCachedQ8, ErrorsLeaveTheCacheUnchanged) {
     const q8_decoder d(41);
     const auto x = attend_test::random_tensor<float>(42, 2, 3, d.config.model_dim);
-    auto cache = d.module.make_q8_cache(2, 4);
+    auto cache = d.module.make_cache<attend::q8_0_block>(2, 4);
     d.module.forward_cached(slice_tokens(x, 0, 2), cache, d.options);
     const auto before = attend_test::state_of(cache);
     // Projections beyond what a q8_0 block holds (127 x 65504) are refused before anything is appended.
@@ -515,13 +537,15 @@ TEST(ForwardCachedQ8, ErrorsLeaveTheCacheUnchanged) {
     expect_error<attend::position_error>([&] { d.module.forward_cached(x, cache, d.options); },
                                          "attend.position.cache_full");
     EXPECT_EQ(attend_test::state_of(cache), before);
-    attend::q8_kv_cache wrong(2, 4, 4, 32, 32);  // kv_heads 4, the module has 2
+    attend::q8_kv_cache wrong(attend::kv_cache_config{}.with_batch(2).with_kv_heads(4).with_capacity(4).with_head_dim(
+        32));  // kv_heads 4, the module has 2
     expect_error<attend::shape_error>([&] { d.module.forward_cached(slice_tokens(x, 0, 1), wrong, d.options); },
                                       "attend.shape.cache");
     EXPECT_EQ(wrong.length(), 0);
     // head_dim 16 is half a block.
     const attend::multi_head_attention<float> narrow({64, 4}, 3);
-    expect_error<attend::value_error>([&] { narrow.make_q8_cache(1, 4); }, "attend.value.quantized_dim");
+    expect_error<attend::value_error>([&] { narrow.make_cache<attend::q8_0_block>(1, 4); },
+                                      "attend.value.quantized_dim");
     // And the cache still works afterwards.
     EXPECT_NO_THROW(d.module.forward_cached(slice_tokens(x, 2, 1), cache, d.options));
     EXPECT_EQ(cache.length(), 3);

@@ -85,7 +85,7 @@ TEST(HostileSizes, AttentionViewsWithAnyHostileSizeThrowTypedErrorsBeforeReading
 TEST(HostileSizes, SplitHeadsOfANegativeLengthIsRejectedByEveryConsumer) {
     std::vector<float> buf(64, 1.0f);
     const auto negative = attend::split_heads(static_cast<const float*>(buf.data()), 1, -1, 1, 4);
-    attend::kv_cache<float> cache(1, 1, 8, 4, 4);
+    attend::kv_cache<float> cache(attend::kv_cache_config{}.with_capacity(8).with_head_dim(4));
     attend_test::expect_error<attend::shape_error>([&] { cache.append(negative, negative); }, "attend.shape.negative");
     EXPECT_EQ(cache.length(), 0);
     // The next valid append still lands at position 0.
@@ -105,9 +105,16 @@ TEST(HostileSizes, CacheConstructionWithHostileSizesThrowsTypedErrors) {
         for (int axis = 0; axis < 5; ++axis) {
             std::array<index_t, 5> sizes{1, 1, 4, 4, 4};
             sizes[static_cast<std::size_t>(axis)] = n;
-            const auto id =
-                typed_or_ok([&] { attend::kv_cache<float> c(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]); },
-                            "kv_cache axis " + std::to_string(axis) + " = " + std::to_string(n));
+            const auto id = typed_or_ok(
+                [&] {
+                    attend::kv_cache<float> c(attend::kv_cache_config{}
+                                                  .with_batch(sizes[0])
+                                                  .with_kv_heads(sizes[1])
+                                                  .with_capacity(sizes[2])
+                                                  .with_head_dim(sizes[3])
+                                                  .with_value_dim(sizes[4]));
+                },
+                "kv_cache axis " + std::to_string(axis) + " = " + std::to_string(n));
             EXPECT_FALSE(id.empty());
         }
 }

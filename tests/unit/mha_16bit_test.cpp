@@ -129,7 +129,7 @@ TYPED_TEST(Mha16, DecodingOverAnInt8CacheStoresTheModulesProjectionsQuantizedAnd
     const auto x = random3<T>(5, B, L, 128);
     const attend::mha_options o = rotary_options(32);
     auto own = m.make_cache(B, L);
-    auto int8 = m.make_q8_cache(B, L);
+    auto int8 = m.template make_cache<attend::q8_0_block>(B, L);
     double worst = 0;
     for (index_t i = 0; i < L; ++i) {
         const attend::tensor<T, 3> token = x.slice(std::array<index_t, 3>{0, i, 0}, std::array<index_t, 3>{B, 1, 128});
@@ -138,7 +138,8 @@ TYPED_TEST(Mha16, DecodingOverAnInt8CacheStoresTheModulesProjectionsQuantizedAnd
         const attend::tensor<double, 3> near_out = near.out.template cast<float>().template cast<double>();
         worst = std::max(worst, worst_row_error(got.out, near_out));
     }
-    attend::q8_kv_cache quantized(B, 2, L, 32, 32);
+    attend::q8_kv_cache quantized(
+        attend::kv_cache_config{}.with_batch(B).with_kv_heads(2).with_capacity(L).with_head_dim(32));
     quantized.append(own.keys(), own.values());
     EXPECT_EQ(attend_test::state_of(int8), attend_test::state_of(quantized));
     EXPECT_GT(worst, 0.0);       // the int8 cache really was read

@@ -143,7 +143,7 @@ TEST(PagedCache, LongSequencesTakeTheSplitKeyDecodePathAndStayBitIdentical) {
     attend_test::fill_uniform(k, 5);
     attend_test::fill_uniform(v, 6);
     attend_test::fill_uniform(q, 9);
-    attend::kv_cache<float> plain(1, 2, 2600, 32, 32);
+    attend::kv_cache<float> plain(attend::kv_cache_config{}.with_kv_heads(2).with_capacity(2600).with_head_dim(32));
     plain.append(k, v);
     for (index_t block_size : {16, 64, 48})
         for (bool interleaved : {false, true}) {
@@ -261,6 +261,28 @@ TEST(PagedCache, AForkCopiesBlockNumbersNotKeysAndAWriteCopiesOnlyTheSharedTailB
     EXPECT_EQ(attend_test::consistency_problem(c), "");
 }
 
+TEST(PagedCache, TheRollingWindowCountsKeysBeforeTheQueryAsSlidingWindowDoes) {
+    // window_left is sliding_window's left: with_window(3) is a config's sliding_window: 4, and window_left 0
+    // leaves each query its own position only.
+    const auto base = attend_test::paged_config(1, 4, 4, 16);
+    EXPECT_EQ(base.window_left, attend::unbounded);
+    EXPECT_EQ(base.with_window(3).window_left, base.with_window_from_config(4).window_left);
+    EXPECT_EQ(base.with_window_from_config(4).window_keys(), 4);
+    attend_test::expect_error<attend::mask_error>([&] { (void)base.with_window_from_config(0); },
+                                                  "attend.mask.window_from_config");
+    attend::paged_kv_cache<double> own(base.with_window(0));
+    const index_t id = own.add_sequence();
+    tensor<double, 4> k(1, 1, 1, 4), v(1, 1, 1, 4), q(1, 1, 1, 4);
+    q.setConstant(1.0);
+    for (index_t p = 0; p < 6; ++p) {
+        k.setConstant(static_cast<double>(p % 3));
+        v.setConstant(static_cast<double>(10 * p));
+        own.append(id, k, v);
+        const auto r = attend::paged_attention(q, own, {id}, {1});
+        EXPECT_EQ(r.out(0, 0, 0, 0), 10.0 * static_cast<double>(p)) << "position " << p;
+    }
+}
+
 TEST(PagedCache, ARollingWindowHoldsABoundedNumberOfBlocks) {
     // 7 blocks of 16: 112 positions for a sequence that reaches 1000 with a window of 64.
     const auto cfg = attend_test::paged_config(1, 4, 16, 7, 1, 64);
@@ -354,7 +376,7 @@ TEST(PagedCacheQ8, ValuesOfEveryStorageTypeAreQuantizedAsAnInt8CacheQuantizesThe
     const auto check = [](auto type) {
         using T = decltype(type);
         attend::paged_kv_cache<attend::q8_0_block> pool(attend_test::paged_config(2, 64, 4, 8, 2));
-        attend::q8_kv_cache plain(1, 2, 16, 64, 64);
+        attend::q8_kv_cache plain(attend::kv_cache_config{}.with_kv_heads(2).with_capacity(16).with_head_dim(64));
         tensor<T, 4> k(1, 2, 7, 64), v(1, 2, 7, 64);
         attend_test::fill_uniform(k, 5);
         attend_test::fill_uniform(v, 6);
@@ -460,7 +482,7 @@ TEST(PagedCacheErrors, BadSizesAreValueErrors) {
                         +[](attend::paged_cache_config& c) { c.block_size = 0; },
                         +[](attend::paged_cache_config& c) { c.head_dim = 0; },
                         +[](attend::paged_cache_config& c) { c.max_sequences = 0; },
-                        +[](attend::paged_cache_config& c) { c.window = -1; }}) {
+                        +[](attend::paged_cache_config& c) { c.window_left = -1; }}) {
         auto cfg = error_fixture::make();
         change(cfg);
         expect_error<attend::value_error>([&] { attend::paged_kv_cache<float> c(cfg); }, "attend.value.size");
@@ -690,8 +712,9 @@ void expect_ragged_batching_equals_each_sequence_alone() {
     attend::paged_kv_cache<S> cache(pc);
     std::map<index_t, attend_test::plain_cache_t<S>> alone;
     const auto make_alone = [&] {
-        if constexpr (std::is_same_v<S, attend::q8_0_block>) return m.make_q8_cache(1, 256);
-        else if constexpr (std::is_same_v<S, attend::q4_0_block>) return m.make_q4_cache(1, 256);
+        if constexpr (std::is_same_v<S, attend::q8_0_block>) return m.template make_cache<attend::q8_0_block>(1, 256);
+        else if constexpr (std::is_same_v<S, attend::q4_0_block>)
+            return m.template make_cache<attend::q4_0_block>(1, 256);
         else return m.template make_cache<S>(1, 256);
     };
     attend_test::rng g(3);

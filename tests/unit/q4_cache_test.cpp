@@ -47,7 +47,7 @@ attend::tensor<float, 4> random_rows(std::uint64_t seed, index_t b, index_t h, i
 
 TEST(Q4Cache, BlocksAreGgmlsQ4_0Bytes) {
     static_assert(sizeof(q4_0_block) == 18 && offsetof(q4_0_block, nibbles) == 2, "ggml's block_q4_0");
-    attend::q4_kv_cache cache(1, 1, 1, 32, 32);
+    attend::q4_kv_cache cache(attend::kv_cache_config{}.with_capacity(1).with_head_dim(32));
     attend::tensor<float, 4> k(1, 1, 1, 32);
     for (index_t j = 0; j < 32; ++j) k(0, 0, 0, j) = static_cast<float>(j % 16 - 8) * 0.25f;  // -2 .. 1.75, twice
     k(0, 0, 0, 20) = -2.0f;  // the first value of largest magnitude is k[0] = -2: d = -2 / -8 = 0.25
@@ -62,7 +62,7 @@ TEST(Q4Cache, BlocksAreGgmlsQ4_0Bytes) {
 
 TEST(Q4Cache, EveryValueIsWithinTheDocumentedBoundOfWhatWasAppended) {
     const index_t D = 96, G = 3, S = 60;
-    attend::q4_kv_cache cache(1, G, S, D, D);
+    attend::q4_kv_cache cache(attend::kv_cache_config{}.with_kv_heads(G).with_capacity(S).with_head_dim(D));
     auto k = random_rows(3, 1, G, S, D);
     for (index_t d = 32; d < 64; ++d) k(0, 2, 9, d) = d == 40 ? -1e-7f : 0.0f;    // |m| below 2^-22: zeros
     for (index_t d = 0; d < 32; ++d) k(0, 1, 4, d) = d % 2 == 0 ? 1.0f : -0.99f;  // many clamped: 7.92 d
@@ -147,7 +147,8 @@ TEST(Q4Cache, QuantizingInPacketsGivesTheBytesOfAValueAtATimeRoundingHalfUp) {
 
 TEST(Q4Cache, AttentionOverTheCacheIsFloatAttentionOverTheValuesItHolds) {
     const index_t B = 2, G = 2, H = 8, D = 64, S = 3000;
-    attend::q4_kv_cache cache(B, G, S, D, D);
+    attend::q4_kv_cache cache(
+        attend::kv_cache_config{}.with_batch(B).with_kv_heads(G).with_capacity(S).with_head_dim(D));
     cache.append(random_rows(1, B, G, S, D), random_rows(2, B, G, S, D));
     const auto keys = dequantized(cache, true), values = dequantized(cache, false);
     attend::paged_cache_config pc;
@@ -194,17 +195,25 @@ TEST(Q4Cache, AttentionOverTheCacheIsFloatAttentionOverTheValuesItHolds) {
 }
 
 TEST(Q4Cache, TakesEighteenBytesFor32ValuesAFloatCache128) {
-    const attend::kv_cache<float> f(2, 4, 1000, 128, 64);
-    const attend::q4_kv_cache q(2, 4, 1000, 128, 64);
+    const auto sizes =
+        attend::kv_cache_config{}.with_batch(2).with_kv_heads(4).with_capacity(1000).with_head_dim(128).with_value_dim(
+            64);
+    const attend::kv_cache<float> f(sizes);
+    const attend::q4_kv_cache q(sizes);
     EXPECT_EQ(q.storage_bytes() * 128, f.storage_bytes() * 18);
 }
 
 TEST(Q4Cache, EveryBadAppendIsRefusedBeforeAnythingChanges) {
     using attend_test::expect_error;
-    const std::string dim_message =
-        expect_error<attend::value_error>([] { attend::q4_kv_cache(1, 2, 8, 48, 64); }, "attend.value.quantized_dim");
+    const std::string dim_message = expect_error<attend::value_error>(
+        [] {
+            attend::q4_kv_cache(
+                attend::kv_cache_config{}.with_kv_heads(2).with_capacity(8).with_head_dim(48).with_value_dim(64));
+        },
+        "attend.value.quantized_dim");
     EXPECT_NE(dim_message.find("int4 (q4_0)"), std::string::npos) << dim_message;
-    attend::q4_kv_cache cache(1, 2, 8, 32, 64);
+    attend::q4_kv_cache cache(
+        attend::kv_cache_config{}.with_kv_heads(2).with_capacity(8).with_head_dim(32).with_value_dim(64));
     cache.append(random_rows(7, 1, 2, 3, 32), random_rows(8, 1, 2, 3, 64));
     const auto before = state_of(cache);
     const auto k = random_rows(9, 1, 2, 2, 32), v = random_rows(10, 1, 2, 2, 64);

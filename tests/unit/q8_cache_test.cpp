@@ -43,7 +43,8 @@ attend::tensor<float, 4> random_rows(std::uint64_t seed, index_t b, index_t h, i
 
 TEST(Q8Cache, AttentionOverTheCacheIsFloatAttentionOverItsDequantizedValues) {
     const index_t B = 2, G = 2, H = 8, D = 64;
-    attend::q8_kv_cache cache(B, G, 6000, D, D);
+    attend::q8_kv_cache cache(
+        attend::kv_cache_config{}.with_batch(B).with_kv_heads(G).with_capacity(6000).with_head_dim(D));
     cache.append(random_rows(1, B, G, 5000, D), random_rows(2, B, G, 5000, D));
     const auto keys = dequantized(cache, true), values = dequantized(cache, false);
     const auto mask = attend::causal(attend::alignment::bottom_right);
@@ -73,7 +74,7 @@ TEST(Q8Cache, SixteenBitQueriesGiveTheFloatQueriesResultOfTheirValuesRoundedOnce
     // call's arithmetic, and the output is rounded once; lse is the float call's. Over a q8_kv_cache and over an int8
     // paged pool holding the same blocks, for the decode, GEMV and block paths.
     const index_t G = 2, H = 4, D = 64, S = 2500;
-    attend::q8_kv_cache cache(1, G, S, D, D);
+    attend::q8_kv_cache cache(attend::kv_cache_config{}.with_kv_heads(G).with_capacity(S).with_head_dim(D));
     const auto k = random_rows(3, 1, G, S, D), v = random_rows(4, 1, G, S, D);
     cache.append(k, v);
     attend::paged_cache_config pc;
@@ -114,7 +115,7 @@ TEST(Q8Cache, SixteenBitQueriesGiveTheFloatQueriesResultOfTheirValuesRoundedOnce
 
 TEST(Q8Cache, EveryValueIsWithinHalfItsBlockScaleOfWhatWasAppended) {
     const index_t D = 96;
-    attend::q8_kv_cache cache(1, 3, 50, D, D);
+    attend::q8_kv_cache cache(attend::kv_cache_config{}.with_kv_heads(3).with_capacity(50).with_head_dim(D));
     auto k = random_rows(3, 1, 3, 50, D);
     k(0, 1, 7, 40) = 1e-9f;  // a block of tiny and zero values: stored as zeros
     for (index_t d = 32; d < 64; ++d) k(0, 2, 9, d) = d == 40 ? 1e-9f : 0.0f;
@@ -155,7 +156,7 @@ TEST(Q8Cache, BlocksWithAnFp16SubnormalScaleHoldEveryValueWithinHalfAStep) {
         for (index_t j = 0; j < 32; ++j)
             k(0, 0, n, j) = amax * (j == 0 ? 1.0f : static_cast<float>((j * 37) % 64 - 32) / 32.0f);
     }
-    attend::q8_kv_cache cache(1, 1, blocks, 32, 32);
+    attend::q8_kv_cache cache(attend::kv_cache_config{}.with_capacity(blocks).with_head_dim(32));
     cache.append(k, k);
     index_t raised = 0;  // blocks whose scale rounded to nearest would have clamped their largest value
     for (index_t n = 0; n < blocks; ++n) {
@@ -177,7 +178,7 @@ TEST(Q8Cache, BlocksWithAnFp16SubnormalScaleHoldEveryValueWithinHalfAStep) {
 TEST(Q8Cache, BlocksAreGgmlsQ8_0Bytes) {
     EXPECT_EQ(sizeof(q8_0_block), 34u);
     EXPECT_EQ(offsetof(q8_0_block, values), 2u);  // ggml_half d, then int8_t qs[32]
-    attend::q8_kv_cache cache(1, 1, 4, 32, 32);
+    attend::q8_kv_cache cache(attend::kv_cache_config{}.with_capacity(4).with_head_dim(32));
     attend::tensor<float, 4> k(1, 1, 1, 32), v(1, 1, 1, 32);
     for (index_t j = 0; j < 32; ++j) {
         k(0, 0, 0, j) = 0.5f * static_cast<float>(j) - 3.0f;  // -3 .. 12.5: amax 12.5
@@ -230,13 +231,18 @@ TEST(Q8Cache, QuantizingInPacketsGivesTheBytesOfAValueAtATimeRoundingHalfAwayFro
 }
 
 TEST(Q8Cache, TakesAboutAQuarterOfAFloatCachesBytes) {
-    const attend::kv_cache<float> f(2, 4, 1000, 128, 64);
-    const attend::q8_kv_cache q(2, 4, 1000, 128, 64);
+    const auto sizes =
+        attend::kv_cache_config{}.with_batch(2).with_kv_heads(4).with_capacity(1000).with_head_dim(128).with_value_dim(
+            64);
+    const attend::kv_cache<float> f(sizes);
+    const attend::q8_kv_cache q(sizes);
     EXPECT_EQ(q.storage_bytes() * 128, f.storage_bytes() * 34);
 }
 
 TEST(Q8Cache, SixteenBitInputsQuantizeAsTheirFloatValues) {
-    attend::q8_kv_cache from_float(1, 2, 10, 64, 32), from_bf16(1, 2, 10, 64, 32);
+    attend::q8_kv_cache from_float(
+        attend::kv_cache_config{}.with_kv_heads(2).with_capacity(10).with_head_dim(64).with_value_dim(32)),
+        from_bf16(attend::kv_cache_config{}.with_kv_heads(2).with_capacity(10).with_head_dim(64).with_value_dim(32));
     const attend::tensor<Eigen::bfloat16, 4> k = random_rows(5, 1, 2, 10, 64).cast<Eigen::bfloat16>();
     const attend::tensor<Eigen::bfloat16, 4> v = random_rows(6, 1, 2, 10, 32).cast<Eigen::bfloat16>();
     from_bf16.append(k, v);
@@ -252,7 +258,8 @@ TEST(Q8Cache, SixteenBitInputsQuantizeAsTheirFloatValues) {
 // before anything is written (the decode path, whose pass notes the keys, and the reference kernel).
 TEST(Q8Cache, ScoresThatCanOverflowAreRejectedAsOverAFloatCacheAndBoundedOnesNeedNoScan) {
     const index_t B = 1, G = 2, H = 8, D = 64, S = 3000;
-    attend::q8_kv_cache cache(B, G, S, D, D);
+    attend::q8_kv_cache cache(
+        attend::kv_cache_config{}.with_batch(B).with_kv_heads(G).with_capacity(S).with_head_dim(D));
     auto k = random_rows(21, B, G, S, D);
     for (index_t d = 0; d < D; ++d) k(0, 1, 2500, d) = 8e6f;  // 64 x 1e31 x 8e6 / 8 = 6.4e38: beyond half of float's
     cache.append(k, random_rows(22, B, G, S, D));
@@ -290,7 +297,8 @@ TEST(Q8Cache, ScoresThatCanOverflowAreRejectedAsOverAFloatCacheAndBoundedOnesNee
 }
 
 TEST(Q8Cache, ShapeErrorsNameItsViewsWithTheirBlocks) {
-    attend::q8_kv_cache cache(1, 2, 8, 64, 32);
+    attend::q8_kv_cache cache(
+        attend::kv_cache_config{}.with_kv_heads(2).with_capacity(8).with_head_dim(64).with_value_dim(32));
     cache.append(random_rows(31, 1, 2, 5, 64), random_rows(32, 1, 2, 5, 32));
     attend::tensor<float, 4> q(1, 4, 1, 32), out(1, 4, 1, 32);
     q.setConstant(0.5f);
@@ -304,10 +312,23 @@ TEST(Q8Cache, ShapeErrorsNameItsViewsWithTheirBlocks) {
 
 TEST(Q8Cache, EveryBadAppendIsRefusedBeforeAnythingChanges) {
     using attend_test::expect_error;
-    expect_error<attend::value_error>([] { attend::q8_kv_cache(1, 2, 8, 48, 64); }, "attend.value.quantized_dim");
-    expect_error<attend::value_error>([] { attend::q8_kv_cache(1, 2, 8, 64, 40); }, "attend.value.quantized_dim");
-    expect_error<attend::value_error>([] { attend::q8_kv_cache(1, 0, 8, 64, 64); }, "attend.value.size");
-    attend::q8_kv_cache cache(1, 2, 8, 32, 64);
+    expect_error<attend::value_error>(
+        [] {
+            attend::q8_kv_cache(
+                attend::kv_cache_config{}.with_kv_heads(2).with_capacity(8).with_head_dim(48).with_value_dim(64));
+        },
+        "attend.value.quantized_dim");
+    expect_error<attend::value_error>(
+        [] {
+            attend::q8_kv_cache(
+                attend::kv_cache_config{}.with_kv_heads(2).with_capacity(8).with_head_dim(64).with_value_dim(40));
+        },
+        "attend.value.quantized_dim");
+    expect_error<attend::value_error>(
+        [] { attend::q8_kv_cache(attend::kv_cache_config{}.with_kv_heads(0).with_capacity(8).with_head_dim(64)); },
+        "attend.value.size");
+    attend::q8_kv_cache cache(
+        attend::kv_cache_config{}.with_kv_heads(2).with_capacity(8).with_head_dim(32).with_value_dim(64));
     cache.append(random_rows(7, 1, 2, 3, 32), random_rows(8, 1, 2, 3, 64));
     const auto before = state_of(cache);
     const auto k = random_rows(9, 1, 2, 2, 32), v = random_rows(10, 1, 2, 2, 64);
@@ -335,7 +356,8 @@ TEST(Q8Cache, EveryBadAppendIsRefusedBeforeAnythingChanges) {
     k64(0, 1, 0, 31) = std::nextafter(attend::q8_kv_cache::max_magnitude, 1e300);  // just past the bound
     expect_error<attend::value_error>([&] { cache.append(k64, v64); }, "attend.value.quantized_range");
     k64(0, 1, 0, 31) = attend::q8_kv_cache::max_magnitude;  // the bound itself fits
-    attend::q8_kv_cache roomy(1, 2, 8, 32, 64);
+    attend::q8_kv_cache roomy(
+        attend::kv_cache_config{}.with_kv_heads(2).with_capacity(8).with_head_dim(32).with_value_dim(64));
     roomy.append(k64, v64);
     expect_error<attend::shape_error>([&] { cache.append(v, v); }, "attend.shape.cache");
     expect_error<attend::position_error>(

@@ -201,8 +201,10 @@ TEST(Storage16Mixed, FloatQueriesOverSixteenBitKeysEqualFloatKeysHoldingTheSameV
 
 TEST(Storage16Mixed, DecodingOverASixteenBitCacheEqualsAFloatCacheOfTheSameValues) {
     const index_t B = 2, G = 2, H = 8, D = 64, prompt = 3000;
-    attend::kv_cache<bf16> cache16(B, G, 4096, D, D);
-    attend::kv_cache<float> cache32(B, G, 4096, D, D);
+    attend::kv_cache<bf16> cache16(
+        attend::kv_cache_config{}.with_batch(B).with_kv_heads(G).with_capacity(4096).with_head_dim(D));
+    attend::kv_cache<float> cache32(
+        attend::kv_cache_config{}.with_batch(B).with_kv_heads(G).with_capacity(4096).with_head_dim(D));
     const auto k = random16<bf16>(51, B, G, prompt, D), v = random16<bf16>(52, B, G, prompt, D);
     cache16.append(k, v);
     cache32.append(widen(k), widen(v));
@@ -216,6 +218,57 @@ TEST(Storage16Mixed, DecodingOverASixteenBitCacheEqualsAFloatCacheOfTheSameValue
         const auto want = attend::scaled_dot_product_attention(q, cache32.keys(), cache32.values());
         EXPECT_TRUE(bit_equal(got.out, want.out)) << "step " << step;
     }
+}
+
+/// Float keys and values appended to a 16-bit cache (contiguous and paged) are stored as the same values rounded
+/// first and appended as T, bit for bit; NaN, inf and a float T rounds to inf are refused before anything changes.
+template <class T>
+void expect_float_appends_round_once(std::uint64_t seed) {
+    const index_t G = 2, L = 5, D = 32;
+    const auto k = attend_test::random_tensor<float>(seed, 1, G, L, D);
+    const auto v = attend_test::random_tensor<float>(seed + 1, 1, G, L, D);
+    const attend::tensor<T, 4> k16 = k.template cast<T>(), v16 = v.template cast<T>();
+    const auto same_rows = [&](const auto& a, const auto& b) {
+        for (index_t h = 0; h < G; ++h)
+            for (index_t i = 0; i < L; ++i)
+                if (std::memcmp(a(h, i), b(h, i), static_cast<std::size_t>(D) * sizeof(T)) != 0) return false;
+        return true;
+    };
+    const auto config = attend::kv_cache_config{}.with_kv_heads(G).with_capacity(2 * L).with_head_dim(D);
+    attend::kv_cache<T> from_float(config), from_rounded(config);
+    from_float.append(k, v);
+    from_rounded.append(k16, v16);
+    EXPECT_TRUE(same_rows([&](index_t h, index_t i) { return from_float.keys().row(0, h, i); },
+                          [&](index_t h, index_t i) { return from_rounded.keys().row(0, h, i); }));
+    EXPECT_TRUE(same_rows([&](index_t h, index_t i) { return from_float.values().row(0, h, i); },
+                          [&](index_t h, index_t i) { return from_rounded.values().row(0, h, i); }));
+    const auto paged_config = attend::paged_cache_config{}.with_kv_heads(G).with_head_dim(D).with_blocks(4);
+    attend::paged_kv_cache<T> paged_float(paged_config), paged_rounded(paged_config);
+    const index_t a = paged_float.add_sequence(), b = paged_rounded.add_sequence();
+    paged_float.append(a, k, v);
+    paged_rounded.append(b, k16, v16);
+    EXPECT_TRUE(same_rows([&](index_t h, index_t i) { return paged_float.key_row(a, h, i); },
+                          [&](index_t h, index_t i) { return paged_rounded.key_row(b, h, i); }));
+    EXPECT_TRUE(same_rows([&](index_t h, index_t i) { return paged_float.value_row(a, h, i); },
+                          [&](index_t h, index_t i) { return paged_rounded.value_row(b, h, i); }));
+    // Beyond the 16-bit type's range (fp16: 65504; bf16: float's largest value rounds up to inf), NaN and inf.
+    const float too_large = std::is_same_v<T, Eigen::half> ? 1e5f : std::numeric_limits<float>::max();
+    for (const float bad :
+         {too_large, -too_large, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+        attend::tensor<float, 4> hostile = v;
+        hostile(0, 1, 3, 7) = bad;
+        attend_test::expect_error<attend::value_error>([&] { from_float.append(k, hostile); },
+                                                       "attend.value.non_finite");
+        attend_test::expect_error<attend::value_error>([&] { paged_float.append(a, hostile, v); },
+                                                       "attend.value.non_finite");
+        EXPECT_EQ(from_float.length(), L);
+        EXPECT_EQ(paged_float.length(a), L);
+    }
+}
+
+TEST(Storage16Mixed, FloatAppendsIntoASixteenBitCacheAreRoundedOnceOrRefusedWhenTheyWouldBeInfinite) {
+    expect_float_appends_round_once<half>(71);
+    expect_float_appends_round_once<bf16>(72);
 }
 
 template <class T>
@@ -256,10 +309,13 @@ TEST(Storage16Mixed, APagedSixteenBitCacheEqualsAPagedFloatCacheOfTheSameValues)
 }
 
 TEST(Storage16Mixed, ASixteenBitCacheTakesHalfTheBytesOfAFloatOne) {
-    const attend::kv_cache<float> f(2, 4, 1000, 64, 32);
-    const attend::kv_cache<double> d(2, 4, 1000, 64, 32);
-    const attend::kv_cache<half> h(2, 4, 1000, 64, 32);
-    const attend::kv_cache<bf16> b(2, 4, 1000, 64, 32);
+    const auto sizes =
+        attend::kv_cache_config{}.with_batch(2).with_kv_heads(4).with_capacity(1000).with_head_dim(64).with_value_dim(
+            32);
+    const attend::kv_cache<float> f(sizes);
+    const attend::kv_cache<double> d(sizes);
+    const attend::kv_cache<half> h(sizes);
+    const attend::kv_cache<bf16> b(sizes);
     EXPECT_EQ(f.storage_bytes(), std::size_t{2 * 4 * 1000 * (64 + 32) * 4});
     EXPECT_EQ(d.storage_bytes(), 2 * f.storage_bytes());
     EXPECT_EQ(h.storage_bytes(), f.storage_bytes() / 2);

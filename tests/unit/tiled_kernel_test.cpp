@@ -822,7 +822,7 @@ TEST(TiledKernel, ScratchFullOfNanChangesNoBit) {
     expect_sdpa_scratch_full_of_nan_changes_no_bit<double>(130, 300, false, 1);
     // An int8 cache (its rows widened into the stage) and a paged cache whose sequence's blocks alternate with
     // another's (slices that cross a block edge are copied into the stage).
-    attend::q8_kv_cache q8(1, 2, 700, 64, 64);
+    attend::q8_kv_cache q8(attend::kv_cache_config{}.with_kv_heads(2).with_capacity(700).with_head_dim(64));
     q8.append(attend_test::random_tensor<float>(54, 1, 2, 700, 64),
               attend_test::random_tensor<float>(55, 1, 2, 700, 64));
     attend::paged_kv_cache<float> paged(attend_test::paged_config(2, 64, 48, 40, 2));

@@ -110,6 +110,23 @@ void check_finite(const View& x, const char* name, int threads = 1) {
     if constexpr (!quantized_rows_v<View>) check_finite_values(x, name, threads);
 }
 
+/// Throws value_error attend.value.non_finite for a finite float of x (a strided view) that Stored (fp16, bf16)
+/// rounds to +-inf: appended into a 16-bit cache it would be stored as inf. x is finite (checked before).
+template <class Stored>
+void check_rounds_finite(const strided_view<const float>& x, const char* name) {
+    for (index_t b = 0; b < x.dims[0]; ++b)
+        for (index_t h = 0; h < x.dims[1]; ++h)
+            for (index_t i = 0; i < x.dims[2]; ++i) {
+                const float* row = x.row(b, h, i);
+                for (index_t d = 0; d < x.dims[3]; ++d)
+                    if (!std::isfinite(static_cast<float>(static_cast<Stored>(row[d]))))
+                        throw value_error("attend.value.non_finite",
+                                          concat(name, " hold ", row[d], " at [", b, ',', h, ',', i, ',', d,
+                                                 "], beyond the range of the cache's 16-bit type: it would be "
+                                                 "stored as inf (scale the values, or keep a float cache)"));
+            }
+}
+
 /// The largest |x_d| and an upper bound of the largest row sum of |x_d| of one (batch, head) of a view. The same
 /// pass is check_finite's for q and k: a non-finite element throws attend.value.non_finite naming it.
 struct row_magnitudes {
