@@ -158,8 +158,8 @@ void packed_8x512(benchmark::State& state) {
     problem<float> p(8, 8, len, len, 64);
     std::vector<index_t> offsets;
     for (index_t n = 0; n <= packed_segments_count; ++n) offsets.push_back(n * packed_segment_len);
-    run_tiled(state, p, attend::packed_segments(offsets, offsets), static_cast<int>(state.range(0)),
-              attend_bench::attention_flops(1, 8, len, packed_segment_len, 64));
+    run_tiled(state, p, attend::packed_segments(attend::segment_offsets(offsets), attend::segment_offsets(offsets)),
+              static_cast<int>(state.range(0)), attend_bench::attention_flops(1, 8, len, packed_segment_len, 64));
 }
 
 /// The same packing as a dense block-diagonal allowed_mask `[4096, 4096]` (what packing costs without the rule).

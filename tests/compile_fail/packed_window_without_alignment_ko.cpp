@@ -3,4 +3,6 @@
 // expect-error: no matching function for call to
 #include <attend/mask.hpp>
 
-attend::packed_segments_rule packed() { return attend::packed_segments({0, 3}, {0, 5}).window(2, 0); }
+attend::packed_segments_rule packed() {
+    return attend::packed_segments(attend::segment_offsets({0, 3}), attend::segment_offsets({0, 5})).window(2, 0);
+}

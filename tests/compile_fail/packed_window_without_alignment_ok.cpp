@@ -3,5 +3,6 @@
 #include <attend/mask.hpp>
 
 attend::packed_segments_rule packed() {
-    return attend::packed_segments({0, 3}, {0, 5}).window(2, 0, attend::alignment::bottom_right);
+    return attend::packed_segments(attend::segment_offsets({0, 3}), attend::segment_offsets({0, 5}))
+        .window(2, 0, attend::alignment::bottom_right);
 }

@@ -355,7 +355,7 @@ private:
             return index_t{-1};
         };
         return leaf<runtime_allowed>(
-            attend::block_diagonal(sequences),
+            attend::block_diagonal(attend::segment_lengths(sequences)),
             [sequence_of](const attention_shape&) {
                 return boolean_meaning(
                     [sequence_of](index_t, index_t, index_t i, index_t j) { return sequence_of(i) == sequence_of(j); });
@@ -381,7 +381,8 @@ private:
         const int band = in_.choose(4);  // none, causal, window, window with the right side open
         const attend::alignment a = in_.chance(128) ? attend::alignment::top_left : attend::alignment::bottom_right;
         const index_t left = in_.in_range(0, 4), right = in_.in_range(0, 3);
-        auto rule = attend::packed_segments(qo, ko).with_lengths(ql, kl);
+        auto rule =
+            attend::packed_segments(attend::segment_offsets(qo), attend::segment_offsets(ko)).with_lengths(ql, kl);
         if (band == 1) rule = rule.causal(a);
         if (band >= 2) rule = rule.window(left, right, a);
         // Query i's segment n: qo[n] <= i < qo[n] + ql[n]; it sees keys ko[n] + j' with j' < kl[n] in its band.

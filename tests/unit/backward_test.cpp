@@ -414,7 +414,7 @@ void with_mask(const config& c, F&& f) {
                 blocks.push_back(n);
                 left -= n;
             }
-            return f(attend::block_diagonal(blocks));
+            return f(attend::block_diagonal(attend::segment_lengths(blocks)));
         }
         case 12: return f(window() || dense_allowed());
         case 13: return f(!dense_allowed());

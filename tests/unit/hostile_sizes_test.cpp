@@ -163,12 +163,14 @@ TEST(HostileSizes, BlockDiagonalLengthsSummingPastTheIndexRangeAreAMaskError) {
     v.setConstant(0.3f);
     attend_test::expect_error<attend::mask_error>(
         [&] {
-            (void)attend::scaled_dot_product_attention(q, k, v, attend::block_diagonal({most, most, 2}));
+            (void)attend::scaled_dot_product_attention(
+                q, k, v, attend::block_diagonal(attend::segment_lengths({most, most, 2})));
         },
         "attend.mask.block_lengths");
     attend_test::expect_error<attend::mask_error>(
         [&] {
-            (void)attend::scaled_dot_product_attention(q, k, v, attend::block_diagonal({2, most - 1, 2}));
+            (void)attend::scaled_dot_product_attention(
+                q, k, v, attend::block_diagonal(attend::segment_lengths({2, most - 1, 2})));
         },
         "attend.mask.block_lengths");
 }
@@ -216,8 +218,12 @@ TEST(HostileSizes, MaskRulesWithHostileLengthsThrowTypedErrors) {
                                                            o);
             },
             "prefix_lm " + s);
-        typed_or_ok([&] { (void)attend::scaled_dot_product_attention(q, k, v, attend::block_diagonal({n}), o); },
-                    "block_diagonal " + s);
+        typed_or_ok(
+            [&] {
+                (void)attend::scaled_dot_product_attention(q, k, v,
+                                                           attend::block_diagonal(attend::segment_lengths({n})), o);
+            },
+            "block_diagonal " + s);
     }
 }
 

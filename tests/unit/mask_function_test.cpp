@@ -79,7 +79,8 @@ TEST(MaskFunctionBackward, DocumentMaskingAsAFunctionEqualsPackedSegmentsForward
         return document[static_cast<std::size_t>(i)] == document[static_cast<std::size_t>(j)];
     });
     const auto as_function = attend::causal(alignment::top_left) && same_document;
-    const auto packed = attend::packed_segments(offsets, offsets).causal(alignment::top_left);
+    const auto packed = attend::packed_segments(attend::segment_offsets(offsets), attend::segment_offsets(offsets))
+                            .causal(alignment::top_left);
     const attend::score_shape shape{1, 1, 200, 200};
     EXPECT_EQ(attend::to_string(as_function, shape), attend::to_string(packed, shape));
     const auto q = attend_test::random_tensor<double>(4, 1, 2, 200, 8),
@@ -108,8 +109,11 @@ TEST(MaskFunctionGolden, DocumentMaskingAsAFunctionAndAsPackedSegmentsMatchesFle
     });
     const char* name = "flex_mask_mod_documents_causal";
     attend_test::expect_score_feature_golden(name, attend::causal(alignment::top_left) && same_document, {});
-    attend_test::expect_score_feature_golden(
-        name, attend::packed_segments({0, 3, 7, 10}, {0, 3, 7, 10}).causal(alignment::top_left), {});
+    attend_test::expect_score_feature_golden(name,
+                                             attend::packed_segments(attend::segment_offsets({0, 3, 7, 10}),
+                                                                     attend::segment_offsets({0, 3, 7, 10}))
+                                                 .causal(alignment::top_left),
+                                             {});
 }
 
 TEST(MaskFunctionTiles, AnExactBlockRuleKeepsTheKernelFromTestingSkippedAndFullTiles) {

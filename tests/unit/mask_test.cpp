@@ -178,7 +178,7 @@ TEST(mask, block_diagonal_keeps_packed_sequences_apart) {
         const auto total = static_cast<index_t>(sequence_of.size());
         if (total == 0) continue;
         const attend::score_shape s{g.uniform_int(1, 2), g.uniform_int(1, 2), total, total};
-        const auto rule = attend::block_diagonal(lengths);
+        const auto rule = attend::block_diagonal(attend::segment_lengths(lengths));
         expect_materializes_to(rule, s, [&](index_t, index_t, index_t i, index_t j) {
             return sequence_of[static_cast<std::size_t>(i)] == sequence_of[static_cast<std::size_t>(j)];
         });
@@ -387,8 +387,8 @@ TEST(mask, first_empty_row_equals_a_scan_of_every_row) {
                                     g.uniform_int(1, 300)};
         const auto align = g.bernoulli(0.5) ? attend::alignment::top_left : attend::alignment::bottom_right;
         const index_t segments = g.uniform_int(1, 6);
-        const auto packed =
-            attend::packed_segments(random_offsets(g, segments, s.query_len), random_offsets(g, segments, s.key_len));
+        const auto packed = attend::packed_segments(attend::segment_offsets(random_offsets(g, segments, s.query_len)),
+                                                    attend::segment_offsets(random_offsets(g, segments, s.key_len)));
         expect_first_empty_row_of_scan(packed, s);
         expect_first_empty_row_of_scan(packed.causal(align), s);
         expect_first_empty_row_of_scan(packed.window(g.uniform_int(0, 40), g.uniform_int(0, 3), align), s);
@@ -462,13 +462,43 @@ TEST(mask_errors, structured_rule_parameters_are_checked) {
         (void)attend::materialize(attend::prefix_lm(5, attend::alignment::top_left), {1, 1, 3, 4});
     });
     expect_mask_error("attend.mask.block_lengths", [] {
-        (void)attend::materialize(attend::block_diagonal({2, 1}), {1, 1, 4, 4});
+        (void)attend::materialize(attend::block_diagonal(attend::segment_lengths({2, 1})), {1, 1, 4, 4});
     });
     expect_mask_error("attend.mask.block_lengths", [] {
-        (void)attend::materialize(attend::block_diagonal({2, -1, 3}), {1, 1, 4, 4});
+        (void)attend::materialize(attend::block_diagonal(attend::segment_lengths({2, -1, 3})), {1, 1, 4, 4});
     });
     expect_mask_error("attend.mask.block_lengths", [] {
-        (void)attend::materialize(attend::block_diagonal({2, 2}), {1, 1, 4, 5});
+        (void)attend::materialize(attend::block_diagonal(attend::segment_lengths({2, 2})), {1, 1, 4, 5});
+    });
+}
+
+TEST(mask_packed, lengths_and_offsets_name_the_same_segments_in_both_packed_forms) {
+    const attend::score_shape s{1, 1, 9, 9};
+    const auto by_lengths = attend::materialize(attend::block_diagonal(attend::segment_lengths({2, 3, 4})), s);
+    const auto by_offsets = attend::materialize(attend::block_diagonal(attend::segment_offsets({0, 2, 5, 9})), s);
+    const auto packed_lengths = attend::materialize(
+        attend::packed_segments(attend::segment_lengths({2, 3, 4}), attend::segment_lengths({2, 3, 4})), s);
+    const auto packed_offsets = attend::materialize(
+        attend::packed_segments(attend::segment_offsets({0, 2, 5, 9}), attend::segment_offsets({0, 2, 5, 9})), s);
+    for (index_t i = 0; i < 9; ++i)
+        for (index_t j = 0; j < 9; ++j) {
+            const bool same_segment = (i < 2) == (j < 2) && (i < 5) == (j < 5);
+            EXPECT_EQ(by_lengths(0, 0, i, j), same_segment) << i << ',' << j;
+            EXPECT_EQ(by_offsets(0, 0, i, j), same_segment) << i << ',' << j;
+            EXPECT_EQ(packed_lengths(0, 0, i, j), same_segment) << i << ',' << j;
+            EXPECT_EQ(packed_offsets(0, 0, i, j), same_segment) << i << ',' << j;
+        }
+    // Offsets that do not start at 0 or descend, and negative lengths, are refused when bound.
+    for (const auto& bad : {std::vector<index_t>{1, 9}, std::vector<index_t>{0, 5, 2, 9}, std::vector<index_t>{}})
+        expect_mask_error("attend.mask.block_lengths",
+                          [&] { (void)attend::materialize(attend::block_diagonal(attend::segment_offsets(bad)), s); });
+    expect_mask_error("attend.mask.segments", [&] {
+        (void)attend::materialize(
+            attend::packed_segments(attend::segment_lengths({2, -1, 8}), attend::segment_lengths({9})), s);
+    });
+    expect_mask_error("attend.mask.segments", [&] {
+        (void)attend::materialize(
+            attend::packed_segments(attend::segment_lengths({4}), attend::segment_lengths({attend::unbounded, 1})), s);
     });
 }
 

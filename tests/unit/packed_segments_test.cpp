@@ -54,7 +54,8 @@ struct packed_case {
         v = attend_test::random_tensor<T>(seed + 3, batch, kv_heads, key_len, dim);
     }
     attend::packed_segments_rule packed() const {
-        return attend::packed_segments(query_offsets, key_offsets).with_lengths(query_lengths, key_lengths);
+        return attend::packed_segments(attend::segment_offsets(query_offsets), attend::segment_offsets(key_offsets))
+            .with_lengths(query_lengths, key_lengths);
     }
 };
 
@@ -263,7 +264,9 @@ TEST(PackedSegmentsTiles, ClassifierIsExactForEmptyAndFullAndSkipsCrossSegmentTi
     s.batch = s.heads = s.kv_heads = 1;
     s.query_len = s.key_len = 4096;
     s.head_dim = s.value_dim = 64;
-    const auto bound = attend::packed_segments(offsets, offsets).causal(alignment::top_left).bind(s);
+    const auto bound = attend::packed_segments(attend::segment_offsets(offsets), attend::segment_offsets(offsets))
+                           .causal(alignment::top_left)
+                           .bind(s);
     EXPECT_EQ(bound.classify({0, 0, 512, 640, 0, 512}), attend::tile_class::empty);
     EXPECT_EQ(bound.classify({0, 0, 640, 768, 512, 640}), attend::tile_class::full);
     EXPECT_EQ(bound.classify({0, 0, 512, 640, 512, 640}), attend::tile_class::mixed);
@@ -280,12 +283,17 @@ TEST(PackedSegmentsErrors, OffsetsAndLengthsThatDoNotDescribeSegmentsAreRejected
         EXPECT_TRUE(std::all_of(out.data(), out.data() + out.size(), [](float x) { return x == 42.0f; }));
     };
     const auto qo = c.query_offsets, ko = c.key_offsets;
-    rejects(attend::packed_segments({0}, {0}), "no segment");
-    rejects(attend::packed_segments(qo, {0, 1}), "different segment counts");
-    rejects(attend::packed_segments({1, qo.back()}, {0, ko.back()}), "offsets not from 0");
-    rejects(attend::packed_segments({0, 3, 2, qo.back()}, ko), "decreasing offsets");
-    rejects(attend::packed_segments({0, c.query_len + 1}, {0, 1}), "past query_len");
-    rejects(attend::packed_segments({0, 1}, {0, c.key_len + 1}), "past key_len");
+    rejects(attend::packed_segments(attend::segment_offsets({0}), attend::segment_offsets({0})), "no segment");
+    rejects(attend::packed_segments(attend::segment_offsets(qo), attend::segment_offsets({0, 1})),
+            "different segment counts");
+    rejects(attend::packed_segments(attend::segment_offsets({1, qo.back()}), attend::segment_offsets({0, ko.back()})),
+            "offsets not from 0");
+    rejects(attend::packed_segments(attend::segment_offsets({0, 3, 2, qo.back()}), attend::segment_offsets(ko)),
+            "decreasing offsets");
+    rejects(attend::packed_segments(attend::segment_offsets({0, c.query_len + 1}), attend::segment_offsets({0, 1})),
+            "past query_len");
+    rejects(attend::packed_segments(attend::segment_offsets({0, 1}), attend::segment_offsets({0, c.key_len + 1})),
+            "past key_len");
     rejects(c.packed().with_lengths({1, 1}, c.key_lengths), "lengths for two of three segments");
     rejects(c.packed().with_lengths({-1, 0, 0}, c.key_lengths), "negative length");
     rejects(c.packed().with_lengths(c.query_lengths, {ko[1] - ko[0] + 1, 1, 1}), "length past its slot");

@@ -125,8 +125,9 @@ TEST(ScoreModCombined, TiledEqualsReferenceWithSoftcapSinksAlibiPackedSegmentsGq
     o.score_bias = attend::score_bias::alibi(attend::alibi_slopes(H), attend::alignment::top_left);
     o.dropout = {0.1, 4, true};
     o.need_weights = true;
-    const auto mask =
-        attend::packed_segments({0, 100, 270, 300}, {0, 100, 270, 300}).window(60, 0, attend::alignment::top_left);
+    const auto mask = attend::packed_segments(attend::segment_offsets({0, 100, 270, 300}),
+                                              attend::segment_offsets({0, 100, 270, 300}))
+                          .window(60, 0, attend::alignment::top_left);
     attend_test::expect_kernels_agree(attend_test::run_every_kernel(q, k, v, d_out, mask, o));
 }
 

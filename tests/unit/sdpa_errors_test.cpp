@@ -368,13 +368,13 @@ TEST(SdpaErrors, PrefixLongerThanKeysOrNegativeIsMaskPrefixLen) {
 
 TEST(SdpaErrors, BlockDiagonalLengthsNotMatchingTheSequenceIsMaskBlockLengths) {
     const auto x = make(1, 2, 2, 5, 5, 3, 3);
-    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::block_diagonal({2, 2}), {},
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::block_diagonal(attend::segment_lengths({2, 2})), {},
                                           "attend.mask.block_lengths", {"sum to 4", "query_len is 5", "key_len is 5"});
-    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::block_diagonal({3, -1, 3}), {},
-                                          "attend.mask.block_lengths", {"-1"});
+    expect_call_error<attend::mask_error>(x.q, x.k, x.v, attend::block_diagonal(attend::segment_lengths({3, -1, 3})),
+                                          {}, "attend.mask.block_lengths", {"-1"});
     const auto y = make(1, 2, 2, 4, 5, 3, 3);  // packed sequences need query_len == key_len
-    expect_call_error<attend::mask_error>(y.q, y.k, y.v, attend::block_diagonal({4}), {}, "attend.mask.block_lengths",
-                                          {"query_len is 4", "key_len is 5"});
+    expect_call_error<attend::mask_error>(y.q, y.k, y.v, attend::block_diagonal(attend::segment_lengths({4})), {},
+                                          "attend.mask.block_lengths", {"query_len is 4", "key_len is 5"});
 }
 
 TEST(SdpaErrors, QueryWithoutAllowedKeyIsMaskEmptyRow) {

@@ -352,7 +352,9 @@ void compare_random_mask(attend_test::rng& g, config& c, const inputs<T>& in, ta
         case 9:
             return run("query_padding && causal",
                        attend::query_padding(lengths(g, c.batch, c.query_len)) && attend::causal(any_diagonal(g, c)));
-        case 10: return run("block_diagonal", attend::block_diagonal(block_lengths(g, c.query_len)));
+        case 10:
+            return run("block_diagonal",
+                       attend::block_diagonal(attend::segment_lengths(block_lengths(g, c.query_len))));
         case 11:
             return run("causal && key_padding",
                        attend::causal(any_diagonal(g, c)) && attend::key_padding(lengths(g, c.batch, c.key_len)));
