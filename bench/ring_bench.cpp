@@ -63,7 +63,8 @@ void overlap(index_t tokens, index_t dim, index_t heads, index_t repeats, int ra
     const auto k = random_tensor<T>(100 + static_cast<std::uint64_t>(rank), 1, heads, tokens, dim);
     const auto v = random_tensor<T>(200 + static_cast<std::uint64_t>(rank), 1, heads, tokens, dim);
     const attend::tensor<attend::accumulator_t<T>, 4> q_wide = q.template cast<attend::accumulator_t<T>>();
-    ad::ring_options ro;  // threads = 1: one rank per core
+    ad::ring_options ro;
+    ro.threads = 1;  // one rank per core
     attend::sdpa_options so;
     so.threads = 1;
     so.need_lse = true;

@@ -168,7 +168,7 @@ struct mha_options {
     std::optional<double> scale;    ///< default 1 / sqrt(head_dim), as nn.MultiheadAttention
     std::optional<double> softcap;  ///< logit soft-capping of the scaled scores, as sdpa_options::softcap
     score_function score_mod;       ///< a user's score modifier, as sdpa_options::score_mod
-    int threads = 0;                ///< attention kernel threads, 0 = hardware concurrency
+    int threads = 0;  ///< attention kernel threads, 0 = std::thread::hardware_concurrency() (logical CPUs)
     attend::kernel kernel = attend::kernel::automatic;  ///< which attention kernel runs
     bool check_finite = true;  ///< reject NaN / Inf in the inputs and projections (value_error)
 };

@@ -240,6 +240,33 @@ TEST(RingAttention, ResultsAreBitIdenticalWhateverTheTimingOfTheRanks) {
     }
 }
 
+TEST(RingAttention, ThreadsDefaultToThisRanksShareOfTheNodesLogicalCpusAndGiveTheSameBits) {
+    // Every rank of these tests runs on one machine: the default is its logical CPUs over the ranks, at least 1.
+    const int rank = mpi_rank(), share = std::max(1, attend::detail::hardware_threads() / mpi_size());
+    const index_t total = 8 * mpi_size();
+    attend::tensor<double, 4> q(1, 2, total, 8), k(1, 2, total, 8), v(1, 2, total, 8), d_out(1, 2, total, 8);
+    attend_test::fill_uniform(q, 51);
+    attend_test::fill_uniform(k, 52);
+    attend_test::fill_uniform(v, 53);
+    attend_test::fill_uniform(d_out, 54);
+    const ad::shard_layout layout(ad::sharding::contiguous,
+                                  std::vector<index_t>(static_cast<std::size_t>(mpi_size()), 8));
+    const auto qs = ad::take_shard(q, layout, rank), ks = ad::take_shard(k, layout, rank),
+               vs = ad::take_shard(v, layout, rank), ds = ad::take_shard(d_out, layout, rank);
+    const auto mask = attend::causal(attend::alignment::top_left);
+    const auto by_default = ad::ring_attention(qs, ks, vs, mask, MPI_COMM_WORLD);
+    EXPECT_EQ(by_default.statistics.threads, share);
+    ad::ring_options three;
+    three.threads = 3;
+    const auto with_three = ad::ring_attention(qs, ks, vs, mask, MPI_COMM_WORLD, three);
+    EXPECT_EQ(with_three.statistics.threads, 3);
+    EXPECT_TRUE(
+        std::equal(by_default.out.data(), by_default.out.data() + by_default.out.size(), with_three.out.data()));
+    const auto grads =
+        ad::ring_attention_backward(qs, ks, vs, mask, by_default.out, by_default.lse, ds, MPI_COMM_WORLD);
+    EXPECT_EQ(grads.statistics.threads, share);
+}
+
 TEST(RingAttention, AShardTheMaskHidesFromEveryLaterRankIsNeitherSentNorComputed) {
     const int rank = mpi_rank(), ranks = mpi_size();
     const index_t shard_len = 10, total = shard_len * ranks;

@@ -51,15 +51,19 @@ struct ring_options {
     std::optional<double> softcap;  ///< logit soft-capping of the scaled scores, as sdpa_options::softcap
     attend::empty_rows empty_rows = attend::empty_rows::error;  ///< judged on the full sequence, not per block
     dropout_options dropout;  ///< offsets, if any, are added to the global positions of the shards
-    int threads = 1;          ///< threads of each rank's kernel calls; 1 suits one rank per core
+    /// Threads of each rank's kernel calls; 0 (the default, as sdpa_options) is this rank's share of the node's
+    /// logical CPUs: std::thread::hardware_concurrency() divided by the ranks on this node (MPI_COMM_TYPE_SHARED),
+    /// at least 1, so N ranks on one machine do not start N x all of its threads. Results do not depend on it.
+    int threads = 0;
     attend::kernel kernel = attend::kernel::automatic;  ///< of each block call
     bool check_finite = true;                           ///< reject NaN / Inf in every shard (agreed across ranks)
     sharding layout = sharding::contiguous;             ///< how the shard lengths of the ranks map onto the sequence
 };
 
-/// What one rank did in one call. Everything but compute_seconds is deterministic (a function of shapes, mask and
-/// layout only).
+/// What one rank did in one call. Everything but threads and compute_seconds is deterministic (a function of
+/// shapes, mask and layout only).
 struct ring_statistics {
+    int threads = 0;              ///< threads each block computation ran with (ring_options::threads resolved)
     index_t blocks_computed = 0;  ///< (query run, key run) blocks computed on this rank
     index_t blocks_skipped = 0;   ///< blocks the mask leaves empty, neither computed nor (when no later rank needs
                                   ///< the shard) received
@@ -212,6 +216,7 @@ void compute_while_progressing(F& compute, std::initializer_list<request_set*> t
 struct ring_geometry {
     int rank = 0;
     int ranks = 1;
+    int node_ranks = 1;  ///< ranks of comm on this rank's node (shared memory), this one included
     index_t batch = 0, heads = 0, kv_heads = 0, head_dim = 0, value_dim = 0;
     shard_layout queries{sharding::contiguous, {0}};
     shard_layout keys{sharding::contiguous, {0}};
@@ -279,6 +284,12 @@ ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm com
     ring_geometry g;
     MPI_Comm_rank(comm, &g.rank);
     MPI_Comm_size(comm, &g.ranks);
+    MPI_Comm node = MPI_COMM_NULL;
+    MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, g.rank, MPI_INFO_NULL, &node);
+    if (node != MPI_COMM_NULL) {
+        MPI_Comm_size(node, &g.node_ranks);
+        MPI_Comm_free(&node);
+    }
     rank_summary mine;
     const auto error = capture_errors([&] {
         // A rank may hold no keys (ragged shards); check_shapes would reject key_len 0, which only the whole
@@ -467,6 +478,12 @@ void round_run(const tensor<A, 4>& part, D* dest, index_t len, const shard_segme
 
 /// The options of one block call: the ring's, evaluated with empty rows allowed (a row empty in one block may
 /// have keys in another; the ring judges empty rows on the whole sequence) and dropout at global positions.
+/// ring_options::threads resolved on this rank: as given, or for 0 this rank's share of its node's logical CPUs.
+inline int ring_threads(const ring_options& o, const ring_geometry& g) {
+    if (o.threads != 0) return o.threads;  // a negative count reaches the block call's check
+    return std::max(1, attend::detail::hardware_threads() / std::max(1, g.node_ranks));
+}
+
 inline sdpa_options block_options(const ring_options& o, const shard_segment& queries, const shard_segment& keys,
                                   bool need_lse) {
     sdpa_options s;
@@ -574,8 +591,11 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
     const MPI_Comm comm = own.get();
     const auto noop = [](const attention_shape&) {};
     const detail::ring_geometry g = detail::agree_on_geometry(q, k, v, comm, options, noop);
+    ring_options run_options = options;
+    run_options.threads = detail::ring_threads(options, g);
 
     ring_attention_result<T> result;
+    result.statistics.threads = run_options.threads;
     const index_t query_len = g.queries.shard_length(g.rank);
     const std::array<index_t, 4> q_dims{g.batch, g.heads, query_len, g.head_dim};
     const auto& query_runs = g.queries.segments(g.rank);
@@ -645,7 +665,7 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
                         auto block = scaled_dot_product_attention(
                             *query_of_run[qi], *keys, *vals,
                             detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin),
-                            detail::block_options(options, query_run, key_run, true));
+                            detail::block_options(run_options, query_run, key_run, true));
                         auto& acc = partial[qi];
                         if (!acc) acc = partial_attention<Acc, 4>{std::move(block.out), std::move(block.lse)};
                         else acc = merge_partials(acc->out, acc->lse, block.out, block.lse);
@@ -733,8 +753,11 @@ ring_gradients<detail::gradient_of<Gradient, attend::detail::scalar_of<Q>>> ring
     const detail::private_communicator own(user_comm);
     const MPI_Comm comm = own.get();
     const detail::ring_geometry g = detail::agree_on_geometry(q, k, v, comm, options, local_checks);
+    ring_options run_options = options;
+    run_options.threads = detail::ring_threads(options, g);
 
     ring_gradients<G> result;
+    result.statistics.threads = run_options.threads;
     tensor<Acc, 4> dq;  // summed over the key shards in the accumulation type, rounded once at the end
     const index_t query_len = g.queries.shard_length(g.rank), own_keys = g.keys.shard_length(g.rank);
     const std::array<index_t, 4> q_dims{g.batch, g.heads, query_len, g.head_dim},
@@ -841,7 +864,7 @@ ring_gradients<detail::gradient_of<Gradient, attend::detail::scalar_of<Q>>> ring
                         scaled_dot_product_attention_backward_into(
                             *r.q, *keys, *vals,
                             detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin), *r.out, r.lse,
-                            *r.d_out, detail::block_options(options, query_run, key_run, false), block_dq, block_dk,
+                            *r.d_out, detail::block_options(run_options, query_run, key_run, false), block_dq, block_dk,
                             block_dv);
                         detail::add_run(block_dq, dq.data(), query_len, query_run);
                         detail::add_run(block_dk, accumulator.data(), key_len, key_run);
