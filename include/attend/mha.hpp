@@ -168,6 +168,9 @@ struct mha_options {
     std::optional<double> scale;    ///< default 1 / sqrt(head_dim), as nn.MultiheadAttention
     std::optional<double> softcap;  ///< logit soft-capping of the scaled scores, as sdpa_options::softcap
     score_function score_mod;       ///< a user's score modifier, as sdpa_options::score_mod
+    /// A bias added to every head's scores (ALiBi, T5 relative positions), as sdpa_options::score_bias: one slope or
+    /// bias per query head of the module; its alignment says where the diagonal sits (bottom_right in a decode).
+    attend::score_bias score_bias;
     int threads = 0;  ///< attention kernel threads, 0 = std::thread::hardware_concurrency() (logical CPUs)
     attend::kernel kernel = attend::kernel::automatic;  ///< which attention kernel runs
     bool check_finite = true;  ///< reject NaN / Inf in the inputs and projections (value_error)
@@ -489,6 +492,7 @@ sdpa_options sdpa_options_for(const mha_config& c, const mha_options& o, const t
     s.scale = o.scale;
     s.softcap = o.softcap;
     s.score_mod = o.score_mod;
+    s.score_bias = o.score_bias;
     s.empty_rows = o.empty_rows;
     s.dropout.probability = c.dropout;
     s.dropout.seed = o.dropout_seed;
@@ -935,9 +939,10 @@ private:
         auto o = detail::mha_buffer<T, 3>({B, L, H * D}, "attention output [batch, query_len, heads * head_dim]");
         auto lse =
             detail::mha_buffer<accumulator_t<T>, 3>({saved ? B : 0, H, L}, "saved lse [batch, heads, query_len]");
+        // Named: the checked call keeps pointers into its options (the score_bias) until the kernels ran.
+        const sdpa_options attention = detail::sdpa_options_for(config_, options, sinks_);
         detail::with_key_padding(mask, options.key_padding, B, S, [&](const auto& full_mask) {
-            const auto call =
-                detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options, sinks_));
+            const auto call = detail::check_call(qv, kv, vv, s, full_mask, attention);
             attend_and_project(qv, kv, vv, s, call, options, o, saved ? lse.data() : nullptr, r);
         });
         if (saved) {
@@ -1012,9 +1017,9 @@ private:
         const attention_shape s = detail::check_views(qv, kv, vv);
         mha_result<T> r;
         const auto causal_mask = detail::combine_masks(detail::mha_allowed(mask), causal(alignment::bottom_right));
+        const sdpa_options attention = detail::sdpa_options_for(config_, options, sinks_);  // outlives the call
         detail::with_key_padding(causal_mask, options.key_padding, B, S, [&](const auto& full_mask) {
-            const auto call =
-                detail::check_call(qv, kv, vv, s, full_mask, detail::sdpa_options_for(config_, options, sinks_));
+            const auto call = detail::check_call(qv, kv, vv, s, full_mask, attention);
             auto o = detail::mha_buffer<T, 3>({B, L, H * D}, "attention output [batch, new tokens, heads * head_dim]");
             // The append is the call's only mutation: it runs after every buffer is allocated and cannot throw
             // (check_append above checks what it checks), so a failure anywhere leaves the cache as it was.

@@ -164,9 +164,10 @@ mha_gradients<T> multi_head_attention_backward(const multi_head_attention<T>& mo
     g.d_sinks = tensor<T, 1>(module.sinks().size());
     g.d_sinks.setZero();  // stays 0 when no query reads a key
     if (g.d_sinks.size() != 0) grads.d_sinks = g.d_sinks.data();
+    // Named: the checked call keeps pointers into its options (the score_bias) until the kernels ran.
+    const sdpa_options attention = detail::sdpa_options_for(c, options, module.sinks());
     detail::with_key_padding(mask, options.key_padding, B, S, [&](const auto& full_mask) {
-        const auto checked =
-            detail::check_backward(in, &grads, full_mask, detail::sdpa_options_for(c, options, module.sinks()));
+        const auto checked = detail::check_backward(in, &grads, full_mask, attention);
         // Everything is checked: from here on nothing throws but allocation.
         // A padded query's output row is the constant 0, so its d_out row reaches nothing.
         auto d_y = detail::mha_buffer<T, 3>({B, L, E}, "d out [batch, query_len, model_dim]");

@@ -219,6 +219,31 @@ TEST(MhaBackwardFiniteDifferences, SoftcapGradientGoesThroughTheTanhSlope) {
     check_mha_by_finite_differences(t, attend::causal(alignment::bottom_right), 21);
 }
 
+TEST(MhaBackwardFiniteDifferences, AScoreBiasInTheLayerIsDifferentiatedLikeTheScoresItShifts) {
+    auto t = base_case("ALiBi score_bias, GQA, causal", 8, 4, 2);
+    t.options.score_bias = attend::score_bias::alibi(attend::alibi_slopes(4), alignment::bottom_right);
+    check_mha_by_finite_differences(t, attend::causal(alignment::bottom_right), 23);
+}
+
+TEST(MhaScoreBias, TheLayerAddsItsScoreBiasAsTheSameBiasWrittenAsAScoreModWould) {
+    // ALiBi bottom-right over 3 queries and 5 keys: key j of query i gets -slope[h] |(i + 2) - j|.
+    const attend::multi_head_attention<double> m(attend::mha_config{8, 4}, 31);
+    const auto query = attend_test::random_tensor<double>(32, 2, 3, 8);
+    const auto memory = attend_test::random_tensor<double>(33, 2, 5, 8);
+    const std::vector<double> slopes = attend::alibi_slopes(4);
+    attend::mha_options as_bias, as_function;
+    as_bias.score_bias = attend::score_bias::alibi(slopes, alignment::bottom_right);
+    as_function.score_mod = attend::score_mod([slopes](auto s, auto, auto h, auto i, auto j) {
+        const auto distance = std::abs(static_cast<double>(i + 2) - static_cast<double>(j));
+        return s - static_cast<decltype(s)>(slopes[static_cast<std::size_t>(h)] * distance);
+    });
+    const auto with_bias = m.forward(query, memory, memory, as_bias),
+               with_function = m.forward(query, memory, memory, as_function);
+    EXPECT_TRUE(attend_test::near(with_bias.out, with_function.out, 1e-12));
+    const auto without = m.forward(query, memory, memory);
+    EXPECT_FALSE(attend_test::near(with_bias.out, without.out, 1e-3)) << "the bias changed nothing";
+}
+
 TEST(MhaBackwardFiniteDifferences, LearnableSinksGetTheirGradientWithGqaSoftcapAndDropout) {
     auto t = base_case("sinks, GQA, softcap, dropout", 8, 4, 2);
     t.config.sinks = true;
