@@ -66,9 +66,6 @@ struct attention_gradients {
 
 namespace detail {
 
-template <class T>
-inline constexpr bool is_16bit_v = std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>;
-
 /// A contiguous view of x's dims over `data` (x.size() elements).
 template <class F, class T>
 strided_view<F> contiguous_like(const strided_view<T>& x, F* data) {

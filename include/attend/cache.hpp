@@ -126,6 +126,19 @@ struct cache_extent {
                               concat(what, " storage [", batch_, ',', kv_heads_, ',', capacity_, ',',
                                      std::max(head_dim_, value_dim_), "] overflows Eigen::Index"));
     }
+
+    /// Stores the new positions k and v `[batch, kv_heads, L, dim]` at positions at .. at + L - 1:
+    /// store(row, dim, destination) per row, into key_at(b, h, position) and value_at(b, h, position).
+    template <class In, class KeyAt, class ValueAt, class Store>
+    void store_rows(const strided_view<const In>& k, const strided_view<const In>& v, index_t at, KeyAt key_at,
+                    ValueAt value_at, Store store) const {
+        for (index_t b = 0; b < batch_; ++b)
+            for (index_t h = 0; h < kv_heads_; ++h)
+                for (index_t i = 0; i < k.dims[2]; ++i) {
+                    store(k.row(b, h, i), head_dim_, key_at(b, h, at + i));
+                    store(v.row(b, h, i), value_dim_, value_at(b, h, at + i));
+                }
+    }
 };
 
 }  // namespace detail
@@ -139,8 +152,6 @@ class kv_cache : private detail::cache_extent {
     static_assert(is_storage_type_v<T>,
                   "attend: kv_cache<T> is defined for float, double, Eigen::half and "
                   "Eigen::bfloat16");
-
-    static constexpr bool is_16bit = std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>;
 
 public:
     /// An empty cache for `config.capacity` positions. Throws value_error `attend.value.size` if a size is < 1,
@@ -186,26 +197,21 @@ public:
     void append(const K& k_new, const V& v_new) {
         using In = detail::scalar_of<K>;
         static_assert(std::is_same_v<detail::scalar_of<V>, In> &&
-                          (std::is_same_v<In, T> || (is_16bit && std::is_same_v<In, float>)),
+                          (std::is_same_v<In, T> || (detail::is_16bit_v<T> && std::is_same_v<In, float>)),
                       "attend: kv_cache<T>::append takes keys and values of scalar type T, or float for an "
                       "Eigen::half or Eigen::bfloat16 cache (rounded once)");
         const auto k = detail::as_view(k_new);
         const auto v = detail::as_view(v_new);
         check_append(k, v);
         if constexpr (!std::is_same_v<In, T>) {
-            detail::check_finite(k, "new keys");
-            detail::check_finite(v, "new values");
             detail::check_rounds_finite<T>(k, "new keys");
             detail::check_rounds_finite<T>(v, "new values");
         }
-        const index_t L = k.dims[2];
-        for (index_t b = 0; b < batch_; ++b)
-            for (index_t h = 0; h < kv_heads_; ++h)
-                for (index_t i = 0; i < L; ++i) {
-                    detail::narrow(k.row(b, h, i), head_dim_, key_row(b, h, length_ + i));
-                    detail::narrow(v.row(b, h, i), value_dim_, value_row(b, h, length_ + i));
-                }
-        length_ += L;
+        store_rows(
+            k, v, length_, [&](index_t b, index_t h, index_t i) { return key_row(b, h, i); },
+            [&](index_t b, index_t h, index_t i) { return value_row(b, h, i); },
+            [](const In* row, index_t dim, T* to) { detail::narrow(row, dim, to); });
+        length_ += k.dims[2];
     }
 
     /// Throws what append(k_new, v_new) would throw for views of these shapes (the shape, capacity and aliasing

@@ -561,28 +561,30 @@ struct segment_offsets {
 
 namespace detail {
 
-/// Lengths from offsets, or "" and why not (offsets empty, not from 0, or descending).
-inline std::string lengths_of(const std::vector<index_t>& offsets, std::vector<index_t>& lengths) {
-    if (offsets.empty() || offsets.front() != 0) return "offsets must start at 0 (cu_seqlens)";
-    lengths.clear();
+/// Lengths from offsets; mask_error `id` naming `rule` for offsets that are empty, do not start at 0 or descend.
+inline std::vector<index_t> lengths_of(const std::vector<index_t>& offsets, const char* id, const char* rule) {
+    if (offsets.empty() || offsets.front() != 0)
+        throw mask_error(id, concat(rule, ": offsets must start at 0 (cu_seqlens)"));
+    std::vector<index_t> lengths;
     for (std::size_t n = 1; n < offsets.size(); ++n) {
         if (offsets[n] < offsets[n - 1])
-            return concat("offsets must ascend, but offset ", n, " (", offsets[n], ") < offset ", n - 1, " (",
-                          offsets[n - 1], ')');
+            throw mask_error(id, concat(rule, ": offsets must ascend, but offset ", n, " (", offsets[n], ") < offset ",
+                                        n - 1, " (", offsets[n - 1], ')'));
         lengths.push_back(offsets[n] - offsets[n - 1]);
     }
-    return {};
+    return lengths;
 }
 
-/// Offsets from lengths, or "" and why not (a negative length, a sum past Eigen::Index).
-inline std::string offsets_of(const std::vector<index_t>& lengths, std::vector<index_t>& offsets) {
-    offsets.assign(1, 0);
+/// Offsets from lengths; mask_error `id` naming `rule` for a negative length or a sum past Eigen::Index.
+inline std::vector<index_t> offsets_of(const std::vector<index_t>& lengths, const char* id, const char* rule) {
+    std::vector<index_t> offsets{0};
     for (std::size_t n = 0; n < lengths.size(); ++n) {
-        if (lengths[n] < 0) return concat("length ", n, " (", lengths[n], ") is negative");
-        if (sum_overflows(offsets.back(), lengths[n])) return concat("lengths overflow Eigen::Index at length ", n);
+        if (lengths[n] < 0) throw mask_error(id, concat(rule, ": length ", n, " (", lengths[n], ") is negative"));
+        if (sum_overflows(offsets.back(), lengths[n]))
+            throw mask_error(id, concat(rule, ": lengths overflow Eigen::Index at length ", n));
         offsets.push_back(offsets.back() + lengths[n]);
     }
-    return {};
+    return offsets;
 }
 
 }  // namespace detail
@@ -592,11 +594,8 @@ inline std::string offsets_of(const std::vector<index_t>& lengths, std::vector<i
 struct block_diagonal_rule : detail::boolean_term {
     static constexpr bool has_query_padding = false;
     std::vector<index_t> sequence_lengths;  ///< lengths of the packed sequences, in order
-    std::string offsets_problem;            ///< why the offsets it was built from were refused, or ""
 
     detail::bound_block_diagonal bind(const attention_shape& s) const {
-        if (!offsets_problem.empty())
-            throw mask_error("attend.mask.block_lengths", "block_diagonal: " + offsets_problem);
         std::vector<index_t> starts{0};
         for (index_t n : sequence_lengths) {
             if (n < 0)
@@ -622,14 +621,12 @@ struct block_diagonal_rule : detail::boolean_term {
 };
 /// The block-diagonal rule of packed sequences of the given lengths.
 inline block_diagonal_rule block_diagonal(segment_lengths lengths) {
-    return block_diagonal_rule{{}, std::move(lengths.values), {}};
+    return block_diagonal_rule{{}, std::move(lengths.values)};
 }
-/// The block-diagonal rule of packed sequences at the given offsets (cu_seqlens); offsets that do not start at 0 or
-/// descend are mask_error attend.mask.block_lengths when bound.
+/// The block-diagonal rule of packed sequences at the given offsets (cu_seqlens). Throws mask_error
+/// attend.mask.block_lengths for offsets that do not start at 0 or descend.
 inline block_diagonal_rule block_diagonal(const segment_offsets& offsets) {
-    block_diagonal_rule r;
-    r.offsets_problem = detail::lengths_of(offsets.values, r.sequence_lengths);
-    return r;
+    return block_diagonal_rule{{}, detail::lengths_of(offsets.values, "attend.mask.block_lengths", "block_diagonal")};
 }
 
 /// Packed variable-length sequences with their own query and key segments (FlashAttention's varlen
@@ -647,7 +644,6 @@ struct packed_segments_rule : detail::boolean_term {
     std::vector<index_t> key_offsets;    ///< cu_seqlens_k: [segments + 1]
     std::vector<index_t> query_lengths;  ///< [segments] real queries at the start of each slot; empty: the slots
     std::vector<index_t> key_lengths;    ///< [segments] real keys at the start of each slot; empty: the slots
-    std::string offsets_problem;         ///< why the lengths it was built from were refused, or ""
     /// Keys before each segment's diagonal a query sees (unbounded unless causal or windowed).
     index_t left = std::numeric_limits<index_t>::max();
     index_t right = std::numeric_limits<index_t>::max();  ///< keys after it (unbounded unless causal or windowed)
@@ -684,7 +680,6 @@ struct packed_segments_rule : detail::boolean_term {
         const auto fail = [](const std::string& why) {
             throw mask_error("attend.mask.segments", "packed_segments: " + why);
         };
-        if (!offsets_problem.empty()) fail(offsets_problem);
         const std::size_t n = query_offsets.empty() ? 0 : query_offsets.size() - 1;
         if (query_offsets.size() < 2 || key_offsets.size() != query_offsets.size())
             fail(detail::concat("needs n + 1 >= 2 query offsets and as many key offsets (cu_seqlens style), got ",
@@ -739,12 +734,12 @@ inline packed_segments_rule packed_segments(segment_offsets query_offsets, segme
     return r;
 }
 /// Packed segments from their lengths: query segment n holds query_lengths[n] queries, key segment n
-/// key_lengths[n] keys, back to back from 0. A negative length or a sum past Eigen::Index is mask_error
-/// attend.mask.segments when bound.
+/// key_lengths[n] keys, back to back from 0. Throws mask_error attend.mask.segments for a negative length or a sum
+/// past Eigen::Index.
 inline packed_segments_rule packed_segments(const segment_lengths& query_lengths, const segment_lengths& key_lengths) {
     packed_segments_rule r;
-    r.offsets_problem = detail::offsets_of(query_lengths.values, r.query_offsets);
-    if (r.offsets_problem.empty()) r.offsets_problem = detail::offsets_of(key_lengths.values, r.key_offsets);
+    r.query_offsets = detail::offsets_of(query_lengths.values, "attend.mask.segments", "packed_segments");
+    r.key_offsets = detail::offsets_of(key_lengths.values, "attend.mask.segments", "packed_segments");
     return r;
 }
 

@@ -808,8 +808,7 @@ private:
             const auto qv = split_heads(static_cast<const T*>(p[static_cast<std::size_t>(n)].q.data()), 1, t, H, D);
             const auto kv = cache.key_blocks(id), vv = cache.value_blocks(id);
             const attention_shape s = shape_of(t, kv.dims[2]);
-            const auto call =
-                detail::check_call(qv, kv, vv, s, detail::cached_rule(cache.window_left(), kv.dims[2]), attention);
+            const auto call = detail::check_call(qv, kv, vv, s, detail::cached_rule(cache.window_left()), attention);
             if (t == 0) continue;
             detail::attention_outputs<T> out;
             out.out = split_heads(o.data(), 1, t, H, D);

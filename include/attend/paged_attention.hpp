@@ -20,9 +20,8 @@ namespace detail {
 /// The rule of a query over its own sequence in a cache: causal, aligned at the bottom right (query i of
 /// query_len sits at position key_len - query_len + i), and with a rolling window only the `window_left`
 /// positions before it. Without a window the band is unbounded, which classifies and masks exactly as causal alone.
-inline auto cached_rule(index_t window_left, index_t key_len) {
-    const index_t left = window_left != unbounded ? window_left : std::max<index_t>(key_len, 1);
-    return causal(alignment::bottom_right) && sliding_window(left, 0, alignment::bottom_right);
+inline auto cached_rule(index_t window_left) {
+    return causal(alignment::bottom_right) && sliding_window(window_left, 0, alignment::bottom_right);
 }
 
 /// The shape of one sequence's call over a cache: `queries` new queries of `heads` heads over its key_len
@@ -81,7 +80,7 @@ attention_result<Q, 4> paged_attention_views(const strided_view<const Q>& qv, co
                           "scaled_dot_product_attention over one sequence's keys for them");
     const index_t B = qv.dims[0], H = qv.dims[1], L = qv.dims[2], Dv = cache.value_dim();
     using call_type = decltype(check_call(qv, cache.key_blocks(0), cache.value_blocks(0), attention_shape{},
-                                          cached_rule(unbounded, 1), options));
+                                          cached_rule(unbounded), options));
     std::vector<call_type> calls;
     std::vector<attention_shape> shapes;
     allocating(
@@ -99,8 +98,8 @@ attention_result<Q, 4> paged_attention_views(const strided_view<const Q>& qv, co
         const attention_shape s = sequence_shape(H, cache.kv_heads(), query_counts[static_cast<std::size_t>(n)],
                                                  k.dims[2], cache.head_dim(), Dv);
         shapes.push_back(s);
-        calls.push_back(check_call(batch_rows(qv, n, s.query_len), k, v, s, cached_rule(cache.window_left(), s.key_len),
-                                   options, true));
+        calls.push_back(
+            check_call(batch_rows(qv, n, s.query_len), k, v, s, cached_rule(cache.window_left()), options, true));
     }
     attention_result<Q, 4> r;
     const char* hint = "split the batch";

@@ -141,7 +141,6 @@ class paged_kv_cache {
                   "attend: paged_kv_cache<T> is defined for float, double, Eigen::half, Eigen::bfloat16, q8_0_block "
                   "(int8) and q4_0_block (int4)");
     static constexpr bool quantized = detail::is_quantized_block_v<T>;
-    static constexpr bool is_16bit = std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>;
 
 public:
     /// An empty cache. Throws value_error `attend.value.size` if kv_heads, head_dim, block_size, blocks or
@@ -183,9 +182,8 @@ public:
     index_t value_dim() const { return c_.value_dim; }       ///< width of a cached value
     index_t block_size() const { return c_.block_size; }     ///< positions per block
     index_t blocks() const { return c_.blocks; }             ///< blocks in the pool
-    index_t window_left() const {
-        return c_.window_left;
-    }                                                    ///< rolling window, positions before a query; unbounded: none
+    /// The rolling window: positions a query sees before its own; unbounded: none.
+    index_t window_left() const { return c_.window_left; }
     index_t free_blocks() const { return free_count_; }  ///< blocks no sequence holds
     /// The block every dropped position maps to (rolling window): all zeros, never written, held by no one.
     index_t zero_block() const { return c_.blocks; }
@@ -323,7 +321,7 @@ public:
         using In = detail::scalar_of<K>;
         static_assert(std::is_same_v<detail::scalar_of<V>, In> &&
                           (std::is_same_v<In, T> || (quantized && is_storage_type_v<In>) ||
-                           (is_16bit && std::is_same_v<In, float>)),
+                           (detail::is_16bit_v<T> && std::is_same_v<In, float>)),
                       "attend: paged_kv_cache<T>::append takes keys and values of scalar type T (a quantized pool: "
                       "float, double, Eigen::half or Eigen::bfloat16; a 16-bit pool: also float, rounded once; one "
                       "type for both)");
@@ -351,7 +349,7 @@ public:
     /// query at position `position` of sequence `id` would see.
     void check_window(index_t id, index_t position) const {
         const sequence& s = checked(id);
-        if (c_.window_keys() == 0 || s.dropped_blocks == 0) return;
+        if (c_.window_left == unbounded || s.dropped_blocks == 0) return;
         const index_t first_needed = position - c_.window_left;
         if (first_needed < s.dropped_blocks * c_.block_size)
             throw position_error(
@@ -658,8 +656,8 @@ private:
         if constexpr (is_quantized_block_v<T>) {
             check_quantizable<T>(x, name);
         } else {
-            check_finite(x, name);
-            if constexpr (!std::is_same_v<In, T>) check_rounds_finite<T>(x, name);
+            if constexpr (std::is_same_v<In, T>) check_finite(x, name);
+            else check_rounds_finite<T>(x, name);
         }
     }
 

@@ -91,14 +91,11 @@ public:
         check_append(k_new, v_new);
         const auto k = detail::as_view(k_new);
         const auto v = detail::as_view(v_new);
-        const index_t L = k.dims[2];
-        for (index_t b = 0; b < batch_; ++b)
-            for (index_t h = 0; h < kv_heads_; ++h)
-                for (index_t i = 0; i < L; ++i) {
-                    detail::quantize_row(k.row(b, h, i), head_dim_, key_row(b, h, length_ + i));
-                    detail::quantize_row(v.row(b, h, i), value_dim_, value_row(b, h, length_ + i));
-                }
-        length_ += L;
+        store_rows(
+            k, v, length_, [&](index_t b, index_t h, index_t i) { return key_row(b, h, i); },
+            [&](index_t b, index_t h, index_t i) { return value_row(b, h, i); },
+            [](const auto* row, index_t dim, Block* to) { detail::quantize_row(row, dim, to); });
+        length_ += k.dims[2];
     }
 
     /// Throws what append(k_new, v_new) would throw, and changes nothing: a caller's checks before its own

@@ -74,10 +74,10 @@ struct sdpa_options {
     /// after the scale and softcap, before score_bias and the mask. The backward needs it built with its
     /// derivative. Empty: none.
     score_function score_mod;
-    int threads =
-        0;  ///< tiled kernel threads; 0 = std::thread::hardware_concurrency() (logical CPUs, read once); same result
-            ///< bit for bit for any count; the threads past the caller's are kept between calls
-            ///< (docs/guarantees.md)
+    /// Tiled kernel threads; 0 = std::thread::hardware_concurrency() (logical CPUs, read once). Same result bit
+    /// for bit for any count; the threads past the caller's are kept between calls.
+    int threads = 0;
+    ///< (docs/guarantees.md)
     attend::kernel kernel = attend::kernel::automatic;  ///< which implementation runs
     bool need_weights = false;                          ///< fill result.weights `[batch, heads, query_len, key_len]`
     bool need_lse = true;                ///< fill result.lse `[batch, heads, query_len]`, what the backward and

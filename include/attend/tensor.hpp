@@ -134,6 +134,10 @@ struct tensor_traits<strided_view<T>> {
 template <class X>
 using scalar_of = typename tensor_traits<std::decay_t<X>>::scalar;
 
+/// True for the 16-bit storage types, which compute in float.
+template <class T>
+inline constexpr bool is_16bit_v = std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>;
+
 template <class X>
 struct is_strided_view : std::false_type {};
 template <class T>

@@ -110,8 +110,9 @@ void check_finite(const View& x, const char* name, int threads = 1) {
     if constexpr (!quantized_rows_v<View>) check_finite_values(x, name, threads);
 }
 
-/// Throws value_error attend.value.non_finite for a finite float of x (a strided view) that Stored (fp16, bf16)
-/// rounds to +-inf: appended into a 16-bit cache it would be stored as inf. x is finite (checked before).
+/// Throws value_error attend.value.non_finite for a float of x (a strided view) that is NaN or +-inf, or that
+/// Stored (fp16, bf16) rounds to +-inf: appended into a 16-bit cache it would be stored as inf. One pass: a
+/// non-finite float rounds to a non-finite Stored.
 template <class Stored>
 void check_rounds_finite(const strided_view<const float>& x, const char* name) {
     for (index_t b = 0; b < x.dims[0]; ++b)
@@ -119,11 +120,13 @@ void check_rounds_finite(const strided_view<const float>& x, const char* name) {
             for (index_t i = 0; i < x.dims[2]; ++i) {
                 const float* row = x.row(b, h, i);
                 for (index_t d = 0; d < x.dims[3]; ++d)
-                    if (!std::isfinite(static_cast<float>(static_cast<Stored>(row[d]))))
+                    if (!std::isfinite(static_cast<float>(static_cast<Stored>(row[d])))) {
+                        if (!std::isfinite(row[d])) throw_non_finite(x, b, h, i, d, name);
                         throw value_error("attend.value.non_finite",
                                           concat(name, " hold ", row[d], " at [", b, ',', h, ',', i, ',', d,
                                                  "], beyond the range of the cache's 16-bit type: it would be "
                                                  "stored as inf (scale the values, or keep a float cache)"));
+                    }
             }
 }
 
