@@ -68,7 +68,7 @@ int main() {
     const attend::multi_head_attention<float> layer({model_dim, 4, /*kv_heads*/ 1}, /*seed*/ 2024);
     attend::mha_options options;
     options.rotary = attend::rotary_embedding{layer.head_dim()};
-    options.threads = 1;
+    options.attention.threads = 1;
     // 24 blocks of 4 positions, shared by at most 4 sequences.
     attend::paged_cache_config config;
     config.kv_heads = 1;

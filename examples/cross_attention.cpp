@@ -46,7 +46,7 @@ int main() {
 
     attend::mha_options options;
     options.key_padding = source_lengths;  // the only mask: source padding
-    options.need_weights = true;
+    options.attention.need_weights = true;
     const auto r = cross.forward(target, memory, memory, options);
     const auto& weights = r.averaged_weights();  // [batch, query_len, key_len], the mean over heads
 

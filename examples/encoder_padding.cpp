@@ -48,7 +48,7 @@ int main() {
 
     attend::mha_options options;
     options.key_padding = lengths;  // keys j >= lengths[b] are ignored (nn.MultiheadAttention's key_padding_mask)
-    options.need_weights = true;    // averaged over heads, [batch, query_len, key_len]
+    options.attention.need_weights = true;  // averaged over heads, [batch, query_len, key_len]
     const auto padded_queries = attend::query_padding(lengths);
 
     std::cout << "allowed keys:\n"

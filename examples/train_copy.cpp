@@ -81,7 +81,7 @@ struct model {
 attend::mha_options layer_options() {
     attend::mha_options o;
     o.rotary = attend::rotary_embedding{model_dim / heads};
-    o.threads = 1;
+    o.attention.threads = 1;
     return o;
 }
 

@@ -52,7 +52,6 @@ struct mha_config {
     index_t key_dim = 0;    ///< width of the key input (PyTorch's kdim), 0 = model_dim
     index_t value_dim = 0;  ///< width of the value input (PyTorch's vdim), 0 = model_dim
     bool bias = true;       ///< in-projection and out-projection biases, as nn.MultiheadAttention(bias=...)
-    double dropout = 0;     ///< probability of dropping an attention weight, applied only with training = true
     /// A learnable attention sink per query head (gpt-oss; sinks.hpp), `[heads]`, initialised to 0. Not part of
     /// nn.MultiheadAttention: from_torch leaves them 0 and to_torch omits them.
     bool sinks = false;
@@ -80,8 +79,6 @@ public:
     constexpr mha_config with_value_dim(index_t n) const { return with(&mha_config::value_dim, n); }
     /// A copy with the biases on or off.
     constexpr mha_config with_bias(bool on) const { return with(&mha_config::bias, on); }
-    /// A copy with the dropout probability set.
-    constexpr mha_config with_dropout(double probability) const { return with(&mha_config::dropout, probability); }
     /// A copy with learnable attention sinks on or off.
     constexpr mha_config with_sinks(bool on) const { return with(&mha_config::sinks, on); }
 
@@ -150,30 +147,23 @@ private:
     std::optional<forbidden_mask> mask_;
 };
 
-/// Options of multi_head_attention::forward and forward_cached.
+/// Options of multi_head_attention::forward and forward_cached: the attention call's own options, nested as
+/// SDPA takes them (so every score feature works in the layer), and what only a layer has.
 struct mha_options {
-    mha_key_padding key_padding;         ///< lengths or a forbidden_mask [batch, key_len] (true = ignore), combined
-                                         ///< with the mask argument by &&
-    bool need_weights = false;           ///< fill result.weights (averaged) or result.head_weights (per head)
-    bool average_weights = true;         ///< with need_weights: mean over heads `[batch, query_len, key_len]` as
-                                         ///< PyTorch's average_attn_weights=True; false: per head `[batch, heads, ...]`
-    bool weights_after_dropout = false;  ///< weights as used (dropped, rescaled) instead of the probabilities
-                                         ///< (PyTorch returns them after dropout in training)
-    bool training = false;               ///< dropout (config.dropout) only when true; never in eval
-    std::uint64_t dropout_seed = 0;      ///< with (batch, head, query, key) it fixes which weights drop
+    /// The attention inside the layer, as scaled_dot_product_attention takes it: scale (default 1 / sqrt(head_dim),
+    /// as nn.MultiheadAttention), softcap, dropout (probability, seed and training; PyTorch's dropout_p and
+    /// training), score_bias (one slope or bias per query head; its alignment says where the diagonal sits,
+    /// bottom_right in a decode), score_mod, empty_rows, threads, kernel, need_weights, weights_after_dropout and
+    /// check_finite (here also the scan of the inputs and projections). Sinks are the module's parameters
+    /// (mha_config::sinks): `attention.sinks` must stay empty (value_error attend.value.layer_sinks).
+    sdpa_options attention;
+    mha_key_padding key_padding;  ///< lengths or a forbidden_mask [batch, key_len] (true = ignore), combined
+                                  ///< with the mask argument by &&
+    bool average_weights = true;  ///< with attention.need_weights: mean over heads `[batch, query_len, key_len]` as
+                                  ///< PyTorch's average_attn_weights=True; false: per head `[batch, heads, ...]`
     std::optional<rotary_embedding> rotary;  ///< rotates each head of the projected Q and K
     index_t position_offset = 0;  ///< global position of query 0 and key 0 for rotary; forward_cached adds the
                                   ///< cache length (new token i sits at position_offset + cache.length() + i)
-    attend::empty_rows empty_rows = attend::empty_rows::error;  ///< a query with no allowed key: throw or zero
-    std::optional<double> scale;    ///< default 1 / sqrt(head_dim), as nn.MultiheadAttention
-    std::optional<double> softcap;  ///< logit soft-capping of the scaled scores, as sdpa_options::softcap
-    score_function score_mod;       ///< a user's score modifier, as sdpa_options::score_mod
-    /// A bias added to every head's scores (ALiBi, T5 relative positions), as sdpa_options::score_bias: one slope or
-    /// bias per query head of the module; its alignment says where the diagonal sits (bottom_right in a decode).
-    attend::score_bias score_bias;
-    int threads = 0;  ///< attention kernel threads, 0 = std::thread::hardware_concurrency() (logical CPUs)
-    attend::kernel kernel = attend::kernel::automatic;  ///< which attention kernel runs
-    bool check_finite = true;  ///< reject NaN / Inf in the inputs and projections (value_error)
 };
 
 /// Which attention weights an mha_result holds.
@@ -210,9 +200,9 @@ private:
     static const char* name(attend::weights_kind k) {
         switch (k) {
             case attend::weights_kind::averaged:
-                return "averaged weights (need_weights = true, average_weights = true)";
+                return "averaged weights (attention.need_weights = true, average_weights = true)";
             case attend::weights_kind::per_head:
-                return "per-head weights (need_weights = true, average_weights = false)";
+                return "per-head weights (attention.need_weights = true, average_weights = false)";
             case attend::weights_kind::none: break;
         }
         return "no weights (need_weights = false, the default)";
@@ -421,8 +411,13 @@ inline void check_mha_inputs(const mha_config& c, const std::array<index_t, 3>& 
                                                          format_shape(kd), ", value ", format_shape(vd), ')'));
 }
 
-/// position_offset >= 0, and the rotary embedding fits head_dim at the first position it rotates.
-inline void check_positions(const mha_config& c, const mha_options& options, index_t first_position) {
+/// What only a layer's options can get wrong: position_offset >= 0, the rotary embedding fits head_dim at the first
+/// position it rotates, and no sinks besides the module's own.
+inline void check_layer_options(const mha_config& c, const mha_options& options, index_t first_position) {
+    if (options.attention.sinks.size() != 0)
+        throw value_error("attend.value.layer_sinks",
+                          "mha_options::attention.sinks must be empty: a layer's sinks are its parameters "
+                          "(mha_config::with_sinks(true), trained or loaded with the other parameters)");
     if (options.position_offset < 0)
         throw position_error("attend.position.negative_offset",
                              concat("position_offset must be >= 0, got ", options.position_offset));
@@ -483,24 +478,11 @@ constexpr void require_cache_storage() {
                   "Eigen::bfloat16");
 }
 
-/// The attention options of a multi-head call: dropout probability and sinks `[heads]` (empty: none) from the
-/// module, the rest from the call.
+/// The attention options of a multi-head call: the call's, with the module's sinks `[heads]` (empty: none).
 template <class T>
-sdpa_options sdpa_options_for(const mha_config& c, const mha_options& o, const tensor<T, 1>& sinks) {
-    sdpa_options s;
+sdpa_options sdpa_options_for(const mha_options& o, const tensor<T, 1>& sinks) {
+    sdpa_options s = o.attention;
     if (sinks.size() != 0) s.sinks = sinks;
-    s.scale = o.scale;
-    s.softcap = o.softcap;
-    s.score_mod = o.score_mod;
-    s.score_bias = o.score_bias;
-    s.empty_rows = o.empty_rows;
-    s.dropout.probability = c.dropout;
-    s.dropout.seed = o.dropout_seed;
-    s.dropout.training = o.training;
-    s.threads = o.threads;
-    s.kernel = o.kernel;
-    s.need_weights = o.need_weights;
-    s.weights_after_dropout = o.weights_after_dropout;
     s.check_finite = false;  // inputs and projections were scanned before, with their own names
     return s;
 }
@@ -527,7 +509,7 @@ public:
     /// not torch's stream: load trained weights with from_torch).
     /// Throws value_error `attend.value.size` (model_dim or heads < 1, kv_heads, key_dim or value_dim < 0),
     /// shape_error `attend.shape.model_dim_heads` (model_dim % heads != 0), `attend.shape.gqa`
-    /// (heads % kv_heads != 0), value_error `attend.value.dropout` (dropout outside [0, 1)).
+    /// (heads % kv_heads != 0).
     explicit multi_head_attention(const mha_config& config, std::uint64_t seed = 0) : config_(validated(config)) {
         allocate();
         const index_t E = config_.model_dim;
@@ -678,7 +660,7 @@ public:
     /// `attend.position.cache_full` if the new tokens do not fit, and everything forward throws. Every check
     /// runs before the cache changes: on a throw nothing was appended.
     /// A float module decodes over an fp16 or bf16 cache too (make_cache<Eigen::half>, llama.cpp's default
-    /// cache type): the new keys and values are rounded once as they are stored, and with options.check_finite one
+    /// cache type): the new keys and values are rounded once as they are stored, and with options.attention.check_finite one
     /// that rounds to inf (beyond fp16's 65504) is value_error `attend.value.non_finite` before anything changes;
     /// the queries stay float and read the cache as float attention over its values.
     template <class X, class Mask, class Storage>
@@ -758,7 +740,7 @@ private:
                               detail::concat("x ", detail::format_shape(xd), " has ", B, " batch rows but ",
                                              sequences.size(), " sequences and ", new_tokens.size(),
                                              " new-token counts are given (one each)"));
-        if (options.need_weights)
+        if (options.attention.need_weights)
             throw value_error("attend.value.need_weights",
                               "need_weights is not available over a paged cache: key_len differs per sequence");
         std::vector<index_t> first(sequences.size());
@@ -771,9 +753,9 @@ private:
             first[n] = detail::checked_position_sum(options.position_offset, cache.length(sequences[n]),
                                                     "position_offset + cache length");
             detail::checked_position_sum(first[n], t, "the position after the last new token");
-            detail::check_positions(config_, options, first[n]);
+            detail::check_layer_options(config_, options, first[n]);
         }
-        if (options.check_finite) detail::check_finite_input(x.data(), xd, "x");
+        if (options.attention.check_finite) detail::check_finite_input(x.data(), xd, "x");
         // Each sequence projected alone, so its rows meet the same GEMM shapes as when it is decoded alone.
         std::vector<projected_heads> p;
         using Stored = typename detail::append_type<paged_kv_cache<Storage>, T>::type;  // what the append takes
@@ -786,20 +768,20 @@ private:
             const index_t t = new_tokens[static_cast<std::size_t>(n)];
             const T* rows = x.data() + n * L * E;
             p.push_back(project_heads(rows, rows, rows, 1, t, t, options, first[static_cast<std::size_t>(n)]));
-            if (options.check_finite)
+            if (options.attention.check_finite)
                 detail::check_finite_projections(split_heads(static_cast<const T*>(p.back().q.data()), 1, t, H, D),
                                                  split_heads(static_cast<const T*>(p.back().k.data()), 1, t, G, D),
                                                  split_heads(static_cast<const T*>(p.back().v.data()), 1, t, G, D));
             const auto at = 2 * static_cast<std::size_t>(n);
-            keys.push_back(stored_heads(p.back().k, rounded[at], 1, t, options.check_finite, "key"));
-            values.push_back(stored_heads(p.back().v, rounded[at + 1], 1, t, options.check_finite, "value"));
+            keys.push_back(stored_heads(p.back().k, rounded[at], 1, t, options.attention.check_finite, "key"));
+            values.push_back(stored_heads(p.back().v, rounded[at + 1], 1, t, options.attention.check_finite, "value"));
         }
         detail::paged_append<Storage, Stored> append(cache, sequences, keys, values);
         mha_result<T> r;
         r.out = detail::mha_buffer<T, 3>({B, L, E}, "out [batch, new tokens, model_dim]");
         r.out.setZero();
         auto o = detail::mha_buffer<T, 3>({1, L, H * D}, "attention output [1, new tokens, heads * head_dim]");
-        const sdpa_options attention = detail::sdpa_options_for(config_, options, sinks_);
+        const sdpa_options attention = detail::sdpa_options_for(options, sinks_);
         append.commit();  // cannot fail; `append` takes it back out if anything below throws
         // Checked and run sequence by sequence: the result is local until it is returned, and a throw takes the
         // append back out.
@@ -856,9 +838,6 @@ private:
             throw shape_error("attend.shape.gqa",
                               detail::concat("heads ", c.heads, " is not a multiple of kv_heads ", c.kv_heads,
                                              " (grouped-query attention needs heads % kv_heads == 0)", spelled()));
-        if (!(c.dropout >= 0 && c.dropout < 1))
-            throw value_error("attend.value.dropout",
-                              detail::concat("dropout probability ", c.dropout, " must be in [0, 1)"));
         if (detail::product_overflows(c.heads, c.model_dim / c.heads, std::max({c.model_dim, c.key_dim, c.value_dim})))
             throw shape_error("attend.shape.overflow", detail::concat("weights overflow Eigen::Index", spelled()));
         return c;
@@ -919,8 +898,8 @@ private:
         detail::require_mha_input<V, T>();
         const auto qd = detail::dims3(query), kd = detail::dims3(key), vd = detail::dims3(value);
         detail::check_mha_inputs(config_, qd, kd, vd);
-        detail::check_positions(config_, options, options.position_offset);
-        if (options.check_finite) {
+        detail::check_layer_options(config_, options, options.position_offset);
+        if (options.attention.check_finite) {
             detail::check_finite_input(query.data(), qd, "query");
             detail::check_finite_input(key.data(), kd, "key");
             detail::check_finite_input(value.data(), vd, "value");
@@ -932,14 +911,14 @@ private:
         const auto qv = split_heads(static_cast<const T*>(p.q.data()), B, L, H, D);
         const auto kv = split_heads(static_cast<const T*>(p.k.data()), B, S, G, D);
         const auto vv = split_heads(static_cast<const T*>(p.v.data()), B, S, G, D);
-        if (options.check_finite) detail::check_finite_projections(qv, kv, vv);
+        if (options.attention.check_finite) detail::check_finite_projections(qv, kv, vv);
         const attention_shape s = detail::check_views(qv, kv, vv);
         mha_result<T> r;
         auto o = detail::mha_buffer<T, 3>({B, L, H * D}, "attention output [batch, query_len, heads * head_dim]");
         auto lse =
             detail::mha_buffer<accumulator_t<T>, 3>({saved ? B : 0, H, L}, "saved lse [batch, heads, query_len]");
         // Named: the checked call keeps pointers into its options (the score_bias) until the kernels ran.
-        const sdpa_options attention = detail::sdpa_options_for(config_, options, sinks_);
+        const sdpa_options attention = detail::sdpa_options_for(options, sinks_);
         detail::with_key_padding(mask, options.key_padding, B, S, [&](const auto& full_mask) {
             const auto call = detail::check_call(qv, kv, vv, s, full_mask, attention);
             attend_and_project(qv, kv, vv, s, call, options, o, saved ? lse.data() : nullptr, r);
@@ -997,17 +976,17 @@ private:
         const index_t first_position =
             detail::checked_position_sum(options.position_offset, past, "position_offset + cache length");
         detail::checked_position_sum(first_position, L, "the position after the last new token");
-        detail::check_positions(config_, options, first_position);
-        if (options.check_finite) detail::check_finite_input(x.data(), xd, "x");
+        detail::check_layer_options(config_, options, first_position);
+        if (options.attention.check_finite) detail::check_finite_input(x.data(), xd, "x");
         const projected_heads p = project_heads(x.data(), x.data(), x.data(), B, L, L, options, first_position);
         const auto qv = split_heads(p.q.data(), B, L, H, D);
         const auto k_new = split_heads(p.k.data(), B, L, G, D);
         const auto v_new = split_heads(p.v.data(), B, L, G, D);
-        if (options.check_finite) detail::check_finite_projections(qv, k_new, v_new);
+        if (options.attention.check_finite) detail::check_finite_projections(qv, k_new, v_new);
         using Stored = typename detail::append_type<Cache, T>::type;
         tensor<Stored, 3> k_rounded, v_rounded;
-        const auto k_store = stored_heads(p.k, k_rounded, B, L, options.check_finite, "key");
-        const auto v_store = stored_heads(p.v, v_rounded, B, L, options.check_finite, "value");
+        const auto k_store = stored_heads(p.k, k_rounded, B, L, options.attention.check_finite, "key");
+        const auto v_store = stored_heads(p.v, v_rounded, B, L, options.attention.check_finite, "value");
         cache.check_append(k_store, v_store);
         // Views of the cache as it will be after the append: the storage exists, only the length grows.
         auto kv = cache.keys(), vv = cache.values();
@@ -1016,7 +995,7 @@ private:
         const attention_shape s = detail::check_views(qv, kv, vv);
         mha_result<T> r;
         const auto causal_mask = detail::combine_masks(detail::mha_allowed(mask), causal(alignment::bottom_right));
-        const sdpa_options attention = detail::sdpa_options_for(config_, options, sinks_);  // outlives the call
+        const sdpa_options attention = detail::sdpa_options_for(options, sinks_);  // outlives the call
         detail::with_key_padding(causal_mask, options.key_padding, B, S, [&](const auto& full_mask) {
             const auto call = detail::check_call(qv, kv, vv, s, full_mask, attention);
             auto o = detail::mha_buffer<T, 3>({B, L, H * D}, "attention output [batch, new tokens, heads * head_dim]");
@@ -1044,15 +1023,16 @@ private:
         const mha_options& options, tensor<T, 3>& o, accumulator_t<T>* lse, mha_result<T>& r,
         BeforeRun before_run = [] {}) const {
         const index_t B = s.batch, L = s.query_len, S = s.key_len, H = s.heads, D = head_dim();
-        auto w = detail::mha_buffer<T, 4>({options.need_weights ? B : 0, H, L, S},
+        auto w = detail::mha_buffer<T, 4>({options.attention.need_weights ? B : 0, H, L, S},
                                           "per-head weights [batch, heads, query_len, key_len]");
         auto out = detail::mha_buffer<T, 3>({B, L, config_.model_dim}, "out [batch, query_len, model_dim]");
-        auto averaged = detail::mha_buffer<T, 3>({options.need_weights && options.average_weights ? B : 0, L, S},
-                                                 "averaged weights [batch, query_len, key_len]");
+        auto averaged =
+            detail::mha_buffer<T, 3>({options.attention.need_weights && options.average_weights ? B : 0, L, S},
+                                     "averaged weights [batch, query_len, key_len]");
         before_run();
         detail::attention_outputs<T> outputs;
         outputs.out = split_heads(o.data(), B, L, H, D);
-        outputs.weights = options.need_weights ? w.data() : nullptr;
+        outputs.weights = options.attention.need_weights ? w.data() : nullptr;
         outputs.lse = lse;
         if (B * L > 0) detail::run_checked(q, k, v, s, call, outputs);  // nothing to attend for zero queries
         r.out = std::move(out);
@@ -1063,7 +1043,7 @@ private:
                     T* row = r.out.data() + (b * L + i) * config_.model_dim;
                     std::fill(row, row + config_.model_dim, T(0));
                 }
-        if (!options.need_weights) return;
+        if (!options.attention.need_weights) return;
         if (!options.average_weights) {
             r.head_weights = std::move(w);
             r.weights_kind = weights_kind::per_head;

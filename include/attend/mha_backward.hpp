@@ -98,7 +98,7 @@ void check_saved(const tensor<T, 3>& t, const std::array<index_t, 3>& expected, 
 
 /// Gradients of `module.forward(query, key, value, mask, options, saved)` for d_out = d loss / d out
 /// `[batch, query_len, model_dim]`. Pass the same module (unchanged since), inputs, mask and options as the
-/// forward: dropout is replayed from options.dropout_seed, rotary rotated back at options.position_offset; threads
+/// forward: dropout is replayed from options.attention.dropout's seed, rotary rotated back at options.position_offset; threads
 /// and kernel may differ (kernel::reference is the oracle). Returns the gradients of the three inputs and of every
 /// parameter (mha_gradients; for self-attention add d_query + d_key + d_value).
 /// Throws before computing anything: what forward throws for these inputs, mask and options; shape_error
@@ -134,8 +134,8 @@ mha_gradients<T> multi_head_attention_backward(const multi_head_attention<T>& mo
     detail::check_saved(saved.v, {B, S, G * D}, "v", "[batch, key_len, kv_heads * head_dim]");
     detail::check_saved(saved.attention, {B, L, H * D}, "attention", "[batch, query_len, heads * head_dim]");
     detail::check_saved(saved.lse, {B, H, L}, "lse", "[batch, heads, query_len]");
-    detail::check_positions(c, options, options.position_offset);
-    if (options.check_finite) {
+    detail::check_layer_options(c, options, options.position_offset);
+    if (options.attention.check_finite) {
         detail::check_finite_input(query.data(), qd, "query");
         detail::check_finite_input(key.data(), kd, "key");
         detail::check_finite_input(value.data(), vd, "value");
@@ -165,7 +165,7 @@ mha_gradients<T> multi_head_attention_backward(const multi_head_attention<T>& mo
     g.d_sinks.setZero();  // stays 0 when no query reads a key
     if (g.d_sinks.size() != 0) grads.d_sinks = g.d_sinks.data();
     // Named: the checked call keeps pointers into its options (the score_bias) until the kernels ran.
-    const sdpa_options attention = detail::sdpa_options_for(c, options, module.sinks());
+    const sdpa_options attention = detail::sdpa_options_for(options, module.sinks());
     detail::with_key_padding(mask, options.key_padding, B, S, [&](const auto& full_mask) {
         const auto checked = detail::check_backward(in, &grads, full_mask, attention);
         // Everything is checked: from here on nothing throws but allocation.

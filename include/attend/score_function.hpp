@@ -72,7 +72,7 @@ constexpr bool is_score_function_v = std::is_invocable_r_v<T, const F&, T, mod_i
 
 }  // namespace detail
 
-/// A score modifier for sdpa_options::score_mod (and mha_options::score_mod); empty: none. Build one with
+/// A score modifier for sdpa_options::score_mod (and mha_options::attention); empty: none. Build one with
 /// attend::score_mod. Copies are cheap (the function is shared).
 class score_function {
 public:

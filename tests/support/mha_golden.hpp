@@ -45,7 +45,6 @@ inline attend::mha_config golden_config(const json& c) {
     config.key_dim = cfg.at("kdim").get<attend::index_t>();
     config.value_dim = cfg.at("vdim").get<attend::index_t>();
     config.bias = cfg.at("bias").get<bool>();
-    config.dropout = cfg.at("dropout").get<double>();
     return config;
 }
 

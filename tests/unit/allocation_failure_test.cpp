@@ -190,8 +190,8 @@ TEST(AllocationFailure, MultiHeadWeightsOfTwoToTheFortyElementsAreAResourceError
     attend::tensor<float, 3> x(1, huge_len, 1);
     x.setConstant(0.5f);
     attend::mha_options o;
-    o.need_weights = true;
-    o.threads = 1;
+    o.attention.need_weights = true;
+    o.attention.threads = 1;
     const std::string message = attend_test::expect_error<attend::resource_error>([&] { (void)m.forward(x, x, x, o); },
                                                                                   "attend.resource.allocation");
     EXPECT_NE(message.find("per-head weights [batch, heads, query_len, key_len] [1,1,1048576,1048576]"),
@@ -213,9 +213,9 @@ TEST(AllocationFailure, ForwardCachedThatCannotAllocateLeavesTheCacheUnchanged) 
     attend::tensor<float, 3> x(1, huge_len, 1);
     x.setConstant(0.5f);
     attend::mha_options o;
-    o.need_weights = true;
+    o.attention.need_weights = true;
     o.average_weights = false;
-    o.threads = 1;
+    o.attention.threads = 1;
     const std::string message = attend_test::expect_error<attend::resource_error>(
         [&] { (void)m.forward_cached(x, cache, o); }, "attend.resource.allocation");
     EXPECT_NE(message.find("per-head weights"), std::string::npos) << message;

@@ -297,7 +297,7 @@ TEST(ForwardCached, CombinesKeyPaddingAndTheCallersMask) {
     blocked.setConstant(false);
     blocked(1, 0) = blocked(1, 1) = true;
     attend::mha_options o;
-    o.empty_rows = attend::empty_rows::zero;
+    o.attention.empty_rows = attend::empty_rows::zero;
     o.key_padding = attend::forbidden_mask::key_padding(blocked);
     const auto full = m.forward(
         x, x, x,
@@ -370,6 +370,18 @@ TEST(ForwardCached, ErrorsLeaveTheCacheUnchanged) {
                                      "attend.mask.lengths_batch");
     unchanged();
     o.key_padding = {};
+    // The attention's own options are checked with the rest: a bad dropout probability or sinks besides the
+    // module's leave the cache as it was.
+    o.attention.dropout = {1.0, 3, true};
+    expect_error<attend::value_error>([&] { m.forward_cached(slice_tokens(x, 0, 1), cache, o); },
+                                      "attend.value.dropout");
+    unchanged();
+    o.attention.dropout = {};
+    o.attention.sinks = attend::attention_sinks{0.5, 0.5};
+    expect_error<attend::value_error>([&] { m.forward_cached(slice_tokens(x, 0, 1), cache, o); },
+                                      "attend.value.layer_sinks");
+    unchanged();
+    o.attention.sinks = {};
     auto bad = slice_tokens(x, 0, 1);
     bad(1, 0, 2) = std::numeric_limits<double>::infinity();
     expect_error<attend::value_error>([&] { m.forward_cached(bad, cache, o); }, "attend.value.non_finite");

@@ -98,7 +98,7 @@ TYPED_TEST(Mha16, ForwardIsTheDoubleModuleWithinFiveRoundings) {
         const auto x = random3<T>(7, s.batch, s.len, s.model_dim);
         const attend::tensor<double, 3> xd = x.template cast<float>().template cast<double>();
         attend::mha_options o;
-        o.need_weights = true;
+        o.attention.need_weights = true;
         const auto mask = attend::causal(attend::alignment::top_left);
         const auto got = s.causal ? m.forward(x, x, x, mask, o) : m.forward(x, x, x, o);
         const auto want = s.causal ? wide.forward(xd, xd, xd, mask, o) : wide.forward(xd, xd, xd, o);

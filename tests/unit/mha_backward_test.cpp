@@ -51,7 +51,7 @@ TEST_P(MhaBackwardGolden, GradientsMatchPyTorchAutograd) {
     const auto d_out = attend_test::to_tensor<double, 3>(backward.at("d_out"), "d_out");
     for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
         attend::mha_options options;
-        options.kernel = kernel;
+        options.attention.kernel = kernel;
         const auto g = attend_test::with_golden_masks(c, options, [&](const auto& mask, const attend::mha_options& o) {
             attend::mha_saved<double> saved;
             m.forward(x.query, x.key, x.value, mask, o, saved);
@@ -122,7 +122,7 @@ void check_mha_by_finite_differences(const fd_case& t, const Mask& mask, std::ui
     auto value = attend_test::random_tensor<double>(seed + 3, t.batch, t.key_len, c.value_dim);
     const auto w = attend_test::random_tensor<double>(seed + 4, t.batch, t.query_len, c.model_dim);
     attend::mha_options forward_options = t.options;
-    forward_options.kernel = attend::kernel::reference;
+    forward_options.attention.kernel = attend::kernel::reference;
     const auto loss = [&] {
         const auto r = t.self_attention ? m.forward(query, query, query, mask, forward_options)
                                         : m.forward(query, key, value, mask, forward_options);
@@ -132,7 +132,7 @@ void check_mha_by_finite_differences(const fd_case& t, const Mask& mask, std::ui
     };
     for (const auto kernel : {attend::kernel::reference, attend::kernel::tiled}) {
         attend::mha_options o = t.options;
-        o.kernel = kernel;
+        o.attention.kernel = kernel;
         attend::mha_saved<double> saved;
         const auto& k_in = t.self_attention ? query : key;
         const auto& v_in = t.self_attention ? query : value;
@@ -215,13 +215,13 @@ TEST(MhaBackwardFiniteDifferences, RotaryGradientIsTheInverseRotation) {
 
 TEST(MhaBackwardFiniteDifferences, SoftcapGradientGoesThroughTheTanhSlope) {
     auto t = base_case("softcap 0.3, GQA, causal", 8, 4, 2);
-    t.options.softcap = 0.3;  // below the scores' spread, so the cap bends them
+    t.options.attention.softcap = 0.3;  // below the scores' spread, so the cap bends them
     check_mha_by_finite_differences(t, attend::causal(alignment::bottom_right), 21);
 }
 
 TEST(MhaBackwardFiniteDifferences, AScoreBiasInTheLayerIsDifferentiatedLikeTheScoresItShifts) {
     auto t = base_case("ALiBi score_bias, GQA, causal", 8, 4, 2);
-    t.options.score_bias = attend::score_bias::alibi(attend::alibi_slopes(4), alignment::bottom_right);
+    t.options.attention.score_bias = attend::score_bias::alibi(attend::alibi_slopes(4), alignment::bottom_right);
     check_mha_by_finite_differences(t, attend::causal(alignment::bottom_right), 23);
 }
 
@@ -232,8 +232,8 @@ TEST(MhaScoreBias, TheLayerAddsItsScoreBiasAsTheSameBiasWrittenAsAScoreModWould)
     const auto memory = attend_test::random_tensor<double>(33, 2, 5, 8);
     const std::vector<double> slopes = attend::alibi_slopes(4);
     attend::mha_options as_bias, as_function;
-    as_bias.score_bias = attend::score_bias::alibi(slopes, alignment::bottom_right);
-    as_function.score_mod = attend::score_mod([slopes](auto s, auto, auto h, auto i, auto j) {
+    as_bias.attention.score_bias = attend::score_bias::alibi(slopes, alignment::bottom_right);
+    as_function.attention.score_mod = attend::score_mod([slopes](auto s, auto, auto h, auto i, auto j) {
         const auto distance = std::abs(static_cast<double>(i + 2) - static_cast<double>(j));
         return s - static_cast<decltype(s)>(slopes[static_cast<std::size_t>(h)] * distance);
     });
@@ -247,19 +247,19 @@ TEST(MhaScoreBias, TheLayerAddsItsScoreBiasAsTheSameBiasWrittenAsAScoreModWould)
 TEST(MhaBackwardFiniteDifferences, LearnableSinksGetTheirGradientWithGqaSoftcapAndDropout) {
     auto t = base_case("sinks, GQA, softcap, dropout", 8, 4, 2);
     t.config.sinks = true;
-    t.config.dropout = 0.2;
-    t.options.training = true;
-    t.options.dropout_seed = 5;
-    t.options.softcap = 2.0;
+    t.options.attention.dropout.probability = 0.2;
+    t.options.attention.dropout.training = true;
+    t.options.attention.dropout.seed = 5;
+    t.options.attention.softcap = 2.0;
     t.options.key_padding = {4, 2};
     check_mha_by_finite_differences(t, attend::causal(alignment::bottom_right), 22);
 }
 
 TEST(MhaBackwardFiniteDifferences, DropoutIsReplayedFromItsSeed) {
     auto t = base_case("dropout", 8, 2);
-    t.config.dropout = 0.3;
-    t.options.training = true;
-    t.options.dropout_seed = 77;
+    t.options.attention.dropout.probability = 0.3;
+    t.options.attention.dropout.training = true;
+    t.options.attention.dropout.seed = 77;
     t.key_len = 6;
     check_mha_by_finite_differences(t, attend::causal(alignment::bottom_right), 20);
 }
@@ -274,7 +274,7 @@ TEST(MhaBackwardFiniteDifferences, SeparateKeyValueWidthsWithoutBias) {
 
 TEST(MhaBackwardFiniteDifferences, PaddedQueriesAndEmptyRowsGetZeroGradients) {
     auto t = base_case("query padding + empty row", 8, 2);
-    t.options.empty_rows = attend::empty_rows::zero;
+    t.options.attention.empty_rows = attend::empty_rows::zero;
     t.query_len = 4;
     // Query 0 of every batch sees no key (sliding window behind a bottom-right diagonal), batch 1 pads query 3.
     tensor<bool, 2> allowed(4, 4);
@@ -292,17 +292,15 @@ TEST(MhaBackward, GradientsAreBitIdenticalForAnyThreadCount) {
     config.model_dim = 64;
     config.heads = 8;
     config.kv_heads = 2;
-    config.dropout = 0.1;
     const attend::multi_head_attention<float> m(config, 3);
     const auto x = attend_test::random_tensor<float>(31, 2, 300, 64);
     const auto d_out = attend_test::random_tensor<float>(32, 2, 300, 64);
     attend::mha_options o;
-    o.training = true;
-    o.dropout_seed = 9;
+    o.attention.dropout = {0.1, 9, true};
     o.rotary = attend::rotary_embedding{8};
     std::vector<attend::mha_gradients<float>> runs;
     for (const int threads : {1, 2, 7}) {
-        o.threads = threads;
+        o.attention.threads = threads;
         attend::mha_saved<float> saved;
         m.forward(x, x, x, attend::causal(alignment::top_left), o, saved);
         runs.push_back(
@@ -401,7 +399,7 @@ TEST(MhaBackwardErrors, NonFiniteDOutIsRejectedWhenChecked) {
         [&] { attend::multi_head_attention_backward(f.m, f.x, f.x, f.x, f.saved, f.d_out); },
         "attend.value.non_finite");
     attend::mha_options unchecked;
-    unchecked.check_finite = false;
+    unchecked.attention.check_finite = false;
     EXPECT_NO_THROW(attend::multi_head_attention_backward(f.m, f.x, f.x, f.x, f.saved, f.d_out, unchecked));
 }
 

@@ -194,7 +194,7 @@ TEST_P(MhaGolden, MatchesPyTorchInDouble) {
     const auto per_head = attend_test::to_double<4>(outputs.at("weights_per_head"), "weights_per_head");
 
     attend::mha_options options;
-    options.need_weights = true;
+    options.attention.need_weights = true;
     const auto avg = golden_forward(m, c, options);
     options.average_weights = false;
     const auto ph = golden_forward(m, c, options);
@@ -224,7 +224,7 @@ TEST_P(MhaGolden, MatchesPyTorchInFloat) {
     const json& c = attend_test::find_case(doc, GetParam());
     const auto m = attend::multi_head_attention<float>::from_torch(golden_config(c), golden_parameters<float>(c));
     attend::mha_options options;
-    options.need_weights = true;
+    options.attention.need_weights = true;
     const auto r = golden_forward(m, c, options);
     const auto out = attend_test::to_double<3>(attend_test::member(c, "outputs").at("out"), "out");
     const double e = max_abs_diff(r.out, out);
@@ -305,7 +305,7 @@ TEST(HeadSplit, PerHeadWeightsAreThoseOfEachHeadsOwnRows) {
     attend::multi_head_attention<double> m({6, 3}, 5);
     const auto x = random3<double>(6, 2, 4, 6);
     attend::mha_options o;
-    o.need_weights = true;
+    o.attention.need_weights = true;
     o.average_weights = false;
     const auto r = m.forward(x, x, x, o);
     const auto oracle = explicit_mha(m, x, x, x);
@@ -338,7 +338,7 @@ TEST(CrossAttention, RandomShapesWithKeyAndValueWidthsMatchTheOracle) {
         for (index_t b = 0; b < B; ++b) lengths.push_back(g.uniform_int(1, S));
         attend::mha_options o;
         o.key_padding = lengths;
-        o.need_weights = true;
+        o.attention.need_weights = true;
         o.average_weights = false;
         const auto r = m.forward(q, k, v, o);
         oracle_options oo;
@@ -363,7 +363,7 @@ TEST(CrossAttention, SelfAttentionIsCrossAttentionWithTheSameTensor) {
     // Cross-attention with L != S and no causal mask: every query sees every key.
     const auto src = random3<double>(5, 2, 7, 8);
     attend::mha_options o;
-    o.need_weights = true;
+    o.attention.need_weights = true;
     const auto r = m.forward(x, src, src, o);
     EXPECT_LE(max_abs_diff(r.out, explicit_mha(m, x, src, src).out), 1e-12);
     for (index_t i = 0; i < 5; ++i)
@@ -421,7 +421,7 @@ TEST(GroupedQuery, EqualsPlainAttentionWithRepeatedKeyValueWeights) {
         const auto full = repeated_kv(m);
         const auto x = random3<double>(42, 2, 5, 12), src = random3<double>(43, 2, 6, 12);
         attend::mha_options o;
-        o.need_weights = true;
+        o.attention.need_weights = true;
         o.average_weights = false;
         o.key_padding = {6, 4};
         const auto a = m.forward(x, src, src, o), b = full.forward(x, src, src, o);
@@ -472,7 +472,7 @@ TEST(Masks, KeyPaddingCombinesWithAnAdditiveMask) {
     bias(0, 2) = -std::numeric_limits<double>::infinity();
     attend::mha_options o;
     o.key_padding = {3, 2};
-    o.need_weights = true;
+    o.attention.need_weights = true;
     const auto r = m.forward(x, x, x, attend::additive_mask<double>::query_key_grid(bias), o);
     EXPECT_EQ(r.weights(0, 0, 2), 0.0);
     EXPECT_EQ(r.weights(1, 1, 2), 0.0);
@@ -485,7 +485,7 @@ TEST(Masks, PaddedQueriesAreZeroAndRealOnesIgnoreThePadding) {
     const std::vector<index_t> lengths{5, 3};
     attend::mha_options o;
     o.key_padding = lengths;
-    o.need_weights = true;
+    o.attention.need_weights = true;
     const auto qp = attend::query_padding(lengths);
     const auto a = m.forward(x, x, x, qp, o);
     for (index_t i = 3; i < 5; ++i)
@@ -506,8 +506,8 @@ TEST(Masks, AllKeysBlockedIsAnErrorOrZeroByPolicy) {
     attend::mha_options o;
     o.key_padding = {0};
     expect_error<attend::mask_error>([&] { m.forward(x, x, x, o); }, "attend.mask.empty_row");
-    o.empty_rows = attend::empty_rows::zero;
-    o.need_weights = true;
+    o.attention.empty_rows = attend::empty_rows::zero;
+    o.attention.need_weights = true;
     const auto r = m.forward(x, x, x, o);
     for (index_t n = 0; n < r.weights.size(); ++n) EXPECT_EQ(r.weights.data()[n], 0.0);
     for (index_t n = 0; n < r.out.size(); ++n) EXPECT_TRUE(std::isfinite(r.out.data()[n]));
@@ -538,46 +538,39 @@ TEST(Rotary, RotatesEachHeadOfQAndKAtItsPosition) {
 // ---------------------------------------------------------------------------------------------------------
 // Dropout
 
-template <class T>
-attend::multi_head_attention<T> with_dropout(const attend::multi_head_attention<T>& m, double p) {
-    auto c = m.config();
-    c.dropout = p;
-    return attend::multi_head_attention<T>::from_torch(c, m.to_torch());
-}
-
 TEST(Dropout, EvalIsBitIdenticalToNoDropout) {
-    const auto base = with_random_biases(attend::multi_head_attention<float>({8, 2}, 51), 52);
-    const auto dropping = with_dropout(base, 0.5);
+    const auto m = with_random_biases(attend::multi_head_attention<float>({8, 2}, 51), 52);
     const auto x = attend_test::random_tensor<float>(53, 2, 6, 8);
-    attend::mha_options o;
-    o.need_weights = true;
-    o.dropout_seed = 99;
-    const auto a = base.forward(x, x, x, o), b = dropping.forward(x, x, x, o);
+    attend::mha_options none, dropping;
+    none.attention.need_weights = dropping.attention.need_weights = true;
+    dropping.attention.dropout = {0.5, 99, false};
+    const auto a = m.forward(x, x, x, none), b = m.forward(x, x, x, dropping);
     EXPECT_TRUE(bit_equal(a.out, b.out));
     EXPECT_TRUE(bit_equal(a.weights, b.weights));
     // training with probability 0 drops nothing either.
-    o.training = true;
-    EXPECT_TRUE(bit_equal(base.forward(x, x, x, o).out, a.out));
+    none.attention.dropout.training = true;
+    EXPECT_TRUE(bit_equal(m.forward(x, x, x, none).out, a.out));
 }
 
 TEST(Dropout, TrainingUsesTheSeedDeterministically) {
-    const auto m = with_dropout(attend::multi_head_attention<double>({8, 2}, 61), 0.3);
+    const attend::multi_head_attention<double> m({8, 2}, 61);
     const auto x = random3<double>(62, 2, 6, 8);
     attend::mha_options o;
-    o.training = true;
-    o.dropout_seed = 5;
-    o.need_weights = true;
+    o.attention.dropout.probability = 0.3;
+    o.attention.dropout.training = true;
+    o.attention.dropout.seed = 5;
+    o.attention.need_weights = true;
     o.average_weights = false;
-    o.weights_after_dropout = true;
+    o.attention.weights_after_dropout = true;
     const auto a = m.forward(x, x, x, o), b = m.forward(x, x, x, o);
     EXPECT_TRUE(bit_equal(a.out, b.out));
     EXPECT_TRUE(bit_equal(a.head_weights, b.head_weights));
-    o.threads = 1;
+    o.attention.threads = 1;
     EXPECT_TRUE(bit_equal(m.forward(x, x, x, o).out, a.out));
-    o.dropout_seed = 6;
+    o.attention.dropout.seed = 6;
     EXPECT_GT(max_abs_diff(m.forward(x, x, x, o).out, a.out), 1e-6);
     attend::mha_options eval;
-    eval.need_weights = true;
+    eval.attention.need_weights = true;
     eval.average_weights = false;
     const auto e = m.forward(x, x, x, eval);
     EXPECT_GT(max_abs_diff(e.out, a.out), 1e-6);
@@ -596,15 +589,16 @@ TEST(Dropout, MeanOverSeedsApproachesTheEvalOutput) {
     // over N seeds estimates the eval output with a standard error sigma / sqrt(N) per element. The bound is
     // 5 standard errors of the sample itself (plus rounding), per element: a biased rescaling (e.g. no
     // 1 / (1 - p)) misses it by far more.
-    const auto m = with_dropout(with_random_biases(attend::multi_head_attention<double>({8, 2}, 71), 72), 0.25);
+    const auto m = with_random_biases(attend::multi_head_attention<double>({8, 2}, 71), 72);
     const auto x = random3<double>(73, 2, 5, 8);
     const auto reference = m.forward(x, x, x).out;
     const int n = attend_test::repeat(2000);
     std::vector<double> sum(static_cast<std::size_t>(reference.size()), 0.0), sum_sq(sum.size(), 0.0);
     attend::mha_options o;
-    o.training = true;
+    o.attention.dropout.probability = 0.25;
+    o.attention.dropout.training = true;
     for (int s = 0; s < n; ++s) {
-        o.dropout_seed = static_cast<std::uint64_t>(1000 + s);
+        o.attention.dropout.seed = static_cast<std::uint64_t>(1000 + s);
         const auto r = m.forward(x, x, x, o);
         for (index_t k = 0; k < r.out.size(); ++k) {
             sum[static_cast<std::size_t>(k)] += r.out.data()[k];
@@ -703,11 +697,6 @@ TEST(Errors, Constructor) {
     msg = expect_error<attend::shape_error>(make({12, 6, 4}), "attend.shape.gqa");
     EXPECT_TRUE(contains(msg, "kv_heads 4")) << msg;
     expect_error<attend::shape_error>(make({12, 2, 4}), "attend.shape.gqa");  // kv_heads > heads
-    mha_config d{8, 2};
-    for (const double p : {-0.1, 1.0, std::numeric_limits<double>::quiet_NaN()}) {
-        d.dropout = p;
-        expect_error<attend::value_error>(make(d), "attend.value.dropout");
-    }
     expect_error<attend::value_error>(make({0, 1}), "attend.value.size");
     expect_error<attend::value_error>(make({8, 0}), "attend.value.size");
     expect_error<attend::value_error>(make({8, 2, -1}), "attend.value.size");
@@ -818,15 +807,22 @@ TEST(Errors, ForwardMasksOptionsAndValues) {
     o.rotary.reset();
     expect_error<attend::position_error>([&] { m.forward(x, x, x, o); }, "attend.position.negative_offset");
     o.position_offset = 0;
-    o.scale = -1.0;
+    o.attention.scale = -1.0;
     expect_error<attend::value_error>([&] { m.forward(x, x, x, o); }, "attend.value.scale");
-    o.scale.reset();
+    o.attention.scale.reset();
+    o.attention.dropout.probability = -0.1;
+    expect_error<attend::value_error>([&] { m.forward(x, x, x, o); }, "attend.value.dropout");
+    o.attention.dropout.probability = 0;
+    o.attention.sinks = attend::attention_sinks{0.0, 0.0};
+    msg = expect_error<attend::value_error>([&] { m.forward(x, x, x, o); }, "attend.value.layer_sinks");
+    EXPECT_TRUE(contains(msg, "with_sinks(true)")) << msg;
+    o.attention.sinks = {};
     auto bad = x;
     bad(1, 2, 5) = std::numeric_limits<double>::quiet_NaN();
     msg = expect_error<attend::value_error>([&] { m.forward(x, bad, x); }, "attend.value.non_finite");
     EXPECT_TRUE(contains(msg, "key") && contains(msg, "[1,2,5]")) << msg;
     attend::mha_options unchecked;
-    unchecked.check_finite = false;
+    unchecked.attention.check_finite = false;
     EXPECT_NO_THROW(m.forward(x, bad, x, unchecked));
 }
 
@@ -840,16 +836,14 @@ TEST(NamedConfig, SettersNameEveryFieldAndMatchThePositionalSpelling) {
                            .with_kv_heads(2)
                            .with_key_dim(12)
                            .with_value_dim(10)
-                           .with_bias(false)
-                           .with_dropout(0.25);
-    const attend::mha_config positional{16, 4, 2, 12, 10, false, 0.25};
+                           .with_bias(false);
+    const attend::mha_config positional{16, 4, 2, 12, 10, false};
     EXPECT_EQ(named.model_dim, positional.model_dim);
     EXPECT_EQ(named.heads, positional.heads);
     EXPECT_EQ(named.kv_heads, positional.kv_heads);
     EXPECT_EQ(named.key_dim, positional.key_dim);
     EXPECT_EQ(named.value_dim, positional.value_dim);
     EXPECT_EQ(named.bias, positional.bias);
-    EXPECT_EQ(named.dropout, positional.dropout);
     // A setter returns a changed copy and leaves its source alone, so a base config can be shared.
     const auto base = attend::mha_config{}.with_model_dim(8).with_heads(2);
     const auto grouped = base.with_kv_heads(1);
@@ -881,7 +875,7 @@ TEST(TorchMasks, AttnMaskAndKeyPaddingTakeTheSameWrapperAndMeanWhatPyTorchMeans)
         for (index_t b = 0; b < B; ++b)
             for (index_t j = 0; j < S; ++j) key_padding_mask(b, j) = j > 0 && g.bernoulli(0.3);
         attend::mha_options o;
-        o.need_weights = true;
+        o.attention.need_weights = true;
         o.average_weights = false;
         o.key_padding = attend::forbidden_mask::key_padding(key_padding_mask);
         const auto direct = m.forward(q, kv, kv, attend::forbidden_mask::query_key_grid(attn_mask), o);
@@ -922,7 +916,7 @@ TEST(WeightsAccessor, SaysWhichKindItHoldsAndThrowsForTheOther) {
     EXPECT_TRUE(contains(msg, "need_weights = false")) << msg;
     expect_error<attend::value_error>([&] { (void)none.per_head_weights(); }, "attend.value.weights_kind");
 
-    o.need_weights = true;
+    o.attention.need_weights = true;
     const auto averaged = m.forward(x, x, x, o);
     EXPECT_EQ(averaged.weights_kind, attend::weights_kind::averaged);
     EXPECT_EQ(averaged.averaged_weights().dimensions(), (std::array<index_t, 3>{2, 4, 4}));

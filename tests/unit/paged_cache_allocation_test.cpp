@@ -124,7 +124,7 @@ TEST(PagedCacheAllocation, MultiHeadDecodingThatFailsAfterItsAppendTakesTheAppen
     tensor<float, 3> x(1, 7, 8);
     attend_test::fill_uniform(x, 2);
     attend::mha_options o;
-    o.threads = 1;
+    o.attention.threads = 1;
     (void)m.forward_cached(x, cache, {a}, {7}, o);
     const index_t b = cache.fork(a);
     auto twin = cache;

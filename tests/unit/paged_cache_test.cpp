@@ -707,7 +707,7 @@ void expect_ragged_batching_equals_each_sequence_alone() {
     const attend::multi_head_attention<T> m(cfg, 5);
     attend::mha_options o;
     o.rotary = attend::rotary_embedding{8};
-    o.threads = 2;
+    o.attention.threads = 2;
     attend::paged_cache_config pc = attend_test::paged_config(2, D, 4, 64, 4);
     attend::paged_kv_cache<S> cache(pc);
     std::map<index_t, attend_test::plain_cache_t<S>> alone;
@@ -793,7 +793,7 @@ TEST(PagedCacheMha, ARollingWindowKeepsAbsoluteRotaryPositionsAndEqualsASlidingW
     const attend::multi_head_attention<float> m(cfg, 9);
     attend::mha_options o;
     o.rotary = attend::rotary_embedding{4};
-    o.threads = 1;
+    o.attention.threads = 1;
     attend::paged_kv_cache<float> cache(attend_test::paged_config(2, 4, 8, 8, 1, 20));
     const index_t id = cache.add_sequence();
     auto plain = m.make_cache(1, 300);
@@ -831,7 +831,7 @@ TEST(PagedCacheMha, ModuleAndCacheMustFit) {
         "attend.shape.sequences");
     expect_error<attend::shape_error>([&] { (void)m.forward_cached(x, cache, {s}, {2}); }, "attend.shape.sequences");
     attend::mha_options o;
-    o.need_weights = true;
+    o.attention.need_weights = true;
     expect_error<attend::value_error>([&] { (void)m.forward_cached(x, cache, {s}, {1}, o); },
                                       "attend.value.need_weights");
     EXPECT_EQ(cache.length(s), 0);

@@ -105,7 +105,7 @@ void check_golden_case(const json& c, double tolerance) {
     const auto value = attend_test::to_tensor<T, 3>(in.at("value"), "value");
     const json& masks = c.at("masks");
     attend::mha_options options;
-    options.need_weights = true;
+    options.attention.need_weights = true;
     options.key_padding =
         attend::forbidden_mask::key_padding(attend_test::to_bool<2>(masks.at("key_padding_mask"), "key_padding"));
     const auto r = m.forward(query, key, value,

@@ -174,7 +174,7 @@ TEST(SoftcapErrors, NonPositiveOrNonFiniteCapIsRejectedBeforeAnyWrite) {
     attend::multi_head_attention<double> m(config);
     const auto x = attend_test::random_tensor<double>(1, 1, 3, 8);
     attend::mha_options mo;
-    mo.softcap = -2;
+    mo.attention.softcap = -2;
     attend_test::expect_error<attend::value_error>([&] { m.forward(x, x, x, mo); }, "attend.value.softcap");
 }
 
