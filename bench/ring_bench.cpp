@@ -63,12 +63,14 @@ void overlap(index_t tokens, index_t dim, index_t heads, index_t repeats, int ra
     const auto k = random_tensor<T>(100 + static_cast<std::uint64_t>(rank), 1, heads, tokens, dim);
     const auto v = random_tensor<T>(200 + static_cast<std::uint64_t>(rank), 1, heads, tokens, dim);
     const attend::tensor<attend::accumulator_t<T>, 4> q_wide = q.template cast<attend::accumulator_t<T>>();
+    const ad::shard_layout layout(ad::sharding::contiguous,
+                                  std::vector<index_t>(static_cast<std::size_t>(ranks), tokens));
     ad::ring_options ro;
-    ro.threads = 1;  // one rank per core
+    ro.attention.threads = 1;  // one rank per core
     attend::sdpa_options so;
     so.threads = 1;
     so.need_lse = true;
-    const auto ring_call = [&] { ad::ring_attention(q, k, v, MPI_COMM_WORLD, ro); };
+    const auto ring_call = [&] { ad::ring_attention(q, k, v, layout, MPI_COMM_WORLD, ro); };
     const auto compute_alone = [&] {  // the ring's blocks and merges on this rank, K / V never moving
         auto acc = attend::scaled_dot_product_attention(q_wide, k, v, so);
         for (int t = 1; t < ranks; ++t) {
@@ -133,10 +135,10 @@ void balance(int argc, char** argv, int rank, int ranks) {
         const auto full_q = random_tensor(7, 1, heads, total, dim);
         const auto q = ad::take_shard(full_q, layout, rank);
         ad::ring_options o;
-        o.layout = kind;
         MPI_Barrier(MPI_COMM_WORLD);
-        double seconds = ad::ring_attention(q, q, q, attend::causal(attend::alignment::top_left), MPI_COMM_WORLD, o)
-                             .statistics.compute_seconds;
+        double seconds =
+            ad::ring_attention(q, q, q, attend::causal(attend::alignment::top_left), layout, MPI_COMM_WORLD, o)
+                .statistics.compute_seconds;
         std::vector<double> times(static_cast<std::size_t>(ranks));
         MPI_Gather(&seconds, 1, MPI_DOUBLE, times.data(), 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
         if (rank != 0) continue;

@@ -45,12 +45,11 @@ int main(int argc, char** argv) {
     const ad::shard_layout layout(ad::sharding::zigzag,
                                   ad::shard_layout::balanced_lengths(ad::sharding::zigzag, 16, ranks));
     ad::ring_options options;
-    options.layout = ad::sharding::zigzag;
     const auto shard = [&](const auto& x) { return ad::take_shard(x, layout, rank); };
 
-    const auto ring = ad::ring_attention(shard(q), shard(k), shard(v), causal, MPI_COMM_WORLD, options);
+    const auto ring = ad::ring_attention(shard(q), shard(k), shard(v), causal, layout, MPI_COMM_WORLD, options);
     const auto grads = ad::ring_attention_backward(shard(q), shard(k), shard(v), causal, ring.out, ring.lse,
-                                                   shard(d_out), MPI_COMM_WORLD, options);
+                                                   shard(d_out), layout, MPI_COMM_WORLD, options);
 
     // The same attention in one process, to compare this rank's rows with.
     attend::sdpa_options one;
@@ -58,7 +57,8 @@ int main(int argc, char** argv) {
     const auto whole = attend::scaled_dot_product_attention(q, k, v, causal, one);
     const auto whole_grads =
         attend::scaled_dot_product_attention_backward(q, k, v, causal, whole.out, whole.lse, d_out, one);
-    double mine = std::max({max_difference(ring.out, shard(whole.out)), max_difference(ring.lse, shard(whole.lse)),
+    double mine = std::max({max_difference(ring.out, shard(whole.out)),
+                            max_difference(ring.lse, ad::take_shard(whole.lse, layout, rank, ad::sequence_axis{2})),
                             max_difference(grads.d_query, shard(whole_grads.d_query)),
                             max_difference(grads.d_key, shard(whole_grads.d_key)),
                             max_difference(grads.d_value, shard(whole_grads.d_value))});

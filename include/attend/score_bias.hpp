@@ -82,6 +82,16 @@ public:
     /// The alignment i' is computed with.
     alignment bias_alignment() const { return align_; }
 
+    /// The bias of a block of a longer call (ring attention): the block's query 0 is query `query_begin` and its key
+    /// 0 key `key_begin` of scores with query_len queries and key_len keys, so the block, computed on its own, adds
+    /// what the whole call adds there. Validate against the whole call's shape.
+    score_bias block_of(index_t query_begin, index_t key_begin, index_t query_len, index_t key_len) const {
+        score_bias b = *this;
+        b.offset_ = shift(query_len, key_len) + query_begin - key_begin;
+        b.align_ = alignment::top_left;
+        return b;
+    }
+
     /// Checks the bias fits scores `[batch, heads, query_len, key_len]`; kernels call it before writing output.
     /// Throws shape_error `attend.shape.score_bias_heads` if the ALiBi slopes or the table's heads != heads;
     /// value_error `attend.value.alibi_slopes` / `attend.value.score_bias_table` if a slope times the largest
@@ -189,7 +199,7 @@ private:
     }
 
     index_t shift(index_t query_len, index_t key_len) const {
-        return align_ == alignment::bottom_right ? key_len - query_len : 0;
+        return offset_ + (align_ == alignment::bottom_right ? key_len - query_len : 0);
     }
 
     template <class T>
@@ -207,6 +217,7 @@ private:
 
     kind kind_ = kind::none;
     alignment align_ = alignment::top_left;
+    index_t offset_ = 0;  ///< added to i' (block_of)
     std::vector<double> slopes_;
     std::shared_ptr<const relative_position_bias<double>> table_;
 };

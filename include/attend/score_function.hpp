@@ -66,6 +66,33 @@ private:
     DF df_;
 };
 
+/// Another modifier seen from a block of a longer call: the block's query i and key j are query_begin + i and
+/// key_begin + j of the whole call (ring attention).
+class shifted_score_tiles final : public score_tiles {
+public:
+    shifted_score_tiles(std::shared_ptr<const score_tiles> whole, index_t query_begin, index_t key_begin)
+        : whole_(std::move(whole)), query_begin_(query_begin), key_begin_(key_begin) {}
+    void apply(const tile& t, float* scores, index_t ld, float* slope) const override {
+        whole_->apply(shifted(t), scores, ld, slope);
+    }
+    void apply(const tile& t, double* scores, index_t ld, double* slope) const override {
+        whole_->apply(shifted(t), scores, ld, slope);
+    }
+    bool has_derivative() const override { return whole_->has_derivative(); }
+
+private:
+    tile shifted(tile t) const {
+        t.query_begin += query_begin_;
+        t.query_end += query_begin_;
+        t.key_begin += key_begin_;
+        t.key_end += key_begin_;
+        return t;
+    }
+
+    std::shared_ptr<const score_tiles> whole_;
+    index_t query_begin_, key_begin_;
+};
+
 /// F is callable as f(score, batch, head, query, key) with a result convertible to the score's type T.
 template <class F, class T>
 constexpr bool is_score_function_v = std::is_invocable_r_v<T, const F&, T, mod_index, mod_index, mod_index, mod_index>;
@@ -84,6 +111,13 @@ public:
     bool empty() const { return tiles_ == nullptr; }                            ///< no modifier
     bool has_derivative() const { return tiles_ && tiles_->has_derivative(); }  ///< the backward can use it
     const detail::score_tiles* tiles() const { return tiles_.get(); }           ///< what the kernels call
+
+    /// The modifier of a block of a longer call (ring attention): the block's query 0 and key 0 are query_begin and
+    /// key_begin of the whole call, which f sees. Validate against the whole call's shape.
+    score_function block_of(index_t query_begin, index_t key_begin) const {
+        if (empty()) return {};
+        return score_function(std::make_shared<detail::shifted_score_tiles>(tiles_, query_begin, key_begin));
+    }
 
     /// A call of shape s can pass its positions as mod_index. Throws shape_error attend.shape.mod_positions for a
     /// batch, heads, query_len or key_len beyond its range.

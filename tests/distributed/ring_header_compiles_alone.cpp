@@ -6,4 +6,4 @@
 #include <attend/distributed/ring.hpp>
 // clang-format on
 
-int main() { return attend::distributed::ring_options{}.threads == 0 ? 0 : 1; }
+int main() { return attend::distributed::ring_options{}.attention.threads == 0 ? 0 : 1; }

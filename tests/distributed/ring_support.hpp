@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <attend/distributed/sharding.hpp>
 #include <attend/tensor.hpp>
 
 #include "support/compare.hpp"
@@ -34,6 +35,13 @@ inline int mpi_size() {
 template <class T, int R>
 double relative_error(const attend::tensor<T, R>& a, const attend::tensor<T, R>& b) {
     return max_rel_diff(a, b, 0.1);
+}
+
+/// The contiguous layout of `length` positions on every rank of the world communicator.
+inline attend::distributed::shard_layout even_layout(attend::index_t length) {
+    return attend::distributed::shard_layout(attend::distributed::sharding::contiguous,
+                                             std::vector<attend::index_t>(static_cast<std::size_t>(mpi_size()),
+                                                                          length));
 }
 
 /// True on every rank when `text` is the same string on every rank.

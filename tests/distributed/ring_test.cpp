@@ -25,6 +25,7 @@
 #include <attend/distributed/ring.hpp>
 
 #include "distributed/ring_support.hpp"
+#include "support/errors.hpp"
 #include "support/random.hpp"
 #include "support/storage16.hpp"
 
@@ -82,13 +83,12 @@ void expect_ring_equals_single_process(const problem_config& c, const Mask& mask
     attend_test::fill_uniform(d_out, g.next());
 
     ad::ring_options ro;
-    ro.layout = c.layout;
-    ro.empty_rows = attend::empty_rows::zero;  // key padding may leave a sequence with no key at all
-    if (c.dropout) ro.dropout = {0.25, c.seed * 7 + 1, true};
+    ro.attention.empty_rows = attend::empty_rows::zero;  // key padding may leave a sequence with no key at all
+    if (c.dropout) ro.attention.dropout = {0.25, c.seed * 7 + 1, true};
     attend::sdpa_options so;
     so.need_lse = true;
-    so.empty_rows = ro.empty_rows;
-    so.dropout = ro.dropout;
+    so.empty_rows = ro.attention.empty_rows;
+    so.dropout = ro.attention.dropout;
     so.threads = 1;
     const auto whole = attend::scaled_dot_product_attention(q, k, v, mask, so);
     const auto whole_grad =
@@ -98,11 +98,13 @@ void expect_ring_equals_single_process(const problem_config& c, const Mask& mask
     const int rank = mpi_rank();
     const auto shard = [&](const auto& x) { return ad::take_shard(x, layout, rank); };
     const auto qs = shard(q), ks = shard(k), vs = shard(v), ds = shard(d_out);
-    const auto ring = ad::ring_attention(qs, ks, vs, mask, MPI_COMM_WORLD, ro);
+    const auto ring = ad::ring_attention(qs, ks, vs, mask, layout, MPI_COMM_WORLD, ro);
     const std::string where = describe(c, lengths) + ", rank " + std::to_string(rank);
     EXPECT_LE(relative_error(ring.out, shard(whole.out)), tolerance) << "out, " << where;
-    EXPECT_LE(relative_error(ring.lse, shard(whole.lse)), tolerance) << "lse, " << where;
-    const auto grads = ad::ring_attention_backward(qs, ks, vs, mask, ring.out, ring.lse, ds, MPI_COMM_WORLD, ro);
+    EXPECT_LE(relative_error(ring.lse, ad::take_shard(whole.lse, layout, rank, ad::sequence_axis{2})), tolerance)
+        << "lse, " << where;
+    const auto grads =
+        ad::ring_attention_backward(qs, ks, vs, mask, ring.out, ring.lse, ds, layout, MPI_COMM_WORLD, ro);
     EXPECT_LE(relative_error(grads.d_query, shard(whole_grad.d_query)), tolerance) << "dq, " << where;
     EXPECT_LE(relative_error(grads.d_key, shard(whole_grad.d_key)), tolerance) << "dk, " << where;
     EXPECT_LE(relative_error(grads.d_value, shard(whole_grad.d_value)), tolerance) << "dv, " << where;
@@ -181,39 +183,149 @@ TEST(RingAttention, ForwardAndBackwardEqualSingleProcessAttentionInFloatForEvery
     run_all_mask_kinds<float>(1e-5);
 }
 
+/// A `[batch, heads, len, dim]` tensor of uniform values from `seed`, the same on every rank.
+attend::tensor<double, 4> uniform(index_t batch, index_t heads, index_t len, index_t dim, std::uint64_t seed) {
+    attend::tensor<double, 4> t(batch, heads, len, dim);
+    attend_test::fill_uniform(t, seed);
+    return t;
+}
+
+/// The ring's forward and backward over zigzag shards of q, k, v, d_out `[batch, heads, total, dim]` equal one
+/// process's call with the same options to 1e-12, d_sinks included when there are sinks.
+template <class Mask>
+void expect_zigzag_ring_equals_one_call(const attend::tensor<double, 4>& q, const attend::tensor<double, 4>& k,
+                                        const attend::tensor<double, 4>& v, const attend::tensor<double, 4>& d_out,
+                                        const Mask& mask, const attend::sdpa_options& so) {
+    const int rank = mpi_rank();
+    const auto whole = attend::scaled_dot_product_attention(q, k, v, mask, so);
+    const auto whole_grad =
+        attend::scaled_dot_product_attention_backward(q, k, v, mask, whole.out, whole.lse, d_out, so);
+    const index_t total = q.dimension(2);
+    const ad::shard_layout layout(ad::sharding::zigzag,
+                                  ad::shard_layout::balanced_lengths(ad::sharding::zigzag, total, mpi_size()));
+    const auto shard = [&](const auto& x) { return ad::take_shard(x, layout, rank); };
+    ad::ring_options ro;
+    ro.attention = so;
+    const auto ring = ad::ring_attention(shard(q), shard(k), shard(v), mask, layout, MPI_COMM_WORLD, ro);
+    const auto grads = ad::ring_attention_backward(shard(q), shard(k), shard(v), mask, ring.out, ring.lse, shard(d_out),
+                                                   layout, MPI_COMM_WORLD, ro);
+    EXPECT_LE(relative_error(ring.out, shard(whole.out)), 1e-12);
+    EXPECT_LE(relative_error(ring.lse, ad::take_shard(whole.lse, layout, rank, ad::sequence_axis{2})), 1e-12);
+    EXPECT_LE(relative_error(grads.d_query, shard(whole_grad.d_query)), 1e-12);
+    EXPECT_LE(relative_error(grads.d_key, shard(whole_grad.d_key)), 1e-12);
+    EXPECT_LE(relative_error(grads.d_value, shard(whole_grad.d_value)), 1e-12);
+    ASSERT_EQ(grads.d_sinks.size(), whole_grad.d_sinks.size());
+    if (grads.d_sinks.size() == 0) return;
+    EXPECT_LE(relative_error(grads.d_sinks, whole_grad.d_sinks), 1e-12);
+    EXPECT_GT(attend_test::max_abs_diff(grads.d_sinks, attend::tensor<double, 1>(grads.d_sinks.size()).setZero()),
+              1e-3);
+    EXPECT_TRUE(
+        attend_test::same_on_every_rank(std::string(reinterpret_cast<const char*>(grads.d_sinks.data()),
+                                                    sizeof(double) * static_cast<std::size_t>(grads.d_sinks.size()))));
+}
+
 TEST(RingAttention, ShardsLargeEnoughToComputeWhileTransfersProgressEqualSingleProcessAttention) {
     // 256 positions per rank, 2 heads, head_dim 16: each step (256 * 256 * 2 * 32 multiply-adds) reaches the size
     // at which the ring computes on a worker thread while the calling thread polls MPI (the small problems above
     // compute inline).
-    const int rank = mpi_rank(), ranks = mpi_size();
-    const index_t total = 256 * ranks;
-    attend::tensor<double, 4> q(1, 2, total, 16), k(1, 2, total, 16), v(1, 2, total, 16), d_out(1, 2, total, 16);
-    attend_test::fill_uniform(q, 61);
-    attend_test::fill_uniform(k, 62);
-    attend_test::fill_uniform(v, 63);
-    attend_test::fill_uniform(d_out, 64);
-    const auto mask = attend::causal(attend::alignment::top_left);
-    ad::ring_options ro;
-    ro.layout = ad::sharding::zigzag;
-    ro.dropout = {0.1, 65, true};
+    const index_t total = 256 * mpi_size();
+    const auto q = uniform(1, 2, total, 16, 61), k = uniform(1, 2, total, 16, 62), v = uniform(1, 2, total, 16, 63),
+               d_out = uniform(1, 2, total, 16, 64);
     attend::sdpa_options so;
     so.need_lse = true;
     so.threads = 1;
-    so.dropout = ro.dropout;
+    so.dropout = {0.1, 65, true};
+    expect_zigzag_ring_equals_one_call(q, k, v, d_out, attend::causal(attend::alignment::top_left), so);
+}
+
+/// Every sdpa_options score feature in the ring equals one process's call: scores shaped at global positions
+/// (a position-dependent score_mod, ALiBi or a T5 table, softcap), sinks joined once per row, forward and backward
+/// (d_sinks the same on every rank), zigzag shards, grouped-query heads and padding that leaves rows empty.
+TEST(RingAttention, EveryScoreFeatureOfSdpaGivesTheSingleProcessResult) {
+    const index_t total = 7 * mpi_size();
+    const auto q = uniform(2, 4, total, 8, 71), k = uniform(2, 2, total, 8, 72), v = uniform(2, 2, total, 6, 73),
+               d_out = uniform(2, 4, total, 6, 74);
+    // Sequence 1's last queries see no key: key padding and a window ahead of the diagonal.
+    const auto mask = attend::causal(attend::alignment::top_left) && attend::key_padding({total, total - 3}) &&
+                      attend::query_padding({total, total - 1});
+    const attend::relative_position_bias<double> table(4, false, 8, 16, 75);
+    for (int feature = 0; feature < 3; ++feature) {
+        SCOPED_TRACE("feature " + std::to_string(feature));
+        attend::sdpa_options so;
+        so.threads = 1;
+        so.empty_rows = attend::empty_rows::zero;
+        so.sinks = attend::attention_sinks{0.5, -1.0, 2.0, 0.25};
+        so.softcap = 3.0;
+        if (feature == 0)  // distances to global positions: a block at the wrong offset changes them
+            so.score_mod = attend::score_mod([](auto s, auto, auto h, auto i,
+                                                auto j) { return s + decltype(s)(0.01 * (h + 1) * (i - 2 * j)); },
+                                             [](auto, auto, auto, auto, auto) { return 1.0; });
+        if (feature == 1)
+            so.score_bias = attend::score_bias::alibi(attend::alibi_slopes(4), attend::alignment::top_left);
+        if (feature == 2) so.score_bias = attend::score_bias::relative(table, attend::alignment::bottom_right);
+        expect_zigzag_ring_equals_one_call(q, k, v, d_out, mask, so);
+    }
+}
+
+/// Rank-3 inputs `[batch, len, dim]` (one head) give what one rank-3 call gives, results of rank 3 and 2, with a
+/// rank-3 dense mask `[batch, total, total]` broadcast as that call broadcasts it.
+TEST(RingAttention, RankThreeInputsGiveTheSingleProcessRankThreeResult) {
+    const int rank = mpi_rank(), ranks = mpi_size();
+    const index_t total = 6 * ranks;
+    attend::tensor<double, 3> q(2, total, 8), k(2, total, 8), v(2, total, 5), d_out(2, total, 5);
+    attend_test::fill_uniform(q, 91);
+    attend_test::fill_uniform(k, 92);
+    attend_test::fill_uniform(v, 93);
+    attend_test::fill_uniform(d_out, 94);
+    attend::tensor<bool, 3> allowed(2, total, total);
+    attend_test::rng g(95);
+    for (index_t n = 0; n < allowed.size(); ++n) allowed.data()[n] = g.uniform_int(0, 3) != 0;
+    for (index_t b = 0; b < 2; ++b)
+        for (index_t i = 0; i < total; ++i) allowed(b, i, i) = true;
+    const auto mask = attend::allowed_mask::from_torch_sdpa(allowed);
+    attend::sdpa_options so;
+    so.threads = 1;
+    so.softcap = 4.0;
     const auto whole = attend::scaled_dot_product_attention(q, k, v, mask, so);
     const auto whole_grad =
         attend::scaled_dot_product_attention_backward(q, k, v, mask, whole.out, whole.lse, d_out, so);
     const ad::shard_layout layout(ad::sharding::zigzag,
                                   ad::shard_layout::balanced_lengths(ad::sharding::zigzag, total, ranks));
-    const auto shard = [&](const auto& x) { return ad::take_shard(x, layout, rank); };
-    const auto ring = ad::ring_attention(shard(q), shard(k), shard(v), mask, MPI_COMM_WORLD, ro);
+    const auto shard = [&](const auto& x) { return ad::take_shard(x, layout, rank, ad::sequence_axis{1}); };
+    ad::ring_options ro;
+    ro.attention = so;
+    const auto ring = ad::ring_attention(shard(q), shard(k), shard(v), mask, layout, MPI_COMM_WORLD, ro);
+    static_assert(std::is_same_v<decltype(ring.out), attend::tensor<double, 3>> &&
+                  std::is_same_v<decltype(ring.lse), attend::tensor<double, 2>>);
     const auto grads = ad::ring_attention_backward(shard(q), shard(k), shard(v), mask, ring.out, ring.lse, shard(d_out),
-                                                   MPI_COMM_WORLD, ro);
+                                                   layout, MPI_COMM_WORLD, ro);
     EXPECT_LE(relative_error(ring.out, shard(whole.out)), 1e-12);
-    EXPECT_LE(relative_error(ring.lse, shard(whole.lse)), 1e-12);
+    EXPECT_LE(relative_error(ring.lse, ad::take_shard(whole.lse, layout, rank)), 1e-12);
     EXPECT_LE(relative_error(grads.d_query, shard(whole_grad.d_query)), 1e-12);
     EXPECT_LE(relative_error(grads.d_key, shard(whole_grad.d_key)), 1e-12);
     EXPECT_LE(relative_error(grads.d_value, shard(whole_grad.d_value)), 1e-12);
+}
+
+/// With sinks, a row with no allowed key is still the single-process empty-row error, forward and backward.
+TEST(RingAttention, SinksDoNotHideARowWithNoKey) {
+    const int rank = mpi_rank();
+    const index_t total = 4 * mpi_size();
+    attend::tensor<double, 4> q(2, 2, total, 8);
+    attend_test::fill_uniform(q, 81);
+    const auto layout = attend_test::even_layout(4);
+    const auto qs = ad::take_shard(q, layout, rank);
+    const auto mask = attend::key_padding({total, 0});  // sequence 1 has no key
+    ad::ring_options ro;
+    ro.attention.sinks = attend::attention_sinks{0.5, 1.0};
+    attend_test::expect_error<attend::mask_error>(
+        [&] { ad::ring_attention(qs, qs, qs, mask, layout, MPI_COMM_WORLD, ro); }, "attend.mask.empty_row");
+    ro.attention.empty_rows = attend::empty_rows::zero;
+    const auto zero = ad::ring_attention(qs, qs, qs, mask, layout, MPI_COMM_WORLD, ro);
+    EXPECT_EQ(zero.lse(1, 1, 0), 1.0);  // a zero row's lse is its sink, as in one call
+    ro.attention.empty_rows = attend::empty_rows::error;
+    attend_test::expect_error<attend::mask_error>(
+        [&] { ad::ring_attention_backward(qs, qs, qs, mask, zero.out, zero.lse, qs, layout, MPI_COMM_WORLD, ro); },
+        "attend.mask.empty_row");
 }
 
 TEST(RingAttention, ResultsAreBitIdenticalWhateverTheTimingOfTheRanks) {
@@ -226,15 +338,14 @@ TEST(RingAttention, ResultsAreBitIdenticalWhateverTheTimingOfTheRanks) {
     const ad::shard_layout layout(ad::sharding::zigzag,
                                   ad::shard_layout::balanced_lengths(ad::sharding::zigzag, total, mpi_size()));
     ad::ring_options o;
-    o.layout = ad::sharding::zigzag;
     const auto qs = ad::take_shard(q, layout, rank), ks = ad::take_shard(k, layout, rank),
                vs = ad::take_shard(v, layout, rank);
     const auto mask = attend::causal(attend::alignment::top_left);
-    const auto first = ad::ring_attention(qs, ks, vs, mask, MPI_COMM_WORLD, o);
+    const auto first = ad::ring_attention(qs, ks, vs, mask, layout, MPI_COMM_WORLD, o);
     // Delay a different rank each time so messages arrive in another order relative to the computation.
     for (int slow = 0; slow < mpi_size(); ++slow) {
         if (rank == slow) std::this_thread::sleep_for(std::chrono::milliseconds(30));
-        const auto again = ad::ring_attention(qs, ks, vs, mask, MPI_COMM_WORLD, o);
+        const auto again = ad::ring_attention(qs, ks, vs, mask, layout, MPI_COMM_WORLD, o);
         EXPECT_TRUE(std::equal(first.out.data(), first.out.data() + first.out.size(), again.out.data()));
         EXPECT_TRUE(std::equal(first.lse.data(), first.lse.data() + first.lse.size(), again.lse.data()));
     }
@@ -254,16 +365,16 @@ TEST(RingAttention, ThreadsDefaultToThisRanksShareOfTheNodesLogicalCpusAndGiveTh
     const auto qs = ad::take_shard(q, layout, rank), ks = ad::take_shard(k, layout, rank),
                vs = ad::take_shard(v, layout, rank), ds = ad::take_shard(d_out, layout, rank);
     const auto mask = attend::causal(attend::alignment::top_left);
-    const auto by_default = ad::ring_attention(qs, ks, vs, mask, MPI_COMM_WORLD);
+    const auto by_default = ad::ring_attention(qs, ks, vs, mask, layout, MPI_COMM_WORLD);
     EXPECT_EQ(by_default.statistics.threads, share);
     ad::ring_options three;
-    three.threads = 3;
-    const auto with_three = ad::ring_attention(qs, ks, vs, mask, MPI_COMM_WORLD, three);
+    three.attention.threads = 3;
+    const auto with_three = ad::ring_attention(qs, ks, vs, mask, layout, MPI_COMM_WORLD, three);
     EXPECT_EQ(with_three.statistics.threads, 3);
     EXPECT_TRUE(
         std::equal(by_default.out.data(), by_default.out.data() + by_default.out.size(), with_three.out.data()));
     const auto grads =
-        ad::ring_attention_backward(qs, ks, vs, mask, by_default.out, by_default.lse, ds, MPI_COMM_WORLD);
+        ad::ring_attention_backward(qs, ks, vs, mask, by_default.out, by_default.lse, ds, layout, MPI_COMM_WORLD);
     EXPECT_EQ(grads.statistics.threads, share);
 }
 
@@ -276,18 +387,19 @@ TEST(RingAttention, AShardTheMaskHidesFromEveryLaterRankIsNeitherSentNorComputed
                                   std::vector<index_t>(static_cast<std::size_t>(ranks), shard_len));
     const auto qs = ad::take_shard(q, layout, rank);
     // A window of 3 keys back: rank r needs only its own shard and the end of rank r - 1's.
-    const auto windowed =
-        ad::ring_attention(qs, qs, qs, attend::sliding_window(3, 0, attend::alignment::top_left), MPI_COMM_WORLD);
+    const auto windowed = ad::ring_attention(qs, qs, qs, attend::sliding_window(3, 0, attend::alignment::top_left),
+                                             layout, MPI_COMM_WORLD);
     EXPECT_EQ(windowed.statistics.shards_sent, rank + 1 < ranks ? 1 : 0);
     EXPECT_EQ(windowed.statistics.blocks_computed, rank > 0 ? 2 : 1);
     EXPECT_EQ(windowed.statistics.bytes_sent, rank + 1 < ranks ? 2 * shard_len * 4 * index_t(sizeof(float)) : 0);
     // Causal: shard s goes only to ranks s + 1 .. N - 1, so rank r < N - 1 passes on shards 0 .. r and the last
     // rank sends nothing (without the mask every rank would send N - 1 shards).
-    const auto causal = ad::ring_attention(qs, qs, qs, attend::causal(attend::alignment::top_left), MPI_COMM_WORLD);
+    const auto causal =
+        ad::ring_attention(qs, qs, qs, attend::causal(attend::alignment::top_left), layout, MPI_COMM_WORLD);
     EXPECT_EQ(causal.statistics.shards_sent, rank + 1 < ranks ? rank + 1 : 0);
     EXPECT_EQ(causal.statistics.blocks_computed, rank + 1);
     // Without a mask every shard visits every rank.
-    const auto full = ad::ring_attention(qs, qs, qs, MPI_COMM_WORLD);
+    const auto full = ad::ring_attention(qs, qs, qs, layout, MPI_COMM_WORLD);
     EXPECT_EQ(full.statistics.shards_sent, ranks - 1);
     EXPECT_EQ(full.statistics.blocks_computed, ranks);
 }
@@ -310,15 +422,14 @@ void expect_16bit_ring_is_the_float_ring_rounded_once(std::uint64_t seed, bool d
     const auto v = attend_test::random16<T>(g.next(), batch, kv_heads, total, value_dim);
     const auto d_out = attend_test::random16<T>(g.next(), batch, heads, total, value_dim);
     ad::ring_options ro;
-    ro.layout = dense ? ad::sharding::contiguous : ad::sharding::zigzag;
-    ro.empty_rows = attend::empty_rows::zero;
-    if (!dense) ro.dropout = {0.2, seed, true};
-    const ad::shard_layout layout(ro.layout, lengths);
+    ro.attention.empty_rows = attend::empty_rows::zero;
+    if (!dense) ro.attention.dropout = {0.2, seed, true};
+    const ad::shard_layout layout(dense ? ad::sharding::contiguous : ad::sharding::zigzag, lengths);
     const auto shard = [&](const auto& x) { return ad::take_shard(x, layout, rank); };
     const auto widened = [&](const auto& x) { return attend::tensor<float, 4>(shard(x).template cast<float>()); };
     const auto check = [&](const auto& mask) {
-        const auto ring = ad::ring_attention(shard(q), shard(k), shard(v), mask, MPI_COMM_WORLD, ro);
-        const auto ring_f = ad::ring_attention(widened(q), widened(k), widened(v), mask, MPI_COMM_WORLD, ro);
+        const auto ring = ad::ring_attention(shard(q), shard(k), shard(v), mask, layout, MPI_COMM_WORLD, ro);
+        const auto ring_f = ad::ring_attention(widened(q), widened(k), widened(v), mask, layout, MPI_COMM_WORLD, ro);
         const attend::tensor<T, 4> rounded = ring_f.out.template cast<T>();
         EXPECT_TRUE(attend_test::bit_equal(ring.out, rounded)) << "out, rank " << rank;
         EXPECT_TRUE(attend_test::bit_equal(ring.lse, ring_f.lse)) << "lse (float), rank " << rank;
@@ -327,7 +438,7 @@ void expect_16bit_ring_is_the_float_ring_rounded_once(std::uint64_t seed, bool d
         EXPECT_EQ(2 * ring.statistics.bytes_sent, ring_f.statistics.bytes_sent);
         // Float queries over the same 16-bit shards: the float ring on the widened keys and values, bit for bit,
         // with the shards still travelling in 16 bits.
-        const auto mixed = ad::ring_attention(widened(q), shard(k), shard(v), mask, MPI_COMM_WORLD, ro);
+        const auto mixed = ad::ring_attention(widened(q), shard(k), shard(v), mask, layout, MPI_COMM_WORLD, ro);
         EXPECT_TRUE(attend_test::bit_equal(mixed.out, ring_f.out)) << "out, float q, rank " << rank;
         EXPECT_TRUE(attend_test::bit_equal(mixed.lse, ring_f.lse)) << "lse, float q, rank " << rank;
         EXPECT_EQ(mixed.statistics.bytes_sent, ring.statistics.bytes_sent);
@@ -335,8 +446,8 @@ void expect_16bit_ring_is_the_float_ring_rounded_once(std::uint64_t seed, bool d
         // Against one process in float on the same values: the float ring's summation order (1e-5, as the float
         // test above) plus the one rounding to T (half a unit: at most 2^-8 of the value for bf16, 2^-11 for fp16).
         attend::sdpa_options so;
-        so.empty_rows = ro.empty_rows;
-        so.dropout = ro.dropout;
+        so.empty_rows = ro.attention.empty_rows;
+        so.dropout = ro.attention.dropout;
         const attend::tensor<float, 4> qf = q.template cast<float>(), kf = k.template cast<float>(),
                                        vf = v.template cast<float>();
         const auto whole = attend::scaled_dot_product_attention(qf, kf, vf, mask, so);
@@ -346,12 +457,12 @@ void expect_16bit_ring_is_the_float_ring_rounded_once(std::uint64_t seed, bool d
             << "out against one process, rank " << rank;
 
         const auto grads = ad::ring_attention_backward(shard(q), shard(k), shard(v), mask, ring.out, ring.lse,
-                                                       shard(d_out), MPI_COMM_WORLD, ro);
+                                                       shard(d_out), layout, MPI_COMM_WORLD, ro);
         const auto grads_float = ad::ring_attention_backward<float>(shard(q), shard(k), shard(v), mask, ring.out,
-                                                                    ring.lse, shard(d_out), MPI_COMM_WORLD, ro);
+                                                                    ring.lse, shard(d_out), layout, MPI_COMM_WORLD, ro);
         const attend::tensor<float, 4> out_f = ring.out.template cast<float>();
         const auto grads_f = ad::ring_attention_backward(widened(q), widened(k), widened(v), mask, out_f, ring.lse,
-                                                         widened(d_out), MPI_COMM_WORLD, ro);
+                                                         widened(d_out), layout, MPI_COMM_WORLD, ro);
         for (const auto& [got, got_float, want, name] :
              {std::tuple{&grads.d_query, &grads_float.d_query, &grads_f.d_query, "dq"},
               std::tuple{&grads.d_key, &grads_float.d_key, &grads_f.d_key, "dk"},

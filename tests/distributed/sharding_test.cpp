@@ -17,6 +17,7 @@
 namespace {
 
 using attend::index_t;
+using attend::distributed::sequence_axis;
 using attend::distributed::shard_layout;
 using attend::distributed::sharding;
 
@@ -64,19 +65,44 @@ TEST(ShardLayout, JoiningTheShardsOfATensorGivesTheTensorBack) {
             const shard_layout layout(kind, random_lengths(g, ranks));
             attend::tensor<double, 4> full(2, 3, layout.total(), 2);
             attend_test::fill_uniform(full, g.next());
-            attend::tensor<double, 3> lse(2, 3, layout.total());
+            attend::tensor<double, 3> lse(2, 3, layout.total()), headless(2, layout.total(), 3);
             attend_test::fill_uniform(lse, g.next());
+            attend_test::fill_uniform(headless, g.next());
+            attend::tensor<double, 2> headless_lse(2, layout.total());
+            attend_test::fill_uniform(headless_lse, g.next());
             std::vector<attend::tensor<double, 4>> shards;
-            std::vector<attend::tensor<double, 3>> lse_shards;
+            std::vector<attend::tensor<double, 3>> lse_shards, headless_shards;
+            std::vector<attend::tensor<double, 2>> headless_lse_shards;
             for (int r = 0; r < ranks; ++r) {
                 shards.push_back(attend::distributed::take_shard(full, layout, r));
-                lse_shards.push_back(attend::distributed::take_shard(lse, layout, r));
+                lse_shards.push_back(attend::distributed::take_shard(lse, layout, r, sequence_axis{2}));
+                headless_shards.push_back(attend::distributed::take_shard(headless, layout, r, sequence_axis{1}));
+                headless_lse_shards.push_back(attend::distributed::take_shard(headless_lse, layout, r));
+                EXPECT_EQ(headless_shards.back().dimension(1), layout.shard_length(r));
             }
-            const auto joined = attend::distributed::join_shards(shards, layout);
-            const auto joined_lse = attend::distributed::join_shards(lse_shards, layout);
-            EXPECT_TRUE(std::equal(full.data(), full.data() + full.size(), joined.data()));
-            EXPECT_TRUE(std::equal(lse.data(), lse.data() + lse.size(), joined_lse.data()));
+            const auto same = [](const auto& a, const auto& b) {
+                return a.dimensions() == b.dimensions() && std::equal(a.data(), a.data() + a.size(), b.data());
+            };
+            EXPECT_TRUE(same(attend::distributed::join_shards(shards, layout), full));
+            EXPECT_TRUE(same(attend::distributed::join_shards(lse_shards, layout, sequence_axis{2}), lse));
+            EXPECT_TRUE(same(attend::distributed::join_shards(headless_shards, layout, sequence_axis{1}), headless));
+            EXPECT_TRUE(same(attend::distributed::join_shards(headless_lse_shards, layout), headless_lse));
         }
+}
+
+TEST(ShardLayout, ASequenceAxisOutsideTheTensorIsAValueError) {
+    const shard_layout layout(sharding::contiguous, {2, 2});
+    const attend::tensor<double, 3> x(1, 4, 3);
+    attend_test::expect_error<attend::value_error>(
+        [&] { attend::distributed::take_shard(x, layout, 0, sequence_axis{3}); }, "attend.value.sequence_axis");
+    const std::vector<attend::tensor<double, 3>> shards{attend::tensor<double, 3>(1, 2, 3),
+                                                        attend::tensor<double, 3>(1, 2, 3)};
+    attend_test::expect_error<attend::value_error>(
+        [&] { attend::distributed::join_shards(shards, layout, sequence_axis{-1}); }, "attend.value.sequence_axis");
+    // The axis named is the one cut: [1, 4, 3] along axis 1 has the layout's 4 positions, along axis 2 it has not.
+    EXPECT_EQ(attend::distributed::take_shard(x, layout, 1, sequence_axis{1}).dimension(1), 2);
+    attend_test::expect_error<attend::shape_error>(
+        [&] { attend::distributed::take_shard(x, layout, 1, sequence_axis{2}); }, "attend.shape.shard_total");
 }
 
 /// Causal work of a rank: allowed (query, key) pairs of its queries, query p sees keys 0 .. p.

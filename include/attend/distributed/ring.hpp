@@ -8,7 +8,8 @@
 /// order, a fixed order, so results do not depend on timing. Masks are written for the full sequence (causal,
 /// sliding_window, key_padding, dense masks of the full `[.., total, total]` shape, and their combinations)
 /// and every block is evaluated in global coordinates; a block the mask leaves empty is not computed and a shard
-/// no later rank needs is not sent. Dropout uses global positions, so it drops what one process would.
+/// no later rank needs is not sent. Dropout, score_bias and score_mod use global positions, so they give what one
+/// process would; sinks join each row once.
 /// Not included by attend.hpp: link attend::distributed (attend plus MPI::MPI_CXX).
 ///
 /// A step's blocks are computed on a worker thread while the calling thread keeps the transfers moving; only the
@@ -45,19 +46,17 @@
 namespace attend::distributed {
 
 /// Options of ring_attention and ring_attention_backward; the same on every rank (checked:
-/// attend.value.ring_options).
+/// attend.value.ring_options). Where the shards sit is not an option: the shard_layout argument says it.
 struct ring_options {
-    std::optional<double> scale;    ///< default 1 / sqrt(head_dim)
-    std::optional<double> softcap;  ///< logit soft-capping of the scaled scores, as sdpa_options::softcap
-    attend::empty_rows empty_rows = attend::empty_rows::error;  ///< judged on the full sequence, not per block
-    dropout_options dropout;  ///< offsets, if any, are added to the global positions of the shards
-    /// Threads of each rank's kernel calls; 0 (the default, as sdpa_options) is this rank's share of the node's
-    /// logical CPUs: std::thread::hardware_concurrency() divided by the ranks on this node (MPI_COMM_TYPE_SHARED),
-    /// at least 1, so N ranks on one machine do not start N x all of its threads. Results do not depend on it.
-    int threads = 0;
-    attend::kernel kernel = attend::kernel::automatic;  ///< of each block call
-    bool check_finite = true;                           ///< reject NaN / Inf in every shard (agreed across ranks)
-    sharding layout = sharding::contiguous;             ///< how the shard lengths of the ranks map onto the sequence
+    /// The attention of the whole sequence, as scaled_dot_product_attention takes it, each feature evaluated at
+    /// global positions: scale, softcap, empty_rows (judged on the full sequence, not per block), dropout (its
+    /// offsets, if any, added to the shards' global positions), score_bias and score_mod (query and key indices of
+    /// the whole sequence), sinks (joined once into each row's softmax), kernel and check_finite (every shard,
+    /// agreed across ranks). threads: 0 (the default, as in SDPA) is this rank's share of the node's logical CPUs,
+    /// std::thread::hardware_concurrency() divided by the ranks on this node (MPI_COMM_TYPE_SHARED), at least 1, so
+    /// N ranks on one machine do not start N x all of its threads; results do not depend on it. need_weights is not
+    /// available (value_error attend.value.need_weights); lse is always returned.
+    sdpa_options attention;
 };
 
 /// What one rank did in one call. Everything but threads and compute_seconds is deterministic (a function of
@@ -75,19 +74,23 @@ struct ring_statistics {
 
 /// This rank's share of ring attention: out `[batch, heads, shard_len, value_dim]` and lse `[batch, heads,
 /// shard_len]` of its queries over the whole sequence, as one process would compute for those rows.
-template <class T>
+/// Rank 3 (inputs without a heads axis): out `[batch, shard_len, value_dim]`, lse `[batch, shard_len]`.
+template <class T, int Rank = 4>
 struct ring_attention_result {
-    tensor<T, 4> out;                 ///< `[batch, heads, shard_len, value_dim]`, rounded once for 16-bit storage
-    tensor<accumulator_t<T>, 3> lse;  ///< `[batch, heads, shard_len]`, float for 16-bit storage
-    ring_statistics statistics;       ///< what this rank did
+    tensor<T, Rank> out;                     ///< `[batch, heads, shard_len, value_dim]`, rounded once for 16-bit
+    tensor<accumulator_t<T>, Rank - 1> lse;  ///< `[batch, heads, shard_len]`, float for 16-bit storage
+    ring_statistics statistics;              ///< what this rank did
 };
 
 /// This rank's gradients: dq like its q, dk / dv like its k / v, each over the whole sequence's loss.
-template <class T>
+template <class T, int Rank = 4>
 struct ring_gradients {
-    tensor<T, 4> d_query;        ///< like this rank's q
-    tensor<T, 4> d_key;          ///< like this rank's k
-    tensor<T, 4> d_value;        ///< like this rank's v
+    tensor<T, Rank> d_query;  ///< like this rank's q
+    tensor<T, Rank> d_key;    ///< like this rank's k
+    tensor<T, Rank> d_value;  ///< like this rank's v
+    /// `[heads]` when options.attention.sinks is not empty, else empty: d loss / d sink logit of each query head
+    /// over the whole sequence, the same on every rank
+    tensor<T, 1> d_sinks;
     ring_statistics statistics;  ///< what this rank did
 };
 
@@ -249,7 +252,7 @@ inline double step_work(const ring_geometry& g, index_t query_len, index_t key_l
 struct rank_summary {
     std::int64_t failed = 0, storage = 0, kv_storage = 0, batch = 0, heads = 0, kv_heads = 0, query_len = 0,
                  key_len = 0, head_dim = 0, value_dim = 0;
-    std::int64_t options[11] = {};
+    std::int64_t options[18] = {};
 };
 
 inline std::int64_t bits_of(double x) {
@@ -258,7 +261,24 @@ inline std::int64_t bits_of(double x) {
     return b;
 }
 
-inline void describe_options(const ring_options& o, std::int64_t (&out)[11]) {
+/// FNV-1a over 64-bit words: one number for a list (sink logits, shard lengths) that every rank must agree on.
+class fingerprint {
+public:
+    void add(std::int64_t word) {
+        for (int byte = 0; byte < 8; ++byte) {
+            hash_ ^= static_cast<std::uint64_t>(word >> (8 * byte)) & 0xffu;
+            hash_ *= 0x100000001b3u;
+        }
+    }
+    std::int64_t value() const { return static_cast<std::int64_t>(hash_); }
+
+private:
+    std::uint64_t hash_ = 0xcbf29ce484222325u;
+};
+
+/// What every rank must pass alike. Functions (score_mod) and biases are compared by presence and kind only.
+inline void describe_options(const ring_options& options, const shard_layout& layout, std::int64_t (&out)[18]) {
+    const sdpa_options& o = options.attention;
     out[0] = o.scale ? 1 : 0;
     out[1] = o.scale ? bits_of(*o.scale) : 0;
     out[2] = static_cast<std::int64_t>(o.empty_rows);
@@ -267,20 +287,55 @@ inline void describe_options(const ring_options& o, std::int64_t (&out)[11]) {
     out[5] = o.dropout.training ? 1 : 0;
     out[6] = o.dropout.query_offset;
     out[7] = o.dropout.key_offset;
-    out[8] = static_cast<std::int64_t>(o.layout);
+    out[8] = static_cast<std::int64_t>(layout.kind());
     out[9] = o.softcap ? 1 : 0;
     out[10] = o.softcap ? bits_of(*o.softcap) : 0;
+    fingerprint lengths, sinks;
+    for (int r = 0; r < layout.ranks(); ++r) lengths.add(layout.shard_length(r));
+    for (index_t h = 0; h < o.sinks.size(); ++h) sinks.add(bits_of(o.sinks[h]));
+    out[11] = lengths.value();
+    out[12] = sinks.value();
+    out[13] = o.sinks.size();
+    out[14] = o.score_mod.empty() ? 0 : 1;
+    out[15] = o.score_bias.empty() ? 0 : 1 + static_cast<std::int64_t>(o.score_bias.bias_alignment());
+    out[16] = o.need_weights ? 1 : 0;
+    out[17] = o.check_finite ? 1 : 0;
 }
 
-/// Collective. Checks q, k, v on this rank (plus `local_checks`, e.g. the backward's out / lse / d_out), gathers
-/// every rank's storage type, shapes and options, and throws the same error on every rank when one rank's check
-/// failed (that rank's error), when the storage types differ (attend.value.ring_storage), batch, heads or kv_heads
-/// differ (attend.shape.ring_heads), head_dim or value_dim differ (attend.shape.ring_head_dim), the query shards
-/// and key shards cover different totals (attend.shape.ring_total) or the options differ
-/// (attend.value.ring_options).
+/// The checks of a rank's own shard against the layout and of the options against the whole sequence's shape s
+/// (batch, heads and dims of this rank, lengths of the layout): shape_error attend.shape.ring_layout, and what a
+/// single call with these options throws for its score_bias, score_mod and sinks.
+template <class T>
+void check_layout_and_options(const attention_shape& mine, const shard_layout& layout, int rank, int ranks,
+                              const ring_options& options) {
+    if (layout.ranks() != ranks)
+        throw shape_error("attend.shape.ring_layout", concat("the shard layout is for ", layout.ranks(),
+                                                             " ranks but the communicator has ", ranks));
+    if (mine.query_len != layout.shard_length(rank) || mine.key_len != layout.shard_length(rank))
+        throw shape_error("attend.shape.ring_layout",
+                          concat("rank ", rank, " holds ", mine.query_len, " queries and ", mine.key_len,
+                                 " keys but the shard layout gives it ", layout.shard_length(rank),
+                                 " positions (cut each rank's shard with take_shard(x, layout, rank))"));
+    const sdpa_options& o = options.attention;
+    if (o.need_weights)
+        throw value_error("attend.value.need_weights",
+                          "need_weights is not available in ring attention: no rank holds a row's weights over the "
+                          "whole sequence; use scaled_dot_product_attention over the whole sequence for them");
+    attention_shape whole = mine;
+    whole.query_len = whole.key_len = layout.total();
+    o.score_mod.validate(whole);
+    o.score_bias.validate<accumulator_t<T>>(whole.heads, whole.query_len, whole.key_len);
+    o.sinks.validate<T>(whole.heads);
+}
+
+/// Collective. Checks q, k, v on this rank (plus `local_checks`, e.g. the backward's out / lse / d_out) and their
+/// lengths against the layout, gathers every rank's storage type, shapes and options, and throws the same error on
+/// every rank when one rank's check failed (that rank's error), when the storage types differ
+/// (attend.value.ring_storage), batch, heads or kv_heads differ (attend.shape.ring_heads), head_dim or value_dim
+/// differ (attend.shape.ring_head_dim), or the options or layouts differ (attend.value.ring_options).
 template <class Q, class K, class V, class LocalChecks>
-ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm comm, const ring_options& options,
-                                LocalChecks&& local_checks) {
+ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, const shard_layout& layout, MPI_Comm comm,
+                                const ring_options& options, int input_rank, LocalChecks&& local_checks) {
     ring_geometry g;
     MPI_Comm_rank(comm, &g.rank);
     MPI_Comm_size(comm, &g.ranks);
@@ -307,6 +362,7 @@ ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm com
         mine.key_len = s.key_len;
         mine.head_dim = s.head_dim;
         mine.value_dim = s.value_dim;
+        check_layout_and_options<attend::detail::scalar_of<Q>>(s, layout, g.rank, g.ranks, options);
         local_checks(s);
     });
     mine.failed = error ? 1 : 0;
@@ -314,7 +370,7 @@ ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm com
     // break the ring's message sizes, and one computing in another would break its results.
     mine.storage = std::numeric_limits<attend::detail::scalar_of<Q>>::digits;
     mine.kv_storage = std::numeric_limits<attend::detail::scalar_of<K>>::digits;
-    describe_options(options, mine.options);
+    describe_options(options, layout, mine.options);
     constexpr int fields = static_cast<int>(sizeof(rank_summary) / sizeof(std::int64_t));
     std::vector<rank_summary> all(static_cast<std::size_t>(g.ranks));
     MPI_Allgather(&mine, fields, MPI_INT64_T, all.data(), fields, MPI_INT64_T, comm);
@@ -352,29 +408,17 @@ ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm com
                                      spell([](const rank_summary& x) {
                                          return concat("head_dim ", x.head_dim, " value_dim ", x.value_dim);
                                      })));
-    std::vector<index_t> query_lengths, key_lengths;
-    for (const rank_summary& s : all) {
-        query_lengths.push_back(s.query_len);
-        key_lengths.push_back(s.key_len);
-    }
-    g.queries = shard_layout(options.layout, query_lengths);
-    g.keys = shard_layout(options.layout, key_lengths);
-    if (g.keys.total() == 0)
-        throw shape_error("attend.shape.empty_keys",
-                          concat("every key shard is empty: no query has a key to attend (",
-                                 spell([](const rank_summary& x) { return concat("key_len ", x.key_len); }), ')'));
-    if (g.queries.total() != g.keys.total())
-        throw shape_error("attend.shape.ring_total",
-                          concat("the query shards hold ", g.queries.total(), " positions but the key shards ",
-                                 g.keys.total(), " (", spell([](const rank_summary& x) {
-                                     return concat("query_len ", x.query_len, " key_len ", x.key_len);
-                                 }),
-                                 "); ring attention shards one sequence, so the totals must match"));
     for (const rank_summary& s : all)
         if (!std::equal(std::begin(s.options), std::end(s.options), std::begin(first.options)))
             throw value_error("attend.value.ring_options",
-                              concat("ring_options differ between rank 0 and rank ", &s - all.data(),
-                                     " (scale, empty_rows, dropout and layout must be the same on every rank)"));
+                              concat("ring_options or shard layouts differ between rank 0 and rank ", &s - all.data(),
+                                     " (the attention options and the shard layout must be the same on every rank)"));
+    // Every rank's shard matched its entry of its layout, and the layouts are the same everywhere.
+    g.queries = g.keys = layout;
+    if (layout.total() == 0)
+        throw shape_error("attend.shape.empty_keys",
+                          concat("every key shard is empty: no query has a key to attend (",
+                                 spell([](const rank_summary& x) { return concat("key_len ", x.key_len); }), ')'));
     g.batch = first.batch;
     g.heads = first.heads;
     g.kv_heads = first.kv_heads;
@@ -387,7 +431,7 @@ ring_geometry agree_on_geometry(const Q& q, const K& k, const V& v, MPI_Comm com
     g.global.key_len = g.keys.total();
     g.global.head_dim = g.head_dim;
     g.global.value_dim = g.value_dim;
-    g.global.rank = 4;
+    g.global.rank = input_rank;  // masks of rank-3 calls broadcast as theirs do
     return g;
 }
 
@@ -480,24 +524,100 @@ void round_run(const tensor<A, 4>& part, D* dest, index_t len, const shard_segme
 /// have keys in another; the ring judges empty rows on the whole sequence) and dropout at global positions.
 /// ring_options::threads resolved on this rank: as given, or for 0 this rank's share of its node's logical CPUs.
 inline int ring_threads(const ring_options& o, const ring_geometry& g) {
-    if (o.threads != 0) return o.threads;  // a negative count reaches the block call's check
+    if (o.attention.threads != 0) return o.attention.threads;  // a negative count reaches the block call's check
     return std::max(1, attend::detail::hardware_threads() / std::max(1, g.node_ranks));
 }
 
-inline sdpa_options block_options(const ring_options& o, const shard_segment& queries, const shard_segment& keys,
-                                  bool need_lse) {
-    sdpa_options s;
-    s.scale = o.scale;
-    s.softcap = o.softcap;
+/// The ring's options with the threads resolved on this rank.
+inline ring_options run_options_of(const ring_options& o, const ring_geometry& g) {
+    ring_options run = o;
+    run.attention.threads = ring_threads(o, g);
+    return run;
+}
+
+/// The options of one block call: position-dependent features (dropout, score_bias, score_mod) at the block's
+/// global positions; empty rows allowed (the ring judges them on the whole sequence); no sinks (the ring joins
+/// them once per row, not once per block).
+inline sdpa_options block_options(const ring_options& o, const ring_geometry& g, const shard_segment& queries,
+                                  const shard_segment& keys, bool need_lse) {
+    sdpa_options s = o.attention;
     s.empty_rows = attend::empty_rows::zero;
-    s.dropout = o.dropout;
     s.dropout.query_offset += queries.global_begin;
     s.dropout.key_offset += keys.global_begin;
-    s.threads = o.threads;
-    s.kernel = o.kernel;
-    s.check_finite = o.check_finite;
+    s.score_bias =
+        o.attention.score_bias.block_of(queries.global_begin, keys.global_begin, g.global.query_len, g.global.key_len);
+    s.score_mod = o.attention.score_mod.block_of(queries.global_begin, keys.global_begin);
+    s.sinks = {};
     s.need_lse = need_lse;
     return s;
+}
+
+/// Joins the sinks into one run's rows of out `[batch, heads, run, value_dim]` (merged over the keys, unrounded)
+/// and lse `[batch, heads, len]`: lse becomes log(exp(lse) + exp(sink[h])) and out shrinks by exp(old - new lse), as
+/// one call with the sinks computes them. A row without keys gets lse = the sink and keeps its zero out; a padded
+/// query keeps lse -inf.
+template <class Acc, class Bound>
+void join_sinks(const attention_sinks& sinks, const Bound& mask, tensor<Acc, 4>* out, tensor<Acc, 3>& lse,
+                const shard_segment& run) {
+    const index_t batch = lse.dimension(0), heads = lse.dimension(1);
+    for (index_t b = 0; b < batch; ++b)
+        for (index_t h = 0; h < heads; ++h)
+            for (index_t i = 0; i < run.length; ++i) {
+                if (mask.query_padded(b, run.global_begin + i)) continue;
+                Acc& l = lse(b, h, run.local_begin + i);
+                const Acc z = static_cast<Acc>(sinks[h]);
+                const Acc joined = l == -std::numeric_limits<Acc>::infinity()
+                                       ? z
+                                       : std::max(l, z) + std::log1p(std::exp(-std::abs(l - z)));
+                if (out) {
+                    const Acc shrink = std::exp(l - joined);
+                    Acc* row = out->data() + ((b * heads + h) * run.length + i) * out->dimension(3);
+                    for (index_t d = 0; d < out->dimension(3); ++d) row[d] *= shrink;
+                }
+                l = joined;
+            }
+}
+
+/// This rank's part of d loss / d sink[h] = -sum over its rows of p_sink D, p_sink = exp(sink[h] - lse) and
+/// D = d_out . out (the sink is a score with no value), added into `sums` `[heads]` in row order; padded queries
+/// (lse -inf) add nothing.
+template <class Out, class DOut, class Acc, class Bound>
+void sink_gradient_rows(const attention_sinks& sinks, const Bound& mask, const ring_geometry& g, const Out& out,
+                        const DOut& d_out, const tensor<Acc, 3>& lse, std::vector<double>& sums) {
+    const index_t len = lse.dimension(2), dim = g.value_dim;
+    for (const shard_segment& run : g.queries.segments(g.rank))
+        for (index_t b = 0; b < g.batch; ++b)
+            for (index_t h = 0; h < g.heads; ++h)
+                for (index_t i = run.local_begin; i < run.local_begin + run.length; ++i) {
+                    const Acc l = lse(b, h, i);
+                    if (l == -std::numeric_limits<Acc>::infinity() ||
+                        mask.query_padded(b, run.global_begin + i - run.local_begin))
+                        continue;
+                    const index_t row = ((b * g.heads + h) * len + i) * dim;
+                    Acc dot = 0;
+                    for (index_t d = 0; d < dim; ++d)
+                        dot += static_cast<Acc>(d_out.data()[row + d]) * static_cast<Acc>(out.data()[row + d]);
+                    sums[static_cast<std::size_t>(h)] -=
+                        static_cast<double>(std::exp(static_cast<Acc>(sinks[h]) - l) * dot);
+                }
+}
+
+/// Sets lse to -inf on this rank's rows that have no allowed key in the whole sequence (an lse with sinks is
+/// finite there), so the empty-row check of the backward sees what the forward's saw.
+template <class Acc, class Bound>
+void forget_keyless_rows(const Bound& mask, const ring_geometry& g, tensor<Acc, 3>& lse) {
+    const index_t total = g.global.key_len;
+    for (const shard_segment& run : g.queries.segments(g.rank))
+        for (index_t b = 0; b < g.batch; ++b)
+            for (index_t h = 0; h < g.heads; ++h)
+                for (index_t i = 0; i < run.length; ++i) {
+                    const index_t position = run.global_begin + i;
+                    const tile_class c = mask.classify(tile{b, h, position, position + 1, 0, total});
+                    bool any = c == tile_class::full;
+                    for (index_t j = 0; c == tile_class::mixed && !any && j < total; ++j)
+                        any = mask.allowed(b, h, position, j);
+                    if (!any) lse(b, h, run.local_begin + i) = -std::numeric_limits<Acc>::infinity();
+                }
 }
 
 /// Collective, the last step of every call: agrees on the first error any rank met while computing; then, under
@@ -507,7 +627,7 @@ template <class T, class Bound>
 void finish_agreement(MPI_Comm comm, const std::optional<captured_error>& error, const ring_geometry& g,
                       const Bound& mask, const tensor<T, 3>* lse, const ring_options& o) {
     agree_on_errors(comm, error);
-    if (o.empty_rows != attend::empty_rows::error) return;
+    if (o.attention.empty_rows != attend::empty_rows::error) return;
     const index_t total = g.global.query_len;
     std::int64_t first = std::numeric_limits<std::int64_t>::max();
     for (const shard_segment& run : g.queries.segments(g.rank))
@@ -532,8 +652,29 @@ void finish_agreement(MPI_Comm comm, const std::optional<captured_error>& error,
 template <class X>
 void require_rank4() {
     static_assert(attend::detail::tensor_traits<std::decay_t<X>>::rank == 4,
-                  "attend: ring attention takes [batch, heads, len, dim] tensors; give rank-3 inputs a heads axis "
-                  "of 1");
+                  "attend: ring attention takes [batch, heads, len, dim] tensors, or [batch, len, dim] ones all "
+                  "alike");
+}
+
+/// A rank-3 tensor `[batch, len, dim]` seen as `[batch, 1, len, dim]` (no copy).
+template <class X>
+auto with_heads_axis(const X& x) {
+    using S = attend::detail::scalar_of<X>;
+    return const_tensor_view<S, 4>(x.data(), std::array<index_t, 4>{x.dimension(0), 1, x.dimension(1), x.dimension(2)});
+}
+
+/// A `[batch, 1, len, dim]` result as `[batch, len, dim]` (and `[batch, 1, len]` as `[batch, len]`).
+template <class T, int Rank>
+tensor<T, Rank - 1> without_heads_axis(const tensor<T, Rank>& x) {
+    std::array<index_t, Rank - 1> dims{};
+    dims[0] = x.dimension(0);
+    for (int a = 2; a < Rank; ++a) dims[static_cast<std::size_t>(a - 1)] = x.dimension(a);
+    return x.reshape(dims);
+}
+
+template <class X>
+constexpr int input_rank() {
+    return attend::detail::tensor_traits<std::decay_t<X>>::rank;
 }
 
 /// The forward's storage: q, k and v of one type, or float q over Eigen::half or Eigen::bfloat16 k and v (as
@@ -563,26 +704,14 @@ void require_one_storage() {
 
 }  // namespace detail
 
-/// Ring attention forward. Every rank passes its shard: q `[batch, heads, query_shard_len, head_dim]`, k
-/// `[batch, kv_heads, key_shard_len, head_dim]`, v `[batch, kv_heads, key_shard_len, value_dim]` (tensors or
-/// TensorMaps, row-major; shard lengths may differ between ranks, and options.layout says which positions of the
-/// sequence each shard holds: see shard_layout). `mask` is written for the whole sequence, e.g.
-/// causal(alignment::top_left), sliding_window(l, r), key_padding(lengths), or a dense mask broadcastable to
-/// `[batch, heads, total, total]`; it must be the same on every rank. GQA as in scaled_dot_product_attention.
-/// Returns this rank's rows of out and lse. Collective over the communicator (used through a private duplicate): every
-/// rank must call it. Throws, on every rank alike, everything scaled_dot_product_attention throws, shape_error
-/// attend.shape.ring_heads / ring_head_dim / ring_total, value_error attend.value.ring_options and mask_error
-/// attend.mask.empty_row (judged on the whole sequence), value_error attend.value.ring_storage.
-/// 16-bit storage (Eigen::half, Eigen::bfloat16): the K / V shards travel in 16 bits; each block computes in float
-/// (this rank's queries widened once), the partial results merge in float and out is rounded once, so it is the
-/// float ring's out on the widened inputs, rounded; lse is float. Float q over 16-bit k and v (a model whose keys
-/// and values are kept in 16 bits): the shards travel in 16 bits, and out and lse are the float ring's on the
-/// widened keys and values, bit for bit. Every rank must pass the same types (attend.value.ring_storage).
+namespace detail {
+
+/// ring_attention on rank-4 shards; input_rank is the caller's (3: the mask broadcasts as for rank-3 inputs).
 template <class Q, class K, class V, class Mask>
-ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, const K& k, const V& v, const Mask& mask,
-                                                                   MPI_Comm user_comm,
-                                                                   const ring_options& options = {}) {
-    attend::detail::require_mask<Mask>();
+ring_attention_result<attend::detail::scalar_of<Q>> ring_attention_impl(const Q& q, const K& k, const V& v,
+                                                                        const Mask& mask, const shard_layout& layout,
+                                                                        MPI_Comm user_comm, const ring_options& options,
+                                                                        int input_rank) {
     detail::require_storage_pair<Q, K, V>();
     using T = attend::detail::scalar_of<Q>;
     using S = attend::detail::scalar_of<K>;  // the shards' storage
@@ -590,12 +719,11 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
     const detail::private_communicator own(user_comm);
     const MPI_Comm comm = own.get();
     const auto noop = [](const attention_shape&) {};
-    const detail::ring_geometry g = detail::agree_on_geometry(q, k, v, comm, options, noop);
-    ring_options run_options = options;
-    run_options.threads = detail::ring_threads(options, g);
+    const detail::ring_geometry g = detail::agree_on_geometry(q, k, v, layout, comm, options, input_rank, noop);
+    const ring_options run_options = detail::run_options_of(options, g);
 
     ring_attention_result<T> result;
-    result.statistics.threads = run_options.threads;
+    result.statistics.threads = run_options.attention.threads;
     const index_t query_len = g.queries.shard_length(g.rank);
     const std::array<index_t, 4> q_dims{g.batch, g.heads, query_len, g.head_dim};
     const auto& query_runs = g.queries.segments(g.rank);
@@ -665,7 +793,7 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
                         auto block = scaled_dot_product_attention(
                             *query_of_run[qi], *keys, *vals,
                             detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin),
-                            detail::block_options(run_options, query_run, key_run, true));
+                            detail::block_options(run_options, g, query_run, key_run, true));
                         auto& acc = partial[qi];
                         if (!acc) acc = partial_attention<Acc, 4>{std::move(block.out), std::move(block.lse)};
                         else acc = merge_partials(acc->out, acc->lse, block.out, block.lse);
@@ -677,7 +805,10 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
         if (t + 1 < g.ranks && plan.holds(t + 1, arriving)) std::swap(current, incoming);
     }
 
-    // Assemble this rank's rows; a run no block reached has no allowed key: zero rows, lse -inf.
+    // Assemble this rank's rows; a run no block reached has no allowed key: zero rows, lse -inf. The sinks join
+    // each row once, after the merge over every key; empty rows are judged on the keys' lse alone.
+    const attention_sinks& sinks = options.attention.sinks;
+    tensor<Acc, 3> key_lse;
     if (!error)
         error = detail::capture_errors([&] {
             result.out.resize(g.batch, g.heads, query_len, g.value_dim);
@@ -687,36 +818,68 @@ ring_attention_result<attend::detail::scalar_of<Q>> ring_attention(const Q& q, c
             for (std::size_t qi = 0; qi < query_runs.size(); ++qi) {
                 if (!partial[qi]) continue;
                 const shard_segment& run = query_runs[qi];
-                detail::round_run(partial[qi]->out, result.out.data(), query_len, run);
                 result.lse.slice(std::array<index_t, 3>{0, 0, run.local_begin},
                                  std::array<index_t, 3>{g.batch, g.heads, run.length}) = partial[qi]->lse;
             }
+            if (!sinks.empty()) key_lse = result.lse;
+            for (std::size_t qi = 0; qi < query_runs.size(); ++qi) {
+                const shard_segment& run = query_runs[qi];
+                tensor<Acc, 4>* run_out = partial[qi] ? &partial[qi]->out : nullptr;
+                if (!sinks.empty()) detail::join_sinks(sinks, *bound, run_out, result.lse, run);
+                if (run_out) detail::round_run(*run_out, result.out.data(), query_len, run);
+            }
         });
-    detail::finish_agreement(comm, error, g, *bound, &result.lse, options);
+    detail::finish_agreement(comm, error, g, *bound, sinks.empty() ? &result.lse : &key_lse, options);
     return result;
+}
+
+}  // namespace detail
+
+/// Ring attention forward. Every rank passes its shard: q `[batch, heads, query_shard_len, head_dim]`, k
+/// `[batch, kv_heads, key_shard_len, head_dim]`, v `[batch, kv_heads, key_shard_len, value_dim]` (tensors or
+/// TensorMaps, row-major), cut from the whole sequence by `layout` (take_shard(x, layout, rank)): the layout says
+/// which positions each rank holds (contiguous or zigzag, lengths that may differ between ranks), the same on
+/// every rank, and each rank's q, k and v hold its layout length. `mask` is written for the whole sequence, e.g.
+/// causal(alignment::top_left), sliding_window(l, r), key_padding(lengths), or a dense mask broadcastable to
+/// `[batch, heads, total, total]`; it must be the same on every rank. GQA as in scaled_dot_product_attention.
+/// Returns this rank's rows of out and lse. Collective over the communicator (used through a private duplicate): every
+/// rank must call it. Throws, on every rank alike, everything scaled_dot_product_attention throws, shape_error
+/// attend.shape.ring_heads / ring_head_dim / ring_layout, value_error attend.value.ring_options and mask_error
+/// attend.mask.empty_row (judged on the whole sequence), value_error attend.value.ring_storage.
+/// 16-bit storage (Eigen::half, Eigen::bfloat16): the K / V shards travel in 16 bits; each block computes in float
+/// (this rank's queries widened once), the partial results merge in float and out is rounded once, so it is the
+/// float ring's out on the widened inputs, rounded; lse is float. Float q over 16-bit k and v (a model whose keys
+/// and values are kept in 16 bits): the shards travel in 16 bits, and out and lse are the float ring's on the
+/// widened keys and values, bit for bit. Every rank must pass the same types (attend.value.ring_storage).
+template <class Q, class K, class V, class Mask>
+auto ring_attention(const Q& q, const K& k, const V& v, const Mask& mask, const shard_layout& layout,
+                    MPI_Comm user_comm, const ring_options& options = {}) {
+    attend::detail::require_mask<Mask>();
+    if constexpr (detail::input_rank<Q>() == 3 && detail::input_rank<K>() == 3 && detail::input_rank<V>() == 3) {
+        auto r = detail::ring_attention_impl(detail::with_heads_axis(q), detail::with_heads_axis(k),
+                                             detail::with_heads_axis(v), mask, layout, user_comm, options, 3);
+        using T = attend::detail::scalar_of<Q>;
+        return ring_attention_result<T, 3>{detail::without_heads_axis(r.out), detail::without_heads_axis(r.lse),
+                                           r.statistics};
+    } else {
+        return detail::ring_attention_impl(q, k, v, mask, layout, user_comm, options, 4);
+    }
 }
 
 /// Ring attention forward without a mask.
 template <class Q, class K, class V>
-auto ring_attention(const Q& q, const K& k, const V& v, MPI_Comm comm, const ring_options& options = {}) {
-    return ring_attention(q, k, v, no_mask{}, comm, options);
+auto ring_attention(const Q& q, const K& k, const V& v, const shard_layout& layout, MPI_Comm comm,
+                    const ring_options& options = {}) {
+    return ring_attention(q, k, v, no_mask{}, layout, comm, options);
 }
 
-/// Ring attention backward: this rank's dq, dk, dv of a loss given d_out = d loss / d out, for the shards and
-/// out / lse of ring_attention (out, d_out `[batch, heads, query_shard_len, value_dim]`, lse `[batch, heads,
-/// query_shard_len]`), with the same mask and options. K / V shards travel the ring again; each shard's dK / dV
-/// accumulator travels behind it, each rank adding its contribution in ring order (a fixed order), and the
-/// finished gradient goes straight home to the shard's owner from the last rank that needs the shard. Dropout is
-/// replayed at global positions. Collective; throws like ring_attention and, for out / lse / d_out of the wrong
-/// shape, shape_error attend.shape.backward_out / backward_lse / backward_d_out, on every rank alike.
-/// 16-bit storage: out and d_out in it, lse the forward's float; each block's gradients are computed in float, dK /
-/// dV accumulators travel and sum in float, and dq, dk, dv are rounded once at the end, so they are the float
-/// ring's gradients on the widened inputs, rounded. `ring_attention_backward<float>(...)` returns them unrounded.
-template <class Gradient = void, class Q, class K, class V, class Mask, class Out, class Lse, class DOut>
-ring_gradients<detail::gradient_of<Gradient, attend::detail::scalar_of<Q>>> ring_attention_backward(
+namespace detail {
+
+/// ring_attention_backward on rank-4 shards; input_rank is the caller's.
+template <class Gradient, class Q, class K, class V, class Mask, class Out, class Lse, class DOut>
+ring_gradients<detail::gradient_of<Gradient, attend::detail::scalar_of<Q>>> ring_attention_backward_impl(
     const Q& q, const K& k, const V& v, const Mask& mask, const Out& out, const Lse& lse, const DOut& d_out,
-    MPI_Comm user_comm, const ring_options& options = {}) {
-    attend::detail::require_mask<Mask>();
+    const shard_layout& layout, MPI_Comm user_comm, const ring_options& options, int input_rank) {
     detail::require_one_storage<Q, K, V>();
     detail::require_rank4<Out>();
     detail::require_rank4<DOut>();
@@ -752,12 +915,11 @@ ring_gradients<detail::gradient_of<Gradient, attend::detail::scalar_of<Q>>> ring
     };
     const detail::private_communicator own(user_comm);
     const MPI_Comm comm = own.get();
-    const detail::ring_geometry g = detail::agree_on_geometry(q, k, v, comm, options, local_checks);
-    ring_options run_options = options;
-    run_options.threads = detail::ring_threads(options, g);
+    const detail::ring_geometry g = detail::agree_on_geometry(q, k, v, layout, comm, options, input_rank, local_checks);
+    const ring_options run_options = detail::run_options_of(options, g);
 
     ring_gradients<G> result;
-    result.statistics.threads = run_options.threads;
+    result.statistics.threads = run_options.attention.threads;
     tensor<Acc, 4> dq;  // summed over the key shards in the accumulation type, rounded once at the end
     const index_t query_len = g.queries.shard_length(g.rank), own_keys = g.keys.shard_length(g.rank);
     const std::array<index_t, 4> q_dims{g.batch, g.heads, query_len, g.head_dim},
@@ -864,8 +1026,8 @@ ring_gradients<detail::gradient_of<Gradient, attend::detail::scalar_of<Q>>> ring
                         scaled_dot_product_attention_backward_into(
                             *r.q, *keys, *vals,
                             detail::block_of<Mask>(*bound, query_run.global_begin, key_run.global_begin), *r.out, r.lse,
-                            *r.d_out, detail::block_options(run_options, query_run, key_run, false), block_dq, block_dk,
-                            block_dv);
+                            *r.d_out, detail::block_options(run_options, g, query_run, key_run, false), block_dq,
+                            block_dk, block_dv);
                         detail::add_run(block_dq, dq.data(), query_len, query_run);
                         detail::add_run(block_dk, accumulator.data(), key_len, key_run);
                         detail::add_run(block_dv, accumulator.data() + k_elements, key_len, key_run);
@@ -911,9 +1073,65 @@ ring_gradients<detail::gradient_of<Gradient, attend::detail::scalar_of<Q>>> ring
             rounded(result.d_key, own_gradient.data(), {g.batch, g.kv_heads, own_keys, g.head_dim});
             rounded(result.d_value, own_gradient.data() + k_elements, {g.batch, g.kv_heads, own_keys, g.value_dim});
         });
-    const tensor<Acc, 3> lse_copy = const_tensor_view<Acc, 3>(lse.data(), lse_dims);
+    // The sinks' gradient: each rank's rows summed in row order, then the ranks' sums in rank order, so every rank
+    // holds the same bits. The lse the forward returned includes the sinks; the empty-row check looks at the keys.
+    tensor<Acc, 3> lse_copy = const_tensor_view<Acc, 3>(lse.data(), lse_dims);
+    const attention_sinks& sinks = options.attention.sinks;
+    if (!sinks.empty()) {
+        std::vector<double> mine(static_cast<std::size_t>(g.heads), 0.0),
+            all(mine.size() * static_cast<std::size_t>(g.ranks));
+        if (!error)
+            error = detail::capture_errors([&] {
+                detail::sink_gradient_rows(sinks, *bound, g, out, d_out, lse_copy, mine);
+                detail::forget_keyless_rows(*bound, g, lse_copy);
+            });
+        const int heads = static_cast<int>(g.heads);  // sink logits are one per head: far below INT_MAX
+        MPI_Allgather(mine.data(), heads, MPI_DOUBLE, all.data(), heads, MPI_DOUBLE, comm);
+        if (!error)
+            error = detail::capture_errors([&] {
+                result.d_sinks.resize(g.heads);
+                for (index_t h = 0; h < g.heads; ++h) {
+                    double sum = 0;
+                    for (int r = 0; r < g.ranks; ++r) sum += all[static_cast<std::size_t>(r * g.heads + h)];
+                    result.d_sinks(h) = static_cast<G>(sum);
+                }
+            });
+    }
     detail::finish_agreement(comm, error, g, *bound, &lse_copy, options);
     return result;
 }
 
+}  // namespace detail
+
+/// Ring attention backward: this rank's dq, dk, dv of a loss given d_out = d loss / d out, for the shards and
+/// out / lse of ring_attention (out, d_out `[batch, heads, query_shard_len, value_dim]`, lse `[batch, heads,
+/// query_shard_len]`), with the same mask and options. K / V shards travel the ring again; each shard's dK / dV
+/// accumulator travels behind it, each rank adding its contribution in ring order (a fixed order), and the
+/// finished gradient goes straight home to the shard's owner from the last rank that needs the shard. Dropout is
+/// replayed at global positions; with sinks, d_sinks is the whole sequence's (the same on every rank). Collective;
+/// pass the layout of the forward. Throws like ring_attention and, for out / lse / d_out of the wrong
+/// shape, shape_error attend.shape.backward_out / backward_lse / backward_d_out, on every rank alike.
+/// 16-bit storage: out and d_out in it, lse the forward's float; each block's gradients are computed in float, dK /
+/// dV accumulators travel and sum in float, and dq, dk, dv are rounded once at the end, so they are the float
+/// ring's gradients on the widened inputs, rounded. `ring_attention_backward<float>(...)` returns them unrounded.
+template <class Gradient = void, class Q, class K, class V, class Mask, class Out, class Lse, class DOut>
+auto ring_attention_backward(const Q& q, const K& k, const V& v, const Mask& mask, const Out& out, const Lse& lse,
+                             const DOut& d_out, const shard_layout& layout, MPI_Comm user_comm,
+                             const ring_options& options = {}) {
+    attend::detail::require_mask<Mask>();
+    if constexpr (detail::input_rank<Q>() == 3 && detail::input_rank<K>() == 3 && detail::input_rank<V>() == 3 &&
+                  detail::input_rank<Out>() == 3 && detail::input_rank<DOut>() == 3 && detail::input_rank<Lse>() == 2) {
+        using L = attend::detail::scalar_of<Lse>;
+        const const_tensor_view<L, 3> lse3(lse.data(), std::array<index_t, 3>{lse.dimension(0), 1, lse.dimension(1)});
+        auto r = detail::ring_attention_backward_impl<Gradient>(
+            detail::with_heads_axis(q), detail::with_heads_axis(k), detail::with_heads_axis(v), mask,
+            detail::with_heads_axis(out), lse3, detail::with_heads_axis(d_out), layout, user_comm, options, 3);
+        using G = detail::gradient_of<Gradient, attend::detail::scalar_of<Q>>;
+        return ring_gradients<G, 3>{detail::without_heads_axis(r.d_query), detail::without_heads_axis(r.d_key),
+                                    detail::without_heads_axis(r.d_value), std::move(r.d_sinks), r.statistics};
+    } else {
+        return detail::ring_attention_backward_impl<Gradient>(q, k, v, mask, out, lse, d_out, layout, user_comm,
+                                                              options, 4);
+    }
+}
 }  // namespace attend::distributed

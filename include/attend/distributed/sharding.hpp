@@ -93,45 +93,82 @@ private:
     index_t total_ = 0;
 };
 
-/// Rank `rank`'s shard of a full tensor whose axis 2 is the sequence (`[batch, heads, len, dim]` or lse
-/// `[batch, heads, len]`). Throws shape_error attend.shape.shard_total when axis 2 is not layout.total().
+/// Which axis of a tensor is the sequence. Rank 4 (`[batch, heads, len, dim]`) and rank 2 (the lse `[batch, len]`
+/// of rank-3 inputs) say it themselves; rank 3 is either an input without heads (`[batch, len, dim]`: axis 1) or
+/// an lse with heads (`[batch, heads, len]`: axis 2), so there it is named: take_shard(x, layout, rank,
+/// sequence_axis{1}).
+struct sequence_axis {
+    int axis = 0;  ///< the sequence axis, in [0, rank)
+};
+
+namespace detail {
+
+template <int Rank>
+void check_sequence_axis(sequence_axis a) {
+    if (a.axis < 0 || a.axis >= Rank)
+        throw value_error("attend.value.sequence_axis",
+                          attend::detail::concat("sequence axis ", a.axis, " is not an axis of a rank-", Rank,
+                                                 " tensor"));
+}
+
+template <int Rank>
+constexpr sequence_axis implied_sequence_axis() {
+    static_assert(Rank == 4 || Rank == 2,
+                  "attend: a rank-3 tensor is [batch, len, dim] or an lse [batch, heads, len]: name its sequence "
+                  "axis with sequence_axis{1} or sequence_axis{2}");
+    return sequence_axis{Rank == 4 ? 2 : 1};
+}
+
+}  // namespace detail
+
+/// Rank `rank`'s shard of a full tensor along its sequence axis `a`. Throws shape_error attend.shape.shard_total
+/// when that axis is not layout.total(), value_error attend.value.sequence_axis for an axis outside [0, Rank).
 template <class T, int Rank>
-tensor<T, Rank> take_shard(const tensor<T, Rank>& full, const shard_layout& layout, int rank) {
-    static_assert(Rank == 3 || Rank == 4,
-                  "attend: shards are cut from [batch, heads, len, dim] or [batch, heads, len]");
-    if (full.dimension(2) != layout.total())
+tensor<T, Rank> take_shard(const tensor<T, Rank>& full, const shard_layout& layout, int rank, sequence_axis a) {
+    detail::check_sequence_axis<Rank>(a);
+    const auto axis = static_cast<std::size_t>(a.axis);
+    if (full.dimension(a.axis) != layout.total())
         throw shape_error("attend.shape.shard_total",
                           attend::detail::concat("tensor ", attend::detail::format_shape(full.dimensions()), " has ",
-                                                 full.dimension(2), " positions on axis 2, the layout ",
+                                                 full.dimension(a.axis), " positions on axis ", a.axis, ", the layout ",
                                                  layout.total()));
     auto dims = full.dimensions();
-    dims[2] = layout.shard_length(rank);
+    dims[axis] = layout.shard_length(rank);
     tensor<T, Rank> shard(dims);
     for (const shard_segment& s : layout.segments(rank)) {
         std::array<index_t, Rank> from{}, to{}, extent = dims;
-        from[2] = s.global_begin;
-        to[2] = s.local_begin;
-        extent[2] = s.length;
+        from[axis] = s.global_begin;
+        to[axis] = s.local_begin;
+        extent[axis] = s.length;
         shard.slice(to, extent) = full.slice(from, extent);
     }
     return shard;
 }
 
-/// The full tensor from every rank's shard (shards[r] is rank r's), the inverse of take_shard. Throws
-/// shape_error attend.shape.shard_total when the shards do not match the layout.
+/// Rank `rank`'s shard of `[batch, heads, len, dim]` (axis 2) or of an lse `[batch, len]` (axis 1); rank 3 names
+/// its axis (above).
 template <class T, int Rank>
-tensor<T, Rank> join_shards(const std::vector<tensor<T, Rank>>& shards, const shard_layout& layout) {
-    static_assert(Rank == 3 || Rank == 4, "attend: shards are joined along axis 2");
+tensor<T, Rank> take_shard(const tensor<T, Rank>& full, const shard_layout& layout, int rank) {
+    return take_shard(full, layout, rank, detail::implied_sequence_axis<Rank>());
+}
+
+/// The full tensor from every rank's shard (shards[r] is rank r's) along sequence axis `a`, the inverse of
+/// take_shard. Throws shape_error attend.shape.shard_total when the shards do not match the layout, value_error
+/// attend.value.sequence_axis for an axis outside [0, Rank).
+template <class T, int Rank>
+tensor<T, Rank> join_shards(const std::vector<tensor<T, Rank>>& shards, const shard_layout& layout, sequence_axis a) {
+    detail::check_sequence_axis<Rank>(a);
+    const auto axis = static_cast<std::size_t>(a.axis);
     if (shards.size() != static_cast<std::size_t>(layout.ranks()))
         throw shape_error("attend.shape.shard_total",
                           attend::detail::concat(shards.size(), " shards for a layout of ", layout.ranks(), " ranks"));
     auto dims = shards[0].dimensions();
-    dims[2] = layout.total();
+    dims[axis] = layout.total();
     tensor<T, Rank> full(dims);
     for (int r = 0; r < layout.ranks(); ++r) {
         const auto& shard = shards[static_cast<std::size_t>(r)];
         auto expected = dims;
-        expected[2] = layout.shard_length(r);
+        expected[axis] = layout.shard_length(r);
         if (shard.dimensions() != expected)
             throw shape_error("attend.shape.shard_total",
                               attend::detail::concat("shard of rank ", r, ' ',
@@ -139,13 +176,19 @@ tensor<T, Rank> join_shards(const std::vector<tensor<T, Rank>>& shards, const sh
                                                      attend::detail::format_shape(expected)));
         for (const shard_segment& s : layout.segments(r)) {
             std::array<index_t, Rank> from{}, to{}, extent = dims;
-            from[2] = s.local_begin;
-            to[2] = s.global_begin;
-            extent[2] = s.length;
+            from[axis] = s.local_begin;
+            to[axis] = s.global_begin;
+            extent[axis] = s.length;
             full.slice(to, extent) = shard.slice(from, extent);
         }
     }
     return full;
+}
+
+/// join_shards of `[batch, heads, len, dim]` (axis 2) or `[batch, len]` (axis 1) shards; rank 3 names its axis.
+template <class T, int Rank>
+tensor<T, Rank> join_shards(const std::vector<tensor<T, Rank>>& shards, const shard_layout& layout) {
+    return join_shards(shards, layout, detail::implied_sequence_axis<Rank>());
 }
 
 }  // namespace attend::distributed

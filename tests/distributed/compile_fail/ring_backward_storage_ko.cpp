@@ -4,9 +4,9 @@
 // expect-error: ring attention backward takes q, k and v of one scalar type
 #include <attend/distributed/ring.hpp>
 
-auto ring_backward_of_float_over_bf16(MPI_Comm comm) {
+auto ring_backward_of_float_over_bf16(const attend::distributed::shard_layout& layout, MPI_Comm comm) {
     attend::tensor<float, 4> q(1, 2, 4, 8), out(1, 2, 4, 8), d_out(1, 2, 4, 8);
     attend::tensor<Eigen::bfloat16, 4> k(1, 2, 4, 8), v(1, 2, 4, 8);
     attend::tensor<float, 3> lse(1, 2, 4);
-    return attend::distributed::ring_attention_backward(q, k, v, attend::no_mask{}, out, lse, d_out, comm);
+    return attend::distributed::ring_attention_backward(q, k, v, attend::no_mask{}, out, lse, d_out, layout, comm);
 }
