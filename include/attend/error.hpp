@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 #pragma once
-/// The one error hierarchy of attend. Every message starts with a stable id in brackets, e.g.
-/// `[attend.shape.key_dim] query head_dim 64 != key head_dim 32 (query [2,8,128,64], key [2,8,256,32])`.
+/// The one error hierarchy of attend. Every message ends with a stable id in brackets, the heading of its entry in
+/// docs/errors.md, e.g.
+/// `query head_dim 64 != key head_dim 32 (query [2,8,128,64], key [2,8,256,32]) [attend.shape.key_dim]`.
 /// Every check runs before any output is written, so a throw leaves the caller's buffers as they were.
 
 #include <cassert>
@@ -27,8 +28,8 @@
 
 namespace attend {
 
-/// Base of every error attend throws; `id()` is the stable identifier without brackets, `what()` the message
-/// `[id] text`. Each kind also derives from the standard exception a C++ program catches for it: bad input is a
+/// Base of every error attend throws; `id()` is the stable identifier without brackets, `message()` the text,
+/// `what()` both: `text [id]`. Each kind also derives from the standard exception a C++ program catches for it: bad input is a
 /// std::invalid_argument, memory that could not be had a std::bad_alloc. So `catch (const attend::error&)` handles
 /// every failure of a call, and `catch (const std::bad_alloc&)` or `catch (const std::exception&)` work as usual.
 class error {
@@ -36,12 +37,14 @@ public:
     virtual ~error() = default;
     /// The stable id, e.g. attend.shape.key_dim (see docs/errors.md).
     const std::string& id() const noexcept { return id_; }
-    /// `[id] message`.
+    /// What went wrong, without the id.
+    const std::string& message() const noexcept { return message_; }
+    /// `message [id]`.
     virtual const char* what() const noexcept = 0;
 
 protected:
-    /// The base of a kind with this id; only the kinds construct it.
-    explicit error(std::string id) : id_(std::move(id)) {}
+    /// The base of a kind with this id and message; only the kinds construct it.
+    error(std::string id, std::string message) : id_(std::move(id)), message_(std::move(message)) {}
     /// Copied with the exception that holds it.
     error(const error&) = default;
     /// Assigned with the exception that holds it.
@@ -49,6 +52,7 @@ protected:
 
 private:
     std::string id_;
+    std::string message_;
 };
 
 namespace detail {
@@ -56,9 +60,9 @@ namespace detail {
 template <class Standard>
 class standard_error : public Standard, public error {
 public:
-    /// An error whose what() is `[id] message`.
+    /// An error whose what() is `message [id]`.
     standard_error(std::string id, const std::string& message)
-        : Standard(make_standard()), error(id), what_("[" + id + "] " + message) {}
+        : Standard(make_standard()), error(id, message), what_(message + " [" + id + "]") {}
     const char* what() const noexcept override { return what_.c_str(); }
 
 private:

@@ -38,7 +38,7 @@ std::optional<std::string> error_id_of(F&& f) {
         return std::nullopt;
     } catch (const attend::error& e) {
         const std::string message = e.what();
-        require(!e.id().empty() && message.rfind("[" + e.id() + "] ", 0) == 0,
+        require(!e.id().empty() && message == e.message() + " [" + e.id() + "]",
                 "attend::error without a well-formed id: " + message);
         return e.id();
     }

@@ -34,7 +34,7 @@ std::string typed_or_ok(const std::function<void()>& f, const std::string& what)
     try {
         f();
     } catch (const attend::error& e) {
-        EXPECT_EQ(std::string(e.what()).rfind("[" + e.id() + "]", 0), 0u) << what << ": " << e.what();
+        EXPECT_EQ(std::string(e.what()), e.message() + " [" + e.id() + "]") << what << ": " << e.what();
         return e.id();
     } catch (const std::exception& e) {
         ADD_FAILURE() << what << ": untyped " << typeid(e).name() << ": " << e.what();

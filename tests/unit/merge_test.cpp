@@ -274,7 +274,7 @@ void expect_error(F&& f, const std::string& id, const std::vector<std::string>& 
     } catch (const E& e) {
         EXPECT_EQ(e.id(), id);
         const std::string what = e.what();
-        EXPECT_EQ(what.rfind("[" + id + "] ", 0), 0u) << what;
+        EXPECT_EQ(what, e.message() + " [" + id + "]") << what;
         for (const auto& fragment : fragments)
             EXPECT_NE(what.find(fragment), std::string::npos) << "message lacks \"" << fragment << "\": " << what;
     } catch (const std::exception& e) {

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
 // Every error path of scaled_dot_product_attention (sdpa.hpp, shape.hpp, mask.hpp, score_bias.hpp): one test per
-// error id, asserting the exception type, e.id(), that the message starts with "[id]" and carries the offending
+// error id, asserting the exception type, e.id(), that the message ends with "[id]" and carries the offending
 // shapes or values, and that nothing was written: the calls go through scaled_dot_product_attention_into with
 // sentinel-filled out, weights and lse, which must still hold the sentinel afterwards. The allocating form is
 // checked to throw the same id.
@@ -93,7 +93,7 @@ void expect_error(F&& f, const std::string& id, const std::vector<std::string>& 
     } catch (const E& e) {
         const std::string what = e.what();
         EXPECT_EQ(e.id(), id) << what;
-        EXPECT_EQ(what.rfind("[" + id + "] ", 0), 0u) << "message must start with the bracketed id: " << what;
+        EXPECT_EQ(what, e.message() + " [" + id + "]") << "message must end with the bracketed id: " << what;
         for (const auto& fragment : fragments)
             EXPECT_NE(what.find(fragment), std::string::npos) << "message lacks \"" << fragment << "\": " << what;
     } catch (const std::exception& e) {
@@ -489,7 +489,7 @@ void expect_decode_error(const tensor<T, 4>& q, const K& k, const K& v, const Ma
         value_error_text([&] { attend::scaled_dot_product_attention_into(q, k, v, mask, decode, out, nullptr, lse); });
     const std::string scanned =
         value_error_text([&] { (void)attend::scaled_dot_product_attention(q, k, v, mask, reference); });
-    EXPECT_EQ(found.rfind("[" + id + "] ", 0), 0u) << found;
+    EXPECT_NE(found.find(" [" + id + "]"), std::string::npos) << found;
     EXPECT_NE(found.find(fragment), std::string::npos) << found;
     EXPECT_EQ(found, scanned);
     for (index_t n = 0; n < out.size(); ++n) ASSERT_EQ(out.data()[n], T(sentinel)) << "out written before the error";

@@ -61,7 +61,7 @@ void expect_shape_error(const Q& q, const K& k, const V& v, const std::string& i
     } catch (const attend::shape_error& e) {
         EXPECT_EQ(e.id(), id);
         const std::string what = e.what();
-        EXPECT_EQ(what.rfind("[" + id + "]", 0), 0u) << what;
+        EXPECT_EQ(what, e.message() + " [" + id + "]") << what;
         for (const auto& f : fragments) EXPECT_NE(what.find(f), std::string::npos) << "'" << f << "' not in " << what;
     }
 }

@@ -24,7 +24,7 @@ enum class error_kind : int { shape, mask, value, position, resource, format };
 struct captured_error {
     error_kind kind = error_kind::format;
     std::string id;
-    std::string message;  ///< what() without the "[id] " prefix
+    std::string message;  ///< what() without the id
 };
 
 inline captured_error capture(const attend::error& e) {
@@ -36,8 +36,7 @@ inline captured_error capture(const attend::error& e) {
     else if (dynamic_cast<const resource_error*>(&e)) c.kind = error_kind::resource;
     else c.kind = error_kind::format;
     c.id = e.id();
-    const std::string what = e.what(), prefix = "[" + e.id() + "] ";
-    c.message = what.compare(0, prefix.size(), prefix) == 0 ? what.substr(prefix.size()) : what;
+    c.message = e.message();
     return c;
 }
 
