@@ -5,7 +5,8 @@
 ///   allowed_mask      Boolean, true = may attend (PyTorch SDPA, JAX, FlexAttention)
 ///   forbidden_mask    Boolean, true = blocked (nn.MultiheadAttention's attn_mask and key_padding_mask)
 ///   additive_mask<T>  added to the scaled scores; -inf forbids, finite values bias
-///   causal, key_padding, query_padding, sliding_window, prefix_lm, block_diagonal: rules, never materialized.
+///   causal, key_padding, query_padding, sliding_window, prefix_lm, block_diagonal, packed_segments, chunked,
+///   bidirectional_groups: rules, never materialized.
 /// Allowed sets combine with && || !, additive terms with +. The two Boolean conventions never convert
 /// implicitly: to_allowed / to_forbidden say which way.
 
@@ -486,6 +487,62 @@ inline sliding_window_rule sliding_window_from_config(index_t window_keys, diago
     return sliding_window(detail::window_left_from_config(window_keys), 0, std::move(d));
 }
 
+/// Chunked attention (Llama 4's local layers, transformers' chunked_overlay): the keys are cut into chunks of
+/// chunk_size, and query i sees the keys of the chunk that holds its diagonal key i + offset (offset that of `d`, as
+/// for causal; bottom_right in a decode). Same-chunk only, in both directions: Hugging Face's chunked mask
+/// (chunked_causal_mask_function) is `causal(d) && chunked(C, d)`, so the causal part is written, not implied, and
+/// `chunked` alone is the overlay (a bidirectional encoder's chunks). Chunks start at key 0 unless
+/// with_left_padding says where each batch row's sequence starts.
+struct chunked_rule : detail::boolean_term {
+    static constexpr bool has_query_padding = false;
+    index_t chunk_size = 1;             ///< keys per chunk (> 0)
+    attend::diagonal diagonal;          ///< where each query's own key is
+    std::vector<index_t> left_padding;  ///< [batch] key where each row's chunks start; empty: key 0 for every row
+
+    /// Row b's chunks start at key left_padding[b] (and every chunk_size keys before and after it): transformers'
+    /// left_padding, the pad keys before a left-padded sequence, so its chunks count from its first real token.
+    /// Any value is taken (only its value mod chunk_size matters): keys that start at position kv_offset of the
+    /// sequence take left_padding - kv_offset. When bound, a count other than the batch is mask_error
+    /// attend.mask.lengths_batch.
+    chunked_rule with_left_padding(std::vector<index_t> pad_keys) const {
+        auto r = *this;
+        r.left_padding = std::move(pad_keys);
+        return r;
+    }
+
+    detail::bound_chunked bind(const attention_shape& s) const {
+        const detail::bound_diagonal d = detail::bind_diagonal(diagonal, s, "chunked");
+        if (!left_padding.empty() && static_cast<index_t>(left_padding.size()) != s.batch)
+            throw mask_error("attend.mask.lengths_batch",
+                             detail::concat("chunked has ", left_padding.size(), " left padding counts for batch ",
+                                            s.batch, " (one per batch row)"));
+        const auto start_of = [&](index_t b) {
+            return left_padding.empty() ? index_t(0) : left_padding[static_cast<std::size_t>(b)];
+        };
+        detail::bound_chunked rule;
+        rule.chunk_size = chunk_size;
+        rule.key_len = s.key_len;
+        rule.row = detail::bound_chunked::row_of(d.offset, start_of(0), chunk_size);
+        if (d.per_batch || !left_padding.empty()) {
+            std::vector<std::array<index_t, 2>> rows(static_cast<std::size_t>(s.batch));
+            for (index_t b = 0; b < s.batch; ++b)
+                rows[static_cast<std::size_t>(b)] =
+                    detail::bound_chunked::row_of(d.offset_of(b), start_of(b), chunk_size);
+            rule.per_batch = std::make_shared<const std::vector<std::array<index_t, 2>>>(std::move(rows));
+        }
+        return rule;
+    }
+};
+/// Same-chunk attention with chunks of `chunk_size` keys (a config's attention_chunk_size) and each query's own key
+/// on diagonal `d`; combine with causal(d) for Hugging Face's chunked causal mask. Throws mask_error
+/// attend.mask.chunk_size for chunk_size <= 0.
+inline chunked_rule chunked(index_t chunk_size, diagonal d) {
+    if (chunk_size <= 0)
+        throw mask_error("attend.mask.chunk_size",
+                         detail::concat("chunked chunk_size ", chunk_size, " needs at least 1 key per chunk"));
+    return chunked_rule{{}, chunk_size, std::move(d), {}};
+}
+
 /// Prefix LM: every query sees the first prefix_len keys, and the rest causally (j <= i + offset as in causal).
 struct prefix_lm_rule : detail::boolean_term {
     static constexpr bool has_query_padding = false;
@@ -510,6 +567,68 @@ inline prefix_lm_rule prefix_lm(index_t prefix_len, diagonal d) {
     if (prefix_len < 0)
         throw mask_error("attend.mask.prefix_len", detail::concat("prefix_lm prefix_len ", prefix_len, " is negative"));
     return prefix_lm_rule{{}, prefix_len, std::move(d)};
+}
+
+/// Bidirectional groups (transformers' blockwise_overlay; the image tokens of Gemma 3, PaliGemma or a Qwen-VL model):
+/// `ids [batch, key_len]` give each key position a group id, -1 for none (text). Query i of batch row b is the token
+/// at its diagonal key i + offset(b) (offset that of `d`; bottom_right in a decode, where the queries are the last
+/// positions) and takes that position's group; a query of group g >= 0 sees every key of group g, before or after
+/// it. A query of no group (-1, or a diagonal key outside the keys) sees nothing by this rule: `causal(d) ||
+/// bidirectional_groups(ids, d)` is the multimodal pattern (text causal, each image bidirectional inside).
+struct bidirectional_groups_rule : detail::boolean_term {
+    static constexpr bool has_query_padding = false;
+    std::vector<index_t> ids;   ///< [batch, positions] row-major: the group of each key position, -1 for none
+    index_t batch = 0;          ///< rows of ids
+    index_t positions = 0;      ///< columns of ids: one per key
+    attend::diagonal diagonal;  ///< where each query's own position is
+
+    detail::bound_bidirectional_groups bind(const attention_shape& s) const {
+        if (batch != s.batch || positions != s.key_len)
+            throw mask_error("attend.mask.group_ids_shape",
+                             detail::concat("bidirectional_groups ids ",
+                                            detail::format_shape(std::array<index_t, 2>{batch, positions}),
+                                            " must be [batch, key_len] = ",
+                                            detail::format_shape(std::array<index_t, 2>{s.batch, s.key_len}),
+                                            " (one group id per key position; queries take their diagonal key's)"));
+        detail::bound_bidirectional_groups rule;
+        rule.diagonal = detail::bind_diagonal(diagonal, s, "bidirectional_groups");
+        rule.key_len = s.key_len;
+        rule.ids = std::make_shared<const std::vector<index_t>>(ids);
+        std::vector<index_t> run_end(ids.size());
+        for (index_t b = 0; b < batch; ++b)
+            for (index_t j = positions - 1; j >= 0; --j) {
+                const auto at = static_cast<std::size_t>(b * positions + j);
+                run_end[at] = j + 1 < positions && ids[at + 1] == ids[at] ? run_end[at + 1] : j + 1;
+            }
+        rule.run_end = std::make_shared<const std::vector<index_t>>(std::move(run_end));
+        return rule;
+    }
+};
+/// Bidirectional groups from a rank-2 integer tensor `ids [batch, key_len]` (transformers' block_sequence_ids, or
+/// image group ids with -1 on text tokens) and the diagonal `d` that places each query on its own position. Throws
+/// mask_error attend.mask.group_id for an id below -1, and attend.mask.group_ids_shape when bound to scores whose
+/// batch or key_len differ from ids'.
+template <class IntTensor>
+bidirectional_groups_rule bidirectional_groups(const IntTensor& ids, diagonal d) {
+    using traits = detail::tensor_traits<std::decay_t<IntTensor>>;
+    static_assert(traits::supported, "attend: bidirectional_groups takes ids as a rank-2 attend::tensor of integers");
+    if constexpr (traits::supported) {
+        static_assert(traits::row_major && traits::rank == 2 && std::is_integral_v<typename traits::scalar> &&
+                          !std::is_same_v<typename traits::scalar, bool>,
+                      "attend: bidirectional_groups takes ids [batch, key_len] as a row-major rank-2 tensor of "
+                      "integers (-1 for no group)");
+    }
+    const index_t batch = ids.dimension(0), positions = ids.dimension(1);
+    std::vector<index_t> values(static_cast<std::size_t>(ids.size()));
+    for (index_t n = 0; n < ids.size(); ++n) {
+        const auto id = static_cast<index_t>(ids.data()[n]);
+        if (id < -1)
+            throw mask_error("attend.mask.group_id",
+                             detail::concat("bidirectional_groups id ", id, " at [", n / positions, ',', n % positions,
+                                            "] is below -1 (-1 = no group, groups are >= 0)"));
+        values[static_cast<std::size_t>(n)] = id;
+    }
+    return bidirectional_groups_rule{{}, std::move(values), batch, positions, std::move(d)};
 }
 
 /// Key padding: in sequence b only keys j < lengths[b] exist. One length per batch entry, 0 <= length <= key_len.

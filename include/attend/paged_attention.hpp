@@ -68,10 +68,13 @@ void check_paged_call(const strided_view<const Q>& q, const paged_kv_cache<T>& c
 }
 
 /// paged_attention on a checked view of q (of T, or float over a 16-bit or int8 cache), inside its allocation guard.
-template <class Q, class T>
+/// `mask_of(n)` is the rule of batch row n's sequence, bound as that sequence's own call `[1, heads, query_counts[n],
+/// length]` and intersected with its cached rule.
+template <class Q, class T, class MaskOf>
 attention_result<Q, 4> paged_attention_views(const strided_view<const Q>& qv, const paged_kv_cache<T>& cache,
                                              const std::vector<index_t>& sequences,
-                                             const std::vector<index_t>& query_counts, const sdpa_options& options) {
+                                             const std::vector<index_t>& query_counts, const MaskOf& mask_of,
+                                             const sdpa_options& options) {
     using Acc = accumulator_t<Q>;
     check_paged_call(qv, cache, sequences, query_counts);
     if (options.need_weights)
@@ -80,7 +83,7 @@ attention_result<Q, 4> paged_attention_views(const strided_view<const Q>& qv, co
                           "scaled_dot_product_attention over one sequence's keys for them");
     const index_t B = qv.dims[0], H = qv.dims[1], L = qv.dims[2], Dv = cache.value_dim();
     using call_type = decltype(check_call(qv, cache.key_blocks(0), cache.value_blocks(0), attention_shape{},
-                                          cached_rule(unbounded), options));
+                                          mask_of(0) && cached_rule(unbounded), options));
     std::vector<call_type> calls;
     std::vector<attention_shape> shapes;
     allocating(
@@ -98,8 +101,8 @@ attention_result<Q, 4> paged_attention_views(const strided_view<const Q>& qv, co
         const attention_shape s = sequence_shape(H, cache.kv_heads(), query_counts[static_cast<std::size_t>(n)],
                                                  k.dims[2], cache.head_dim(), Dv);
         shapes.push_back(s);
-        calls.push_back(
-            check_call(batch_rows(qv, n, s.query_len), k, v, s, cached_rule(cache.window_left()), options, true));
+        calls.push_back(check_call(batch_rows(qv, n, s.query_len), k, v, s,
+                                   mask_of(n) && cached_rule(cache.window_left()), options, true));
     }
     attention_result<Q, 4> r;
     const char* hint = "split the batch";
@@ -127,6 +130,23 @@ attention_result<Q, 4> paged_attention_views(const strided_view<const Q>& qv, co
     return r;
 }
 
+/// paged_attention with the rule of each batch row from mask_of(n): the query check, then the call in its
+/// allocation guard.
+template <class Q, class T, class MaskOf>
+auto paged_attention_masked(const Q& q, const paged_kv_cache<T>& cache, const std::vector<index_t>& sequences,
+                            const std::vector<index_t>& query_counts, const MaskOf& mask_of,
+                            const sdpa_options& options) {
+    static_assert(
+        storage_pair_v<scalar_of<Q>, T> && rank_of<Q>() == 4,
+        "attend: paged_attention takes a rank-4 query [batch, heads, query_len, head_dim] of the cache's "
+        "scalar type, or a float query over an Eigen::half or Eigen::bfloat16 cache, or a float, Eigen::half or "
+        "Eigen::bfloat16 query over a q8_0_block (int8) cache");
+    const auto qv = checked_input(q);
+    // Every allocation of the call (lists, scratch, messages) fails as a typed error, before anything is written.
+    return allocating([&] { return paged_attention_views(qv, cache, sequences, query_counts, mask_of, options); },
+                      [] { return std::string("paged_attention's bookkeeping"); }, "Attend fewer sequences");
+}
+
 }  // namespace detail
 
 /// Attention of the newest positions of several sequences of `cache` over everything each of them holds:
@@ -147,16 +167,37 @@ attention_result<Q, 4> paged_attention_views(const strided_view<const Q>& qv, co
 template <class Q, class T>
 auto paged_attention(const Q& q, const paged_kv_cache<T>& cache, const std::vector<index_t>& sequences,
                      const std::vector<index_t>& query_counts, const sdpa_options& options = {}) {
-    static_assert(
-        detail::storage_pair_v<detail::scalar_of<Q>, T> && detail::rank_of<Q>() == 4,
-        "attend: paged_attention takes a rank-4 query [batch, heads, query_len, head_dim] of the cache's "
-        "scalar type, or a float query over an Eigen::half or Eigen::bfloat16 cache, or a float, Eigen::half or "
-        "Eigen::bfloat16 query over a q8_0_block (int8) cache");
-    const auto qv = detail::checked_input(q);
-    // Every allocation of the call (lists, scratch, messages) fails as a typed error, before anything is written.
-    return detail::allocating(
-        [&] { return detail::paged_attention_views(qv, cache, sequences, query_counts, options); },
-        [] { return std::string("paged_attention's bookkeeping"); }, "Attend fewer sequences");
+    return detail::paged_attention_masked(
+        q, cache, sequences, query_counts, [](index_t) { return no_mask{}; }, options);
+}
+
+/// paged_attention under a rule besides the cached one: each sequence's queries see what `mask` allows of its
+/// positions and what causality and the rolling window allow. The mask is bound as each sequence's own call,
+/// scores `[1, heads, query_counts[n], length]` (batch 0, the sequence's own query and key indices, as score_mod
+/// sees them): a rule with a diagonal takes alignment::bottom_right, as the queries are the last positions, e.g.
+/// `chunked(C, alignment::bottom_right)`. Throws what the form above throws, and the mask's binding errors.
+template <class Q, class T, class Mask, std::enable_if_t<detail::is_boolean_v<Mask>, int> = 0>
+auto paged_attention(const Q& q, const paged_kv_cache<T>& cache, const std::vector<index_t>& sequences,
+                     const std::vector<index_t>& query_counts, const Mask& mask, const sdpa_options& options = {}) {
+    return detail::paged_attention_masked(
+        q, cache, sequences, query_counts, [&](index_t) { return mask; }, options);
+}
+
+/// paged_attention under one rule per batch row (rules with per-sequence data, such as each sequence's
+/// bidirectional_groups ids `[1, length]`): masks_per_sequence[n] is bound as sequence n's own call, as above.
+/// Throws shape_error `attend.shape.sequences` unless there is one mask per batch row, and what the forms above
+/// throw.
+template <class Q, class T, class Mask, std::enable_if_t<detail::is_boolean_v<Mask>, int> = 0>
+auto paged_attention(const Q& q, const paged_kv_cache<T>& cache, const std::vector<index_t>& sequences,
+                     const std::vector<index_t>& query_counts, const std::vector<Mask>& masks_per_sequence,
+                     const sdpa_options& options = {}) {
+    if (masks_per_sequence.size() != sequences.size())
+        throw shape_error("attend.shape.sequences",
+                          detail::concat(masks_per_sequence.size(), " masks for ", sequences.size(),
+                                         " sequences (one mask per batch row)"));
+    return detail::paged_attention_masked(
+        q, cache, sequences, query_counts, [&](index_t n) { return masks_per_sequence[static_cast<std::size_t>(n)]; },
+        options);
 }
 
 }  // namespace attend

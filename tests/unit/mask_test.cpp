@@ -3,6 +3,7 @@
 // algebra is set algebra, the two Boolean conventions convert exactly, dense masks broadcast like NumPy.
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -717,6 +718,142 @@ TEST(mask_errors, per_row_diagonals_are_checked_against_the_batch_and_key_len) {
     } catch (const attend::mask_error& e) {
         EXPECT_NE(std::string(e.what()).find("attend::unbounded"), std::string::npos) << e.what();
     }
+}
+
+/// Floor division, for the definitions below (C++'s / truncates toward zero).
+index_t floor_div(index_t a, index_t c) { return a / c - (a % c != 0 && (a < 0) != (c < 0)); }
+
+/// Group ids [batch, key_len]: runs of text (-1) and of groups, a group sometimes coming back later in the row.
+attend::tensor<int, 2> random_group_ids(attend_test::rng& g, index_t batch, index_t key_len) {
+    attend::tensor<int, 2> ids(batch, key_len);
+    for (index_t b = 0; b < batch; ++b) {
+        int next = 0, id = -1;
+        for (index_t j = 0; j < key_len; ++j) {
+            if (j == 0 || g.bernoulli(0.2))
+                id = g.bernoulli(0.4)               ? -1
+                     : g.bernoulli(0.2) && next > 0 ? static_cast<int>(g.uniform_int(0, next - 1))
+                                                    : next++;
+            ids(b, j) = id;
+        }
+    }
+    return ids;
+}
+
+TEST(mask, chunked_allows_exactly_the_keys_of_each_querys_chunk_as_transformers_counts_them) {
+    // transformers' chunked_overlay: (kv - left_padding[b]) // C == (q - left_padding[b]) // C, with the query at
+    // its diagonal key.
+    attend_test::rng g(80);
+    for (int n = 0; n < attend_test::repeat(120); ++n) {
+        const auto s = random_shape(g);
+        const index_t c = g.uniform_int(1, 9);
+        std::vector<index_t> offsets(static_cast<std::size_t>(s.batch)), padding(offsets.size());
+        for (std::size_t b = 0; b < offsets.size(); ++b) {
+            offsets[b] = g.uniform_int(-s.query_len - 10, s.key_len + 10);
+            padding[b] = g.uniform_int(-20, 20);
+        }
+        const auto rule = attend::chunked(c, attend::diagonal_offsets(offsets)).with_left_padding(padding);
+        const auto same_chunk = [&](index_t b, index_t, index_t i, index_t j) {
+            const auto u = static_cast<std::size_t>(b);
+            return floor_div(j - padding[u], c) == floor_div(i + offsets[u] - padding[u], c);
+        };
+        expect_materializes_to(rule, s, same_chunk);
+        expect_classification_agrees(rule, s, g, true);
+        // Hugging Face's chunked causal mask: both parts written, classified exactly together.
+        const auto hf = attend::causal(attend::diagonal_offsets(offsets)) && rule;
+        expect_materializes_to(hf, s, [&](index_t b, index_t h, index_t i, index_t j) {
+            return same_chunk(b, h, i, j) && j <= i + offsets[static_cast<std::size_t>(b)];
+        });
+        expect_classification_agrees(hf, s, g, true);
+        // Without left padding the chunks start at key 0, on either alignment.
+        const auto align = g.bernoulli(0.5) ? attend::alignment::top_left : attend::alignment::bottom_right;
+        const index_t offset = align == attend::alignment::bottom_right ? s.key_len - s.query_len : 0;
+        const auto plain = attend::chunked(c, align);
+        expect_materializes_to(plain, s, [&](index_t, index_t, index_t i, index_t j) {
+            return floor_div(j, c) == floor_div(i + offset, c);
+        });
+        expect_classification_agrees(plain, s, g, true);
+    }
+}
+
+TEST(mask, chunked_is_exact_for_hostile_offsets_and_chunk_sizes) {
+    attend_test::rng g(81);
+    for (int n = 0; n < attend_test::repeat(60); ++n) {
+        const auto s = random_shape(g);
+        const auto offsets = random_diagonal_offsets(g, s);
+        const index_t c = g.bernoulli(0.3) ? (index_t(1) << 40) + g.uniform_int(0, 5) : g.uniform_int(1, 50);
+        const auto rule = attend::chunked(c, attend::diagonal_offsets(offsets));
+        expect_materializes_to(rule, s, [&](index_t b, index_t, index_t i, index_t j) {
+            // In long double: offsets reach the ends of Eigen::Index.
+            const long double p = static_cast<long double>(offsets[static_cast<std::size_t>(b)]) + i;
+            return std::floor(static_cast<long double>(j) / c) == std::floor(p / c);
+        });
+        expect_classification_agrees(rule, s, g, true);
+    }
+}
+
+TEST(mask, bidirectional_groups_join_each_group_and_leave_text_to_the_causal_part) {
+    // transformers' blockwise_overlay: q_group == kv_group and q_group >= 0, the query at its diagonal key.
+    attend_test::rng g(82);
+    for (int n = 0; n < attend_test::repeat(120); ++n) {
+        const auto s = random_shape(g);
+        const auto ids = random_group_ids(g, s.batch, s.key_len);
+        std::vector<index_t> offsets(static_cast<std::size_t>(s.batch));
+        for (auto& x : offsets) x = g.uniform_int(-s.query_len - 3, s.key_len + 3);
+        const auto groups = attend::bidirectional_groups(ids, attend::diagonal_offsets(offsets));
+        const auto same_group = [&](index_t b, index_t, index_t i, index_t j) {
+            const index_t p = i + offsets[static_cast<std::size_t>(b)];
+            const int q_group = p >= 0 && p < s.key_len ? ids(b, p) : -1;
+            return q_group >= 0 && q_group == ids(b, j);
+        };
+        expect_materializes_to(groups, s, same_group);
+        expect_classification_agrees(groups, s, g, true);
+        const auto multimodal = attend::causal(attend::diagonal_offsets(offsets)) || groups;
+        expect_materializes_to(multimodal, s, [&](index_t b, index_t h, index_t i, index_t j) {
+            return same_group(b, h, i, j) || j <= i + offsets[static_cast<std::size_t>(b)];
+        });
+        expect_classification_agrees(multimodal, s, g, false);
+    }
+}
+
+TEST(mask, to_string_draws_chunks_and_groups_as_transformers_documents_them) {
+    // transformers' sdpa_mask docstring: chunk_size 3 over 5 tokens.
+    const attend::score_shape five{1, 1, 5, 5};
+    EXPECT_EQ(attend::to_string(
+                  attend::causal(attend::alignment::top_left) && attend::chunked(3, attend::alignment::top_left), five),
+              "q0: k0\nq1: k0 k1\nq2: k0 k1 k2\nq3: k3\nq4: k3 k4\n");
+    // Left padding 1: the chunks count from the first real key.
+    EXPECT_EQ(attend::to_string(attend::chunked(3, attend::alignment::top_left).with_left_padding({1}), five),
+              "q0: k0\nq1: k1 k2 k3\nq2: k1 k2 k3\nq3: k1 k2 k3\nq4: k4\n");
+    // A decode of two queries over five keys: the queries are positions 3 and 4.
+    EXPECT_EQ(attend::to_string(attend::chunked(3, attend::alignment::bottom_right), {1, 1, 2, 5}),
+              "q0: k3 k4\nq1: k3 k4\n");
+    attend::tensor<int, 2> ids(1, 5);
+    ids.setValues({{-1, 0, 0, -1, -1}});
+    EXPECT_EQ(attend::to_string(attend::causal(attend::alignment::top_left) ||
+                                    attend::bidirectional_groups(ids, attend::alignment::top_left),
+                                five),
+              "q0: k0\nq1: k0 k1 k2\nq2: k0 k1 k2\nq3: k0 k1 k2 k3\nq4: k0 k1 k2 k3 k4\n");
+    EXPECT_EQ(attend::to_string(attend::bidirectional_groups(ids, attend::alignment::bottom_right), {1, 1, 2, 5}),
+              "q0: (none)\nq1: (none)\n");
+}
+
+TEST(mask_errors, chunk_sizes_group_ids_and_left_padding_are_checked) {
+    for (const index_t bad : {index_t(0), index_t(-4)})
+        expect_mask_error("attend.mask.chunk_size", [&] { (void)attend::chunked(bad, attend::alignment::top_left); });
+    expect_mask_error("attend.mask.lengths_batch", [] {
+        (void)attend::materialize(attend::chunked(2, attend::alignment::top_left).with_left_padding({0, 1, 2}),
+                                  {2, 1, 3, 3});
+    });
+    attend::tensor<int, 2> ids(2, 4);
+    ids.setConstant(-1);
+    ids(1, 2) = -2;
+    expect_mask_error("attend.mask.group_id",
+                      [&] { (void)attend::bidirectional_groups(ids, attend::alignment::top_left); });
+    ids(1, 2) = 3;
+    const auto groups = attend::bidirectional_groups(ids, attend::alignment::bottom_right);
+    expect_mask_error("attend.mask.group_ids_shape", [&] { (void)attend::materialize(groups, {2, 1, 1, 5}); });
+    expect_mask_error("attend.mask.group_ids_shape", [&] { (void)attend::materialize(groups, {3, 1, 1, 4}); });
+    EXPECT_EQ(attend::to_string(groups, {2, 1, 1, 4}), "batch 0, head 0:\nq0: (none)\nbatch 1, head 0:\nq0: (none)\n");
 }
 
 }  // namespace

@@ -278,6 +278,97 @@ struct bound_packed_segments : interval_rule<bound_packed_segments> {
     }
 };
 
+/// x mod m in [0, m) for m > 0, whatever the sign of x.
+inline index_t floor_mod(index_t x, index_t m) {
+    const index_t r = x % m;
+    return r < 0 ? r + m : r;
+}
+
+/// Same-chunk attention (chunked in mask.hpp): the keys are cut into chunks of `chunk_size` starting at each row's
+/// chunk start, and query i of batch row b, at key i + offset(b) on its diagonal, sees the keys of its own chunk.
+/// Row i's keys are one interval that moves right as i grows, a whole chunk at a time, so the intervals of a tile's
+/// rows join without gaps: classification from the first and last rows is exact both ways.
+struct bound_chunked : interval_rule<bound_chunked> {
+    /// {diagonal offset, where query 0 sits inside its chunk} of every batch row
+    std::array<index_t, 2> row{};
+    std::shared_ptr<const std::vector<std::array<index_t, 2>>> per_batch;  ///< [batch] of the same, or null
+    index_t chunk_size = 1;
+    index_t key_len = 0;
+
+    /// The row data of a row with diagonal offset `offset` whose chunks start at key `start` (and every chunk_size
+    /// keys before and after it), reduced so nothing below overflows.
+    static std::array<index_t, 2> row_of(index_t offset, index_t start, index_t chunk_size) {
+        const index_t phase = floor_mod(offset, chunk_size) - floor_mod(start, chunk_size);
+        return {offset, phase < 0 ? phase + chunk_size : phase};
+    }
+    std::array<index_t, 2> interval(index_t b, index_t i) const {
+        const auto& r = per_batch ? (*per_batch)[static_cast<std::size_t>(b)] : row;
+        // Query i's place inside its chunk, (phase + i) mod chunk_size, without forming phase + i.
+        const index_t inside = i < chunk_size - r[1] ? r[1] + i : (i - (chunk_size - r[1])) % chunk_size;
+        const index_t first = saturating_difference(saturating_difference(r[0], -i), inside);
+        const index_t last = saturating_difference(first, -chunk_size);
+        return {std::clamp<index_t>(first, 0, key_len), std::clamp<index_t>(last, 0, key_len)};
+    }
+    tile_class classify(const tile& t) const {
+        const auto first_row = interval(t.batch, t.query_begin), last_row = interval(t.batch, t.query_end - 1);
+        // The rows' intervals cover [first_row[0], last_row[1]) without gaps; each bound grows with the row.
+        if (std::max(first_row[0], t.key_begin) >= std::min(last_row[1], t.key_end)) return tile_class::empty;
+        if (last_row[0] <= t.key_begin && first_row[1] >= t.key_end) return tile_class::full;
+        return tile_class::mixed;
+    }
+};
+
+/// Bidirectional groups (bidirectional_groups in mask.hpp): `ids [batch, key_len]` give each key position a group
+/// (-1: none), and query i of batch row b takes the group of its diagonal key i + offset(b) (none outside the keys).
+/// A query of a group sees every key of its group. Runs of equal ids are precomputed so a tile is classified by
+/// walking runs, not positions: exact both ways.
+struct bound_bidirectional_groups {
+    std::shared_ptr<const std::vector<index_t>> ids;      ///< [batch, key_len] row-major
+    std::shared_ptr<const std::vector<index_t>> run_end;  ///< [batch, key_len]: end of the run of equal ids at j
+    bound_diagonal diagonal;
+    index_t key_len = 0;
+
+    index_t id_at(index_t b, index_t j) const { return (*ids)[static_cast<std::size_t>(b * key_len + j)]; }
+    index_t run_end_at(index_t b, index_t j) const { return (*run_end)[static_cast<std::size_t>(b * key_len + j)]; }
+    /// Query i's key position on the diagonal (saturated: far outside the keys either way).
+    index_t position_of(index_t b, index_t i) const { return saturating_difference(diagonal.offset_of(b), -i); }
+    index_t query_group(index_t b, index_t i) const {
+        const index_t p = position_of(b, i);
+        return p >= 0 && p < key_len ? id_at(b, p) : -1;
+    }
+    bool allowed(index_t b, index_t, index_t i, index_t j) const {
+        const index_t g = query_group(b, i);
+        return g >= 0 && g == id_at(b, j);
+    }
+    bool query_padded(index_t, index_t) const { return false; }
+    tile_class classify(const tile& t) const {
+        const index_t p0 = position_of(t.batch, t.query_begin), p1 = position_of(t.batch, t.query_end - 1);
+        const index_t a = std::clamp<index_t>(p0, 0, key_len), c = std::clamp<index_t>(p1, -1, key_len - 1) + 1;
+        const bool rows_outside = p0 < 0 || p1 >= key_len;  // such rows have no group: the tile is not full
+        if (!rows_outside && a < c && run_end_at(t.batch, a) >= c && id_at(t.batch, a) >= 0 &&
+            id_at(t.batch, t.key_begin) == id_at(t.batch, a) && run_end_at(t.batch, t.key_begin) >= t.key_end)
+            return tile_class::full;
+        // Some query run's group among the key runs? At most (query runs x key runs) comparisons, no more than
+        // the tile's positions.
+        for (index_t p = a; p < c; p = run_end_at(t.batch, p)) {
+            const index_t g = id_at(t.batch, p);
+            if (g < 0) continue;
+            for (index_t j = t.key_begin; j < t.key_end; j = run_end_at(t.batch, j))
+                if (id_at(t.batch, j) == g) return tile_class::mixed;
+        }
+        return tile_class::empty;
+    }
+    template <class T>
+    void apply(const tile& t, T* scores, index_t ld) const {
+        for (index_t i = t.query_begin; i < t.query_end; ++i) {
+            T* row = scores + (i - t.query_begin) * ld;
+            const index_t g = query_group(t.batch, i);
+            for (index_t j = t.key_begin; j < t.key_end; ++j)
+                if (g < 0 || id_at(t.batch, j) != g) row[j - t.key_begin] = minus_infinity<T>();
+        }
+    }
+};
+
 /// Every position allowed: what a call without a mask binds to.
 struct bound_everything {
     bool allowed(index_t, index_t, index_t, index_t) const { return true; }
