@@ -668,7 +668,7 @@ template <class T, int Rank>
 tensor<T, Rank - 1> without_heads_axis(const tensor<T, Rank>& x) {
     std::array<index_t, Rank - 1> dims{};
     dims[0] = x.dimension(0);
-    for (int a = 2; a < Rank; ++a) dims[static_cast<std::size_t>(a - 1)] = x.dimension(a);
+    for (int a = 2; a < Rank; ++a) dims[static_cast<std::size_t>(a - 1)] = x.dimension(static_cast<std::size_t>(a));
     return x.reshape(dims);
 }
 

@@ -127,10 +127,10 @@ template <class T, int Rank>
 tensor<T, Rank> take_shard(const tensor<T, Rank>& full, const shard_layout& layout, int rank, sequence_axis a) {
     detail::check_sequence_axis<Rank>(a);
     const auto axis = static_cast<std::size_t>(a.axis);
-    if (full.dimension(a.axis) != layout.total())
+    if (full.dimension(axis) != layout.total())
         throw shape_error("attend.shape.shard_total",
                           attend::detail::concat("tensor ", attend::detail::format_shape(full.dimensions()), " has ",
-                                                 full.dimension(a.axis), " positions on axis ", a.axis, ", the layout ",
+                                                 full.dimension(axis), " positions on axis ", a.axis, ", the layout ",
                                                  layout.total()));
     auto dims = full.dimensions();
     dims[axis] = layout.shard_length(rank);
