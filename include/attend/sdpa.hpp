@@ -18,6 +18,7 @@
 #include "detail/memory.hpp"
 #include "detail/parallel_for.hpp"
 #include "detail/reference_kernel.hpp"
+#include "detail/score_output.hpp"
 #include "detail/tiled_kernel.hpp"
 #include "detail/widen.hpp"
 #include "error.hpp"
@@ -55,6 +56,24 @@ struct dropout_options {
     index_t key_offset = 0;  ///< see query_offset
 };
 
+/// The stage of the score pipeline result.scores holds (sdpa_options::need_scores): ONNX Attention's
+/// qk_matmul_output_mode 0, 1 and 2. Its mode 3, the probabilities, is need_weights.
+enum class score_stage {
+    scaled,      ///< Q·Kᵀ × scale (ONNX mode 0)
+    softcapped,  ///< after the softcap; the same as scaled without one (ONNX mode 1)
+    masked       ///< after score_mod, score_bias and the mask, what the softmax reads: -inf where forbidden (mode 2)
+};
+
+/// The type a call computes in (ONNX Attention's softmax_precision).
+enum class accumulation {
+    standard,  ///< accumulator_t of the query's type: float for float, half and bfloat16, double for double
+    /// double for any storage type: q, k and v are widened into double copies (memory of the inputs' size, in
+    /// double), the call runs as a double call, and out, weights and scores are rounded into the storage type
+    /// (through float for 16-bit types), lse into its accumulator_t. Only scaled_dot_product_attention and its
+    /// _into form take it (elsewhere value_error attend.value.sdpa_only).
+    float64
+};
+
 /// Options of scaled_dot_product_attention.
 struct sdpa_options {
     std::optional<double> scale;  ///< default 1 / sqrt(head_dim); must be finite and > 0
@@ -84,10 +103,15 @@ struct sdpa_options {
                                          ///< merge_partials need; on by default (one scalar per query row) so a
                                          ///< training forward cannot forget it
     bool weights_after_dropout = false;  ///< weights as used (dropped and rescaled) instead of probabilities
-    bool check_finite = true;            ///< reject NaN / Inf in q, k, v (value_error attend.value.non_finite) and
-                                         ///< scores beyond half of T's range (attend.value.score_overflow,
-                                         ///< detail/input_scan.hpp); off: the caller promises both. A decode
-                                         ///< scans K and V in the kernel's own pass, so they are read once
+    /// Fill result.scores `[batch, heads, query_len, key_len]` with the scores at this stage (unset: none). Only
+    /// scaled_dot_product_attention and its _into form return them (elsewhere value_error
+    /// attend.value.sdpa_only). The scores are the kernel's within rounding: a pass of their own computes them.
+    std::optional<score_stage> need_scores;
+    attend::accumulation accumulation = attend::accumulation::standard;  ///< the type the call computes in
+    bool check_finite = true;  ///< reject NaN / Inf in q, k, v (value_error attend.value.non_finite) and
+                               ///< scores beyond half of T's range (attend.value.score_overflow,
+                               ///< detail/input_scan.hpp); off: the caller promises both. A decode
+                               ///< scans K and V in the kernel's own pass, so they are read once
 };
 
 /// The result of scaled_dot_product_attention; T is the query's storage type, Rank the rank of the inputs (3 or 4).
@@ -95,6 +119,7 @@ template <class T, int Rank>
 struct attention_result {
     tensor<T, Rank> out;      ///< `[batch, heads, query_len, value_dim]`
     tensor<T, Rank> weights;  ///< `[batch, heads, query_len, key_len]` when need_weights, else empty
+    tensor<T, Rank> scores;   ///< `[batch, heads, query_len, key_len]` when need_scores, else empty
     /// `[batch, heads, query_len]`, natural-log sum-exp of masked scaled scores, in the accumulation type (float
     /// for 16-bit storage, as PyTorch's flash kernels return it)
     tensor<accumulator_t<T>, Rank - 1> lse;
@@ -172,10 +197,17 @@ struct checked_call {
 /// rows. Nothing is allocated or written before it returns. With `defer_kv_scan` (a caller that runs the call
 /// with run_checked right away and hands out nothing written before it) check_finite's scan of k and v is left to
 /// run_checked, which has the kernel do it in its own pass where it can and throws before any output is written
-/// either way; then a mask's attend.mask.empty_row comes before a non-finite key or value.
+/// either way; then a mask's attend.mask.empty_row comes before a non-finite key or value. `sdpa_outputs`: the
+/// caller is scaled_dot_product_attention, which serves need_scores and accumulation::float64 itself; every other
+/// caller refuses them here (value_error attend.value.sdpa_only).
 template <class T, class Rows, class Mask>
 auto check_call(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
-                const Mask& mask, const sdpa_options& o, bool defer_kv_scan = false) {
+                const Mask& mask, const sdpa_options& o, bool defer_kv_scan = false, bool sdpa_outputs = false) {
+    if (!sdpa_outputs && (o.need_scores || o.accumulation != accumulation::standard))
+        throw value_error("attend.value.sdpa_only",
+                          concat(o.need_scores ? "need_scores" : "accumulation::float64",
+                                 " is served by scaled_dot_product_attention and its _into form only; unset it here, "
+                                 "or call scaled_dot_product_attention on the same q, k and v"));
     checked_call<T, decltype(mask.bind(s))> call{checked_params<T>(s, o), mask.bind(s), o.kernel,
                                                  resolve_threads(o.threads)};
     if (o.check_finite) {
@@ -201,16 +233,8 @@ tensor<Acc, 4> gathered(const Rows& x, const char* what) {
                            [&] { return allocation_text(what, x.dims, sizeof(Acc)); },
                            "kernel::tiled reads the inputs in place");
     for (index_t b = 0; b < x.dims[0]; ++b)
-        for (index_t h = 0; h < x.dims[1]; ++h) {
-            Acc* dst = copy.data() + (b * x.dims[1] + h) * x.dims[2] * x.dims[3];
-            if constexpr (quantized_rows_v<Rows>) {
-                widen_rows(x, b, h, 0, x.dims[2], dst);
-            } else {
-                for (index_t i = 0; i < x.dims[2]; ++i)
-                    std::transform(x.row(b, h, i), x.row(b, h, i) + x.dims[3], dst + i * x.dims[3],
-                                   [](auto value) { return static_cast<Acc>(value); });
-            }
-        }
+        for (index_t h = 0; h < x.dims[1]; ++h)
+            widen_head(x, b, h, copy.data() + (b * x.dims[1] + h) * x.dims[2] * x.dims[3]);
     return copy;
 }
 
@@ -262,6 +286,93 @@ void run_checked(const strided_view<const T>& q, const Rows& k, const Rows& v, c
     }
 }
 
+/// Where a scaled_dot_product_attention call's results go: the kernel's outputs, and when not null the scores
+/// `[batch, heads, query_len, key_len]` in T.
+template <class T>
+struct sdpa_outputs {
+    attention_outputs<T> kernel;
+    T* scores = nullptr;
+};
+
+template <class T, class Rows, class Mask, class MakeOutputs>
+void run_sdpa(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s, const Mask& mask,
+              const sdpa_options& options, const MakeOutputs& make_outputs);
+
+/// Rounds double results into the storage type: float directly, 16-bit types through float (whose rounding to
+/// them is the one attend has).
+template <class To>
+void round_from_double(const double* from, index_t n, To* to) {
+    for (index_t j = 0; j < n; ++j) {
+        if constexpr (std::is_same_v<To, float>) {
+            to[j] = static_cast<float>(from[j]);
+        } else {
+            const float f = static_cast<float>(from[j]);
+            narrow(&f, 1, to + j);
+        }
+    }
+}
+
+/// scaled_dot_product_attention under accumulation::float64 for a storage type T other than double: q, k and v
+/// widened into double copies, the call run as a double call into double results, which are then rounded into
+/// the caller's outputs. Every check runs in the double call, before any output exists.
+template <class T, class Rows, class Mask, class MakeOutputs>
+void run_sdpa_in_double(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s,
+                        const Mask& mask, const sdpa_options& options, const MakeOutputs& make_outputs) {
+    const char* hint = "accumulation::float64 copies q, k and v into double; use accumulation::standard";
+    const auto wide_q = gathered<double>(q, "the float64 copy of the queries");
+    const auto wide_k = gathered<double>(k, "the float64 copy of the keys");
+    const auto wide_v = gathered<double>(v, "the float64 copy of the values");
+    const index_t rows = s.batch * s.heads * s.query_len;
+    sdpa_outputs<T> o;
+    tensor<double, 4> out;
+    tensor<double, 1> weights, scores, lse;
+    run_sdpa(as_view(wide_q), as_view(wide_k), as_view(wide_v), s, mask, options, [&] {
+        o = make_outputs();
+        resize_guarded(out, std::array<index_t, 4>{s.batch, s.heads, s.query_len, s.value_dim}, "the float64 out",
+                       hint);
+        const std::array<index_t, 1> scores_dims{rows * s.key_len};
+        if (o.kernel.weights) resize_guarded(weights, scores_dims, "the float64 weights", hint);
+        if (o.scores) resize_guarded(scores, scores_dims, "the float64 scores", hint);
+        if (o.kernel.lse) resize_guarded(lse, std::array<index_t, 1>{rows}, "the float64 lse", hint);
+        sdpa_outputs<double> wide;
+        wide.kernel.out = as_mutable_view(out);
+        wide.kernel.weights = o.kernel.weights ? weights.data() : nullptr;
+        wide.kernel.lse = o.kernel.lse ? lse.data() : nullptr;
+        wide.scores = o.scores ? scores.data() : nullptr;
+        return wide;
+    });
+    const auto wide_out = as_view(out);
+    for (index_t b = 0; b < s.batch; ++b)
+        for (index_t h = 0; h < s.heads; ++h)
+            for (index_t i = 0; i < s.query_len; ++i)
+                round_from_double(wide_out.row(b, h, i), s.value_dim, o.kernel.out.row(b, h, i));
+    if (o.kernel.weights) round_from_double(weights.data(), weights.size(), o.kernel.weights);
+    if (o.scores) round_from_double(scores.data(), scores.size(), o.scores);
+    if (o.kernel.lse) round_from_double(lse.data(), lse.size(), o.kernel.lse);
+}
+
+/// A scaled_dot_product_attention call from its checked inputs on: the checks of options and mask, then
+/// make_outputs() (the sdpa_outputs<T> to write, allocated only now), the kernel, and the scores pass when asked
+/// (its scratch allocated before the kernel writes anything). Under accumulation::float64 all of it as a double
+/// call (run_sdpa_in_double).
+template <class T, class Rows, class Mask, class MakeOutputs>
+void run_sdpa(const strided_view<const T>& q, const Rows& k, const Rows& v, const attention_shape& s, const Mask& mask,
+              const sdpa_options& options, const MakeOutputs& make_outputs) {
+    if constexpr (!std::is_same_v<T, double>)
+        if (options.accumulation == accumulation::float64)
+            return run_sdpa_in_double(q, k, v, s, mask, options, make_outputs);
+    const auto call = check_call(q, k, v, s, mask, options, true, true);
+    const sdpa_outputs<T> o = make_outputs();
+    std::optional<score_writer<T>> scores;
+    if (o.scores) scores.emplace(s, call.threads);
+    run_checked(q, k, v, s, call, o.kernel);
+    if (o.scores)
+        with_mask_tiles(call.mask, [&](const mask_tiles& m) {
+            const score_stage stage = *options.need_scores;
+            scores->write(q, k, m, call.params, {stage != score_stage::scaled, stage == score_stage::masked}, o.scores);
+        });
+}
+
 template <class X>
 strided_view<const scalar_of<X>> checked_input(const X& x) {
     require_row_major_tensor<X>();
@@ -310,7 +421,7 @@ std::array<index_t, Rank - 1> lse_dims(const attention_shape& s) {
 }  // namespace detail
 
 /// Attention of q over k/v under `mask` (an allowed set, an additive expression, or a rule such as
-/// causal(alignment::top_left)). Returns out, and weights / lse when asked by options.
+/// causal(alignment::top_left)). Returns out, and weights / scores / lse when asked by options.
 /// Throws shape_error (attend.shape.*), mask_error (attend.mask.*, incl. attend.mask.empty_row),
 /// value_error (attend.value.{scale, softcap, dropout, threads, non_finite, sinks}), shape_error attend.shape.sinks.
 template <class Q, class K, class V, class Mask>
@@ -319,20 +430,26 @@ auto scaled_dot_product_attention(const Q& q, const K& k, const V& v, const Mask
     if constexpr (detail::require_mask<Mask>()) {
         using T = detail::scalar_of<Q>;
         constexpr int rank = detail::rank_of<Q>();
-        const auto [qv, kv, vv, s] = detail::checked_inputs(q, k, v);
-        const auto call = detail::check_call(qv, kv, vv, s, mask, options, true);
+        const auto in = detail::checked_inputs(q, k, v);
+        const attention_shape& s = in.shape;  // a variable, not a structured binding: the lambda below captures it
         attention_result<T, rank> r;
-        const char* hint =
-            "need_weights materializes [batch, heads, query_len, key_len]; leave it off or split the call";
-        detail::resize_guarded(r.out, detail::rank_dims<rank>(s, s.value_dim), "out", hint);
-        if (options.need_weights)
-            detail::resize_guarded(r.weights, detail::rank_dims<rank>(s, s.key_len), "weights", hint);
-        if (options.need_lse) detail::resize_guarded(r.lse, detail::lse_dims<rank>(s), "lse", hint);
-        detail::attention_outputs<T> o;
-        o.out = detail::as_mutable_view(r.out);
-        o.weights = options.need_weights ? r.weights.data() : nullptr;
-        o.lse = options.need_lse ? r.lse.data() : nullptr;
-        detail::run_checked(qv, kv, vv, s, call, o);
+        detail::run_sdpa(in.q, in.k, in.v, s, mask, options, [&] {
+            const char* hint =
+                "need_weights and need_scores materialize [batch, heads, query_len, key_len]; leave "
+                "them off or split the call";
+            detail::resize_guarded(r.out, detail::rank_dims<rank>(s, s.value_dim), "out", hint);
+            if (options.need_weights)
+                detail::resize_guarded(r.weights, detail::rank_dims<rank>(s, s.key_len), "weights", hint);
+            if (options.need_scores)
+                detail::resize_guarded(r.scores, detail::rank_dims<rank>(s, s.key_len), "scores", hint);
+            if (options.need_lse) detail::resize_guarded(r.lse, detail::lse_dims<rank>(s), "lse", hint);
+            detail::sdpa_outputs<T> o;
+            o.kernel.out = detail::as_mutable_view(r.out);
+            o.kernel.weights = options.need_weights ? r.weights.data() : nullptr;
+            o.kernel.lse = options.need_lse ? r.lse.data() : nullptr;
+            o.scores = options.need_scores ? r.scores.data() : nullptr;
+            return o;
+        });
         return r;
     }
 }
@@ -346,17 +463,20 @@ auto scaled_dot_product_attention(const Q& q, const K& k, const V& v, const sdpa
 /// Writes attention into caller-owned tensors (attend::tensor or TensorMap of the inputs' rank; out may also be a
 /// strided_view, such as split_heads over a `[batch, query_len, heads * value_dim]` buffer, whose elements must
 /// have distinct addresses: shape_error attend.shape.output_strides):
-/// out `[batch, heads, query_len, value_dim]`, and unless nullptr weights `[batch, heads, query_len, key_len]`
-/// and lse `[batch, heads, query_len]`. On any error nothing is written (shape_error attend.shape.output,
-/// attend.shape.weights_output, attend.shape.lse_output besides those of scaled_dot_product_attention).
+/// out `[batch, heads, query_len, value_dim]`, and unless nullptr weights `[batch, heads, query_len, key_len]`,
+/// lse `[batch, heads, query_len]` and scores `[batch, heads, query_len, key_len]` (at options.need_scores, which
+/// is set exactly when scores are given: value_error attend.value.need_scores otherwise). On any error nothing is
+/// written (shape_error attend.shape.output, attend.shape.weights_output, attend.shape.lse_output,
+/// attend.shape.scores_output besides those of scaled_dot_product_attention).
 /// Outputs must not overlap q, k, v or each other in memory (measured conservatively, from each tensor's lowest
 /// to its highest element address): the kernels read inputs while they write outputs, tile by tile, so an
 /// overlap is shape_error attend.shape.aliasing naming both tensors. Adjacent buffers are fine.
 /// The arguments come in the order of every attend call: inputs, the mask, the options, then the outputs.
-template <class Q, class K, class V, class Mask, class Out, class Weights = std::nullptr_t, class Lse = std::nullptr_t>
+template <class Q, class K, class V, class Mask, class Out, class Weights = std::nullptr_t, class Lse = std::nullptr_t,
+          class Scores = std::nullptr_t>
 void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const Mask& mask,
                                        const sdpa_options& options, Out&& out, Weights&& weights = nullptr,
-                                       Lse&& lse = nullptr) {
+                                       Lse&& lse = nullptr, Scores&& scores = nullptr) {
     if constexpr (detail::require_mask<Mask>()) {
         using T = detail::scalar_of<Q>;
         constexpr int rank = detail::rank_of<Q>();
@@ -387,12 +507,29 @@ void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const
             detail::check_output_dims(lse, detail::lse_dims<rank>(s), "attend.shape.lse_output", "lse");
             o.lse = lse.data();
         }
+        T* score_data = nullptr;
+        constexpr bool has_scores = !std::is_same_v<std::decay_t<Scores>, std::nullptr_t>;
+        if constexpr (has_scores) {
+            static_assert(std::is_same_v<T, detail::scalar_of<Scores>> && detail::rank_of<Scores>() == rank &&
+                              detail::tensor_traits<std::decay_t<Scores>>::row_major,
+                          "attend: scores must be row-major with the scalar type and rank of the query ([batch, "
+                          "heads, query_len, key_len], or [batch, query_len, key_len] for rank-3 inputs)");
+            detail::check_output_dims(scores, detail::rank_dims<rank>(s, s.key_len), "attend.shape.scores_output",
+                                      "scores");
+            score_data = scores.data();
+        }
+        if (has_scores != options.need_scores.has_value())
+            throw value_error("attend.value.need_scores",
+                              has_scores ? "a scores output was given but options.need_scores is unset: set the stage "
+                                           "the scores are taken at (score_stage::scaled, softcapped or masked)"
+                                         : "options.need_scores is set but no scores output was given: pass a "
+                                           "[batch, heads, query_len, key_len] tensor after lse");
         detail::check_no_aliasing({detail::named("query", qv), detail::named("key", kv), detail::named("value", vv)},
                                   {detail::named("out", o.out),
                                    detail::named("weights", o.weights, detail::rank_dims<rank>(s, s.key_len)),
-                                   detail::named("lse", o.lse, detail::lse_dims<rank>(s))});
-        const auto call = detail::check_call(qv, kv, vv, s, mask, options, true);
-        detail::run_checked(qv, kv, vv, s, call, o);
+                                   detail::named("lse", o.lse, detail::lse_dims<rank>(s)),
+                                   detail::named("scores", score_data, detail::rank_dims<rank>(s, s.key_len))});
+        detail::run_sdpa(qv, kv, vv, s, mask, options, [&] { return detail::sdpa_outputs<T>{o, score_data}; });
     }
 }
 
@@ -404,11 +541,13 @@ void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const
 }
 
 /// The _into form without a mask: every query attends every key. Outputs and errors as the masked form.
-template <class Q, class K, class V, class Out, class Weights = std::nullptr_t, class Lse = std::nullptr_t>
+template <class Q, class K, class V, class Out, class Weights = std::nullptr_t, class Lse = std::nullptr_t,
+          class Scores = std::nullptr_t>
 void scaled_dot_product_attention_into(const Q& q, const K& k, const V& v, const sdpa_options& options, Out&& out,
-                                       Weights&& weights = nullptr, Lse&& lse = nullptr) {
+                                       Weights&& weights = nullptr, Lse&& lse = nullptr, Scores&& scores = nullptr) {
     scaled_dot_product_attention_into(q, k, v, no_mask{}, options, std::forward<Out>(out),
-                                      std::forward<Weights>(weights), std::forward<Lse>(lse));
+                                      std::forward<Weights>(weights), std::forward<Lse>(lse),
+                                      std::forward<Scores>(scores));
 }
 
 /// The _into form without a mask and with default options: out only.

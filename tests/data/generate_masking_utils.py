@@ -27,6 +27,8 @@ import torch.nn.functional as F
 import transformers
 from transformers import masking_utils as mu
 
+from golden_json import dumps_golden
+
 DTYPE = torch.float64
 TOL = 1e-12
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -51,19 +53,6 @@ def enc(t, digits=None):
         data = [int(x) for x in flat]
     return {"shape": list(t.shape), "data": data}
 
-
-def dumps_golden(obj, indent=0):
-    """Pretty JSON with every list of scalars on one line (small, diffable files)."""
-    pad = " " * indent
-    inner = " " * (indent + 1)
-    if isinstance(obj, dict):
-        items = [f"{inner}{json.dumps(k)}: {dumps_golden(v, indent + 1)}" for k, v in obj.items()]
-        return "{\n" + ",\n".join(items) + "\n" + pad + "}" if items else "{}"
-    if isinstance(obj, list):
-        if all(not isinstance(x, (dict, list)) for x in obj):
-            return json.dumps(obj, separators=(",", ":"), allow_nan=False)
-        return "[\n" + ",\n".join(inner + dumps_golden(x, indent + 1) for x in obj) + "\n" + pad + "]"
-    return json.dumps(obj, allow_nan=False)
 
 
 def hf_mask(pattern, params, batch, query_len, key_len, q_offset, kv_offset, attention_mask):

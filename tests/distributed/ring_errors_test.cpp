@@ -124,6 +124,19 @@ TEST(RingErrors, WeightsAreNotAvailableInTheRing) {
                                                       "attend.value.need_weights");
 }
 
+TEST(RingErrors, ScoresAndFloat64AreServedByScaledDotProductAttentionOnly) {
+    const auto layout = attend_test::even_layout(4);
+    const auto q = filled(1, 2, 4, 8, 1);
+    ad::ring_options o;
+    o.attention.need_scores = attend::score_stage::masked;
+    expect_same_error_everywhere<attend::value_error>([&] { ad::ring_attention(q, q, q, layout, MPI_COMM_WORLD, o); },
+                                                      "attend.value.sdpa_only");
+    o.attention.need_scores.reset();
+    o.attention.accumulation = attend::accumulation::float64;
+    expect_same_error_everywhere<attend::value_error>([&] { ad::ring_attention(q, q, q, layout, MPI_COMM_WORLD, o); },
+                                                      "attend.value.sdpa_only");
+}
+
 TEST(RingErrors, SinksOrScoreFeaturesThatDifferBetweenRanksAreRingOptionsOnEveryRank) {
     const auto layout = attend_test::even_layout(4);
     const auto q = filled(1, 2, 4, 8, 1);

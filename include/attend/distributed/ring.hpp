@@ -321,6 +321,11 @@ void check_layout_and_options(const attention_shape& mine, const shard_layout& l
         throw value_error("attend.value.need_weights",
                           "need_weights is not available in ring attention: no rank holds a row's weights over the "
                           "whole sequence; use scaled_dot_product_attention over the whole sequence for them");
+    if (o.need_scores || o.accumulation != accumulation::standard)
+        throw value_error("attend.value.sdpa_only",
+                          concat(o.need_scores ? "need_scores" : "accumulation::float64",
+                                 " is served by scaled_dot_product_attention and its _into form only, not by ring "
+                                 "attention; unset it"));
     attention_shape whole = mine;
     whole.query_len = whole.key_len = layout.total();
     o.score_mod.validate(whole);
